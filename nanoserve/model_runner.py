@@ -1,0 +1,227 @@
+"""The ModelRunner owns the model and its KV cache on the device. Each step it turns a ScheduledBatch
+into flat tensors plus AttentionMetadata, runs the model (replaying a CUDA graph when the step is
+decode-only), and samples. It sizes the KV cache from a memory profile unless told how many blocks.
+
+KV cache size: every token keeps a K and a V vector per layer and KV head, so
+    bytes per token = 2 x num_layers x num_kv_heads x head_dim x bytes per element,
+and the pool is as many blocks of `block_size` tokens as the memory left after weights and activations holds.
+"""
+import glob
+import os
+
+import torch
+from safetensors import safe_open
+
+from nanoserve.attention import PAD_SLOT, AttentionMetadata
+from nanoserve.config import EngineConfig
+from nanoserve.model import CausalLM, ModelArgs, load_weights
+from nanoserve.sampler import Sampler
+from nanoserve.scheduler import ScheduledBatch
+
+CPU_KV_CACHE_BYTES = 1 << 30  # without a GPU to profile, give the KV cache 1 GiB of host memory
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, then every 16; a step pads up to one."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
+
+
+def read_safetensors(model_dir: str):
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model={model_dir!r} has no *.safetensors files")
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def build_model(args: ModelArgs, model_dir: str, dtype, device, use_triton: bool) -> CausalLM:
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are made in the serving dtype; RoPE tables stay fp32
+    try:
+        with torch.device(device):
+            model = CausalLM(args, use_triton)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    load_weights(model, read_safetensors(model_dir))
+    return model.eval()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config, model_dir: str, eos_token_ids: set[int]):
+        self.config = config
+        self.device = torch.device(config.device)
+        checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(checkpoint_dtype, str):
+            checkpoint_dtype = getattr(torch, checkpoint_dtype, None)
+        self.dtype = config.torch_dtype(checkpoint_dtype)
+        self.args = ModelArgs.from_hf(hf_config)
+        if config.max_model_len > self.args.max_position:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={self.args.max_position}")
+        self.model = build_model(self.args, model_dir, self.dtype, self.device,
+                                 config.attention_backend == "triton")
+        self.eos_token_ids = eos_token_ids
+        self.block_size = config.kvcache_block_size
+        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.num_kvcache_blocks = config.num_kvcache_blocks or self.blocks_from_memory()
+        a = self.args
+        # [K or V, layer, block, slot in block, kv head, head_dim]
+        self.kv_cache = torch.zeros(2, a.num_layers, self.num_kvcache_blocks, self.block_size,
+                                    a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(a.num_layers)]
+        self.sampler = Sampler(self.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if not config.enforce_eager:
+            self.capture_cudagraphs()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        a = self.args
+        return 2 * a.num_layers * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+
+    # ---- KV cache sizing ------------------------------------------------------------------------
+    def blocks_from_memory(self) -> int:
+        block_bytes = self.kv_bytes_per_token * self.block_size
+        if self.device.type == "cpu":
+            return min(CPU_KV_CACHE_BYTES // block_bytes, self.config.max_num_seqs * self.max_blocks_per_seq)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.profile_run()
+        free, total = torch.cuda.mem_get_info()
+        outside_torch = total - free - torch.cuda.memory_reserved()  # CUDA context, other processes
+        peak = torch.cuda.max_memory_allocated()  # weights + the largest step's activations
+        budget = total * self.config.gpu_memory_utilization - outside_torch - peak
+        if budget < block_bytes:
+            raise ValueError(f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no "
+                             f"memory for the KV cache (weights and activations take {peak / 2**30:.1f} GiB)")
+        return int(budget // block_bytes)
+
+    @torch.inference_mode()
+    def profile_run(self):
+        """The biggest step the scheduler can make: max_num_batched_tokens of prefill, and logits for
+        max_num_seqs rows. KV writes are skipped (padded slots) into a one-block scratch cache."""
+        cfg, a = self.config, self.args
+        num_tokens = cfg.max_num_batched_tokens
+        seq_lens = [min(cfg.max_model_len, num_tokens - i) for i in range(0, num_tokens, cfg.max_model_len)]
+        scratch = torch.zeros(2, self.block_size, a.num_kv_heads, a.head_dim, dtype=self.dtype,
+                              device=self.device)[:, None]
+        meta = self._metadata([PAD_SLOT] * num_tokens, seq_lens, seq_lens,
+                              [[0] * self.max_blocks_per_seq for _ in seq_lens])
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, ids, [(scratch[0], scratch[1])] * a.num_layers, meta)
+        self.model.compute_logits(hidden[:cfg.max_num_seqs].expand(cfg.max_num_seqs, -1))
+        torch.cuda.synchronize()
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def _to_device(self, data, dtype) -> torch.Tensor:
+        pinned = self.device.type == "cuda"
+        return torch.tensor(data, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=True)
+
+    def _metadata(self, slot_mapping, query_lens, context_lens, block_tables) -> AttentionMetadata:
+        query_start_loc = [0]
+        for n in query_lens:
+            query_start_loc.append(query_start_loc[-1] + n)
+        return AttentionMetadata(
+            slot_mapping=self._to_device(slot_mapping, torch.int32),
+            query_start_loc=self._to_device(query_start_loc, torch.int32),
+            context_lens=self._to_device(context_lens, torch.int32),
+            block_tables=self._to_device(block_tables, torch.int32),
+            max_query_len=max(query_lens), max_context_len=max(context_lens),
+            decode_only=max(query_lens) == 1)
+
+    def prepare(self, batch: ScheduledBatch):
+        """Flatten the batch: token ids, positions and cache slots per token; per sequence, its query
+        length, context length and block table; and which rows' logits to sample."""
+        bs = self.block_size
+        input_ids, positions, slots, query_lens, context_lens, sample_rows = [], [], [], [], [], []
+        for seq, num_new in batch:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            for first in range(start - start % bs, end, bs):  # block by block, not token by token
+                base = seq.block_table[first // bs] * bs - first
+                slots += range(base + max(start, first), base + min(end, first + bs))
+            query_lens.append(num_new)
+            context_lens.append(end)
+            if end == seq.num_tokens:  # the chunk reaches the sequence's end: its logits pick a token
+                sample_rows.append(len(input_ids) - 1)
+        width = max(len(seq.block_table) for seq, _ in batch)
+        block_tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in batch]
+        meta = self._metadata(slots, query_lens, context_lens, block_tables)
+        return (self._to_device(input_ids, torch.long), self._to_device(positions, torch.long),
+                meta, sample_rows)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch):
+        """Run one step; returns a token (and logprobs) for each sequence whose computed tokens reach
+        its end, in batch order."""
+        input_ids, positions, meta, sample_rows = self.prepare(batch)
+        if meta.decode_only and len(batch) <= max(self.graphs, default=0):
+            hidden = self.replay_graph(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        sampling = [seq for seq, num_new in batch if seq.num_computed_tokens + num_new == seq.num_tokens]
+        if not sampling:
+            return [], None
+        logits = self.model.compute_logits(hidden[sample_rows])
+        return self.sampler(logits, [s.params for s in sampling], [s.num_tokens for s in sampling],
+                            [self._banned_tokens(s) for s in sampling])
+
+    def _banned_tokens(self, seq) -> list[int]:
+        """Before min_tokens, EOS and stop ids may not be chosen (vLLM's min_tokens)."""
+        if seq.num_completion_tokens >= seq.params.min_tokens:
+            return []
+        eos = [] if seq.params.ignore_eos else list(self.eos_token_ids)
+        return eos + seq.params.stop_token_ids
+
+    # ---- CUDA graphs for decode ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_cudagraphs(self):
+        """Record the decode forward once per batch size; replaying skips Python and launch overhead.
+        All graphs share one memory pool and read their inputs from the same static buffers."""
+        n = self.config.max_num_seqs
+        dev = self.device
+        self.graph_sizes = graph_batch_sizes(n)
+        self.graph_in = dict(
+            input_ids=torch.zeros(n, dtype=torch.long, device=dev),
+            positions=torch.zeros(n, dtype=torch.long, device=dev),
+            slot_mapping=torch.full((n,), PAD_SLOT, dtype=torch.int32, device=dev),
+            context_lens=torch.zeros(n, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev))
+        self.graph_out = torch.zeros(n, self.args.hidden_size, dtype=self.dtype, device=dev)
+        pool = None
+        for size in reversed(self.graph_sizes):  # largest first, so smaller ones fit in its pool
+            meta = self._graph_metadata(size)
+            args = (self.graph_in["input_ids"][:size], self.graph_in["positions"][:size], self.kv_caches, meta)
+            self.graph_out[:size] = self.model(*args)  # warm-up: compiles kernels outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.graph_out[:size] = self.model(*args)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def _graph_metadata(self, size: int) -> AttentionMetadata:
+        g = self.graph_in
+        return AttentionMetadata(
+            slot_mapping=g["slot_mapping"][:size], query_start_loc=g["query_start_loc"][:size + 1],
+            context_lens=g["context_lens"][:size], block_tables=g["block_tables"][:size],
+            max_query_len=1, max_context_len=self.config.max_model_len, decode_only=True)
+
+    def replay_graph(self, input_ids, positions, meta: AttentionMetadata):
+        b = input_ids.shape[0]
+        size = next(s for s in self.graph_sizes if s >= b)
+        g = self.graph_in
+        g["input_ids"][:b] = input_ids
+        g["positions"][:b] = positions
+        g["slot_mapping"][:b] = meta.slot_mapping
+        g["slot_mapping"][b:size] = PAD_SLOT  # padded rows write nothing...
+        g["context_lens"][:b] = meta.context_lens
+        g["context_lens"][b:size] = 0         # ...and read nothing
+        g["block_tables"][:b, :meta.block_tables.shape[1]] = meta.block_tables
+        self.graphs[size].replay()
+        return self.graph_out[:b]

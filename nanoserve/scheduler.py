@@ -1,0 +1,111 @@
+"""The scheduler decides, every step, which sequences run and how many of their tokens: continuous
+batching at the level of single iterations. Plain Python over Sequences and the BlockManager.
+
+Each step has a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs). Running
+sequences go first, oldest first: a decoding one costs one token, one still prefilling takes the next
+chunk of its prompt, so prefill chunks and decodes share one mixed batch and a long prompt never stalls
+the decodes. Leftover budget admits waiting sequences, which first reuse whatever prefix is cached.
+When the pool runs dry, the most recently admitted sequence is preempted: its blocks go back (keeping
+their hashes) and it waits at the front of the queue to recompute its tokens later.
+"""
+from collections import deque
+
+from nanoserve.block_manager import BlockManager
+from nanoserve.sequence import Sequence, SequenceStatus
+
+ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, number of its tokens to compute this step)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []   # in admission order: the last one is preempted first
+        self.num_preemptions = 0
+
+    def check_fits(self, seq: Sequence):
+        """Refuse a request that could not fit in the whole pool even alone: it would never finish."""
+        max_len = min(seq.num_tokens + seq.params.max_tokens, self.max_model_len)
+        needed = self.block_manager.blocks_needed(max_len)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(f"request needs {needed} KV blocks ({max_len} tokens) but the pool has "
+                             f"{self.block_manager.num_blocks}: lower max_tokens or add KV memory")
+
+    def add(self, seq: Sequence):
+        self.check_fits(seq)
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        batch: ScheduledBatch = []
+        preempted = False
+        for seq in list(self.running):
+            if budget == 0 or seq.status != SequenceStatus.RUNNING:  # out of budget, or preempted below
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate(seq, num_new):
+                preempted = True
+                if self._preempt(self.running[-1]) is seq:
+                    break
+            else:
+                batch.append((seq, num_new))
+                budget -= num_new
+        # Admitting while others were just preempted would only make the pool thrash.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(seq)
+            num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            if not self.block_manager.allocate(seq, num_new, cached):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.append((seq, num_new))
+            budget -= num_new
+        return batch
+
+    def _preempt(self, seq: Sequence) -> Sequence:
+        """Preemption by recompute: drop seq's KV; readmitted, it re-prefills prompt + output so far."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        return seq
+
+    def update(self, batch: ScheduledBatch, sampled: list[int], logprobs: list | None = None) -> list[Sequence]:
+        """Record a finished step. `sampled` holds one token for each sequence whose computed tokens
+        reached its end this step (a partial prefill chunk samples nothing), in batch order.
+        Returns the sequences that received a token."""
+        got_token = []
+        tokens = iter(sampled)
+        lps = iter(logprobs) if logprobs is not None else None
+        for seq, num_new in batch:
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.append_token(next(tokens), next(lps) if lps is not None else None)
+                got_token.append(seq)
+        return got_token
+
+    def finish(self, seq: Sequence, reason: str):
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def abort_all(self):
+        """Free everything, e.g. after an interrupted generate, so the engine stays usable."""
+        for seq in self.running + list(self.waiting):
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.FINISHED
+        self.running.clear()
+        self.waiting.clear()

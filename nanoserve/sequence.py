@@ -1,0 +1,62 @@
+"""A Sequence is one request as the engine sees it: token ids, how many of them already have KV in the
+cache, and the block table that says where that KV lives. Scheduler and block manager talk in Sequences;
+neither knows about tensors or models."""
+from enum import Enum, auto
+from itertools import count
+
+from nanoserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    _ids = count()
+
+    def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int):
+        self.seq_id = next(Sequence._ids)
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.params = params
+        self.block_size = block_size
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []   # physical block ids, in token order
+        self.num_computed_tokens = 0       # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0         # of those, how many came from the prefix cache
+        self.finish_reason: str | None = None
+        self.logprobs: list[dict] = []     # one entry per generated token when params.logprobs is set
+
+    def __len__(self):
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def block_tokens(self, i: int) -> tuple[int, ...]:
+        """The token ids that block i of this sequence holds (or will hold)."""
+        return tuple(self.token_ids[i * self.block_size:(i + 1) * self.block_size])
+
+    def append_token(self, token_id: int, logprobs: dict | None = None):
+        self.token_ids.append(token_id)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
