@@ -118,13 +118,13 @@ class BlockManager:
         if num_new_blocks + num_revived > self.num_free_blocks:
             return False
         if seq.num_computed_tokens == 0:  # admission: count the prefix-cache query
+            seq.num_cached_tokens = len(cached_blocks) * self.block_size
             self.prefix_queried_tokens += seq.num_tokens
-            self.prefix_hit_tokens += len(cached_blocks) * self.block_size
+            self.prefix_hit_tokens += seq.num_cached_tokens
         for block_id in cached_blocks:
             self._take(block_id)
         seq.block_table += cached_blocks
         seq.num_computed_tokens = num_computed
-        seq.num_cached_tokens = len(cached_blocks) * self.block_size
         for _ in range(num_new_blocks):
             seq.block_table.append(self._take_fresh())
         return True

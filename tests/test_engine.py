@@ -1,0 +1,179 @@
+"""The engine end to end on a tiny random model: chunked prefill, preemption and prefix caching must not
+change greedy outputs; bad input fails early and leaves the engine usable; no block ever leaks."""
+import pytest
+import torch
+from conftest import hf_greedy, random_prompts
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.sampler import Sampler
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    return tiny_model("llama")
+
+
+def count_computed_tokens(llm):
+    """Wraps the runner so a test can see how many tokens went through the model."""
+    counter = {"tokens": 0}
+    run = llm.runner.run
+
+    def counting_run(batch):
+        counter["tokens"] += sum(n for _, n in batch)
+        return run(batch)
+    llm.runner.run = counting_run
+    return counter
+
+
+def test_chunked_prefill_matches_transformers(llama):
+    """Guards against chunk boundaries that lose or repeat KV, and mixed prefill+decode batches."""
+    path, hf = llama
+    llm = LLM(path, max_model_len=256, num_kvcache_blocks=64, max_num_batched_tokens=16)
+    prompts = random_prompts([5, 40, 23])
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 24) for p in prompts]
+
+
+def test_preemption_under_small_pool_gives_same_outputs(llama):
+    """Guards against preempted sequences resuming from the wrong place or losing generated tokens."""
+    path, _ = llama
+    prompts = random_prompts([30, 45, 20, 60, 35, 50, 25, 40])
+    free = LLM(path, max_model_len=256, num_kvcache_blocks=128).generate(prompts, GREEDY, use_tqdm=False)
+    # the batch needs about 8 x 4 = 32 blocks of 16 at its peak; give it 6 (enough for the longest alone)
+    tight = LLM(path, max_model_len=256, num_kvcache_blocks=6)
+    outs = tight.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in free]
+    stats = tight.stats()
+    assert stats["preemptions"] > 0 and stats["kv_blocks_used"] == 0
+
+
+def test_prefix_cache_computes_only_uncached_tokens(llama):
+    """Guards against prefix hits that are not used, or used with wrong KV."""
+    path, hf = llama
+    shared = random_prompts([64])[0]
+    first = [shared + q for q in random_prompts([5, 9])]
+    second = [shared + q for q in random_prompts([7, 11, 3])]
+    llm = LLM(path, max_model_len=256, num_kvcache_blocks=64)
+    llm.generate(first, GREEDY, use_tqdm=False)
+    counter = count_computed_tokens(llm)
+    outs = llm.generate(second, GREEDY, use_tqdm=False)
+    uncached = sum(len(p) - 64 for p in second) + len(second) * (GREEDY.max_tokens - 1)
+    assert counter["tokens"] == uncached
+    assert all(o.num_cached_tokens == 64 for o in outs)
+    off = LLM(path, max_model_len=256, num_kvcache_blocks=64, enable_prefix_caching=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in off.generate(second, GREEDY, use_tqdm=False)]
+    assert outs[0].token_ids == hf_greedy(hf, second[0], 24)
+
+
+def test_repeated_prompt_fully_cached_still_samples(llama):
+    """Guards against a fully cached prompt (a multiple of the block size) leaving nothing to compute."""
+    path, _ = llama
+    prompt = random_prompts([32])
+    llm = LLM(path, max_model_len=256, num_kvcache_blocks=32)
+    a = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    b = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert a.token_ids == b.token_ids and b.num_cached_tokens == 16
+
+
+def test_max_model_len_ends_with_length(llama):
+    """Guards against generating past max_model_len."""
+    path, _ = llama
+    llm = LLM(path, max_model_len=40, num_kvcache_blocks=16)
+    out = llm.generate(random_prompts([30]), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 10
+
+
+def test_stop_token_ids_eos_and_min_tokens(llama):
+    """Guards against ignoring stop ids / EOS, and against stopping before min_tokens."""
+    path, _ = llama
+    llm = LLM(path, max_model_len=256, num_kvcache_blocks=32)
+    prompt = random_prompts([12])
+    free = llm.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids
+    stop_id = free[5]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.token_ids == free[:free.index(stop_id) + 1]
+    llm.eos_token_ids.add(stop_id)  # the same token as the model's EOS
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    assert out.token_ids[-1] == stop_id and out.finish_reason == "stop"
+    late = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, min_tokens=10), use_tqdm=False)[0]
+    assert len(late.token_ids) >= 10 and stop_id not in late.token_ids[:9]
+    llm.eos_token_ids.discard(stop_id)
+
+
+def test_seed_reproducible_whatever_the_batch(llama):
+    """Guards against a seeded request's samples depending on its batch neighbours or on preemption."""
+    path, _ = llama
+    p = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=1234)
+    prompts = random_prompts([10, 25, 33])
+    alone = LLM(path, max_model_len=256, num_kvcache_blocks=64).generate(prompts[:1], p, use_tqdm=False)[0]
+    tight = LLM(path, max_model_len=256, num_kvcache_blocks=4)
+    batched = tight.generate(prompts, [p, GREEDY, SamplingParams(temperature=0.8, max_tokens=20)], use_tqdm=False)
+    assert batched[0].token_ids == alone.token_ids
+    other = tight.generate(prompts[:1], SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=99),
+                           use_tqdm=False)[0]
+    assert other.token_ids != alone.token_ids
+
+
+BAD_PARAMS = [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=0), dict(top_k=-2),
+              dict(min_p=-0.1), dict(min_p=1.5), dict(max_tokens=0), dict(min_tokens=5, max_tokens=4)]
+
+
+@pytest.mark.parametrize("kwargs", BAD_PARAMS, ids=lambda k: ",".join(k))
+def test_bad_sampling_params_name_the_field(kwargs):
+    """Guards against out-of-range sampling settings being silently accepted."""
+    field = "min_tokens" if "min_tokens" in kwargs else next(iter(kwargs))
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_raise_before_work_and_engine_stays_usable(llama):
+    """Guards against half-admitted requests leaking blocks or wedging the engine after an error."""
+    path, hf = llama
+    with pytest.raises(ValueError, match="unknown config keys: max_num_sequences"):
+        LLM(path, max_num_sequences=4)
+    with pytest.raises(ValueError, match="kvcache_block_size"):
+        LLM(path, kvcache_block_size=24)
+    llm = LLM(path, max_model_len=64, num_kvcache_blocks=8)
+    good = random_prompts([10])[0]
+    bad = {"empty": [], "lie in": [5, 400], "max_model_len": list(range(3, 70))}
+    for match, prompt in bad.items():
+        with pytest.raises(ValueError, match=match):
+            llm.generate([good, prompt], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="KV blocks"):  # 8 blocks of 16 can never hold 200 tokens
+        LLM(path, max_model_len=256, num_kvcache_blocks=8).generate([good], SamplingParams(max_tokens=190),
+                                                                   use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([good, good], [GREEDY], use_tqdm=False)
+    assert llm.stats()["kv_blocks_used"] == 0 and not llm.scheduler.has_unfinished()
+    assert llm.generate([good], GREEDY, use_tqdm=False)[0].token_ids == hf_greedy(hf, good, 24)
+
+
+def test_sampler_matches_softmax_and_filters():
+    """Guards against biased sampling, and top-k / top-p / min-p letting through tokens they exclude."""
+    torch.manual_seed(0)
+    logits = torch.randn(8) * 2
+    rows = 40000
+    sampler = Sampler(torch.device("cpu"))
+
+    def frequencies(**kw):
+        p = SamplingParams(**kw)
+        tokens, _ = sampler(logits.repeat(rows, 1), [p] * rows, [1] * rows, [[]] * rows)
+        return torch.bincount(torch.tensor(tokens), minlength=8).float() / rows
+
+    probs = (logits / 0.7).softmax(-1)
+    assert (frequencies(temperature=0.7) - probs).abs().max() < 0.015
+    top3 = logits.topk(3).indices
+    f = frequencies(top_k=3)
+    assert f[top3].sum() == 1 and (f[top3] - logits[top3].softmax(-1)).abs().max() < 0.015
+    order = probs.argsort(descending=True)
+    nucleus = order[: int((probs[order].cumsum(0) < 0.6).sum()) + 1]
+    f = frequencies(temperature=0.7, top_p=0.6)
+    assert f[nucleus].sum() == 1 and (f[nucleus] - probs[nucleus] / probs[nucleus].sum()).abs().max() < 0.015
+    f = frequencies(temperature=0.7, min_p=0.3)
+    assert (f[probs < 0.3 * probs.max()] == 0).all()
+    greedy, _ = sampler(logits.repeat(2, 1), [SamplingParams(temperature=0)] * 2, [1, 1], [[], [int(logits.argmax())]])
+    assert greedy[0] == logits.argmax() and greedy[1] == logits.topk(2).indices[1]
