@@ -44,6 +44,7 @@ class BlockManager:
         self._prefix_ids = count()
         self.prefix_hit_tokens = 0
         self.prefix_queried_tokens = 0
+        self.peak_used_blocks = 0
 
     # ---- counters -------------------------------------------------------------------------------
     @property
@@ -153,4 +154,5 @@ class BlockManager:
             del self.hash_to_block[block.hash]  # evict: its prefix is no longer findable
         block.forget()
         block.ref_count = 1
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return block_id

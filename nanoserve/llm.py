@@ -181,6 +181,7 @@ class LLM:
     def stats(self) -> dict:
         bm = self.block_manager
         return dict(kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks,
+                    kv_blocks_peak=bm.peak_used_blocks,
                     kv_blocks_free=bm.num_free_blocks, kv_blocks_cached=bm.num_cached_blocks,
                     prefix_hit_tokens=bm.prefix_hit_tokens, prefix_queried_tokens=bm.prefix_queried_tokens,
                     prefix_hit_rate=bm.prefix_hit_tokens / max(bm.prefix_queried_tokens, 1),

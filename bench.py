@@ -1,0 +1,214 @@
+"""Offline throughput benchmark: the standard small-engine workload (256 random requests), plus modes for a
+peer comparison (--compare hf), shared-prefix caching (--prefix), single-request latency (--latency),
+host-side step costs (--cpu-profile) and the attention kernels (--attention).
+
+    python bench.py                        # Qwen3-0.6B shape, random weights, on the GPU
+    python bench.py --arch tiny --num-seqs 8 --max-input-len 64 --max-output-len 16   # CPU smoke test
+"""
+import argparse
+import json
+import random
+import tempfile
+import time
+
+import torch
+
+from nanoserve import LLM, SamplingParams
+
+ARCHS = {  # public configs; the weights are random, which with ignore_eos does not change throughput
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True),
+    "tiny": dict(vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=8192, tie_word_embeddings=True),
+}
+
+
+def random_model_dir(arch: str) -> str:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    path = tempfile.mkdtemp(prefix=f"nanoserve-{arch}-")
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    AutoModelForCausalLM.from_config(Qwen3Config(**ARCHS[arch]), dtype=dtype).save_pretrained(path)
+    return path
+
+
+def standard_workload(num_seqs, max_input_len, max_output_len):
+    """nano-vllm's bench.py workload: random prompt ids and lengths, then random output lengths."""
+    random.seed(0)
+    low_in, low_out = min(100, max_input_len), min(100, max_output_len)  # small smoke-test sizes allowed
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(low_in, max_input_len))]
+               for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(low_out, max_output_len))
+              for _ in range(num_seqs)]
+    return prompts, params
+
+
+def timed_generate(llm, prompts, params):
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    sync()
+    return outs, time.perf_counter() - start
+
+
+def result_row(name, llm, outs, seconds):
+    tokens = sum(len(o.token_ids) for o in outs)
+    s = llm.stats()
+    return {"run": name, "requests": len(outs), "output_tokens": tokens, "seconds": round(seconds, 2),
+            "tok_per_s": round(tokens / seconds, 1), "kv_blocks": s["kv_blocks_total"],
+            "peak_kv_use": f"{s['kv_blocks_peak'] / s['kv_blocks_total']:.0%}",
+            "prefix_hit_rate": f"{s['prefix_hit_rate']:.0%}", "preemptions": s["preemptions"]}
+
+
+def reset_counters(llm):
+    bm = llm.block_manager
+    bm.prefix_hit_tokens = bm.prefix_queried_tokens = bm.peak_used_blocks = 0
+    llm.scheduler.num_preemptions = 0
+
+
+def run_throughput(llm, args):
+    prompts, params = standard_workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    reset_counters(llm)
+    outs, seconds = timed_generate(llm, prompts, params)
+    return [result_row("nanoserve", llm, outs, seconds)]
+
+
+def run_prefix(llm, args):
+    """One 2,048-token system prompt shared by every request, a 64-token question, 64 tokens of answer."""
+    random.seed(0)
+    system = [random.randint(0, 10000) for _ in range(args.prefix_len)]
+    prompts = [system + [random.randint(0, 10000) for _ in range(64)] for _ in range(args.num_seqs)]
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=64)
+    rows = []
+    for caching in (False, True):
+        llm.block_manager.enable_prefix_caching = caching
+        reset_counters(llm)
+        outs, seconds = timed_generate(llm, prompts, params)
+        rows.append(result_row(f"prefix caching {'on' if caching else 'off'}", llm, outs, seconds))
+    print(f"prefix caching speed-up (wall time off / on): {rows[0]['seconds'] / rows[1]['seconds']:.1f}x")
+    return rows
+
+
+def run_latency(llm, args):
+    """One request alone: 512-token prompt, 256 new greedy tokens; decode rate excludes the first token."""
+    random.seed(0)
+    prompt = [[random.randint(0, 10000) for _ in range(512)]]
+    greedy = dict(temperature=0, ignore_eos=True)
+    _, t_first = timed_generate(llm, prompt, SamplingParams(max_tokens=1, **greedy))
+    llm.block_manager.enable_prefix_caching = False  # time the prefill again, not a cache hit
+    outs, t_all = timed_generate(llm, prompt, SamplingParams(max_tokens=256, **greedy))
+    row = result_row("latency (1 request)", llm, outs, t_all)
+    row["decode_tok_per_s"] = round(255 / (t_all - t_first), 1)
+    row["first_token_ms"] = round(t_first * 1000, 1)
+    return [row]
+
+
+def run_cpu_profile(llm, args):
+    """Host time per step, split by stage (with CUDA the forward is only launched; the sample reads tokens
+    back, so 'run' includes waiting for the GPU)."""
+    spent = {"schedule": 0.0, "prepare": 0.0, "run": 0.0, "update+finish": 0.0}
+    sched, runner = llm.scheduler, llm.runner
+
+    def timed(stage, fn):
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            result = fn(*a, **k)
+            spent[stage] += time.perf_counter() - start
+            return result
+        return wrapper
+    sched.schedule, runner.prepare = timed("schedule", sched.schedule), timed("prepare", runner.prepare)
+    runner.run, sched.update = timed("run", runner.run), timed("update+finish", sched.update)
+    steps = [0]
+    llm_step = llm.step
+    llm.step = lambda: (steps.__setitem__(0, steps[0] + 1), llm_step())[1]
+    rows = run_throughput(llm, args)
+    for stage, seconds in spent.items():
+        rows[0][f"{stage}_ms_per_step"] = round(1000 * seconds / steps[0], 3)
+    rows[0]["run_ms_per_step"] = round(rows[0]["run_ms_per_step"] - rows[0]["prepare_ms_per_step"], 3)
+    return rows
+
+
+def run_compare_hf(model_dir, args):
+    """The same requests through transformers' continuous batching (paged attention over SDPA)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="paged|sdpa", dtype=dtype).to(device)
+    prompts, params = standard_workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    config = GenerationConfig(do_sample=True, temperature=0.6, max_new_tokens=args.max_output_len, eos_token_id=-1)
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    start = time.perf_counter()
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=p.max_tokens)
+    tokens, done = 0, 0
+    while done < len(prompts):
+        result = manager.get_result(timeout=60)
+        if result is None:
+            raise RuntimeError("transformers' continuous batching stopped before finishing")
+        if result.is_finished():
+            tokens, done = tokens + len(result.generated_tokens), done + 1
+    seconds = time.perf_counter() - start
+    manager.stop(block=True)
+    return [{"run": "transformers generate_batch", "requests": len(prompts), "output_tokens": tokens,
+             "seconds": round(seconds, 2), "tok_per_s": round(tokens / seconds, 1)}]
+
+
+def print_table(rows):
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
+    print("  ".join(c.rjust(widths[c]) for c in columns))
+    for row in rows:
+        print("  ".join(str(row.get(c, "")).rjust(widths[c]) for c in columns))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="HF model directory (default: --arch with random weights)")
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="qwen3-0.6b")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--max-input-len", type=int, default=1024)
+    ap.add_argument("--max-output-len", type=int, default=1024)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--prefix-len", type=int, default=2048, help="shared prompt length for --prefix")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--compare", choices=["hf"], help="also run the requests through transformers")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--prefix", action="store_true", help="shared 2k-token system prompt, caching on vs off")
+    mode.add_argument("--latency", action="store_true", help="one request: 512 prompt, 256 new tokens")
+    mode.add_argument("--cpu-profile", action="store_true", help="host ms per step by stage")
+    mode.add_argument("--attention", action="store_true", help="the attention kernels beside SDPA")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+
+    if args.attention:
+        from bench_attention import run_attention_bench
+        rows = run_attention_bench()
+    else:
+        model_dir = args.model or random_model_dir(args.arch)
+        if not args.model:
+            print(f"model: {args.arch} architecture with random weights (ignore_eos: throughput does not depend on them)")
+        llm = LLM(model_dir, max_model_len=args.max_model_len, max_num_seqs=min(args.num_seqs, 256),
+                  enforce_eager=args.enforce_eager)
+        llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
+        run = run_prefix if args.prefix else run_latency if args.latency else \
+            run_cpu_profile if args.cpu_profile else run_throughput
+        rows = run(llm, args)
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        for row in rows:
+            row["device"] = device
+        if args.compare == "hf":
+            del llm
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            rows += run_compare_hf(model_dir, args)
+            print(f"nanoserve / transformers: {rows[0]['tok_per_s'] / rows[-1]['tok_per_s']:.1f}x")
+    print_table(rows)
+    print(json.dumps(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

