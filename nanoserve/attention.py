@@ -24,7 +24,8 @@ DECODE_TILE_N = 64  # keys per step of a decode split
 PROGRAMS_PER_SM = 4  # decode splits the keys until the grid has about this many programs per SM
 MAX_SPLITS = 64  # the reduce kernel holds all partials of a head, [splits, head_dim] fp32, in registers
 CPU_NUM_SMS = 4  # SM count assumed under TRITON_INTERPRET: small, yet CPU tests still see several splits
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # fp32 dots run in full fp32 (ieee), not tf32
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # powers of two; 256 would overflow the registers of a 128-row tile
 
 
 @dataclass
@@ -50,9 +51,11 @@ def _store_kv_kernel(
     # program t copies token t's K and V, all KV heads at once, into its slot
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot == PAD:
+        return
     h = tl.arange(0, HEADS_PAD)[:, None]
     d = tl.arange(0, HEAD_DIM)[None, :]
-    mask = (h < NUM_KV_HEADS) & (slot != PAD)  # [HEADS_PAD, 1]
+    mask = h < NUM_KV_HEADS  # [HEADS_PAD, 1]
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
     tl.store(k_cache_ptr + dst, tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask), mask=mask)
     tl.store(v_cache_ptr + dst, tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask), mask=mask)
@@ -81,13 +84,13 @@ def _online_softmax_step(acc, m, l, q, k, v, visible, qk_scale):
     acc [M, HEAD_DIM] fp32 unnormalised output, m [M] running max score, l [M] running sum of exp2(score - m);
     q [M, HEAD_DIM], k and v [N, HEAD_DIM], visible [M, N] (or broadcastable) which keys each row may see.
     Every row must see at least one key by its first tile, or its max stays -inf and the rescale is NaN."""
-    s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N] scores in log2 units
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [M, N] scores in log2 units; fp32 not tf32
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp2(m - m_new)  # rescales what was summed under the old max
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return acc, m_new, l
 
 
@@ -149,9 +152,10 @@ def _decode_split_kernel(
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, pos, end,
                              kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM)
         acc, m, l = _online_softmax_step(acc, m, l, q, k, v, (pos < end)[None, :], qk_scale)
-    # an empty split reports weight 0 (lse = -inf) and a zero output instead of 0/0
-    lse = tl.where(l > 0, m + tl.log2(l), float("-inf"))  # [GROUP_PAD] log2-sum-exp2 of this split's scores
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    # an empty split (m = -inf, l = 0) reports lse = -inf, i.e. weight 0, and a zero output instead of 0/0
+    l = tl.where(l > 0, l, 1.0)
+    lse = m + tl.log2(l)  # [GROUP_PAD] log2-sum-exp2 of this split's scores
+    out = acc / l[:, None]
     # partials are contiguous: part_lse [num_seqs, num_heads, num_splits], part_out [..., HEAD_DIM]
     row = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split  # [GROUP_PAD]
     tl.store(part_lse_ptr + row, lse, mask=g < GROUP)
@@ -200,39 +204,50 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     num_seqs = meta.context_lens.shape[0]
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), "K and V caches share a layout"
     assert k_cache.shape[3] == head_dim and num_heads % num_kv_heads == 0
-    assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in DTYPES
+    assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in SUPPORTED_DTYPES
     assert q.stride(-1) == k_cache.stride(-1) == 1, "head_dim must be contiguous"
-    assert head_dim in (16, 32, 64, 128), "head_dim: power of two up to 128"
+    assert head_dim in SUPPORTED_HEAD_DIMS, f"head_dim {head_dim} not in {SUPPORTED_HEAD_DIMS}"
     assert block_size & (block_size - 1) == 0, "block_size: power of two"
     for t in (meta.query_start_loc, meta.context_lens, meta.block_tables):
         assert t.dtype == torch.int32 and t.device == q.device, "metadata: int32 on q's device"
     assert meta.query_start_loc.shape == (num_seqs + 1,) and meta.block_tables.shape[0] == num_seqs
     assert meta.block_tables.stride(1) == 1
+    assert not meta.decode_only or num_tokens == num_seqs, "decode: q row i is sequence i's one query"
     out = torch.empty_like(q)
-    qk_scale = scale * LOG2E
-    common = dict(GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size)
-    strides = (*k_cache.stride()[:3], meta.block_tables.stride(0))
-    if meta.decode_only:
-        assert num_tokens == num_seqs, "decode: q row i is sequence i's one query"
-        split_len, num_splits = decode_splits(num_seqs, num_kv_heads, meta.max_context_len, block_size,
-                                              _num_sms(q.device))
-        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-        _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-            q, k_cache, v_cache, part_out, part_lse, meta.block_tables, meta.context_lens, qk_scale, split_len,
-            q.stride(0), q.stride(1), *strides, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(
-                num_heads // num_kv_heads)), TILE_N=DECODE_TILE_N, num_warps=4, **common)
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits))
-    else:
-        # small query tiles when every query is short (mixed batches of decodes and small chunks)
-        tile_m = min(PREFILL_TILE_M, max(MIN_DOT_ROWS, triton.next_power_of_2(meta.max_query_len)))
-        _prefill_kernel[(triton.cdiv(meta.max_query_len, tile_m), num_seqs, num_heads)](
-            q, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc, meta.context_lens, qk_scale,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides,
-            TILE_M=tile_m, TILE_N=PREFILL_TILE_N, num_warps=8 if tile_m == PREFILL_TILE_M else 4, **common)
+    launch = _launch_decode if meta.decode_only else _launch_prefill
+    launch(q, k_cache, v_cache, out, meta, scale * LOG2E)
     return out
+
+
+def _launch_prefill(q, k_cache, v_cache, out, meta, qk_scale):
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    # short query tiles when every query is short (mixed batches of decodes and small chunks)
+    tile_m = min(PREFILL_TILE_M, max(MIN_DOT_ROWS, triton.next_power_of_2(meta.max_query_len)))
+    grid = (triton.cdiv(meta.max_query_len, tile_m), meta.context_lens.shape[0], num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc, meta.context_lens, qk_scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], meta.block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE_M=tile_m,
+        TILE_N=PREFILL_TILE_N, num_warps=8 if tile_m == PREFILL_TILE_M else 4)
+
+
+def _launch_decode(q, k_cache, v_cache, out, meta, qk_scale):
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    split_len, num_splits = decode_splits(num_seqs, num_kv_heads, meta.max_context_len, block_size,
+                                          _num_sms(q.device))
+    part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, part_out, part_lse, meta.block_tables, meta.context_lens, qk_scale, split_len,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], meta.block_tables.stride(0), GROUP=group,
+        GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        TILE_N=DECODE_TILE_N, num_warps=4)
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits))
 
 
 def decode_splits(num_seqs, num_kv_heads, max_context_len, block_size, num_sms) -> tuple[int, int]:

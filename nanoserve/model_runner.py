@@ -7,6 +7,7 @@ KV cache size: every token keeps a K and a V vector per layer and KV head, so
 and the pool is as many blocks of `block_size` tokens as the memory left after weights and activations holds.
 """
 import glob
+import logging
 import os
 
 import torch
@@ -18,6 +19,7 @@ from nanoserve.model import CausalLM, ModelArgs, load_weights
 from nanoserve.sampler import Sampler
 from nanoserve.scheduler import ScheduledBatch
 
+logger = logging.getLogger("nanoserve")
 CPU_KV_CACHE_BYTES = 1 << 30  # without a GPU to profile, give the KV cache 1 GiB of host memory
 
 
@@ -72,6 +74,9 @@ class ModelRunner:
         self.kv_cache = torch.zeros(2, a.num_layers, self.num_kvcache_blocks, self.block_size,
                                     a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(a.num_layers)]
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%d bytes per token)",
+                    self.num_kvcache_blocks, self.block_size, self.num_kvcache_blocks * self.block_size,
+                    self.kv_cache.numel() * self.dtype.itemsize / 2**30, self.kv_bytes_per_token)
         self.sampler = Sampler(self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if not config.enforce_eager:

@@ -177,3 +177,18 @@ def test_sampler_matches_softmax_and_filters():
     assert (f[probs < 0.3 * probs.max()] == 0).all()
     greedy, _ = sampler(logits.repeat(2, 1), [SamplingParams(temperature=0)] * 2, [1, 1], [[], [int(logits.argmax())]])
     assert greedy[0] == logits.argmax() and greedy[1] == logits.topk(2).indices[1]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_triton_kernels_in_the_engine_match_transformers(tiny_model, family):
+    """Guards against kernel bugs that only show in the engine's real metadata (chunked prefill, prefix
+    hits, mixed batches). On CPU the kernels run in Triton's interpreter."""
+    path, hf = tiny_model(family)
+    llm = LLM(path, attention_backend="triton", max_model_len=128, num_kvcache_blocks=32,
+              max_num_batched_tokens=24)
+    shared = random_prompts([20])[0]
+    prompts = [shared + q for q in random_prompts([4, 13])] + random_prompts([30])
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # caches `shared`
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert llm.stats()["prefix_hit_tokens"] > 0
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]

@@ -1,0 +1,93 @@
+"""Benchmark nanoserve's paged attention kernels against PyTorch SDPA on the same data, laid out contiguously.
+
+Decode is memory-bound, so its figure is achieved bandwidth: K and V bytes read per second. Prefill is
+compute-bound, so its figure is TFLOP/s over the causal half of QK^T and PV. Heads are Qwen3-0.6B's (16 query,
+8 KV, head_dim 128) in bf16; our K/V sit in shuffled cache blocks, SDPA's in [batch, kv_heads, len, head_dim].
+Needs CUDA. Usage: python bench_attention.py [--block-size 16]
+"""
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from nanoserve.attention import PAD_SLOT, AttentionMetadata, paged_attention
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
+DTYPE = torch.bfloat16
+DECODE_CASES = [(b, ctx) for b in (64, 128, 256) for ctx in (1024, 4096, 8192)] \
+    + [(b, ctx) for b in (1, 8) for ctx in (8192, 32768)]  # (batch, context): big batches, then small and long
+PREFILL_CASE = (8, 2048)  # (sequences, tokens each), causal, nothing cached
+COPIES_IN_MEMORY = 6  # K and V, each contiguous + paged + a transient copy while paging: skip what won't fit
+
+
+def make_case(batch, ctx, query_len, block_size):
+    """Random q, K, V; K/V both contiguous (for SDPA) and paged in shuffled blocks (for us). Queries are last tokens."""
+    blocks_per_seq = -(-ctx // block_size)
+    k = torch.randn(batch, NUM_KV_HEADS, ctx, HEAD_DIM, device="cuda", dtype=DTYPE)  # [B, kv_heads, ctx, D]
+    v = torch.randn_like(k)
+    block_tables = torch.randperm(batch * blocks_per_seq, dtype=torch.int32, device="cuda").view(batch, -1)
+
+    def paged(x):  # [B, kv_heads, ctx, D] -> [num_blocks, block_size, kv_heads, D], placed by the block table
+        x = F.pad(x, (0, 0, 0, blocks_per_seq * block_size - ctx)).transpose(1, 2)  # [B, padded ctx, kv_heads, D]
+        cache = torch.empty(batch * blocks_per_seq, block_size, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        cache[block_tables.flatten().long()] = x.reshape(-1, block_size, NUM_KV_HEADS, HEAD_DIM)
+        return cache
+
+    q = torch.randn(batch, NUM_HEADS, query_len, HEAD_DIM, device="cuda", dtype=DTYPE)  # [B, heads, q_len, D]
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((batch * query_len,), PAD_SLOT, dtype=torch.int32, device="cuda"),  # no store here
+        query_start_loc=torch.arange(0, batch * query_len + 1, query_len, dtype=torch.int32, device="cuda"),
+        context_lens=torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
+        block_tables=block_tables, max_query_len=query_len, max_context_len=ctx, decode_only=query_len == 1)
+    return q, k, v, paged(k), paged(v), meta
+
+
+def bench_case(batch, ctx, query_len, block_size):
+    """(our ms, SDPA ms, max |ours - SDPA|) for one batch; both see the same numbers."""
+    q, k, v, k_cache, v_cache, meta = make_case(batch, ctx, query_len, block_size)
+    scale = HEAD_DIM ** -0.5
+    q_rows = q.transpose(1, 2).reshape(-1, NUM_HEADS, HEAD_DIM)  # [B * q_len, heads, D]: a sequence's rows together
+    ours = lambda: paged_attention(q_rows, k_cache, v_cache, meta, scale)
+    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=query_len > 1, scale=scale, enable_gqa=True)
+    diff = (ours().view(batch, query_len, NUM_HEADS, HEAD_DIM).transpose(1, 2) - sdpa()).abs().max().item()
+    return do_bench(ours), do_bench(sdpa), diff  # do_bench warms up, flushes L2 and synchronizes
+
+
+def run_attention_bench(print_fn=print, block_size=16) -> list[dict]:
+    """Time every case, print a table and a JSON line, return the rows ([] without CUDA)."""
+    if not torch.cuda.is_available():
+        print_fn("bench_attention needs CUDA; skipping")
+        return []
+    kv_bytes_per_token = 2 * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize  # K and V of one token, all KV heads
+    cases = [("decode", b, ctx, 1) for b, ctx in DECODE_CASES] + [("prefill", *PREFILL_CASE, PREFILL_CASE[1])]
+    rows = []
+    print_fn(f"paged attention vs SDPA, {torch.cuda.get_device_name()}, {DTYPE}, heads {NUM_HEADS}/{NUM_KV_HEADS}x"
+             f"{HEAD_DIM}, block_size {block_size}")
+    print_fn(f"{'case':<24}{'ours':>10}{'sdpa':>10}  {'unit':<8}{'ours/sdpa':>10}{'max|diff|':>11}")
+    for kind, batch, ctx, query_len in cases:
+        kv_bytes = batch * ctx * kv_bytes_per_token
+        if COPIES_IN_MEMORY * kv_bytes > torch.cuda.mem_get_info()[0]:
+            print_fn(f"{kind} B={batch} ctx={ctx}: skipped, needs {COPIES_IN_MEMORY * kv_bytes / 2**30:.0f} GiB")
+            continue
+        ours_ms, sdpa_ms, diff = bench_case(batch, ctx, query_len, block_size)
+        if kind == "decode":
+            unit, work = "TB/s", kv_bytes / 1e12  # each K/V byte read once
+        else:
+            unit, work = "TFLOP/s", 4 * batch * NUM_HEADS * ctx ** 2 * HEAD_DIM / 2 / 1e12  # causal: half of 4*L^2*D
+        ours, sdpa = work / (ours_ms / 1e3), work / (sdpa_ms / 1e3)
+        rows.append(dict(kind=kind, batch=batch, context=ctx, block_size=block_size, unit=unit, ours=round(ours, 3),
+                         sdpa=round(sdpa, 3), ratio=round(ours / sdpa, 3), ours_ms=round(ours_ms, 4),
+                         sdpa_ms=round(sdpa_ms, 4), max_abs_diff=diff))
+        name = f"{kind} B={batch} ctx={ctx}"
+        print_fn(f"{name:<24}{ours:>10.2f}{sdpa:>10.2f}  {unit:<8}{ours / sdpa:>10.2f}{diff:>11.2e}")
+        torch.cuda.empty_cache()
+    print_fn(json.dumps({"bench": "attention", "device": torch.cuda.get_device_name(), "results": rows}))
+    return rows
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (power of two, 16..256)")
+    run_attention_bench(block_size=parser.parse_args().block_size)

@@ -1,0 +1,232 @@
+"""The paged-attention kernels against their PyTorch references (nanoserve/attention.py).
+
+Inputs are random and fresh each run (the seed is printed, so pytest shows it with a failure). Caches start as
+NaN and block tables are padded with a NaN block, so a kernel that reads past a context fails. On CPU the
+kernels run in Triton's interpreter: shapes stay tiny and dtypes are fp32/fp16 (it computes bf16 dots wrongly);
+tests marked gpu run bf16 at Qwen3-0.6B's head shapes and capture decode in a CUDA graph.
+"""
+import itertools
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' definition
+
+import pytest
+
+from nanoserve.attention import (DECODE_TILE_N, MAX_SPLITS, PAD_SLOT, PREFILL_TILE_M, PROGRAMS_PER_SM,
+                                 AttentionMetadata, _num_sms, decode_splits, paged_attention, paged_attention_ref,
+                                 store_kv, store_kv_ref)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ATOL = {torch.float32: 1e-4, torch.float16: 1e-2}  # CPU dtypes; fp16 rounds the softmax weights before P @ V
+BF16_REL_TOL = 1e-2  # ||out - ref|| / ||ref|| against an fp32 reference
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# (dtype, GQA group = num_heads / num_kv_heads, head_dim, block_size): each ratio, head_dim, block size and dtype
+CASES = [(torch.float32, 1, 64, 16), (torch.float16, 2, 128, 16), (torch.float32, 8, 64, 64),
+         (torch.float16, 1, 128, 64)]
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed():
+    """New random inputs every run; the seed is printed, and pytest shows it with a failure."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    print(f"torch.manual_seed({seed})")
+
+
+@pytest.fixture(autouse=True)
+def nan_for_new_buffers(monkeypatch):
+    """Outputs and scratch buffers the launchers allocate start as NaN, so an element no kernel writes fails."""
+    empty, empty_like = torch.empty, torch.empty_like
+    poison = lambda t: t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: poison(empty(*args, **kwargs)))
+    monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: poison(empty_like(*args, **kwargs)))
+
+
+def randint(low, high):
+    """A random int in [low, high]."""
+    return int(torch.randint(low, high + 1, ()))
+
+
+def make_batch(query_lens, context_lens, *, num_heads, num_kv_heads, head_dim, block_size, dtype,
+               max_context_len=None):
+    """Random q and a paged KV cache holding each sequence's keys in shuffled blocks; every other slot is NaN.
+
+    Sequence i has context_lens[i] keys, of which the last query_lens[i] are this step's queries."""
+    num_seqs = len(context_lens)
+    blocks_per_seq = [-(-ctx // block_size) for ctx in context_lens]
+    num_blocks = sum(blocks_per_seq) + 1  # one block is never written
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    physical = torch.randperm(num_blocks, dtype=torch.int32, device=DEVICE)
+    block_tables = physical[-1].repeat(num_seqs, max(blocks_per_seq) + 1)  # padding -> the NaN block
+    slots = []  # per sequence: [context_len] slot of each key
+    for i, (first, n, ctx) in enumerate(zip(itertools.accumulate([0] + blocks_per_seq), blocks_per_seq, context_lens)):
+        block_tables[i, :n] = physical[first:first + n]
+        pos = torch.arange(ctx, device=DEVICE)
+        slots.append(block_tables[i, pos // block_size] * block_size + pos % block_size)
+    all_slots = torch.cat(slots).int()
+    store_kv_ref(torch.randn(len(all_slots), num_kv_heads, head_dim, device=DEVICE).to(dtype),
+                 torch.randn(len(all_slots), num_kv_heads, head_dim, device=DEVICE).to(dtype),
+                 k_cache, v_cache, all_slots)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, device=DEVICE).to(dtype)
+    pad = torch.full((1,), PAD_SLOT, device=DEVICE)  # a context_len 0 sequence: a padded slot of a graph batch
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat([s[-n:] if len(s) else pad for s, n in zip(slots, query_lens)]).int(),
+        query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=DEVICE),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=block_tables, max_query_len=max(query_lens),
+        max_context_len=max_context_len or max(context_lens), decode_only=all(n == 1 for n in query_lens))
+    return q, k_cache, v_cache, meta
+
+
+def assert_close(out, ref, atol, what):
+    """Fail with the max and mean absolute error, so a near miss reads differently from garbage."""
+    err = (out.float() - ref.float()).abs()
+    max_err, mean_err = err.max().item(), err.mean().item()
+    assert max_err <= atol, f"{what}: max abs err {max_err:.3g}, mean {mean_err:.3g} (atol {atol})"  # NaN fails too
+
+
+def assert_rel_close(out, ref, tol, what):
+    err = (out.float() - ref).norm() / ref.norm()
+    assert err < tol, f"{what}: relative err {err:.3g} (tol {tol}), max abs err {(out.float() - ref).abs().max():.3g}"
+
+
+def heads(group, num_kv_heads=2):
+    return dict(num_heads=group * num_kv_heads, num_kv_heads=num_kv_heads)
+
+
+@pytest.mark.parametrize("dtype,num_kv_heads,head_dim,block_size",
+                         [(torch.float32, 2, 64, 16), (torch.float16, 3, 128, 64)])
+def test_store_kv_writes_slots_and_skips_padding(dtype, num_kv_heads, head_dim, block_size):
+    """store_kv writes each token to its own slot from strided K/V and leaves PAD_SLOT tokens' slots alone."""
+    num_tokens, num_heads, num_blocks = 13, 4, 6
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, device=DEVICE).to(dtype)  # fused proj
+    k, v = qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:]  # not contiguous
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens].int()
+    slots[::4] = PAD_SLOT
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    k_expect, v_expect = k_cache.clone(), v_cache.clone()
+    store_kv_ref(k, v, k_expect, v_expect, slots)
+    store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_expect) and torch.equal(v_cache, v_expect)
+
+
+@pytest.mark.parametrize("dtype,group,head_dim,block_size", CASES)
+def test_prefill_mixed_batch(dtype, group, head_dim, block_size):
+    """Prefill, extend over cached blocks, decode and context-1 sequences in one batch see the right keys."""
+    full = randint(20, 70)
+    extend_ctx, decode_ctx = randint(40, 140), randint(2, 100)
+    query_lens = [full, randint(2, 30), 1, 1]
+    context_lens = [full, extend_ctx, decode_ctx, 1]
+    q, k_cache, v_cache, meta = make_batch(query_lens, context_lens, **heads(group), head_dim=head_dim,
+                                           block_size=block_size, dtype=dtype)
+    out = paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5)
+    assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, head_dim ** -0.5), ATOL[dtype], "prefill")
+
+
+def test_prefill_query_spans_several_tiles():
+    """Query tiles after the first keep their own rows and causal bound (a long chunk after a cached prefix)."""
+    query_len = PREFILL_TILE_M + randint(1, 40)
+    context_lens = [query_len + randint(1, 50), 3]
+    q, k_cache, v_cache, meta = make_batch([query_len, 2], context_lens, **heads(2, 1), head_dim=64,
+                                           block_size=16, dtype=torch.float32)
+    out = paged_attention(q, k_cache, v_cache, meta, 0.125)
+    assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 0.125), ATOL[torch.float32], "long prefill")
+
+
+@pytest.mark.parametrize("dtype,group,head_dim,block_size", CASES)
+def test_decode(dtype, group, head_dim, block_size):
+    """Split-KV decode with GQA groups: every split and the merge of their softmaxes match the reference."""
+    context_lens = [1, randint(2, 60), randint(60, 200), randint(200, 300)]
+    q, k_cache, v_cache, meta = make_batch([1] * 4, context_lens, **heads(group), head_dim=head_dim,
+                                           block_size=block_size, dtype=dtype)
+    out = paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5)
+    assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, head_dim ** -0.5), ATOL[dtype], "decode")
+
+
+def test_decode_batch_that_needs_no_split():
+    """A batch that fills the device unsplit takes the single-split path (a size-1 merge) correctly."""
+    num_kv_heads = 2
+    num_seqs = PROGRAMS_PER_SM * _num_sms(torch.device(DEVICE)) // num_kv_heads
+    context_lens = [randint(1, 150) for _ in range(num_seqs)]
+    q, k_cache, v_cache, meta = make_batch([1] * num_seqs, context_lens, **heads(2, num_kv_heads), head_dim=64,
+                                           block_size=16, dtype=torch.float32)
+    assert decode_splits(num_seqs, num_kv_heads, meta.max_context_len, 16, _num_sms(q.device))[1] == 1
+    out = paged_attention(q, k_cache, v_cache, meta, 0.125)
+    assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 0.125), ATOL[torch.float32], "decode")
+
+
+def test_decode_graph_sized_grid():
+    """With the grid sized for max_model_len, empty splits and a context_len-0 slot neither leak nor make NaN."""
+    context_lens = [0, 1, randint(2, 100), randint(600, 900)]
+    q, k_cache, v_cache, meta = make_batch([1] * 4, context_lens, **heads(3, 1), head_dim=64, block_size=16,
+                                           dtype=torch.float32, max_context_len=2048)
+    split_len, num_splits = decode_splits(4, 1, 2048, 16, _num_sms(q.device))
+    assert split_len < context_lens[-1] < (num_splits - 1) * split_len  # spans splits; the last one is empty
+    out = paged_attention(q, k_cache, v_cache, meta, 0.125)
+    assert torch.isfinite(out[0]).all()
+    assert_close(out[1:], paged_attention_ref(q, k_cache, v_cache, meta, 0.125)[1:], ATOL[torch.float32], "decode")
+
+
+@pytest.mark.parametrize("num_seqs,max_context_len,block_size", [(1, 32768, 16), (8, 8192, 256), (256, 1024, 16),
+                                                                 (4, 1, 16), (3, 1000, 128)])
+def test_decode_splits_cover_context(num_seqs, max_context_len, block_size):
+    """Splits tile the context with whole blocks and tiles, stay within MAX_SPLITS, and fill an H100 when small."""
+    num_kv_heads, h100_sms = 8, 132
+    split_len, num_splits = decode_splits(num_seqs, num_kv_heads, max_context_len, block_size, h100_sms)
+    assert split_len % block_size == 0 and split_len % DECODE_TILE_N == 0
+    assert (num_splits - 1) * split_len < max_context_len <= num_splits * split_len
+    assert num_splits <= MAX_SPLITS
+    if max_context_len >= 8192:
+        assert num_seqs * num_kv_heads * num_splits >= 2 * h100_sms
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("decode", [False, True])
+def test_bf16_qwen3_heads(block_size, decode):
+    """bf16 at Qwen3-0.6B's heads (16 q, 8 kv, head_dim 128) and realistic lengths stays close to fp32."""
+    if decode:
+        context_lens = [randint(1, 4000) for _ in range(32)] + [1, 4096]
+        query_lens = [1] * len(context_lens)
+    else:
+        context_lens = [randint(1, 1500) for _ in range(6)] + [1, 700, 2048]
+        query_lens = [randint(1, c) for c in context_lens[:6]] + [1, 1, 2048]
+    q, k_cache, v_cache, meta = make_batch(query_lens, context_lens, num_heads=16, num_kv_heads=8, head_dim=128,
+                                           block_size=block_size, dtype=torch.bfloat16)
+    out = paged_attention(q, k_cache, v_cache, meta, 128 ** -0.5)
+    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, 128 ** -0.5)
+    assert_rel_close(out, ref, BF16_REL_TOL, "decode" if decode else "prefill")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_decode_cuda_graph_replay():
+    """Decode captured in a CUDA graph replays new context lengths exactly as eager does (no host sync inside)."""
+    max_model_len, num_seqs = 4096, 8
+    context_lens = [randint(1, max_model_len) for _ in range(num_seqs)]
+    q, k_cache, v_cache, meta = make_batch([1] * num_seqs, context_lens, num_heads=16, num_kv_heads=8,
+                                           head_dim=128, block_size=16, dtype=torch.bfloat16,
+                                           max_context_len=max_model_len)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile the kernels outside the capture
+        paged_attention(q, k_cache, v_cache, meta, 128 ** -0.5)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention(q, k_cache, v_cache, meta, 128 ** -0.5)
+    # the next step: other lengths (keys that the cache holds) and one padded slot, written into the same tensors
+    new_lens = [randint(1, c) for c in context_lens[:-1]] + [0]
+    meta.context_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    eager = paged_attention(q, k_cache, v_cache, meta, 128 ** -0.5)
+    assert torch.equal(out, eager)
+    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, 128 ** -0.5)
+    assert_rel_close(out[:-1], ref[:-1], BF16_REL_TOL, "graph replay")
