@@ -282,23 +282,30 @@ def paged_attention_ref(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
     """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim], causal within each sequence.
 
     The query tokens of a sequence are its last tokens: query j of n sits at position context_len - n + j.
+    Plain batched PyTorch: every sequence padded to the batch's longest query and context, then masked.
     """
-    out = torch.empty_like(q)
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    block_size = k_cache.shape[1]
-    qsl = meta.query_start_loc.tolist()
-    for i, ctx in enumerate(meta.context_lens.tolist()):
-        start, end = qsl[i], qsl[i + 1]
-        if end == start:
-            continue
-        blocks = meta.block_tables[i, : (ctx + block_size - 1) // block_size].long()
-        k = k_cache[blocks].flatten(0, 1)[:ctx].float()  # [ctx, num_kv_heads, head_dim]
-        v = v_cache[blocks].flatten(0, 1)[:ctx].float()
-        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # GQA: each KV head serves a group
-        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
-        q_pos = torch.arange(ctx - (end - start), ctx, device=q.device)
-        causal = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # [n, ctx]
-        scores = scores.masked_fill(~causal, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
-    return out
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = meta.context_lens.shape[0]
+    q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()  # [num_seqs]
+    ctx = meta.context_lens.long()
+    tok_seq = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), q_lens, output_size=num_tokens)
+    tok_idx = torch.arange(num_tokens, device=q.device) - meta.query_start_loc[tok_seq].long()
+    q_pos = ctx[tok_seq] - q_lens[tok_seq] + tok_idx  # [num_tokens] position of each query in its sequence
+    qp = q.new_zeros(num_seqs, meta.max_query_len, num_heads, head_dim, dtype=torch.float32)
+    qp[tok_seq, tok_idx] = q.float()  # [num_seqs, max_query_len, num_heads, head_dim]
+    num_blocks = -(-meta.max_context_len // block_size)
+    blocks = meta.block_tables[:, :num_blocks].long()
+    k = k_cache[blocks].flatten(1, 2).float()  # [num_seqs, num_blocks * block_size, num_kv_heads, head_dim]
+    v = v_cache[blocks].flatten(1, 2).float()
+    key_pos = torch.arange(k.shape[1], device=q.device)
+    in_context = (key_pos[None, :] < ctx[:, None])[:, :, None, None]  # slots past a context may hold garbage
+    k = torch.where(in_context, k, 0.0).repeat_interleave(num_heads // num_kv_heads, dim=2)  # GQA: a KV head
+    v = torch.where(in_context, v, 0.0).repeat_interleave(num_heads // num_kv_heads, dim=2)  # serves a group
+    scores = torch.einsum("bqhd,bkhd->bhqk", qp, k) * scale
+    pos = torch.full((num_seqs, meta.max_query_len), -1, device=q.device)
+    pos[tok_seq, tok_idx] = q_pos  # padded query rows see no key; their output is never read
+    visible = key_pos[None, None, :] <= pos[:, :, None]  # causal; q_pos < ctx, so within the context too
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1).nan_to_num(0.0), v)
+    return out[tok_seq, tok_idx].to(q.dtype)
