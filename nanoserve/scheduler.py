@@ -29,10 +29,11 @@ class Scheduler:
 
     def check_fits(self, seq: Sequence):
         """Refuse a request that could not fit in the whole pool even alone: it would never finish."""
-        max_len = min(seq.num_tokens + seq.params.max_tokens, self.max_model_len)
-        needed = self.block_manager.blocks_needed(max_len)
+        final_len = min(seq.num_tokens + seq.params.max_tokens, self.max_model_len)
+        kv_tokens = max(seq.num_tokens, final_len - 1)  # the last sampled token never needs KV
+        needed = self.block_manager.blocks_needed(kv_tokens)
         if needed > self.block_manager.num_blocks:
-            raise ValueError(f"request needs {needed} KV blocks ({max_len} tokens) but the pool has "
+            raise ValueError(f"request needs {needed} KV blocks ({kv_tokens} tokens) but the pool has "
                              f"{self.block_manager.num_blocks}: lower max_tokens or add KV memory")
 
     def add(self, seq: Sequence):

@@ -1,0 +1,425 @@
+"""Tests for the scheduler, driven the way LLM.generate drives it (schedule -> model -> update ->
+finish) but with a fake model and a fake KV cache instead of tensors, so every test runs in
+milliseconds.
+
+The fake model's next token is a fixed function of the whole token list, so the trusted reference for
+any request is simply to iterate that function from its prompt: whatever the pool size, budget,
+preemptions or prefix hits, every run must produce exactly those tokens. The fake KV cache maps each
+physical slot to the token prefix whose K/V it holds; before a step writes a sequence's new positions,
+every earlier position must read back its own prefix (a wrong prefix hit, a shared block that gets
+written, a stale block table or a block handed out twice all fail there). The tests aim at where
+chunked prefill, prefix caching and preemption meet: a fully cached prompt, a preempted sequence that
+hits its own blocks, sequences sharing a prefix admitted in one step.
+"""
+import random
+from collections import Counter
+
+import pytest
+
+from nanoserve.block_manager import BlockManager
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.scheduler import Scheduler
+from nanoserve.sequence import Sequence, SequenceStatus
+
+VOCAB = 50
+MAX_STEPS = 20_000  # a run that needs more has livelocked
+
+
+def fake_next_token(token_ids: list[int]) -> int:
+    """The fake model: a deterministic function of the tokens so far (last three and the length)."""
+    a, b, c = ([0, 0, 0] + token_ids)[-3:]
+    return (31 * a + 17 * b + 7 * c + len(token_ids)) % VOCAB
+
+
+def reference_completion(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(fake_next_token(tokens))
+    return tokens[len(prompt):]
+
+
+class FakeEngine:
+    """LLM.step without a model: checks every batch and the fake KV cache, records what ran."""
+
+    def __init__(self, num_blocks=1000, block_size=4, max_num_seqs=64, max_num_batched_tokens=512,
+                 max_model_len=4096, enable_prefix_caching=True, **bm_kwargs):
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching, **bm_kwargs)
+        self.scheduler = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.kv: dict[int, tuple] = {}
+        self.steps: list[list[tuple[Sequence, int, int]]] = []  # per step: (seq, start, num_new)
+        self.admissions: list[tuple[Sequence, int, list[int]]] = []  # (seq, cached tokens, hit blocks)
+        self.tables_when_preempted: dict[int, list[list[int]]] = {}  # seq_id -> its tables then
+
+    def add(self, prompt: list[int], max_tokens: int) -> Sequence:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        seq = Sequence(prompt, params, self.bm.block_size)
+        self.scheduler.add(seq)
+        return seq
+
+    def slot(self, seq: Sequence, pos: int) -> int:
+        bs = self.bm.block_size
+        return seq.block_table[pos // bs] * bs + pos % bs
+
+    def step(self) -> list[tuple[Sequence, int]]:
+        sched, bm = self.scheduler, self.bm
+        was_waiting = {s.seq_id for s in sched.waiting}
+        tables_before = {s.seq_id: list(s.block_table) for s in sched.running}
+        batch = sched.schedule()
+        self.check_batch(batch)
+        for seq_id, table in tables_before.items():  # record preemptions, with what they held
+            if any(s.seq_id == seq_id for s in sched.waiting):
+                self.tables_when_preempted.setdefault(seq_id, []).append(table)
+        for seq, _ in batch:
+            if seq.seq_id in was_waiting:
+                hit = seq.num_computed_tokens // bm.block_size
+                self.admissions.append((seq, seq.num_cached_tokens, seq.block_table[:hit]))
+        # the model step: all reads of earlier K/V, then all writes, as one forward would
+        for seq, num_new in batch:
+            for p in range(seq.num_computed_tokens):
+                got = self.kv.get(self.slot(seq, p))
+                assert got == tuple(seq.token_ids[:p + 1]), (
+                    f"seq {seq.seq_id} position {p} reads K/V of {got}")
+        written = set()
+        for seq, num_new in batch:
+            for p in range(seq.num_computed_tokens, seq.num_computed_tokens + num_new):
+                s = self.slot(seq, p)
+                assert bm.blocks[s // bm.block_size].ref_count == 1, "write into a shared block"
+                assert s not in written, "two sequences write one slot in one step"
+                written.add(s)
+                self.kv[s] = tuple(seq.token_ids[:p + 1])
+        self.steps.append([(seq, seq.num_computed_tokens, n) for seq, n in batch])
+        sampled = [fake_next_token(seq.token_ids) for seq, n in batch
+                   if seq.num_computed_tokens + n == seq.num_tokens]
+        for seq in sched.update(batch, sampled):
+            if (seq.num_completion_tokens >= seq.params.max_tokens
+                    or seq.num_tokens >= sched.max_model_len):
+                sched.finish(seq, "length")
+        self.check_pool()
+        return batch
+
+    def check_batch(self, batch):
+        sched, bm = self.scheduler, self.bm
+        assert sum(n for _, n in batch) <= sched.max_num_batched_tokens
+        assert len(batch) <= sched.max_num_seqs and len(sched.running) <= sched.max_num_seqs
+        assert len({seq.seq_id for seq, _ in batch}) == len(batch)
+        for seq, n in batch:
+            assert seq.status == SequenceStatus.RUNNING and seq in sched.running
+            assert 1 <= n <= seq.num_uncomputed_tokens
+            assert len(seq.block_table) == bm.blocks_needed(seq.num_computed_tokens + n)
+
+    def check_pool(self):
+        bm, sched = self.bm, self.scheduler
+        owners = Counter(b for seq in sched.running for b in seq.block_table)
+        for block in bm.blocks:
+            assert block.ref_count == owners[block.block_id] >= 0
+            assert (block.ref_count == 0) == (block.block_id in bm.free_ids)
+        for seq in sched.waiting:
+            assert seq.block_table == [] and seq.num_computed_tokens == 0
+
+    def run(self) -> int:
+        """Step until everything finished; returns the number of steps."""
+        steps = empty = 0
+        while self.scheduler.has_unfinished():
+            batch = self.step()
+            empty = 0 if batch else empty + 1
+            steps += 1
+            assert empty < 3 and steps < MAX_STEPS, "the scheduler stopped making progress"
+        assert self.bm.num_used_blocks == 0, "blocks leaked"
+        return steps
+
+    def tokens_computed(self, seq: Sequence) -> int:
+        return sum(n for step in self.steps for s, _, n in step if s is seq)
+
+
+def random_requests(rng: random.Random, n: int, prompt_len=(30, 60), max_tokens=(20, 40),
+                    num_prefixes=3) -> list[tuple[list[int], int]]:
+    """Prompts that often start with one of a few shared prefixes, so prefix hits happen."""
+    prefixes = [[rng.randrange(VOCAB) for _ in range(prompt_len[1])] for _ in range(num_prefixes)]
+    requests = []
+    for _ in range(n):
+        length = rng.randint(*prompt_len)
+        shared = rng.choice([0, rng.randint(0, length - 1)])
+        prompt = rng.choice(prefixes)[:shared] + [rng.randrange(VOCAB) for _ in range(length - shared)]
+        requests.append((prompt, rng.randint(*max_tokens)))
+    return requests
+
+
+def run_requests(requests, arrivals=None, **engine_kwargs) -> tuple[FakeEngine, list[list[int]]]:
+    """Runs requests (added at their arrival step, default all at once); returns their outputs."""
+    engine = FakeEngine(**engine_kwargs)
+    arrivals = arrivals or [0] * len(requests)
+    pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
+    seqs: dict[int, Sequence] = {}
+    step = 0
+    while pending or engine.scheduler.has_unfinished():
+        while pending and arrivals[pending[0]] <= step:
+            i = pending.pop(0)
+            seqs[i] = engine.add(*requests[i])
+        if engine.scheduler.has_unfinished():
+            engine.step()
+        step += 1
+        assert step < MAX_STEPS
+    engine.run()
+    return engine, [seqs[i].completion_token_ids for i in range(len(requests))]
+
+
+def blocks_for(requests, block_size) -> int:
+    return max(-(-(len(p) + m) // block_size) for p, m in requests)
+
+
+# ---- chunked prefill and the budget -------------------------------------------------------------
+def test_chunked_prefill_splits_by_budget():
+    """Guards against a prompt longer than the budget being scheduled whole (over budget) or split
+    wrongly, and against sampling a token after a partial chunk: 20 tokens at budget 8 run as 8, 8, 4,
+    and the first output token exists only after the last chunk."""
+    engine = FakeEngine(max_num_batched_tokens=8)
+    prompt = list(range(20))
+    seq = engine.add(prompt, max_tokens=3)
+    for expected in (8, 8):
+        assert engine.step() == [(seq, expected)]
+        assert seq.num_completion_tokens == 0
+    assert engine.step() == [(seq, 4)]
+    assert seq.num_completion_tokens == 1
+    engine.run()
+    assert [n for step in engine.steps for _, _, n in step] == [8, 8, 4, 1, 1]
+    assert seq.completion_token_ids == reference_completion(prompt, 3)
+
+
+def test_decodes_ride_with_prefill_chunks():
+    """Guards against a long prefill stalling running decodes, or decodes pushing the batch over
+    budget: a decoding sequence and a new prompt's chunk share one step, decode first, and the
+    chunk takes exactly the rest of the budget."""
+    engine = FakeEngine(max_num_batched_tokens=8)
+    short = engine.add([1, 2, 3], max_tokens=10)
+    engine.step()                                 # short's prefill; it decodes from now on
+    long = engine.add(list(range(30)), max_tokens=2)
+    assert engine.step() == [(short, 1), (long, 7)]
+    assert engine.step() == [(short, 1), (long, 7)]
+    mixed = [step for step in engine.steps if any(n == 1 for _, _, n in step)
+             and any(n > 1 for _, _, n in step)]
+    assert len(mixed) == 2
+    engine.run()
+    assert short.completion_token_ids == reference_completion([1, 2, 3], 10)
+    assert long.completion_token_ids == reference_completion(list(range(30)), 2)
+
+
+def test_max_num_seqs_is_respected():
+    """Guards against admitting past max_num_seqs: with a cap of 2, four requests run two at a time,
+    the rest wait, and all finish correctly."""
+    engine = FakeEngine(max_num_seqs=2)
+    requests = [([i, i + 1, i + 2], 5) for i in range(4)]
+    seqs = [engine.add(*r) for r in requests]
+    engine.step()
+    assert len(engine.scheduler.running) == 2 and len(engine.scheduler.waiting) == 2
+    engine.run()  # check_batch asserts the cap on every step
+    assert max(len(step) for step in engine.steps) == 2
+    assert [s.completion_token_ids for s in seqs] == [reference_completion(*r) for r in requests]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_budget_and_chunks_under_random_load(seed):
+    """Guards against budget or cap overruns, and output drift, when chunks, decodes and arrivals mix
+    at random (every batch is checked against the budget, the cap and the fake KV cache)."""
+    rng = random.Random(seed)
+    requests = random_requests(rng, 10, prompt_len=(5, 40), max_tokens=(1, 15))
+    arrivals = [rng.randint(0, 30) for _ in requests]
+    engine, outputs = run_requests(requests, arrivals, max_num_batched_tokens=rng.choice([1, 5, 16, 37]),
+                                   max_num_seqs=rng.choice([1, 3, 8]), block_size=rng.choice([1, 4, 16]))
+    assert outputs == [reference_completion(*r) for r in requests]
+
+
+# ---- preemption ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_tiny_pool_preempts_and_matches_unconstrained_run(block_size, enable_prefix_caching):
+    """Guards against preemption by recompute losing or repeating tokens, leaking blocks, or
+    livelocking: with a pool of about a tenth of what the batch needs (just enough for the largest
+    request), every request finishes, preemptions happen, and outputs equal an unconstrained run's."""
+    rng = random.Random(block_size)
+    requests = random_requests(rng, 12)
+    tiny = blocks_for(requests, block_size)
+    total = sum(-(-(len(p) + m) // block_size) for p, m in requests)
+    assert tiny <= total // 8
+    big, expected = run_requests(requests, block_size=block_size, num_blocks=total,
+                                 enable_prefix_caching=enable_prefix_caching)
+    small, outputs = run_requests(requests, block_size=block_size, num_blocks=tiny,
+                                  enable_prefix_caching=enable_prefix_caching,
+                                  max_num_batched_tokens=64)
+    assert big.scheduler.num_preemptions == 0
+    assert small.scheduler.num_preemptions > 0
+    assert outputs == expected == [reference_completion(*r) for r in requests]
+
+
+def test_preempted_sequence_hits_its_own_blocks():
+    """Guards against a readmitted sequence reusing its own cached K/V wrongly (stale table, blocks
+    overwritten meanwhile, wrong position): distinct prompts, so any hit on readmission is of blocks
+    the sequence itself held before preemption; the fake KV check and the outputs must stay right."""
+    rng = random.Random(7)
+    requests = [([rng.randrange(VOCAB) for _ in range(rng.randint(30, 60))], rng.randint(20, 40))
+                for _ in range(12)]
+    engine, outputs = run_requests(requests, block_size=4, num_blocks=blocks_for(requests, 4) + 4,
+                                   max_num_batched_tokens=64)
+    assert outputs == [reference_completion(*r) for r in requests]
+    own_hits = 0
+    for seq, num_cached, hit_blocks in engine.admissions:
+        if num_cached and seq.seq_id in engine.tables_when_preempted:
+            last_table = engine.tables_when_preempted[seq.seq_id][-1]
+            assert hit_blocks == last_table[:len(hit_blocks)]  # its own blocks, in its own places
+            own_hits += 1
+    assert engine.scheduler.num_preemptions > 0 and own_hits > 0
+
+
+def test_preempted_prefill_resumes_from_its_cached_chunks():
+    """Guards against a sequence preempted mid-prefill (chunked) restarting wrongly: the older
+    request's decodes evict the newer one's partially computed prompt, which is readmitted hitting the
+    chunks of its own that are still cached and finishes with the right tokens."""
+    engine = FakeEngine(num_blocks=10, block_size=4, max_num_batched_tokens=8)
+    a = engine.add(list(range(10)), max_tokens=20)    # up to 30 tokens: 8 blocks
+    engine.step()
+    engine.step()                                     # a prefilled, decoding
+    b = engine.add(list(range(20, 48)), max_tokens=5)  # 28-token prompt, chunks of 7
+    preempted_at = []
+    while engine.scheduler.has_unfinished():
+        was_running = b.status == SequenceStatus.RUNNING
+        computed = b.num_computed_tokens
+        engine.step()
+        if was_running and b.status == SequenceStatus.WAITING:
+            preempted_at.append(computed)
+    assert preempted_at and preempted_at[0] < b.num_prompt_tokens
+    assert [cached for seq, cached, _ in engine.admissions if seq is b][-1] > 0
+    assert a.completion_token_ids == reference_completion(list(range(10)), 20)
+    assert b.completion_token_ids == reference_completion(list(range(20, 48)), 5)
+
+
+# ---- requests that cannot fit -------------------------------------------------------------------
+def test_request_that_can_never_fit_is_refused():
+    """Guards against accepting a request larger than the whole pool (it would wait forever): add
+    raises ValueError, queues nothing, and the scheduler still serves requests that fit."""
+    engine = FakeEngine(num_blocks=4, block_size=4)
+    with pytest.raises(ValueError):
+        engine.add(list(range(10)), max_tokens=10)   # 20 tokens: 5 blocks
+    assert not engine.scheduler.has_unfinished()
+    seq = engine.add(list(range(10)), max_tokens=6)  # 16 tokens: 4 blocks, fits exactly
+    engine.run()
+    assert seq.completion_token_ids == reference_completion(list(range(10)), 6)
+
+
+def test_prompt_longer_than_max_model_len_is_refused():
+    """Guards against check_fits capping a request at max_model_len even when its prompt alone is
+    longer: such a prompt needs more blocks than the pool, so without a refusal the scheduler spins
+    on empty batches forever. (LLM refuses these prompts itself; the scheduler should too.)"""
+    engine = FakeEngine(num_blocks=4, block_size=4, max_model_len=16, max_num_batched_tokens=8)
+    with pytest.raises(ValueError):
+        engine.add(list(range(20)), max_tokens=2)    # 20 prompt tokens: 5 blocks, pool has 4
+
+
+# ---- prefix caching -----------------------------------------------------------------------------
+def test_second_wave_computes_only_uncached_tokens():
+    """Guards against prefix hits that are not really used (tokens recomputed) or that change
+    results: a second wave sharing a 32-token prefix with a finished first wave computes only its
+    own tails (and decodes), with outputs identical with caching on and off."""
+    rng = random.Random(3)
+    prefix = [rng.randrange(VOCAB) for _ in range(32)]
+    wave1 = [(prefix + [1, i, 5, 6, 7], 6) for i in range(4)]
+    wave2 = [(prefix + [2, i, 9], 6) for i in range(4)]  # tails differ from wave 1's first token on
+    outputs = {}
+    for caching in (True, False):
+        engine = FakeEngine(block_size=4, enable_prefix_caching=caching)
+        first = [engine.add(*r) for r in wave1]
+        engine.run()
+        second = [engine.add(*r) for r in wave2]
+        engine.run()
+        hit = 32 if caching else 0
+        for seq, (prompt, max_tokens) in zip(second, wave2):
+            assert engine.tokens_computed(seq) == len(prompt) - hit + max_tokens - 1
+            assert seq.num_computed_tokens == 0  # freed
+        for seq, (prompt, max_tokens) in zip(first, wave1):
+            assert engine.tokens_computed(seq) == len(prompt) + max_tokens - 1
+        outputs[caching] = [s.completion_token_ids for s in first + second]
+    assert outputs[True] == outputs[False] == [reference_completion(*r) for r in wave1 + wave2]
+
+
+@pytest.mark.parametrize("budget", [100, 24])
+def test_shared_prefix_admitted_in_one_step(budget):
+    """Guards against two sequences with a common prefix, admitted in the same step, sharing blocks
+    that neither has computed yet (or one overwriting the other's): both compute the prefix, the
+    fake KV check passes, outputs are right, and a later request hits the published prefix."""
+    prefix = list(range(16))
+    engine = FakeEngine(block_size=4, max_num_batched_tokens=budget)
+    a = engine.add(prefix + [40, 41], max_tokens=4)
+    b = engine.add(prefix + [42], max_tokens=4)
+    first = engine.step()
+    assert [seq for seq, _ in first] == [a, b] and b.num_cached_tokens == 0
+    c = engine.add(prefix + [43, 44, 45], max_tokens=4)
+    engine.run()
+    assert [s.completion_token_ids for s in (a, b, c)] == [
+        reference_completion(prefix + [40, 41], 4), reference_completion(prefix + [42], 4),
+        reference_completion(prefix + [43, 44, 45], 4)]
+    assert any(seq is c and cached == 16 for seq, cached, _ in engine.admissions)
+
+
+@pytest.mark.parametrize("prompt_len", [16, 17, 3])
+def test_fully_cached_prompt_still_computes_and_samples(prompt_len):
+    """Guards against a prompt whose every block is cached being admitted with nothing to compute
+    (no logits, no first token, or a stuck sequence): the repeat computes at least one token,
+    samples, and matches the first run."""
+    prompt = list(range(prompt_len))
+    engine = FakeEngine(block_size=4)
+    first = engine.add(prompt, max_tokens=5)
+    engine.run()
+    again = engine.add(prompt, max_tokens=5)
+    batch = engine.step()
+    (seq, num_new), = batch
+    assert seq is again and num_new >= 1 and again.num_completion_tokens == 1
+    assert again.num_cached_tokens == (prompt_len - 1) // 4 * 4
+    assert num_new == prompt_len - again.num_cached_tokens
+    engine.run()
+    assert again.completion_token_ids == first.completion_token_ids == reference_completion(prompt, 5)
+
+
+def test_one_token_request_with_cached_prompt():
+    """Guards against the max_tokens=1 path at a full hit: admitted, computes its last block, samples
+    one token and finishes in a single step, freeing everything."""
+    engine = FakeEngine(block_size=4)
+    engine.add(list(range(8)), max_tokens=1)
+    engine.run()
+    again = engine.add(list(range(8)), max_tokens=1)
+    assert engine.run() == 1
+    assert again.completion_token_ids == reference_completion(list(range(8)), 1)
+
+
+def test_num_cached_tokens_survives_later_steps():
+    """Guards against the prefix-hit count of a request being lost after admission: LLM reports
+    seq.num_cached_tokens in RequestOutput.num_cached_tokens when the request finishes, so it must
+    still say how many prompt tokens came from the cache after the request decoded."""
+    engine = FakeEngine(block_size=4)
+    prompt = list(range(12))
+    engine.add(prompt, max_tokens=3)
+    engine.run()
+    again = engine.add(prompt + [99], max_tokens=3)
+    engine.step()
+    assert again.num_cached_tokens == 12
+    engine.run()
+    assert again.finish_reason == "length"
+    assert again.num_cached_tokens == 12
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_caching_on_off_and_colliding_hash_agree_under_preemption(seed):
+    """Guards against prefix caching, hash collisions or preemption changing any output: the same
+    random workload with staggered arrivals, on a tight pool, gives the reference tokens with caching
+    off, on, and on with a hash function where every block collides."""
+    rng = random.Random(100 + seed)
+    requests = random_requests(rng, 12, prompt_len=(8, 40), max_tokens=(1, 20))
+    arrivals = [rng.randint(0, 40) for _ in requests]
+    bs = rng.choice([1, 2, 4])
+    common = dict(block_size=bs, num_blocks=blocks_for(requests, bs) + rng.randint(0, 6),
+                  max_num_batched_tokens=rng.choice([7, 32]), max_num_seqs=rng.choice([4, 12]))
+    expected = [reference_completion(*r) for r in requests]
+    preemptions = 0
+    for kwargs in (dict(enable_prefix_caching=False), dict(),
+                   dict(hash_fn=lambda parent, tokens: 0)):
+        engine, outputs = run_requests(requests, arrivals, **common, **kwargs)
+        assert outputs == expected
+        preemptions += engine.scheduler.num_preemptions
+    assert preemptions > 0
