@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one go: the GPU tests, then every benchmark, each result also saved as
+# JSON under $OUT (default ./gpu-results). Stages can be picked to fit a time limit:
+#   bash gpu_check.sh            # tests + bench
+#   bash gpu_check.sh tests      # pytest -m gpu only
+#   bash gpu_check.sh bench      # the benchmarks only
+#   bash gpu_check.sh hf         # transformers' continuous batching on 64 requests, beside nanoserve
+set -uo pipefail
+cd "$(dirname "$0")"
+OUT=${OUT:-gpu-results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+stages=${*:-tests bench}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u +%F)"
+for stage in $stages; do
+  case $stage in
+    tests) python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -25 ;;
+    bench)
+      python3 bench.py --attention --json "$OUT/attention.json"
+      python3 bench.py --json "$OUT/throughput.json"
+      python3 bench.py --latency --json "$OUT/latency.json"
+      python3 bench.py --prefix --json "$OUT/prefix.json"
+      python3 bench.py --cpu-profile --json "$OUT/cpu_profile.json" ;;
+    hf) python3 bench.py --num-seqs 64 --compare hf --json "$OUT/compare_hf.json" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
