@@ -117,7 +117,7 @@ class ModelRunner:
                               [[0] * self.max_blocks_per_seq for _ in seq_lens])
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         hidden = self.model(ids, ids, [(scratch[0], scratch[1])] * a.num_layers, meta)
-        self.model.compute_logits(hidden[:cfg.max_num_seqs].expand(cfg.max_num_seqs, -1))
+        self.model.compute_logits(hidden[:1].expand(cfg.max_num_seqs, -1))
         torch.cuda.synchronize()
 
     # ---- one step ---------------------------------------------------------------------------------
