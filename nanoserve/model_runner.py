@@ -6,6 +6,7 @@ KV cache size: every token keeps a K and a V vector per layer and KV head, so
     bytes per token = 2 x num_layers x num_kv_heads x head_dim x bytes per element,
 and the pool is as many blocks of `block_size` tokens as the memory left after weights and activations holds.
 """
+import array
 import glob
 import logging
 import os
@@ -111,35 +112,18 @@ class ModelRunner:
         cfg, a = self.config, self.args
         num_tokens = cfg.max_num_batched_tokens
         seq_lens = [min(cfg.max_model_len, num_tokens - i) for i in range(0, num_tokens, cfg.max_model_len)]
-        scratch = torch.zeros(2, self.block_size, a.num_kv_heads, a.head_dim, dtype=self.dtype,
-                              device=self.device)[:, None]
-        meta = self._metadata([PAD_SLOT] * num_tokens, seq_lens, seq_lens,
-                              [[0] * self.max_blocks_per_seq for _ in seq_lens])
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        scratch = torch.zeros(2, 1, self.block_size, a.num_kv_heads, a.head_dim, dtype=self.dtype,
+                              device=self.device)
+        ids, _, meta = self._upload([0] * num_tokens, [0] * num_tokens, [PAD_SLOT] * num_tokens, seq_lens,
+                                    seq_lens, [0] * (len(seq_lens) * self.max_blocks_per_seq))
         hidden = self.model(ids, ids, [(scratch[0], scratch[1])] * a.num_layers, meta)
         self.model.compute_logits(hidden[:1].expand(cfg.max_num_seqs, -1))
         torch.cuda.synchronize()
 
     # ---- one step ---------------------------------------------------------------------------------
-    def _to_device(self, data, dtype) -> torch.Tensor:
-        pinned = self.device.type == "cuda"
-        return torch.tensor(data, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=True)
-
-    def _metadata(self, slot_mapping, query_lens, context_lens, block_tables) -> AttentionMetadata:
-        query_start_loc = [0]
-        for n in query_lens:
-            query_start_loc.append(query_start_loc[-1] + n)
-        return AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping, torch.int32),
-            query_start_loc=self._to_device(query_start_loc, torch.int32),
-            context_lens=self._to_device(context_lens, torch.int32),
-            block_tables=self._to_device(block_tables, torch.int32),
-            max_query_len=max(query_lens), max_context_len=max(context_lens),
-            decode_only=max(query_lens) == 1)
-
     def prepare(self, batch: ScheduledBatch):
         """Flatten the batch: token ids, positions and cache slots per token; per sequence, its query
-        length, context length and block table; and which rows' logits to sample."""
+        length, context length and block table (padded to the longest); and which rows' logits to sample."""
         bs = self.block_size
         input_ids, positions, slots, query_lens, context_lens, sample_rows = [], [], [], [], [], []
         for seq, num_new in batch:
@@ -154,10 +138,29 @@ class ModelRunner:
             if end == seq.num_tokens:  # the chunk reaches the sequence's end: its logits pick a token
                 sample_rows.append(len(input_ids) - 1)
         width = max(len(seq.block_table) for seq, _ in batch)
-        block_tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in batch]
-        meta = self._metadata(slots, query_lens, context_lens, block_tables)
-        return (self._to_device(input_ids, torch.long), self._to_device(positions, torch.long),
-                meta, sample_rows)
+        block_tables = []
+        for seq, _ in batch:
+            block_tables += seq.block_table
+            block_tables += [0] * (width - len(seq.block_table))
+        return (*self._upload(input_ids, positions, slots, query_lens, context_lens, block_tables), sample_rows)
+
+    def _upload(self, input_ids, positions, slots, query_lens, context_lens, block_tables):
+        """All of a step's integer inputs in one int32 buffer and one host-to-device copy: per-element
+        conversion and per-copy overhead are most of the host's work in a decode step."""
+        query_start_loc = [0]
+        for n in query_lens:
+            query_start_loc.append(query_start_loc[-1] + n)
+        parts = (input_ids, positions, slots, query_start_loc, context_lens, block_tables)
+        host = torch.frombuffer(array.array("i", sum(parts, [])), dtype=torch.int32)
+        if self.device.type == "cuda":
+            host = host.pin_memory()  # a pinned source lets the copy run asynchronously
+        ids, pos, slot_mapping, qsl, ctx, tables = host.to(self.device, non_blocking=True).split(
+            [len(p) for p in parts])
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping, query_start_loc=qsl, context_lens=ctx,
+            block_tables=tables.view(len(context_lens), -1), max_query_len=max(query_lens),
+            max_context_len=max(context_lens), decode_only=max(query_lens) == 1)
+        return ids, pos, meta
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch):
