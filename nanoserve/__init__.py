@@ -13,3 +13,4 @@ if not _logger.handlers:  # start-up facts (KV cache size) are shown, as vLLM sh
     _handler.setFormatter(logging.Formatter("nanoserve: %(message)s"))
     _logger.addHandler(_handler)
     _logger.setLevel(logging.INFO)
+    _logger.propagate = False  # an application's own logging config would print each line twice

@@ -118,7 +118,7 @@ class BlockManager:
         num_revived = sum(self.blocks[b].ref_count == 0 for b in cached_blocks)
         if num_new_blocks + num_revived > self.num_free_blocks:
             return False
-        if seq.num_computed_tokens == 0:  # admission: count the prefix-cache query
+        if seq.num_cached_tokens is None:  # first admission; a preempted sequence's recompute is not a query
             seq.num_cached_tokens = len(cached_blocks) * self.block_size
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += seq.num_cached_tokens

@@ -17,7 +17,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9      # share of the GPU that weights, activations and KV may use
     enable_prefix_caching: bool = True
     enforce_eager: bool = False         # no CUDA graphs
-    dtype: str = "auto"                 # auto: the checkpoint's dtype on GPU, float32 on CPU
+    dtype: str = "auto"                 # auto: float32 on CPU; on GPU the checkpoint's if 16-bit, else bf16
     device: str = "auto"                # auto: cuda when available
     attention_backend: str = "auto"     # "triton" | "torch" (the reference); auto: triton on cuda
 
@@ -49,8 +49,8 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device == "cuda" else "torch"
-        if self.device == "cpu":
-            self.enforce_eager = True  # CUDA graphs need a GPU
+        if self.device == "cpu" or self.attention_backend == "torch":
+            self.enforce_eager = True  # CUDA graphs need a GPU and the sync-free Triton kernels
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         if self.dtype != "auto":

@@ -3,6 +3,7 @@
 It validates every request before any work, then loops: the scheduler picks a batch, the model runner
 computes it and samples, and finished sequences leave, freeing their blocks, while new ones join.
 """
+import numbers
 import os
 import time
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from nanoserve.model_runner import ModelRunner
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
+
+STOP_WINDOW_SLACK = 8  # extra tokens decoded when looking for a stop string at the end of the output
 
 
 @dataclass
@@ -77,8 +80,10 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
             ids = self.tokenizer.encode(prompt)
-        else:
+        elif all(isinstance(t, numbers.Integral) for t in prompt):
             ids = [int(t) for t in prompt]
+        else:
+            raise ValueError("prompt must be a string or a list of integer token ids")
         if not ids:
             raise ValueError("prompt is empty")
         if not all(0 <= t < self.vocab_size for t in ids):
@@ -97,8 +102,15 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        for p in params:
+            if not all(0 <= t < self.vocab_size for t in p.stop_token_ids):
+                raise ValueError(f"SamplingParams.stop_token_ids must lie in [0, {self.vocab_size})")
+            if p.logprobs is not None and p.logprobs > self.vocab_size:
+                raise ValueError(f"SamplingParams.logprobs={p.logprobs} exceeds the vocabulary")
         seqs = [Sequence(self._prompt_ids(p), sp, self.config.kvcache_block_size)
                 for p, sp in zip(prompts, params)]
+        for seq, prompt in zip(seqs, prompts):
+            seq.prompt = prompt if isinstance(prompt, str) else None
         for seq in seqs:
             self.scheduler.check_fits(seq)
         return seqs
@@ -150,20 +162,22 @@ class LLM:
     def _decode(self, token_ids) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
-    def _stop_string_at(self, seq: Sequence) -> int | None:
-        """Where the first stop string starts in the output text. Decodes the whole output: simple,
-        and only for requests that set stop strings."""
-        text = self._decode(seq.completion_token_ids)
+    def _stop_string_at(self, seq: Sequence, tail_only: bool = True) -> int | None:
+        """Where the first stop string starts in the output text. Checked every step, so only a tail
+        that could hold a new match is decoded (every token is at least one character; a few more
+        tokens cover characters split across byte-level tokens)."""
+        window = max(map(len, seq.params.stop)) + STOP_WINDOW_SLACK if tail_only else seq.num_completion_tokens
+        text = self._decode(seq.completion_token_ids[-window:])
         found = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
         return min(found) if found else None
 
     def _output(self, seq: Sequence) -> RequestOutput:
         text = self._decode(seq.completion_token_ids)
         if seq.params.stop and seq.finish_reason == "stop":
-            cut = self._stop_string_at(seq)
+            cut = self._stop_string_at(seq, tail_only=False)
             text = text if cut is None else text[:cut]
         return RequestOutput(
-            prompt=None, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+            prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
             token_ids=seq.completion_token_ids, text=text, finish_reason=seq.finish_reason,
             logprobs=seq.logprobs if seq.params.logprobs is not None else None,
             num_cached_tokens=seq.num_cached_tokens)

@@ -18,10 +18,21 @@ from nanoserve.attention import PAD_SLOT, AttentionMetadata
 from nanoserve.config import EngineConfig
 from nanoserve.model import CausalLM, ModelArgs, load_weights
 from nanoserve.sampler import Sampler
+from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import ScheduledBatch
 
 logger = logging.getLogger("nanoserve")
 CPU_KV_CACHE_BYTES = 1 << 30  # without a GPU to profile, give the KV cache 1 GiB of host memory
+# Triton compiles a kernel variant per alignment of its pointer and integer arguments (divisible by 16
+# or not): keeping every input view 16-byte aligned and block-table widths a multiple of 16 means one
+# variant, compiled at warm-up rather than in the middle of a run.
+INTS_PER_16_BYTES = 4
+BLOCK_TABLE_WIDTH_MULTIPLE = 16
+PROFILE_SAMPLING = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, logprobs=1)  # the sampler's costliest path
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -68,7 +79,7 @@ class ModelRunner:
                                  config.attention_backend == "triton")
         self.eos_token_ids = eos_token_ids
         self.block_size = config.kvcache_block_size
-        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.max_blocks_per_seq = round_up(-(-config.max_model_len // self.block_size), BLOCK_TABLE_WIDTH_MULTIPLE)
         self.num_kvcache_blocks = config.num_kvcache_blocks or self.blocks_from_memory()
         a = self.args
         # [K or V, layer, block, slot in block, kv head, head_dim]
@@ -91,8 +102,11 @@ class ModelRunner:
     # ---- KV cache sizing ------------------------------------------------------------------------
     def blocks_from_memory(self) -> int:
         block_bytes = self.kv_bytes_per_token * self.block_size
+        # More blocks than every sequence at full length need only feed the prefix cache, and each
+        # costs a Python object in the block manager: small models would otherwise get millions.
+        enough = self.config.max_num_seqs * self.max_blocks_per_seq
         if self.device.type == "cpu":
-            return min(CPU_KV_CACHE_BYTES // block_bytes, self.config.max_num_seqs * self.max_blocks_per_seq)
+            return min(CPU_KV_CACHE_BYTES // block_bytes, enough)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         self.profile_run()
@@ -103,21 +117,23 @@ class ModelRunner:
         if budget < block_bytes:
             raise ValueError(f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no "
                              f"memory for the KV cache (weights and activations take {peak / 2**30:.1f} GiB)")
-        return int(budget // block_bytes)
+        return min(int(budget // block_bytes), enough)
 
     @torch.inference_mode()
     def profile_run(self):
-        """The biggest step the scheduler can make: max_num_batched_tokens of prefill, and logits for
-        max_num_seqs rows. KV writes are skipped (padded slots) into a one-block scratch cache."""
+        """The biggest step the scheduler can make: max_num_batched_tokens of prefill, then logits and
+        sampling for max_num_seqs rows. KV writes are skipped (padded slots) into a one-block scratch cache."""
         cfg, a = self.config, self.args
         num_tokens = cfg.max_num_batched_tokens
         seq_lens = [min(cfg.max_model_len, num_tokens - i) for i in range(0, num_tokens, cfg.max_model_len)]
         scratch = torch.zeros(2, 1, self.block_size, a.num_kv_heads, a.head_dim, dtype=self.dtype,
                               device=self.device)
-        ids, _, meta = self._upload([0] * num_tokens, [0] * num_tokens, [PAD_SLOT] * num_tokens, seq_lens,
-                                    seq_lens, [0] * (len(seq_lens) * self.max_blocks_per_seq))
+        ids, _, meta, _ = self._upload([0] * num_tokens, [0] * num_tokens, [PAD_SLOT] * num_tokens, seq_lens,
+                                       seq_lens, [0] * (len(seq_lens) * self.max_blocks_per_seq), [0])
         hidden = self.model(ids, ids, [(scratch[0], scratch[1])] * a.num_layers, meta)
-        self.model.compute_logits(hidden[:1].expand(cfg.max_num_seqs, -1))
+        logits = self.model.compute_logits(hidden[:1].expand(cfg.max_num_seqs, -1))
+        n = cfg.max_num_seqs
+        self.sampler(logits, [PROFILE_SAMPLING] * n, [1] * n, [[]] * n)
         torch.cuda.synchronize()
 
     # ---- one step ---------------------------------------------------------------------------------
@@ -137,44 +153,45 @@ class ModelRunner:
             context_lens.append(end)
             if end == seq.num_tokens:  # the chunk reaches the sequence's end: its logits pick a token
                 sample_rows.append(len(input_ids) - 1)
-        width = max(len(seq.block_table) for seq, _ in batch)
+        width = round_up(max(len(seq.block_table) for seq, _ in batch), BLOCK_TABLE_WIDTH_MULTIPLE)
         block_tables = []
         for seq, _ in batch:
             block_tables += seq.block_table
             block_tables += [0] * (width - len(seq.block_table))
-        return (*self._upload(input_ids, positions, slots, query_lens, context_lens, block_tables), sample_rows)
+        return self._upload(input_ids, positions, slots, query_lens, context_lens, block_tables, sample_rows)
 
-    def _upload(self, input_ids, positions, slots, query_lens, context_lens, block_tables):
+    def _upload(self, input_ids, positions, slots, query_lens, context_lens, block_tables, logits_indices):
         """All of a step's integer inputs in one int32 buffer and one host-to-device copy: per-element
         conversion and per-copy overhead are most of the host's work in a decode step."""
         query_start_loc = [0]
         for n in query_lens:
             query_start_loc.append(query_start_loc[-1] + n)
-        parts = (input_ids, positions, slots, query_start_loc, context_lens, block_tables)
-        host = torch.frombuffer(array.array("i", sum(parts, [])), dtype=torch.int32)
+        parts = [input_ids, positions, slots, query_start_loc, context_lens, block_tables, logits_indices]
+        padded = [p + [0] * (-len(p) % INTS_PER_16_BYTES) for p in parts]  # each view starts 16-byte aligned
+        host = torch.frombuffer(array.array("i", sum(padded, [])), dtype=torch.int32)
         if self.device.type == "cuda":
             host = host.pin_memory()  # a pinned source lets the copy run asynchronously
-        ids, pos, slot_mapping, qsl, ctx, tables = host.to(self.device, non_blocking=True).split(
-            [len(p) for p in parts])
+        views = host.to(self.device, non_blocking=True).split([len(p) for p in padded])
+        ids, pos, slot_mapping, qsl, ctx, tables, rows = (v[:len(p)] for v, p in zip(views, parts))
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, query_start_loc=qsl, context_lens=ctx,
             block_tables=tables.view(len(context_lens), -1), max_query_len=max(query_lens),
             max_context_len=max(context_lens), decode_only=max(query_lens) == 1)
-        return ids, pos, meta
+        return ids, pos, meta, rows
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch):
         """Run one step; returns a token (and logprobs) for each sequence whose computed tokens reach
         its end, in batch order."""
-        input_ids, positions, meta, sample_rows = self.prepare(batch)
-        if meta.decode_only and len(batch) <= max(self.graphs, default=0):
+        input_ids, positions, meta, logits_indices = self.prepare(batch)
+        if meta.decode_only and self.graphs:  # graphs exist up to max_num_seqs, the most a step holds
             hidden = self.replay_graph(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         sampling = [seq for seq, num_new in batch if seq.num_computed_tokens + num_new == seq.num_tokens]
         if not sampling:
             return [], None
-        logits = self.model.compute_logits(hidden[sample_rows])
+        logits = self.model.compute_logits(hidden[logits_indices])
         return self.sampler(logits, [s.params for s in sampling], [s.num_tokens for s in sampling],
                             [self._banned_tokens(s) for s in sampling])
 
@@ -194,8 +211,8 @@ class ModelRunner:
         dev = self.device
         self.graph_sizes = graph_batch_sizes(n)
         self.graph_in = dict(
-            input_ids=torch.zeros(n, dtype=torch.long, device=dev),
-            positions=torch.zeros(n, dtype=torch.long, device=dev),
+            input_ids=torch.zeros(n, dtype=torch.int32, device=dev),
+            positions=torch.zeros(n, dtype=torch.int32, device=dev),
             slot_mapping=torch.full((n,), PAD_SLOT, dtype=torch.int32, device=dev),
             context_lens=torch.zeros(n, dtype=torch.int32, device=dev),
             block_tables=torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=dev),

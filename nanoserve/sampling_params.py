@@ -25,6 +25,7 @@ class SamplingParams:
             "max_tokens": self.max_tokens >= 1,
             "min_tokens": 0 <= self.min_tokens <= self.max_tokens,
             "logprobs": self.logprobs is None or self.logprobs >= 0,
+            "seed": self.seed is None or isinstance(self.seed, int),
         }
         for field, ok in checks.items():
             if not ok:

@@ -18,6 +18,7 @@ class Sequence:
 
     def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int):
         self.seq_id = next(Sequence._ids)
+        self.prompt: str | None = None       # the text, when the request came as text
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.params = params
@@ -25,12 +26,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []   # physical block ids, in token order
         self.num_computed_tokens = 0       # tokens whose K/V are in the cache
-        self.num_cached_tokens = 0         # of those, how many came from the prefix cache
+        self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served; None until admitted
         self.finish_reason: str | None = None
         self.logprobs: list[dict] = []     # one entry per generated token when params.logprobs is set
-
-    def __len__(self):
-        return len(self.token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -47,10 +45,6 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
 
     def block_tokens(self, i: int) -> tuple[int, ...]:
         """The token ids that block i of this sequence holds (or will hold)."""

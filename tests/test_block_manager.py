@@ -104,15 +104,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert block.hash is not None and block.key[1] == seq.block_tokens(i)
         num_new = min(chunk, seq.num_tokens - len(cached) * bs)
         before = snapshot(self.bm, seq)
+        first_admission = seq.num_cached_tokens is None
         if not self.bm.allocate(seq, num_new, cached):
             assert snapshot(self.bm, seq) == before, "a failed allocate changed state"
             return
         self.waiting.remove(seq)
         self.live.append(seq)
-        self.hit_tokens += len(cached) * bs
-        self.queried_tokens += seq.num_tokens
+        if first_admission:  # a preempted sequence's readmission is recompute, not a new query
+            self.hit_tokens += len(cached) * bs
+            self.queried_tokens += seq.num_tokens
+            assert seq.num_cached_tokens == len(cached) * bs
         assert seq.block_table[:len(cached)] == cached
-        assert seq.num_computed_tokens == seq.num_cached_tokens == len(cached) * bs
+        assert seq.num_computed_tokens == len(cached) * bs
         # the hit blocks must hold this sequence's own prefix, whole, not just matching tokens
         check_kv_reads(self.bm, self.kv, seq, seq.num_computed_tokens)
         self._compute(seq, num_new, token)

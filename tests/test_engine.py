@@ -47,6 +47,8 @@ def test_preemption_under_small_pool_gives_same_outputs(llama):
     assert [o.token_ids for o in outs] == [o.token_ids for o in free]
     stats = tight.stats()
     assert stats["preemptions"] > 0 and stats["kv_blocks_used"] == 0
+    # recomputing a preempted sequence is not a prefix-cache query: no hits on these distinct prompts
+    assert stats["prefix_hit_tokens"] == 0 and all(o.num_cached_tokens == 0 for o in outs)
 
 
 def test_prefix_cache_computes_only_uncached_tokens(llama):
@@ -148,6 +150,15 @@ def test_bad_requests_raise_before_work_and_engine_stays_usable(llama):
                                                                    use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([good, good], [GREEDY], use_tqdm=False)
+    with pytest.raises(ValueError, match="integer token ids"):
+        llm.generate([[5.5, 7.0]], GREEDY, use_tqdm=False)
+    for bad_params, field in [(SamplingParams(stop_token_ids=[10**6], min_tokens=2), "stop_token_ids"),
+                              (SamplingParams(stop_token_ids=[-1]), "stop_token_ids"),
+                              (SamplingParams(logprobs=10**6), "logprobs")]:
+        with pytest.raises(ValueError, match=field):
+            llm.generate([good], bad_params, use_tqdm=False)
+    huge_seed = SamplingParams(temperature=1.0, max_tokens=4, seed=2**80)  # any int seed is fine
+    assert len(llm.generate([good], huge_seed, use_tqdm=False)[0].token_ids) == 4
     assert llm.stats()["kv_blocks_used"] == 0 and not llm.scheduler.has_unfinished()
     assert llm.generate([good], GREEDY, use_tqdm=False)[0].token_ids == hf_greedy(hf, good, 24)
 

@@ -72,7 +72,7 @@ class FakeEngine:
         for seq, _ in batch:
             if seq.seq_id in was_waiting:
                 hit = seq.num_computed_tokens // bm.block_size
-                self.admissions.append((seq, seq.num_cached_tokens, seq.block_table[:hit]))
+                self.admissions.append((seq, hit * bm.block_size, seq.block_table[:hit]))  # tokens hit now
         # the model step: all reads of earlier K/V, then all writes, as one forward would
         for seq, num_new in batch:
             for p in range(seq.num_computed_tokens):
