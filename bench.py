@@ -8,12 +8,20 @@ host-side step costs (--cpu-profile) and the attention kernels (--attention).
 import argparse
 import json
 import random
+import shutil
 import tempfile
 import time
 
 import torch
 
 from nanoserve import LLM, SamplingParams
+
+PROMPT_ID_RANGE = 10000          # prompt token ids are uniform in [0, PROMPT_ID_RANGE] (nano-vllm's bench)
+MIN_LEN = 100                    # prompt and output lengths are uniform in [MIN_LEN, --max-*-len]
+PREFIX_QUESTION_LEN = 64         # --prefix: per-request question after the shared system prompt...
+PREFIX_ANSWER_LEN = 64           # ...and the answer's length
+LATENCY_PROMPT_LEN, LATENCY_NEW_TOKENS = 512, 256
+HF_RESULT_TIMEOUT_S = 600        # --compare hf: longest wait for one finished request
 
 ARCHS = {  # public configs; the weights are random, which with ignore_eos does not change throughput
     "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -35,8 +43,8 @@ def random_model_dir(arch: str) -> str:
 def standard_workload(num_seqs, max_input_len, max_output_len):
     """nano-vllm's bench.py workload: random prompt ids and lengths, then random output lengths."""
     random.seed(0)
-    low_in, low_out = min(100, max_input_len), min(100, max_output_len)  # small smoke-test sizes allowed
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(low_in, max_input_len))]
+    low_in, low_out = min(MIN_LEN, max_input_len), min(MIN_LEN, max_output_len)  # smoke-test sizes allowed
+    prompts = [[random.randint(0, PROMPT_ID_RANGE) for _ in range(random.randint(low_in, max_input_len))]
                for _ in range(num_seqs)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(low_out, max_output_len))
               for _ in range(num_seqs)]
@@ -77,9 +85,10 @@ def run_throughput(llm, args):
 def run_prefix(llm, args):
     """One 2,048-token system prompt shared by every request, a 64-token question, 64 tokens of answer."""
     random.seed(0)
-    system = [random.randint(0, 10000) for _ in range(args.prefix_len)]
-    prompts = [system + [random.randint(0, 10000) for _ in range(64)] for _ in range(args.num_seqs)]
-    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=64)
+    system = [random.randint(0, PROMPT_ID_RANGE) for _ in range(args.prefix_len)]
+    prompts = [system + [random.randint(0, PROMPT_ID_RANGE) for _ in range(PREFIX_QUESTION_LEN)]
+               for _ in range(args.num_seqs)]
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=PREFIX_ANSWER_LEN)
     rows = []
     for caching in (False, True):
         llm.block_manager.enable_prefix_caching = caching
@@ -93,13 +102,14 @@ def run_prefix(llm, args):
 def run_latency(llm, args):
     """One request alone: 512-token prompt, 256 new greedy tokens; decode rate excludes the first token."""
     random.seed(0)
-    prompt = [[random.randint(0, 10000) for _ in range(512)]]
+    prompt = [[random.randint(0, PROMPT_ID_RANGE) for _ in range(LATENCY_PROMPT_LEN)]]
     greedy = dict(temperature=0, ignore_eos=True)
+    llm.block_manager.enable_prefix_caching = False  # both runs compute the prompt, no cache hit
     _, t_first = timed_generate(llm, prompt, SamplingParams(max_tokens=1, **greedy))
-    llm.block_manager.enable_prefix_caching = False  # time the prefill again, not a cache hit
-    outs, t_all = timed_generate(llm, prompt, SamplingParams(max_tokens=256, **greedy))
+    reset_counters(llm)
+    outs, t_all = timed_generate(llm, prompt, SamplingParams(max_tokens=LATENCY_NEW_TOKENS, **greedy))
     row = result_row("latency (1 request)", llm, outs, t_all)
-    row["decode_tok_per_s"] = round(255 / (t_all - t_first), 1)
+    row["decode_tok_per_s"] = round((LATENCY_NEW_TOKENS - 1) / (t_all - t_first), 1)
     row["first_token_ms"] = round(t_first * 1000, 1)
     return [row]
 
@@ -107,7 +117,7 @@ def run_latency(llm, args):
 def run_cpu_profile(llm, args):
     """Host time per step, split by stage (with CUDA the forward is only launched; the sample reads tokens
     back, so 'run' includes waiting for the GPU)."""
-    spent = {"schedule": 0.0, "prepare": 0.0, "run": 0.0, "update+finish": 0.0}
+    spent = {"schedule": 0.0, "prepare": 0.0, "run": 0.0, "update": 0.0}
     sched, runner = llm.scheduler, llm.runner
 
     def timed(stage, fn):
@@ -115,16 +125,16 @@ def run_cpu_profile(llm, args):
             start = time.perf_counter()
             result = fn(*a, **k)
             spent[stage] += time.perf_counter() - start
+            wrapper.calls += 1
             return result
+        wrapper.calls = 0
         return wrapper
     sched.schedule, runner.prepare = timed("schedule", sched.schedule), timed("prepare", runner.prepare)
-    runner.run, sched.update = timed("run", runner.run), timed("update+finish", sched.update)
-    steps = [0]
-    llm_step = llm.step
-    llm.step = lambda: (steps.__setitem__(0, steps[0] + 1), llm_step())[1]
+    runner.run, sched.update = timed("run", runner.run), timed("update", sched.update)
     rows = run_throughput(llm, args)
+    steps = llm.scheduler.schedule.calls
     for stage, seconds in spent.items():
-        rows[0][f"{stage}_ms_per_step"] = round(1000 * seconds / steps[0], 3)
+        rows[0][f"{stage}_ms_per_step"] = round(1000 * seconds / steps, 3)
     rows[0]["run_ms_per_step"] = round(rows[0]["run_ms_per_step"] - rows[0]["prepare_ms_per_step"], 3)
     return rows
 
@@ -138,20 +148,22 @@ def run_compare_hf(model_dir, args):
     prompts, params = standard_workload(args.num_seqs, args.max_input_len, args.max_output_len)
     config = GenerationConfig(do_sample=True, temperature=0.6, max_new_tokens=args.max_output_len, eos_token_id=-1)
     manager = model.init_continuous_batching(generation_config=config)
+    if hasattr(manager, "warmup"):
+        manager.warmup()  # its CUDA-graph capture, outside the timed run as ours is
     manager.start()
     start = time.perf_counter()
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=p.max_tokens)
     tokens, done = 0, 0
     while done < len(prompts):
-        result = manager.get_result(timeout=60)
+        result = manager.get_result(timeout=HF_RESULT_TIMEOUT_S)
         if result is None:
             raise RuntimeError("transformers' continuous batching stopped before finishing")
         if result.is_finished():
             tokens, done = tokens + len(result.generated_tokens), done + 1
     seconds = time.perf_counter() - start
     manager.stop(block=True)
-    return [{"run": "transformers generate_batch", "requests": len(prompts), "output_tokens": tokens,
+    return [{"run": "transformers continuous batching", "requests": len(prompts), "output_tokens": tokens,
              "seconds": round(seconds, 2), "tok_per_s": round(tokens / seconds, 1)}]
 
 
@@ -173,7 +185,7 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--prefix-len", type=int, default=2048, help="shared prompt length for --prefix")
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--compare", choices=["hf"], help="also run the requests through transformers")
+    ap.add_argument("--compare", choices=["hf"], help="also run the standard requests through transformers")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--prefix", action="store_true", help="shared 2k-token system prompt, caching on vs off")
     mode.add_argument("--latency", action="store_true", help="one request: 512 prompt, 256 new tokens")
@@ -181,12 +193,15 @@ def main():
     mode.add_argument("--attention", action="store_true", help="the attention kernels beside SDPA")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
+    if args.compare and (args.prefix or args.latency or args.attention):
+        ap.error("--compare runs the standard workload; use it without --prefix/--latency/--attention")
 
     if args.attention:
         from bench_attention import run_attention_bench
         rows = run_attention_bench()
     else:
         model_dir = args.model or random_model_dir(args.arch)
+        temporary = args.model is None
         if not args.model:
             print(f"model: {args.arch} architecture with random weights (ignore_eos: throughput does not depend on them)")
         llm = LLM(model_dir, max_model_len=args.max_model_len, max_num_seqs=min(args.num_seqs, 256),
@@ -200,9 +215,12 @@ def main():
             row["device"] = device
         if args.compare == "hf":
             del llm
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             rows += run_compare_hf(model_dir, args)
             print(f"nanoserve / transformers: {rows[0]['tok_per_s'] / rows[-1]['tok_per_s']:.1f}x")
+        if temporary:
+            shutil.rmtree(model_dir, ignore_errors=True)
     print_table(rows)
     print(json.dumps(rows))
     if args.json:

@@ -1,11 +1,16 @@
 """The engine end to end on a tiny random model: chunked prefill, preemption and prefix caching must not
 change greedy outputs; bad input fails early and leaves the engine usable; no block ever leaks."""
+from functools import partial
+
 import pytest
 import torch
 from conftest import hf_greedy, random_prompts
 
-from nanoserve import LLM, SamplingParams
+import nanoserve
+from nanoserve import SamplingParams
 from nanoserve.sampler import Sampler
+
+LLM = partial(nanoserve.LLM, device="cpu")  # CPU semantics in fp32 on any machine; GPU: test_gpu.py
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -195,8 +200,8 @@ def test_triton_kernels_in_the_engine_match_transformers(tiny_model, family):
     """Guards against kernel bugs that only show in the engine's real metadata (chunked prefill, prefix
     hits, mixed batches). On CPU the kernels run in Triton's interpreter."""
     path, hf = tiny_model(family)
-    llm = LLM(path, attention_backend="triton", max_model_len=128, num_kvcache_blocks=32,
-              max_num_batched_tokens=24)
+    llm = nanoserve.LLM(path, attention_backend="triton", dtype="float32", max_model_len=128,
+                        num_kvcache_blocks=32, max_num_batched_tokens=24)  # on the GPU when there is one
     shared = random_prompts([20])[0]
     prompts = [shared + q for q in random_prompts([4, 13])] + random_prompts([30])
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # caches `shared`

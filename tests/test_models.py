@@ -1,10 +1,15 @@
 """Each model family against transformers on the same random weights, fp32 on CPU: greedy tokens and
 logprobs must match, with prompts of different lengths batched together."""
+from functools import partial
+
 import pytest
 import torch
 from conftest import FAMILIES, hf_greedy, random_prompts
 
-from nanoserve import LLM, SamplingParams
+import nanoserve
+from nanoserve import SamplingParams
+
+LLM = partial(nanoserve.LLM, device="cpu")  # CPU semantics in fp32 on any machine; GPU: test_gpu.py
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

