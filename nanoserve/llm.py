@@ -95,7 +95,7 @@ class LLM:
 
     def _make_sequences(self, prompts, sampling_params) -> list[Sequence]:
         """Everything checked here, before any sequence reaches the scheduler."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
