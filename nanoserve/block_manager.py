@@ -124,7 +124,7 @@ class BlockManager:
             self.prefix_hit_tokens += seq.num_cached_tokens
         for block_id in cached_blocks:
             self._take(block_id)
-        seq.block_table += cached_blocks
+        seq.block_table.extend(cached_blocks)
         seq.num_computed_tokens = num_computed
         for _ in range(num_new_blocks):
             seq.block_table.append(self._take_fresh())
@@ -138,7 +138,7 @@ class BlockManager:
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 self.free_ids[block_id] = None
-        seq.block_table = []
+        del seq.block_table[:]
         seq.num_computed_tokens = 0
 
     def _take(self, block_id: int):

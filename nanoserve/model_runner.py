@@ -129,7 +129,7 @@ class ModelRunner:
         scratch = torch.zeros(2, 1, self.block_size, a.num_kv_heads, a.head_dim, dtype=self.dtype,
                               device=self.device)
         ids, _, meta, _ = self._upload([0] * num_tokens, [0] * num_tokens, [PAD_SLOT] * num_tokens, seq_lens,
-                                       seq_lens, [0] * (len(seq_lens) * self.max_blocks_per_seq), [0])
+                                       seq_lens, array.array("i", bytes(4 * len(seq_lens) * self.max_blocks_per_seq)), [0])
         hidden = self.model(ids, ids, [(scratch[0], scratch[1])] * a.num_layers, meta)
         logits = self.model.compute_logits(hidden[:1].expand(cfg.max_num_seqs, -1))
         n = cfg.max_num_seqs
@@ -154,10 +154,11 @@ class ModelRunner:
             if end == seq.num_tokens:  # the chunk reaches the sequence's end: its logits pick a token
                 sample_rows.append(len(input_ids) - 1)
         width = round_up(max(len(seq.block_table) for seq, _ in batch), BLOCK_TABLE_WIDTH_MULTIPLE)
-        block_tables = []
-        for seq, _ in batch:
+        block_tables = array.array("i")
+        padding = array.array("i", bytes(4 * width))
+        for seq, _ in batch:  # int32 arrays: copied row by row, never converted entry by entry
             block_tables += seq.block_table
-            block_tables += [0] * (width - len(seq.block_table))
+            block_tables += padding[:width - len(seq.block_table)]
         return self._upload(input_ids, positions, slots, query_lens, context_lens, block_tables, sample_rows)
 
     def _upload(self, input_ids, positions, slots, query_lens, context_lens, block_tables, logits_indices):
@@ -167,11 +168,14 @@ class ModelRunner:
         for n in query_lens:
             query_start_loc.append(query_start_loc[-1] + n)
         parts = [input_ids, positions, slots, query_start_loc, context_lens, block_tables, logits_indices]
-        padded = [p + [0] * (-len(p) % INTS_PER_16_BYTES) for p in parts]  # each view starts 16-byte aligned
-        host = torch.frombuffer(array.array("i", sum(padded, [])), dtype=torch.int32)
+        flat = array.array("i")
+        for part in parts:
+            flat += part if isinstance(part, array.array) else array.array("i", part)
+            flat += array.array("i", bytes(4 * (-len(flat) % INTS_PER_16_BYTES)))  # each view 16-byte aligned
+        host = torch.frombuffer(flat, dtype=torch.int32)
         if self.device.type == "cuda":
             host = host.pin_memory()  # a pinned source lets the copy run asynchronously
-        views = host.to(self.device, non_blocking=True).split([len(p) for p in padded])
+        views = host.to(self.device, non_blocking=True).split([round_up(len(p), INTS_PER_16_BYTES) for p in parts])
         ids, pos, slot_mapping, qsl, ctx, tables, rows = (v[:len(p)] for v, p in zip(views, parts))
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, query_start_loc=qsl, context_lens=ctx,

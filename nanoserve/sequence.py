@@ -1,6 +1,7 @@
 """A Sequence is one request as the engine sees it: token ids, how many of them already have KV in the
 cache, and the block table that says where that KV lives. Scheduler and block manager talk in Sequences;
 neither knows about tensors or models."""
+from array import array
 from enum import Enum, auto
 from itertools import count
 
@@ -24,7 +25,8 @@ class Sequence:
         self.params = params
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []   # physical block ids, in token order
+        # physical block ids in token order, as packed int32: the runner copies it, no per-entry conversion
+        self.block_table = array("i")
         self.num_computed_tokens = 0       # tokens whose K/V are in the cache
         self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served; None until admitted
         self.finish_reason: str | None = None

@@ -114,7 +114,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.hit_tokens += len(cached) * bs
             self.queried_tokens += seq.num_tokens
             assert seq.num_cached_tokens == len(cached) * bs
-        assert seq.block_table[:len(cached)] == cached
+        assert list(seq.block_table[:len(cached)]) == cached
         assert seq.num_computed_tokens == len(cached) * bs
         # the hit blocks must hold this sequence's own prefix, whole, not just matching tokens
         check_kv_reads(self.bm, self.kv, seq, seq.num_computed_tokens)
@@ -138,7 +138,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         seq = self.live.pop(index % len(self.live))
         self.bm.free(seq)
-        assert seq.block_table == [] and seq.num_computed_tokens == 0
+        assert len(seq.block_table) == 0 and seq.num_computed_tokens == 0
         self.waiting.insert(0, seq)
 
     @rule(index=st.integers(0, 99))
@@ -191,7 +191,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     assert i < seq.num_computed_tokens // self.bm.block_size
                     assert block.key[1] == seq.block_tokens(i)
         for seq in self.waiting:
-            assert seq.block_table == [] and seq.num_computed_tokens == 0
+            assert len(seq.block_table) == 0 and seq.num_computed_tokens == 0
 
     @invariant()
     def published_blocks_hold_their_tokens(self):
@@ -254,9 +254,9 @@ def test_hit_is_longest_common_full_block_prefix(first, second, block_size, hash
         expected += 1
     hit = bm.find_cached_prefix(new)
     if hash_name == "chained":
-        assert hit == cached_seq.block_table[:expected]
+        assert hit == list(cached_seq.block_table[:expected])
     else:  # a colliding hash_fn may lose hits (the first block on a key keeps it), never invent one
-        assert len(hit) <= expected and hit == cached_seq.block_table[:len(hit)]
+        assert len(hit) <= expected and hit == list(cached_seq.block_table[:len(hit)])
     bm.free(cached_seq)  # freed blocks stay findable, with the same answer
     assert bm.find_cached_prefix(new) == hit
 
@@ -337,7 +337,7 @@ def test_fully_cached_prompt_leaves_last_token_to_compute(block_size):
     second = Sequence(prompt, PARAMS, block_size)
     cached = bm.find_cached_prefix(second)
     assert len(cached) * block_size == len(prompt) - block_size
-    assert cached == first.block_table[:len(cached)]
+    assert cached == list(first.block_table[:len(cached)])
     assert bm.allocate(second, len(prompt) - len(cached) * block_size, cached)
     assert second.num_uncomputed_tokens == block_size >= 1
     assert second.block_table[-1] not in first.block_table

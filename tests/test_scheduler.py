@@ -72,7 +72,7 @@ class FakeEngine:
         for seq, _ in batch:
             if seq.seq_id in was_waiting:
                 hit = seq.num_computed_tokens // bm.block_size
-                self.admissions.append((seq, hit * bm.block_size, seq.block_table[:hit]))  # tokens hit now
+                self.admissions.append((seq, hit * bm.block_size, list(seq.block_table[:hit])))  # tokens hit now
         # the model step: all reads of earlier K/V, then all writes, as one forward would
         for seq, num_new in batch:
             for p in range(seq.num_computed_tokens):
@@ -114,7 +114,7 @@ class FakeEngine:
             assert block.ref_count == owners[block.block_id] >= 0
             assert (block.ref_count == 0) == (block.block_id in bm.free_ids)
         for seq in sched.waiting:
-            assert seq.block_table == [] and seq.num_computed_tokens == 0
+            assert len(seq.block_table) == 0 and seq.num_computed_tokens == 0
 
     def run(self) -> int:
         """Step until everything finished; returns the number of steps."""
