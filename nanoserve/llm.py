@@ -107,10 +107,8 @@ class LLM:
                 raise ValueError(f"SamplingParams.stop_token_ids must lie in [0, {self.vocab_size})")
             if p.logprobs is not None and p.logprobs > self.vocab_size:
                 raise ValueError(f"SamplingParams.logprobs={p.logprobs} exceeds the vocabulary")
-        seqs = [Sequence(self._prompt_ids(p), sp, self.config.kvcache_block_size)
+        seqs = [Sequence(self._prompt_ids(p), sp, self.config.kvcache_block_size, p if isinstance(p, str) else None)
                 for p, sp in zip(prompts, params)]
-        for seq, prompt in zip(seqs, prompts):
-            seq.prompt = prompt if isinstance(prompt, str) else None
         for seq in seqs:
             self.scheduler.check_fits(seq)
         return seqs

@@ -17,9 +17,9 @@ class SequenceStatus(Enum):
 class Sequence:
     _ids = count()
 
-    def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int):
+    def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int, prompt: str | None = None):
         self.seq_id = next(Sequence._ids)
-        self.prompt: str | None = None       # the text, when the request came as text
+        self.prompt = prompt                 # the text, when the request came as text
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.params = params
