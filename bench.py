@@ -16,6 +16,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 
+STANDARD_NUM_SEQS = 256         # the standard workload's size
 PROMPT_ID_RANGE = 10000          # prompt token ids are uniform in [0, PROMPT_ID_RANGE] (nano-vllm's bench)
 MIN_LEN = 100                    # prompt and output lengths are uniform in [MIN_LEN, --max-*-len]
 PREFIX_QUESTION_LEN = 64         # --prefix: per-request question after the shared system prompt...
@@ -41,14 +42,18 @@ def random_model_dir(arch: str) -> str:
 
 
 def standard_workload(num_seqs, max_input_len, max_output_len):
-    """nano-vllm's bench.py workload: random prompt ids and lengths, then random output lengths."""
+    """nano-vllm's bench.py workload: random prompt ids and lengths, then random output lengths.
+
+    Always drawn for at least STANDARD_NUM_SEQS requests, so --num-seqs 64 means the first 64 of the standard
+    256 (33,322 output tokens), the subset the H100 peer figures quote."""
     random.seed(0)
+    drawn = max(num_seqs, STANDARD_NUM_SEQS)
     low_in, low_out = min(MIN_LEN, max_input_len), min(MIN_LEN, max_output_len)  # smoke-test sizes allowed
     prompts = [[random.randint(0, PROMPT_ID_RANGE) for _ in range(random.randint(low_in, max_input_len))]
-               for _ in range(num_seqs)]
+               for _ in range(drawn)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(low_out, max_output_len))
-              for _ in range(num_seqs)]
-    return prompts, params
+              for _ in range(drawn)]
+    return prompts[:num_seqs], params[:num_seqs]
 
 
 def timed_generate(llm, prompts, params):
@@ -145,16 +150,23 @@ def run_cpu_profile(llm, args):
 
 
 def run_compare_hf(model_dir, args):
-    """The same requests through transformers' continuous batching (paged attention over SDPA)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    """The same requests through transformers' continuous batching (paged attention over SDPA, prefix sharing off).
+
+    This is `generate_batch`'s own loop (warm-up, start, add requests, collect results) written out, because
+    generate_batch takes one max_new_tokens for all requests and the workload gives each its own."""
+    from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="paged|sdpa", dtype=dtype).to(device)
     prompts, params = standard_workload(args.num_seqs, args.max_input_len, args.max_output_len)
     config = GenerationConfig(do_sample=True, temperature=0.6, max_new_tokens=args.max_output_len, eos_token_id=-1)
-    manager = model.init_continuous_batching(generation_config=config)
-    if hasattr(manager, "warmup"):
-        manager.warmup()  # its CUDA-graph capture, outside the timed run as ours is
+    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=args.max_output_len,
+                          num_requests=len(prompts))  # what generate_batch sizes its cache from
+    manager = model.init_continuous_batching(generation_config=config, workload_hints=hints,
+                                             continuous_batching_config=ContinuousBatchingConfig(
+                                                 allow_block_sharing=False))
+    manager.warmup()  # its CUDA-graph capture, outside the timed run as ours is
     manager.start()
     start = time.perf_counter()
     for i, (prompt, p) in enumerate(zip(prompts, params)):

@@ -21,6 +21,7 @@ MIN_DOT_ROWS = 16  # tl.dot needs >= 16 rows: small query tiles and decode GQA g
 PREFILL_TILE_M = 128  # query rows per prefill program (the Triton fused-attention tutorial's H100 choice)
 PREFILL_TILE_N = 64  # keys per step of the prefill loop
 DECODE_TILE_N = 64  # keys per step of a decode split
+DECODE_NUM_WARPS = 4
 PROGRAMS_PER_SM = 4  # decode splits the keys until the grid has about this many programs per SM
 MAX_SPLITS = 64  # the reduce kernel holds all partials of a head, [splits, head_dim] fp32, in registers
 CPU_NUM_SMS = 4  # SM count assumed under TRITON_INTERPRET: small, yet CPU tests still see several splits
@@ -63,29 +64,37 @@ def _store_kv_kernel(
 
 @triton.jit
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, pos, kv_end, kv_head,
-                  stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+                  stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  MASKED: tl.constexpr):
     """K and V at key positions pos [TILE_N] of one sequence, via its block table -> two [TILE_N, HEAD_DIM].
 
     Each position looks up its own block, so a tile may span several small blocks or part of a big one.
-    Positions >= kv_end load 0: their slots may hold garbage, and 0 * garbage can be NaN."""
-    valid = pos < kv_end
-    block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # [TILE_N]
-    offs = (block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch)[:, None] \
-        + tl.arange(0, HEAD_DIM)[None, :]
-    k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
-    v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
+    MASKED: positions >= kv_end load 0, since their slots may hold garbage and 0 * garbage can be NaN;
+    a tile known to lie below kv_end skips the predicates."""
+    offs = tl.arange(0, HEAD_DIM)[None, :] + kv_head * stride_ch + (pos % BLOCK_SIZE)[:, None] * stride_cs
+    if MASKED:
+        valid = pos < kv_end
+        block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # [TILE_N]
+        offs += block[:, None] * stride_cb
+        k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
+    else:
+        offs += tl.load(block_table_ptr + pos // BLOCK_SIZE).to(tl.int64)[:, None] * stride_cb
+        k = tl.load(k_cache_ptr + offs)
+        v = tl.load(v_cache_ptr + offs)
     return k, v
 
 
 @triton.jit
-def _online_softmax_step(acc, m, l, q, k, v, visible, qk_scale):
+def _online_softmax_step(acc, m, l, q, k, v, visible, qk_scale, MASKED: tl.constexpr):
     """Fold one key tile into the running softmax of each query row (flash attention).
 
     acc [M, HEAD_DIM] fp32 unnormalised output, m [M] running max score, l [M] running sum of exp2(score - m);
-    q [M, HEAD_DIM], k and v [N, HEAD_DIM], visible [M, N] (or broadcastable) which keys each row may see.
-    Every row must see at least one key by its first tile, or its max stays -inf and the rescale is NaN."""
+    q [M, HEAD_DIM], k and v [N, HEAD_DIM], visible [M, N] (or broadcastable) which keys each row may see,
+    read only if MASKED. Every row must see a key by its first tile, or its max stays -inf and the rescale is NaN."""
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [M, N] scores in log2 units; fp32 not tf32
-    s = tl.where(visible, s, float("-inf"))
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp2(m - m_new)  # rescales what was summed under the old max
     p = tl.exp2(s - m_new[:, None])
@@ -115,13 +124,21 @@ def _prefill_kernel(
     m = tl.full([TILE_M], float("-inf"), tl.float32)
     l = tl.zeros([TILE_M], tl.float32)
     acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
-    # keys after this tile's last query are hidden from all its rows: stop there (skips tiles above the diagonal)
+    block_table_ptr = block_tables_ptr + seq * stride_bt
+    # Keys up to the tile's first query are seen by all its rows: whole tiles of them need no mask. Keys after
+    # its last query are seen by none: stop there (skips the tiles above the diagonal).
+    unmasked_end = (ctx - q_len + tile * TILE_M + 1) // TILE_N * TILE_N
     kv_end = tl.minimum(ctx, ctx - q_len + (tile + 1) * TILE_M)
-    for n in range(0, kv_end, TILE_N):
+    for n in range(0, unmasked_end, TILE_N):
         pos = n + tl.arange(0, TILE_N)  # [TILE_N] key positions
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, pos, kv_end,
-                             head // GROUP, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM)
-        acc, m, l = _online_softmax_step(acc, m, l, q, k, v, pos[None, :] <= q_pos[:, None], qk_scale)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, pos, kv_end, head // GROUP,
+                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, MASKED=False)
+        acc, m, l = _online_softmax_step(acc, m, l, q, k, v, None, qk_scale, MASKED=False)
+    for n in range(unmasked_end, kv_end, TILE_N):  # the diagonal: causal mask and context end
+        pos = n + tl.arange(0, TILE_N)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, pos, kv_end, head // GROUP,
+                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, MASKED=True)
+        acc, m, l = _online_softmax_step(acc, m, l, q, k, v, pos[None, :] <= q_pos[:, None], qk_scale, MASKED=True)
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
              (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
 
@@ -150,8 +167,8 @@ def _decode_split_kernel(
     for n in range(start, end, TILE_N):
         pos = n + tl.arange(0, TILE_N)
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, pos, end,
-                             kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM)
-        acc, m, l = _online_softmax_step(acc, m, l, q, k, v, (pos < end)[None, :], qk_scale)
+                             kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, MASKED=True)
+        acc, m, l = _online_softmax_step(acc, m, l, q, k, v, (pos < end)[None, :], qk_scale, MASKED=True)
     # an empty split (m = -inf, l = 0) reports lse = -inf, i.e. weight 0, and a zero output instead of 0/0
     l = tl.where(l > 0, l, 1.0)
     lse = m + tl.log2(l)  # [GROUP_PAD] log2-sum-exp2 of this split's scores
@@ -229,7 +246,11 @@ def _launch_prefill(q, k_cache, v_cache, out, meta, qk_scale):
         q, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc, meta.context_lens, qk_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], meta.block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE_M=tile_m,
-        TILE_N=PREFILL_TILE_N, num_warps=8 if tile_m == PREFILL_TILE_M else 4)
+        TILE_N=PREFILL_TILE_N, num_warps=prefill_num_warps(tile_m))
+
+
+def prefill_num_warps(tile_m: int) -> int:
+    return 8 if tile_m >= 128 else 4  # 8 warps = 2 warpgroups, each a 64-row wgmma on Hopper
 
 
 def _launch_decode(q, k_cache, v_cache, out, meta, qk_scale):
@@ -244,7 +265,7 @@ def _launch_decode(q, k_cache, v_cache, out, meta, qk_scale):
         q, k_cache, v_cache, part_out, part_lse, meta.block_tables, meta.context_lens, qk_scale, split_len,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], meta.block_tables.stride(0), GROUP=group,
         GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        TILE_N=DECODE_TILE_N, num_warps=4)
+        TILE_N=DECODE_TILE_N, num_warps=DECODE_NUM_WARPS)
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits))

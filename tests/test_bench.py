@@ -9,7 +9,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("mode", [[], ["--prefix", "--prefix-len", "48"], ["--latency"], ["--cpu-profile"]])
+@pytest.mark.parametrize("mode", [[], ["--prefix", "--prefix-len", "48"], ["--latency"], ["--cpu-profile"],
+                                  ["--compare", "hf"]],
+                         ids=["standard", "prefix", "latency", "cpu-profile", "compare-hf"])
 def test_bench_smoke(tmp_path, mode):
     """Guards against bench.py modes that crash or report tokens they did not generate."""
     out = tmp_path / "result.json"
@@ -22,3 +24,5 @@ def test_bench_smoke(tmp_path, mode):
         assert row["requests"] in (1, 4) and row["tok_per_s"] > 0
         if expected:
             assert row["output_tokens"] == expected
+    if mode[:1] == ["--compare"]:  # the peer generated exactly the same number of tokens
+        assert len(rows) == 2 and rows[0]["output_tokens"] == rows[1]["output_tokens"]

@@ -1,0 +1,69 @@
+"""Compile nanoserve's Triton kernels for an H100 (sm_90) on a machine without a GPU, and report each build.
+
+Triton lowers a kernel to PTX and runs ptxas on it without touching a driver, so CPU-only CI can still catch a
+kernel that no longer compiles for Hopper, that spills registers, or whose prefill stopped using wgmma. Run it
+in a process without TRITON_INTERPRET (the interpreter replaces the kernels when they are defined):
+    python tests/sm90_build.py      -> one JSON line per build: kernel, config, registers, spills, wgmma
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+
+assert not os.environ.get("TRITON_INTERPRET"), "compile for sm_90 needs the real kernels, not the interpreter"
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from nanoserve import attention as A  # noqa: E402
+
+H100 = GPUTarget("cuda", 90, 32)
+
+
+def build(fn, types: dict, constexprs: dict, num_warps: int) -> dict:
+    """Compile fn for sm_90 with the given argument types (others: i32) and report ptxas's verdict."""
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        signature[name] = "constexpr" if name in constexprs else types.get(name, "i32")
+        if signature[name].startswith("*") or name.startswith("stride"):
+            attrs[(i,)] = [["tt.divisibility", 16]]  # what the launcher sees for aligned tensors and strides
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=H100,
+                            options=dict(num_warps=num_warps))
+    ptx = kernel.asm["ptx"]
+    log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", "-", "-o", os.devnull], input=ptx,
+                         capture_output=True, text=True, check=True).stderr
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    return dict(kernel=fn.__name__, registers=int(re.search(r"Used (\d+) registers", log).group(1)),
+                spill_bytes=spills, wgmma="wgmma" in ptx, shared_bytes=kernel.metadata.shared)
+
+
+def builds(dtype: str, head_dim: int, group: int, block_size: int):
+    """Every kernel configuration the launchers in attention.py can pick for this model shape."""
+    cache = dict(k_cache_ptr=dtype, v_cache_ptr=dtype)
+    yield build(A._store_kv_kernel, dict(k_ptr=dtype, v_ptr=dtype, **cache, slot_mapping_ptr="*i32"),
+                dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAD=A.PAD_SLOT), 4)
+    meta = dict(block_tables_ptr="*i32", context_lens_ptr="*i32", qk_scale="fp32")
+    tile_m = A.MIN_DOT_ROWS
+    while tile_m <= A.PREFILL_TILE_M:
+        yield build(A._prefill_kernel, dict(q_ptr=dtype, out_ptr=dtype, **cache, **meta, query_start_loc_ptr="*i32"),
+                    dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE_M=tile_m,
+                         TILE_N=A.PREFILL_TILE_N), A.prefill_num_warps(tile_m))
+        tile_m *= 2
+    yield build(A._decode_split_kernel, dict(q_ptr=dtype, **cache, **meta, part_out_ptr="*fp32",
+                                             part_lse_ptr="*fp32"),
+                dict(GROUP=group, GROUP_PAD=max(A.MIN_DOT_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+                     BLOCK_SIZE=block_size, TILE_N=A.DECODE_TILE_N), A.DECODE_NUM_WARPS)
+    yield build(A._decode_reduce_kernel, dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=dtype),
+                dict(HEAD_DIM=head_dim, SPLITS_PAD=A.MAX_SPLITS), 4)
+
+
+if __name__ == "__main__":
+    for dtype in ("*bf16", "*fp16"):
+        for head_dim, group in ((128, 2), (64, 8), (128, 1)):
+            for block_size in (16, 256):
+                for report in builds(dtype, head_dim, group, block_size):
+                    print(json.dumps(dict(dtype=dtype[1:], head_dim=head_dim, group=group, block_size=block_size,
+                                          **report)), flush=True)
