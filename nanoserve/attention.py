@@ -257,8 +257,7 @@ def _launch_decode(q, k_cache, v_cache, out, meta, qk_scale):
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    split_len, num_splits = decode_splits(num_seqs, num_kv_heads, meta.max_context_len, block_size,
-                                          _num_sms(q.device))
+    split_len, num_splits = decode_splits(num_seqs, num_kv_heads, meta.max_context_len, _num_sms(q.device))
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -271,16 +270,15 @@ def _launch_decode(q, k_cache, v_cache, out, meta, qk_scale):
         HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits))
 
 
-def decode_splits(num_seqs, num_kv_heads, max_context_len, block_size, num_sms) -> tuple[int, int]:
+def decode_splits(num_seqs, num_kv_heads, max_context_len, num_sms) -> tuple[int, int]:
     """(keys per split, number of splits) of the decode grid, from host ints only so a CUDA graph can hold it.
 
     Unsplit, the grid has num_seqs * num_kv_heads programs: a small batch with long contexts would leave most
-    SMs idle, so the keys are split until about PROGRAMS_PER_SM programs per SM. A split covers whole blocks
-    and whole tiles; splits past a sequence's context stay empty."""
-    granule = max(DECODE_TILE_N, block_size)  # both powers of two: a multiple of each
+    SMs idle, so the keys are split until about PROGRAMS_PER_SM programs per SM. A split covers whole tiles
+    (not whole blocks: keys find their block one by one); splits past a sequence's context stay empty."""
     wanted = min(MAX_SPLITS, triton.cdiv(PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads))
     max_context_len = max(max_context_len, 1)
-    split_len = triton.cdiv(max_context_len, wanted * granule) * granule
+    split_len = triton.cdiv(max_context_len, wanted * DECODE_TILE_N) * DECODE_TILE_N
     return split_len, triton.cdiv(max_context_len, split_len)
 
 

@@ -3,7 +3,8 @@
 Triton lowers a kernel to PTX and runs ptxas on it without touching a driver, so CPU-only CI can still catch a
 kernel that no longer compiles for Hopper, that spills registers, or whose prefill stopped using wgmma. Run it
 in a process without TRITON_INTERPRET (the interpreter replaces the kernels when they are defined):
-    python tests/sm90_build.py      -> one JSON line per build: kernel, config, registers, spills, wgmma
+    python tests/sm90_build.py [DTYPE:HEAD_DIM:GROUP:BLOCK_SIZE ...]    (default: a spread of shapes)
+prints one JSON line per build: kernel, shape, tile, registers per thread, spilled bytes, wgmma or not.
 """
 import json
 import os
@@ -36,7 +37,7 @@ def build(fn, types: dict, constexprs: dict, num_warps: int) -> dict:
     log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", "-", "-o", os.devnull], input=ptx,
                          capture_output=True, text=True, check=True).stderr
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
-    return dict(kernel=fn.__name__, registers=int(re.search(r"Used (\d+) registers", log).group(1)),
+    return dict(kernel=fn.__name__, tile_m=constexprs.get("TILE_M"), num_warps=num_warps, registers=int(re.search(r"Used (\d+) registers", log).group(1)),
                 spill_bytes=spills, wgmma="wgmma" in ptx, shared_bytes=kernel.metadata.shared)
 
 
@@ -60,10 +61,12 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int):
                 dict(HEAD_DIM=head_dim, SPLITS_PAD=A.MAX_SPLITS), 4)
 
 
+DEFAULT_SHAPES = [f"{dtype}:{head_dim}:{group}:{block_size}" for dtype in ("bf16", "fp16")
+                  for head_dim, group in ((128, 2), (64, 8), (128, 1)) for block_size in (16, 256)]
+
 if __name__ == "__main__":
-    for dtype in ("*bf16", "*fp16"):
-        for head_dim, group in ((128, 2), (64, 8), (128, 1)):
-            for block_size in (16, 256):
-                for report in builds(dtype, head_dim, group, block_size):
-                    print(json.dumps(dict(dtype=dtype[1:], head_dim=head_dim, group=group, block_size=block_size,
-                                          **report)), flush=True)
+    for shape in sys.argv[1:] or DEFAULT_SHAPES:
+        dtype, head_dim, group, block_size = shape.split(":")
+        for report in builds("*" + dtype, int(head_dim), int(group), int(block_size)):
+            print(json.dumps(dict(dtype=dtype, head_dim=int(head_dim), group=int(group), block_size=int(block_size),
+                                  **report)), flush=True)

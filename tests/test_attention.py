@@ -25,7 +25,7 @@ BF16_REL_TOL = 1e-2  # ||out - ref|| / ||ref|| against an fp32 reference
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # (dtype, GQA group = num_heads / num_kv_heads, head_dim, block_size): each ratio, head_dim, block size and dtype
 CASES = [(torch.float32, 1, 64, 16), (torch.float16, 2, 128, 16), (torch.float32, 8, 64, 64),
-         (torch.float16, 1, 128, 64)]
+         (torch.float16, 1, 128, 64), (torch.float32, 2, 32, 256)]  # 256: a key tile and a split inside a block
 
 
 @pytest.fixture(autouse=True)
@@ -155,7 +155,7 @@ def test_decode_batch_that_needs_no_split():
     context_lens = [randint(1, 150) for _ in range(num_seqs)]
     q, k_cache, v_cache, meta = make_batch([1] * num_seqs, context_lens, **heads(2, num_kv_heads), head_dim=64,
                                            block_size=16, dtype=torch.float32)
-    assert decode_splits(num_seqs, num_kv_heads, meta.max_context_len, 16, _num_sms(q.device))[1] == 1
+    assert decode_splits(num_seqs, num_kv_heads, meta.max_context_len, _num_sms(q.device))[1] == 1
     out = paged_attention(q, k_cache, v_cache, meta, 0.125)
     assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 0.125), ATOL[torch.float32], "decode")
 
@@ -165,20 +165,19 @@ def test_decode_graph_sized_grid():
     context_lens = [0, 1, randint(2, 100), randint(600, 900)]
     q, k_cache, v_cache, meta = make_batch([1] * 4, context_lens, **heads(3, 1), head_dim=64, block_size=16,
                                            dtype=torch.float32, max_context_len=2048)
-    split_len, num_splits = decode_splits(4, 1, 2048, 16, _num_sms(q.device))
+    split_len, num_splits = decode_splits(4, 1, 2048, _num_sms(q.device))
     assert split_len < context_lens[-1] < (num_splits - 1) * split_len  # spans splits; the last one is empty
     out = paged_attention(q, k_cache, v_cache, meta, 0.125)
     assert torch.isfinite(out[0]).all()
     assert_close(out[1:], paged_attention_ref(q, k_cache, v_cache, meta, 0.125)[1:], ATOL[torch.float32], "decode")
 
 
-@pytest.mark.parametrize("num_seqs,max_context_len,block_size", [(1, 32768, 16), (8, 8192, 256), (256, 1024, 16),
-                                                                 (4, 1, 16), (3, 1000, 128)])
-def test_decode_splits_cover_context(num_seqs, max_context_len, block_size):
-    """Splits tile the context with whole blocks and tiles, stay within MAX_SPLITS, and fill an H100 when small."""
+@pytest.mark.parametrize("num_seqs,max_context_len", [(1, 32768), (8, 8192), (256, 1024), (4, 1), (3, 1000)])
+def test_decode_splits_cover_context(num_seqs, max_context_len):
+    """Splits tile the context with whole tiles, stay within MAX_SPLITS, and fill an H100 when small."""
     num_kv_heads, h100_sms = 8, 132
-    split_len, num_splits = decode_splits(num_seqs, num_kv_heads, max_context_len, block_size, h100_sms)
-    assert split_len % block_size == 0 and split_len % DECODE_TILE_N == 0
+    split_len, num_splits = decode_splits(num_seqs, num_kv_heads, max_context_len, h100_sms)
+    assert split_len % DECODE_TILE_N == 0
     assert (num_splits - 1) * split_len < max_context_len <= num_splits * split_len
     assert num_splits <= MAX_SPLITS
     if max_context_len >= 8192:
