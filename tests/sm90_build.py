@@ -4,7 +4,8 @@ Triton lowers a kernel to PTX and runs ptxas on it without touching a driver, so
 kernel that no longer compiles for Hopper, that spills registers, or whose prefill stopped using wgmma. Run it
 in a process without TRITON_INTERPRET (the interpreter replaces the kernels when they are defined):
     python tests/sm90_build.py [DTYPE:HEAD_DIM:GROUP:BLOCK_SIZE ...]    (default: a spread of shapes)
-prints one JSON line per build: kernel, shape, tile, registers per thread, spilled bytes, wgmma or not.
+prints one JSON line per build: kernel, shape, tile, registers per thread, spilled bytes, wgmma or not,
+shared memory, and the sizes of its asynchronous (pipelined) loads.
 """
 import json
 import os
@@ -38,7 +39,9 @@ def build(fn, types: dict, constexprs: dict, num_warps: int) -> dict:
                          capture_output=True, text=True, check=True).stderr
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
     return dict(kernel=fn.__name__, tile_m=constexprs.get("TILE_M"), num_warps=num_warps, registers=int(re.search(r"Used (\d+) registers", log).group(1)),
-                spill_bytes=spills, wgmma="wgmma" in ptx, shared_bytes=kernel.metadata.shared)
+                spill_bytes=spills, wgmma="wgmma" in ptx, shared_bytes=kernel.metadata.shared,
+                # sizes of the asynchronous global-to-shared copies that feed the software pipeline
+                async_copy_bytes=sorted({int(n, 16) for n in re.findall(r"cp\.async\.\w+\.shared\.global.*?, (0x\w+)", ptx)}))
 
 
 def builds(dtype: str, head_dim: int, group: int, block_size: int):

@@ -1,7 +1,8 @@
 """The Triton kernels compile for an H100 (sm_90) with the installed Triton, on any machine (tests/sm90_build.py).
 
 CI has no GPU, so this is its only check that the compiled path, not the interpreter, still builds; it also
-guards the properties the kernels' speed rests on: no register spills, wgmma for prefill tiles of 64+ rows, and
+guards the properties the kernels' speed rests on: no register spills, K/V streamed by 16-byte asynchronous
+copies (software-pipelined), wgmma for prefill tiles of 64+ rows, and
 a decode program small enough (registers and shared memory) that PROGRAMS_PER_SM of them fit on one SM at once."""
 import json
 import os
@@ -48,6 +49,8 @@ def test_hot_kernels_do_not_spill_and_prefill_uses_wgmma(builds, shape):
             assert r["spill_bytes"] == 0, r
         if r["kernel"] == "_prefill_kernel" and r["tile_m"] >= 64:
             assert r["wgmma"], r
+        if hot:  # K/V tiles stream in as 16-byte asynchronous copies, tiles ahead of use (4 bytes: block ids)
+            assert 16 in r["async_copy_bytes"] and set(r["async_copy_bytes"]) <= {4, 16}, r
     decode = next(r for r in builds[shape] if r["kernel"] == "_decode_split_kernel")
     assert PROGRAMS_PER_SM * DECODE_NUM_WARPS * 32 * decode["registers"] <= H100_REGISTERS_PER_SM, decode
     assert PROGRAMS_PER_SM * decode["shared_bytes"] <= H100_SHARED_BYTES_PER_SM, decode
