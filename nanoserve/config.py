@@ -19,7 +19,8 @@ class EngineConfig:
     enforce_eager: bool = False         # no CUDA graphs
     dtype: str = "auto"                 # auto: float32 on CPU; on GPU the checkpoint's if 16-bit, else bf16
     device: str = "auto"                # auto: cuda when available
-    attention_backend: str = "auto"     # "triton" | "torch" (the reference); auto: triton on cuda
+    kernels: str = "auto"               # "triton": our attention and fused-layer kernels; "torch": the PyTorch
+                                        # reference they are tested against; auto: triton on cuda
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -40,16 +41,16 @@ class EngineConfig:
             "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
             "dtype": self.dtype == "auto" or self.dtype in DTYPES,
             "device": self.device in ("auto", "cpu", "cuda"),
-            "attention_backend": self.attention_backend in ("auto", "triton", "torch"),
+            "kernels": self.kernels in ("auto", "triton", "torch"),
         }
         for field, ok in checks.items():
             if not ok:
                 raise ValueError(f"{field}={getattr(self, field)!r} is not allowed")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.attention_backend == "auto":
-            self.attention_backend = "triton" if self.device == "cuda" else "torch"
-        if self.device == "cpu" or self.attention_backend == "torch":
+        if self.kernels == "auto":
+            self.kernels = "triton" if self.device == "cuda" else "torch"
+        if self.device == "cpu" or self.kernels == "torch":
             self.enforce_eager = True  # CUDA graphs need a GPU and the sync-free Triton kernels
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:

@@ -3,7 +3,8 @@
 
 The model knows nothing of scheduling: a step's tokens arrive flattened ([num_tokens]), with their
 positions, the per-layer KV caches and the AttentionMetadata that says which sequence each token is in.
-Projections that read the same input are fused (q|k|v, gate|up): fewer, larger matmuls.
+Projections that read the same input are fused (q|k|v, gate|up): fewer, larger matmuls. With Triton on,
+the elementwise work between them runs as fused kernels (fused_ops.py); the PyTorch code here is their reference.
 """
 import math
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve import attention
+from nanoserve import attention, fused_ops
 from nanoserve.attention import AttentionMetadata
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
@@ -62,15 +63,21 @@ class ModelArgs:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """weight * x / rms(x). Given the residual stream it first adds x into it, fused with the norm (one kernel on
+    GPU). Returns (normed, stream): stream = x + residual, or x itself when there is no residual yet."""
+    def __init__(self, dim: int, eps: float, use_triton: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.use_triton = eps, use_triton
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        if self.use_triton:
+            return fused_ops.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
         xf = x.float()  # the mean of squares in fp32, as the reference does, whatever the model dtype
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * xf.to(x.dtype), x
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -128,9 +135,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)     # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q), rotary(positions, k)
+        q, k = self.position_encode(q, k, positions, rotary)
         k_cache, v_cache = kv_cache
         if self.use_triton:
             attention.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -140,15 +145,30 @@ class Attention(nn.Module):
             o = attention.paged_attention_ref(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.flatten(1))
 
+    def position_encode(self, q, k, positions, rotary):
+        """RoPE on q and k; Qwen3 first RMS-normalises each of their heads. On GPU, one in-place kernel."""
+        if self.use_triton and self.q_norm is None:
+            return fused_ops.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin)
+        if self.use_triton:
+            return fused_ops.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, self.q_norm.weight,
+                                          self.k_norm.weight, self.q_norm.eps)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
+        return rotary(positions, q), rotary(positions, k)
+
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, use_triton: bool):
         super().__init__()
+        self.use_triton = use_triton
         self.gate_up_proj = MergedLinear(args.hidden_size, [args.intermediate_size] * 2, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.use_triton:
+            return self.down_proj(fused_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -156,13 +176,17 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, use_triton: bool):
         super().__init__()
         self.self_attn = Attention(args, use_triton)
-        self.mlp = MLP(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args, use_triton)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, use_triton)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, use_triton)
 
-    def forward(self, x, positions, rotary, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h, residual, positions, rotary, kv_cache, meta):
+        """h: the previous sublayer's output, not yet added to the residual stream (layer 0: the embeddings,
+        and no stream yet). Each add is fused into the norm after it. Returns (mlp output, stream)."""
+        h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Transformer(nn.Module):
@@ -170,7 +194,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, use_triton) for _ in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, use_triton)
 
 
 class CausalLM(nn.Module):
@@ -186,10 +210,10 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        x = self.model.embed_tokens(input_ids)
+        h, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
-        return self.model.norm(x)
+            h, residual = layer(h, residual, positions, self.rotary, kv_cache, meta)
+        return self.model.norm(h, residual)[0]
 
     def compute_logits(self, hidden):
         return self.lm_head(hidden).float()  # [num_rows, vocab_size]

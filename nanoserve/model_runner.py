@@ -76,7 +76,7 @@ class ModelRunner:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={self.args.max_position}")
         self.model = build_model(self.args, model_dir, self.dtype, self.device,
-                                 config.attention_backend == "triton")
+                                 config.kernels == "triton")
         self.eos_token_ids = eos_token_ids
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = round_up(-(-config.max_model_len // self.block_size), BLOCK_TABLE_WIDTH_MULTIPLE)

@@ -200,7 +200,7 @@ def test_triton_kernels_in_the_engine_match_transformers(tiny_model, family):
     """Guards against kernel bugs that only show in the engine's real metadata (chunked prefill, prefix
     hits, mixed batches). On CPU the kernels run in Triton's interpreter."""
     path, hf = tiny_model(family)
-    llm = nanoserve.LLM(path, attention_backend="triton", dtype="float32", max_model_len=128,
+    llm = nanoserve.LLM(path, kernels="triton", dtype="float32", max_model_len=128,
                         num_kvcache_blocks=32, max_num_batched_tokens=24)  # on the GPU when there is one
     shared = random_prompts([20])[0]
     prompts = [shared + q for q in random_prompts([4, 13])] + random_prompts([30])

@@ -1,0 +1,131 @@
+"""Triton kernels for a decoder layer's small elementwise work: residual add + RMSNorm, Qwen3's per-head
+QK-norm + RoPE, and SiLU(gate) * up, each one launch instead of 5 to 20 PyTorch kernels.
+
+Why it matters: a decode step moves little data per kernel, so each kernel costs its fixed ~2-4 us on the GPU
+even inside a CUDA graph; unfused, a Qwen3 layer launched ~60 kernels, fused it launches 11. The math and
+rounding follow the PyTorch path in model.py (statistics in fp32, results rounded to the model dtype where
+transformers rounds), so the two agree to the last bit in fp32 and to a rounding step in bf16.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, stride_r, stride_o, n, eps,
+                     BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
+    # program r normalises row r; with ADD_RESIDUAL it first forms x + residual and keeps that as the residual
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+             .to(tl.float32)).to(x.dtype)  # rounded like a plain add in the model dtype
+        tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
+    normed = (xf * inv_rms).to(x.dtype).to(tl.float32)  # transformers rounds before scaling by the weight
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(x.dtype), mask=mask)
+
+
+@triton.jit
+def _norm_rope_heads(ptr, stride_h, num_heads, weight_ptr, cos, sin, eps,
+                     HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    """In place on one token's heads [num_heads, 2 * HALF] at ptr: optional per-head RMSNorm, then rotate-half
+    RoPE with this position's cos and sin [HALF] (fp32)."""
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    mask = h < num_heads
+    x1 = tl.load(ptr + h * stride_h + d, mask=mask, other=0.0)  # [HEADS_PAD, HALF] first half of each head
+    x2 = tl.load(ptr + h * stride_h + HALF + d, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:
+        inv_rms = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(weight_ptr + d).to(tl.float32)
+        w2 = tl.load(weight_ptr + HALF + d).to(tl.float32)
+        x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)  # as RMSNorm rounds
+        x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    tl.store(ptr + h * stride_h + d, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(ptr + h * stride_h + HALF + d, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
+                         stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads, eps,
+                         Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
+                         HAS_NORM: tl.constexpr):
+    # program t: every q and k head of token t, which share its position's cos and sin
+    t = tl.program_id(0)
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    d = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cos_ptr + pos * HALF + d)
+    sin = tl.load(sin_ptr + pos * HALF + d)
+    _norm_rope_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, q_weight_ptr, cos, sin, eps,
+                     Q_HEADS_PAD, HALF, HAS_NORM)
+    _norm_rope_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, k_weight_ptr, cos, sin, eps,
+                     K_HEADS_PAD, HALF, HAS_NORM)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
+    # program (row, chunk): out = silu(gate) * up for BLOCK columns, where x's row is [gate | up]
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # silu, rounded as F.silu's output is
+    tl.store(out_ptr + row * stride_o + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def rms_norm_num_warps(block: int) -> int:
+    return min(16, max(1, block // 256))  # 8 elements a thread (one 16-byte bf16 load) up to 4k columns
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    """x: [rows, n] -> (RMSNorm(x) * weight, x). With residual: (RMSNorm(x + residual) * weight, x + residual),
+    the sum written into `residual` in place; it is the next residual stream."""
+    rows, n = x.shape
+    assert x.stride(-1) == 1 and weight.shape == (n,)
+    out = torch.empty_like(x)
+    add = residual is not None
+    if add:
+        assert residual.shape == x.shape and residual.stride(-1) == 1 and residual.dtype == x.dtype
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(rows,)](x, residual if add else x, out, weight, x.stride(0),
+                              residual.stride(0) if add else 0, out.stride(0), n, eps, BLOCK=block,
+                              ADD_RESIDUAL=add, num_warps=rms_norm_num_warps(block))
+    return out, residual if add else x
+
+
+def qk_norm_rope(q, k, positions, cos, sin, q_weight=None, k_weight=None, eps: float = 0.0):
+    """In place: q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] get, per head, RMSNorm with
+    q_weight / k_weight (Qwen3; skipped when None), then RoPE at their positions. cos, sin: [max_pos, head_dim/2]."""
+    tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    assert q.stride(-1) == k.stride(-1) == 1 and cos.shape[1] * 2 == head_dim and cos.is_contiguous()
+    assert head_dim & (head_dim - 1) == 0, "head_dim: a power of two"
+    has_norm = q_weight is not None
+    _qk_norm_rope_kernel[(tokens,)](
+        q, k, positions, cos, sin, q_weight if has_norm else q, k_weight if has_norm else k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), num_q_heads, num_k_heads, eps,
+        Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
+        HALF=head_dim // 2, HAS_NORM=has_norm)
+    return q, k
+
+
+SILU_BLOCK = 1024  # columns per program
+
+
+def silu_and_mul(x):
+    """x: [rows, 2n] = [gate | up] -> silu(gate) * up, [rows, n]."""
+    rows, n = x.shape[0], x.shape[1] // 2
+    assert x.stride(-1) == 1 and x.shape[1] == 2 * n
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block = min(SILU_BLOCK, triton.next_power_of_2(n))
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
+    return out
