@@ -220,7 +220,8 @@ def main():
         model_dir = args.model or random_model_dir(args.arch)
         temporary = args.model is None
         if not args.model:
-            print(f"model: {args.arch} architecture with random weights (ignore_eos: throughput does not depend on them)")
+            print(f"model: {args.arch} architecture with random weights "
+                  "(ignore_eos: throughput does not depend on them)")
         llm = LLM(model_dir, max_model_len=args.max_model_len, max_num_seqs=min(args.num_seqs, 256),
                   enforce_eager=args.enforce_eager)
         llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up

@@ -216,7 +216,7 @@ class CausalLM(nn.Module):
         return self.model.norm(h, residual)[0]
 
     def compute_logits(self, hidden):
-        return self.lm_head(hidden).float()  # [num_rows, vocab_size]
+        return self.lm_head(hidden)  # [num_rows, vocab_size], model dtype: the sampler reads it in fp32
 
 
 PACKED_SHARDS = {  # checkpoint projection -> (our fused projection, shard index)

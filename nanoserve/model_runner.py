@@ -89,7 +89,7 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%d bytes per token)",
                     self.num_kvcache_blocks, self.block_size, self.num_kvcache_blocks * self.block_size,
                     self.kv_cache.numel() * self.dtype.itemsize / 2**30, self.kv_bytes_per_token)
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, use_triton=config.kernels == "triton")
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if not config.enforce_eager:
             self.capture_cudagraphs()
@@ -128,8 +128,9 @@ class ModelRunner:
         seq_lens = [min(cfg.max_model_len, num_tokens - i) for i in range(0, num_tokens, cfg.max_model_len)]
         scratch = torch.zeros(2, 1, self.block_size, a.num_kv_heads, a.head_dim, dtype=self.dtype,
                               device=self.device)
+        no_blocks = array.array("i", bytes(4 * len(seq_lens) * self.max_blocks_per_seq))
         ids, _, meta, _ = self._upload([0] * num_tokens, [0] * num_tokens, [PAD_SLOT] * num_tokens, seq_lens,
-                                       seq_lens, array.array("i", bytes(4 * len(seq_lens) * self.max_blocks_per_seq)), [0])
+                                       seq_lens, no_blocks, [0])
         hidden = self.model(ids, ids, [(scratch[0], scratch[1])] * a.num_layers, meta)
         logits = self.model.compute_logits(hidden[:1].expand(cfg.max_num_seqs, -1))
         n = cfg.max_num_seqs

@@ -38,3 +38,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def filtered(self) -> bool:
+        """Top-k, top-p or min-p trims the distribution before the draw."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0

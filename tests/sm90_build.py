@@ -22,6 +22,7 @@ from triton.compiler import ASTSource  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nanoserve import attention as A  # noqa: E402
 from nanoserve import fused_ops as F  # noqa: E402
+from nanoserve import sampler as S  # noqa: E402
 
 H100 = GPUTarget("cuda", 90, 32)
 
@@ -39,10 +40,12 @@ def build(fn, types: dict, constexprs: dict, num_warps: int) -> dict:
     log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", "-", "-o", os.devnull], input=ptx,
                          capture_output=True, text=True, check=True).stderr
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
-    return dict(kernel=fn.__name__, tile_m=constexprs.get("TILE_M"), num_warps=num_warps, registers=int(re.search(r"Used (\d+) registers", log).group(1)),
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    # sizes of the asynchronous global-to-shared copies that feed the software pipeline
+    async_copies = re.findall(r"cp\.async\.\w+\.shared\.global.*?, (0x\w+)", ptx)
+    return dict(kernel=fn.__name__, tile_m=constexprs.get("TILE_M"), num_warps=num_warps, registers=registers,
                 spill_bytes=spills, wgmma="wgmma" in ptx, shared_bytes=kernel.metadata.shared,
-                # sizes of the asynchronous global-to-shared copies that feed the software pipeline
-                async_copy_bytes=sorted({int(n, 16) for n in re.findall(r"cp\.async\.\w+\.shared\.global.*?, (0x\w+)", ptx)}))
+                async_copy_bytes=sorted({int(n, 16) for n in async_copies}))
 
 
 def builds(dtype: str, head_dim: int, group: int, block_size: int):
@@ -72,6 +75,8 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int):
                                              sin_ptr="*fp32", q_weight_ptr=dtype, k_weight_ptr=dtype, eps="fp32"),
                 dict(Q_HEADS_PAD=8 * group, K_HEADS_PAD=8, HALF=head_dim // 2, HAS_NORM=True), 4)
     yield build(F._silu_mul_kernel, dict(x_ptr=dtype, out_ptr=dtype), dict(BLOCK=F.SILU_BLOCK), 4)
+    yield build(S._gumbel_argmax_kernel, dict(logits_ptr=dtype, temperature_ptr="*fp32", seed_ptr="*i64",
+                                              out_ptr="*i32"), dict(TILE=S.GUMBEL_TILE), S.GUMBEL_NUM_WARPS)
 
 
 DEFAULT_SHAPES = [f"{dtype}:{head_dim}:{group}:{block_size}" for dtype in ("bf16", "fp16")

@@ -38,7 +38,7 @@ def test_every_kernel_compiles_for_h100(builds, shape):
     kernels = [r["kernel"] for r in builds[shape]]
     assert kernels.count("_prefill_kernel") >= 4  # query tiles 16 .. PREFILL_TILE_M
     assert {"_store_kv_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_rms_norm_kernel",
-            "_qk_norm_rope_kernel", "_silu_mul_kernel"} <= set(kernels)
+            "_qk_norm_rope_kernel", "_silu_mul_kernel", "_gumbel_argmax_kernel"} <= set(kernels)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -50,7 +50,8 @@ def test_hot_kernels_do_not_spill_and_prefill_uses_wgmma(builds, shape):
             assert r["spill_bytes"] == 0, r
         if prefill and r["tile_m"] >= 64:
             assert r["wgmma"], r
-        if r["kernel"] == "_decode_split_kernel" or r["tile_m"] == PREFILL_TILE_M:  # K/V tiles stream in as 16-byte asynchronous copies, tiles ahead of use (4 bytes: block ids)
+        # K/V tiles stream in as 16-byte asynchronous copies, tiles ahead of use (the 4-byte ones: block ids)
+        if r["kernel"] == "_decode_split_kernel" or r["tile_m"] == PREFILL_TILE_M:
             assert 16 in r["async_copy_bytes"] and set(r["async_copy_bytes"]) <= {4, 16}, r
     decode = next(r for r in builds[shape] if r["kernel"] == "_decode_split_kernel")
     assert PROGRAMS_PER_SM * DECODE_NUM_WARPS * 32 * decode["registers"] <= H100_REGISTERS_PER_SM, decode
