@@ -14,7 +14,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from nanoserve.attention import PAD_SLOT, AttentionMetadata
+from nanoserve.attention import MIN_DOT_ROWS, PAD_SLOT, PREFILL_TILE_M, AttentionMetadata
 from nanoserve.config import EngineConfig
 from nanoserve.model import CausalLM, ModelArgs, load_weights
 from nanoserve.sampler import Sampler
@@ -80,6 +80,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = round_up(-(-config.max_model_len // self.block_size), BLOCK_TABLE_WIDTH_MULTIPLE)
+        self.sampler = Sampler(self.device, use_triton=config.kernels == "triton")  # profile_run samples
         self.num_kvcache_blocks = config.num_kvcache_blocks or self.blocks_from_memory()
         a = self.args
         # [K or V, layer, block, slot in block, kv head, head_dim]
@@ -89,7 +90,8 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%d bytes per token)",
                     self.num_kvcache_blocks, self.block_size, self.num_kvcache_blocks * self.block_size,
                     self.kv_cache.numel() * self.dtype.itemsize / 2**30, self.kv_bytes_per_token)
-        self.sampler = Sampler(self.device, use_triton=config.kernels == "triton")
+        if self.device.type == "cuda" and config.kernels == "triton":
+            self.compile_kernels()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if not config.enforce_eager:
             self.capture_cudagraphs()
@@ -122,20 +124,37 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_run(self):
         """The biggest step the scheduler can make: max_num_batched_tokens of prefill, then logits and
-        sampling for max_num_seqs rows. KV writes are skipped (padded slots) into a one-block scratch cache."""
-        cfg, a = self.config, self.args
+        sampling for max_num_seqs rows."""
+        cfg = self.config
         num_tokens = cfg.max_num_batched_tokens
-        seq_lens = [min(cfg.max_model_len, num_tokens - i) for i in range(0, num_tokens, cfg.max_model_len)]
+        hidden = self._dummy_prefill([min(cfg.max_model_len, num_tokens - i)
+                                      for i in range(0, num_tokens, cfg.max_model_len)])
+        logits = self.model.compute_logits(hidden[:1].expand(cfg.max_num_seqs, -1))
+        n = cfg.max_num_seqs
+        self.sampler(logits, [PROFILE_SAMPLING] * n, [1] * n, [[]] * n)
+
+    @torch.inference_mode()
+    def compile_kernels(self):
+        """Triton compiles a kernel per constexpr set on first use. The prefill kernel has one per query-tile
+        size (chosen from a step's longest query), and decode's are compiled by graph capture: build them all
+        now, so no request waits for the compiler and no benchmark times it."""
+        tile = MIN_DOT_ROWS
+        while tile <= PREFILL_TILE_M:
+            hidden = self._dummy_prefill([tile])
+            tile *= 2
+        self.sampler(self.model.compute_logits(hidden[:1]), [SamplingParams(temperature=1.0)], [1], [[]])
+
+    def _dummy_prefill(self, seq_lens: list[int]) -> torch.Tensor:
+        """A prefill of sequences of these lengths whose K/V go nowhere (padded slots; reads from one zeroed
+        scratch block): for profiling and compiling without touching the real cache."""
+        a = self.args
+        num_tokens = sum(seq_lens)
         scratch = torch.zeros(2, 1, self.block_size, a.num_kv_heads, a.head_dim, dtype=self.dtype,
                               device=self.device)
         no_blocks = array.array("i", bytes(4 * len(seq_lens) * self.max_blocks_per_seq))
         ids, _, meta, _ = self._upload([0] * num_tokens, [0] * num_tokens, [PAD_SLOT] * num_tokens, seq_lens,
                                        seq_lens, no_blocks, [0])
-        hidden = self.model(ids, ids, [(scratch[0], scratch[1])] * a.num_layers, meta)
-        logits = self.model.compute_logits(hidden[:1].expand(cfg.max_num_seqs, -1))
-        n = cfg.max_num_seqs
-        self.sampler(logits, [PROFILE_SAMPLING] * n, [1] * n, [[]] * n)
-        torch.cuda.synchronize()
+        return self.model(ids, ids, [(scratch[0], scratch[1])] * a.num_layers, meta)
 
     # ---- one step ---------------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch):

@@ -180,3 +180,23 @@ def test_triton_kernels_in_the_engine_match_transformers(tiny_model, family):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert llm.stats()["prefix_hit_tokens"] > 0
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
+
+
+def test_gpu_start_up_steps_run_before_the_cache_exists(llama, monkeypatch):
+    """Guards against start-up order bugs that only a GPU would hit: there the KV cache is sized by
+    profile_run (which needs the sampler), then every kernel is compiled. CPU skips both, so force them."""
+    from nanoserve.model_runner import ModelRunner
+    path, hf = llama
+    profiled = []
+
+    def blocks_from_profile(runner):
+        runner.profile_run()
+        profiled.append(True)
+        return 32
+    monkeypatch.setattr(ModelRunner, "blocks_from_memory", blocks_from_profile)
+    llm = nanoserve.LLM(path, device="cpu", kernels="triton", dtype="float32", max_model_len=128,
+                        max_num_batched_tokens=64, max_num_seqs=4)
+    assert profiled and llm.runner.num_kvcache_blocks == 32
+    llm.runner.compile_kernels()  # every prefill tile size and the sampling kernel, under the interpreter
+    prompt = random_prompts([11])[0]
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids == hf_greedy(hf, prompt, 24)

@@ -44,7 +44,8 @@ def test_graph_replay_equals_eager(tiny_model):
     """Guards against stale graph inputs (padding rows, block tables) changing decode results."""
     path, _ = tiny_model("llama")
     prompts = random_prompts([5, 12, 30, 7, 50, 21, 9])  # 7 sequences: replays the graph of 8, padded
-    kw = dict(max_model_len=256, num_kvcache_blocks=64, max_num_seqs=16)
+    # fp32: in bf16, cuBLAS may round a 7-row and an 8-row matmul differently and flip a near-tie
+    kw = dict(max_model_len=256, num_kvcache_blocks=64, max_num_seqs=16, dtype="float32")
     eager = LLM(path, enforce_eager=True, **kw).generate(prompts, GREEDY, use_tqdm=False)
     graph = LLM(path, **kw).generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in graph] == [o.token_ids for o in eager]
