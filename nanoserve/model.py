@@ -64,7 +64,8 @@ class ModelArgs:
 
 class RMSNorm(nn.Module):
     """weight * x / rms(x). Given the residual stream it first adds x into it, fused with the norm (one kernel on
-    GPU). Returns (normed, stream): stream = x + residual, or x itself when there is no residual yet."""
+    GPU). Returns (normed, stream): stream = x + residual, or x itself when there is no residual yet. The Triton
+    path writes the sum into `residual` in place, so the stream must be a tensor the model owns."""
     def __init__(self, dim: int, eps: float, use_triton: bool = False):
         super().__init__()
         self.eps, self.use_triton = eps, use_triton
@@ -210,7 +211,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        h, residual = self.model.embed_tokens(input_ids), None
+        h, residual = self.model.embed_tokens(input_ids), None  # a fresh tensor: the stream may overwrite it
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             h, residual = layer(h, residual, positions, self.rotary, kv_cache, meta)
         return self.model.norm(h, residual)[0]

@@ -136,8 +136,8 @@ class ModelRunner:
     @torch.inference_mode()
     def compile_kernels(self):
         """Triton compiles a kernel per constexpr set on first use. The prefill kernel has one per query-tile
-        size (chosen from a step's longest query), and decode's are compiled by graph capture: build them all
-        now, so no request waits for the compiler and no benchmark times it."""
+        size (chosen from a step's longest query); build them all now, so no request waits for the compiler
+        and no benchmark times it. Decode's are compiled by graph capture (enforce_eager: by the first decode)."""
         tile = MIN_DOT_ROWS
         while tile <= PREFILL_TILE_M:
             hidden = self._dummy_prefill([tile])

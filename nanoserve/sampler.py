@@ -62,7 +62,8 @@ class Sampler:
         if any(banned):
             where = self._to_device([[r for r, ids in enumerate(banned) for _ in ids], sum(banned, [])], torch.long)
             logits[where[0], where[1]] = float("-inf")
-        # top-k / top-p / min-p rows take the PyTorch path (all rows do without Triton), the others the kernel
+        # With Triton the kernel draws every row (one cheap pass over the logits), then top-k / top-p / min-p
+        # rows are redrawn on the PyTorch path; without Triton every row takes that path
         filtered = [row for row, p in enumerate(params) if p.filtered or not self.use_triton]
         if len(filtered) == len(params):
             tokens = self._sample_torch(logits.float(), params, lengths)

@@ -36,8 +36,13 @@ def randint(low, high):
 
 
 def assert_close(out, ref, dtype, what):
+    """Within about a rounding step; in fp16 also bit-equal almost everywhere, which catches a kernel that
+    skips one of the roundings the PyTorch code does (that alone moves ~25% of elements by one step)."""
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= ATOL[dtype] * max(1.0, ref.float().abs().max().item()), f"{what}: max abs err {err:.3g}"
+    if dtype == torch.float16:
+        equal = (out == ref).float().mean().item()
+        assert equal >= 0.98, f"{what}: only {equal:.1%} of elements bit-equal to the reference"
 
 
 def make_args(head_dim, num_heads, num_kv_heads, qk_norm):
@@ -61,7 +66,7 @@ def test_rms_norm_with_fused_residual_add(dtype, with_residual):
     ref_out, ref_stream = torch_norm(x, residual)
     out, stream = triton_norm(x, residual.clone() if with_residual else None)
     assert_close(out, ref_out, dtype, "normed")
-    assert_close(stream, ref_stream, dtype, "residual stream")
+    assert torch.equal(stream, ref_stream), "residual stream: x + residual, rounded once to the model dtype"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
