@@ -15,6 +15,7 @@ import time
 import torch
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.sampler import Sampled
 
 STANDARD_NUM_SEQS = 256         # the standard workload's size
 PROMPT_ID_RANGE = 10000          # prompt token ids are uniform in [0, PROMPT_ID_RANGE] (nano-vllm's bench)
@@ -120,11 +121,12 @@ def run_latency(llm, args):
 
 
 def run_cpu_profile(llm, args):
-    """Host time per step, split by stage, over all steps and over decode-only steps (the ones the 1 ms
-    target is about). With CUDA the forward is only launched and sampling reads the tokens back, so 'run'
-    includes waiting for the GPU; schedule, prepare and update are host work alone."""
-    stages = ("schedule", "prepare", "run", "update")
-    steps = []  # per step: {stage: seconds, "decode_only": bool}
+    """Host time per loop iteration, split by stage, over all iterations and over decode-only ones (the
+    ones the 1 ms target is about). An iteration schedules and launches step n+1 (the GPU only queues it),
+    then reads step n back: 'wait' is the host idling for those tokens, the rest is host work, which
+    overlaps the GPU's work as long as 'wait' stays above zero."""
+    stages = ("schedule", "prepare", "launch", "wait", "finish")
+    steps = []  # per iteration: {stage: seconds, "decode_only": bool}
     sched, runner = llm.scheduler, llm.runner
 
     def timed(stage, fn):
@@ -133,18 +135,26 @@ def run_cpu_profile(llm, args):
             result = fn(*a, **k)
             if stage == "schedule":
                 steps.append({"decode_only": all(n == 1 for _, n in result)})
-            steps[-1][stage] = steps[-1].get(stage, 0.0) + time.perf_counter() - start
+            if steps:
+                steps[-1][stage] = steps[-1].get(stage, 0.0) + time.perf_counter() - start
             return result
         return wrapper
-    for obj, stage in ((sched, "schedule"), (runner, "prepare"), (runner, "run"), (sched, "update")):
-        setattr(obj, stage, timed(stage, getattr(obj, stage)))
-    rows = run_throughput(llm, args)
+    for obj, stage, name in ((sched, "schedule", "schedule"), (runner, "prepare", "prepare"),
+                             (runner, "launch", "launch"), (llm, "finish", "finish_step")):
+        setattr(obj, name, timed(stage, getattr(obj, name)))
+    wait = Sampled.wait
+    Sampled.wait = lambda self: timed("wait", wait)(self)
+    try:
+        rows = run_throughput(llm, args)
+    finally:
+        Sampled.wait = wait
     for step in steps:
-        step["run"] -= step["prepare"]  # run calls prepare
+        step["launch"] = step.get("launch", 0.0) - step.get("prepare", 0.0)  # launch calls prepare
+        step["finish"] = step.get("finish", 0.0) - step.get("wait", 0.0)    # finish_step calls wait
     for name, chosen in (("all", steps), ("decode-only", [s for s in steps if s["decode_only"]])):
         rows[0][f"{name}_steps"] = len(chosen)
         for stage in stages:
-            ms = 1000 * sum(s[stage] for s in chosen) / max(len(chosen), 1)
+            ms = 1000 * sum(s.get(stage, 0.0) for s in chosen) / max(len(chosen), 1)
             rows[0][f"{name}_{stage}_ms"] = round(ms, 3)
     return rows
 

@@ -2,6 +2,8 @@
 
 It validates every request before any work, then loops: the scheduler picks a batch, the model runner
 computes it and samples, and finished sequences leave, freeing their blocks, while new ones join.
+The loop keeps the GPU fed: it launches step n+1 before it reads step n's tokens back and checks them for
+stop conditions, so the host's work for a step overlaps the GPU's work on the previous one.
 """
 import numbers
 import os
@@ -119,10 +121,15 @@ class LLM:
         for seq in seqs:
             self.scheduler.add(seq)
         bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        in_flight = None
         try:
-            while self.scheduler.has_unfinished():
+            while self.scheduler.has_unfinished() or in_flight:
                 start = time.perf_counter()
-                num_prefill, num_decode, num_done = self.step()
+                launched, num_prefill, num_decode = self.launch_step()
+                num_done = self.finish_step(*in_flight) if in_flight else 0
+                if launched is None and in_flight is None:
+                    raise RuntimeError("the scheduler found nothing to run")  # a bug, never a state
+                in_flight = launched
                 rate = 1 / (time.perf_counter() - start)
                 bar.set_postfix_str(f"prefill {num_prefill * rate:.0f} tok/s, decode {num_decode * rate:.0f} tok/s",
                                     refresh=False)
@@ -132,28 +139,40 @@ class LLM:
             self.scheduler.abort_all()  # frees what an interruption left behind; a no-op otherwise
         return [self._output(seq) for seq in seqs]
 
-    def step(self) -> tuple[int, int, int]:
-        """One iteration: schedule, run, record. Returns prefill tokens, decode tokens, finished seqs."""
+    def launch_step(self):
+        """Schedule a step and queue it on the GPU. Returns (what finish_step needs, or None if nothing
+        could run; prefill tokens; decode tokens)."""
         batch = self.scheduler.schedule()
-        tokens, logprobs = self.runner.run(batch)
+        if not batch:
+            return None, 0, 0
         num_decode = sum(1 for seq, n in batch if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
         num_prefill = sum(n for _, n in batch) - num_decode
+        sampling, sampled = self.runner.launch(batch)
+        self.scheduler.launched(batch)
+        return (batch, sampling, sampled), num_prefill, num_decode
+
+    def finish_step(self, batch, sampling, sampled) -> int:
+        """Read a launched step's tokens back (waiting for the GPU if needed), record them, and end the
+        sequences that reached a stop condition. Returns how many ended."""
+        tokens, logprobs = sampled.wait() if sampled is not None else ([], None)
         num_done = 0
-        for seq in self.scheduler.update(batch, tokens, logprobs):
+        for seq in self.scheduler.update(batch, sampling, tokens, logprobs):
             reason = self._finish_reason(seq)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 num_done += 1
-        return num_prefill, num_decode, num_done
+        return num_done
 
     def _finish_reason(self, seq: Sequence) -> str | None:
-        p, last = seq.params, seq.token_ids[-1]
-        if seq.num_completion_tokens >= p.min_tokens:
+        """Checked on the tokens read back so far (a later one may still be pending)."""
+        p, known = seq.params, seq.num_tokens - seq.num_pending
+        last, num_out = seq.token_ids[known - 1], known - seq.num_prompt_tokens
+        if num_out >= p.min_tokens:
             if last in p.stop_token_ids or (last in self.eos_token_ids and not p.ignore_eos):
                 return "stop"
             if p.stop and self._stop_string_at(seq) is not None:
                 return "stop"
-        if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if num_out >= p.max_tokens or known >= self.config.max_model_len:
             return "length"
         return None
 
@@ -164,8 +183,9 @@ class LLM:
         """Where the first stop string starts in the output text. Checked every step, so only a tail
         that could hold a new match is decoded (every token is at least one character; a few more
         tokens cover characters split across byte-level tokens)."""
-        window = max(map(len, seq.params.stop)) + STOP_WINDOW_SLACK if tail_only else seq.num_completion_tokens
-        text = self._decode(seq.completion_token_ids[-window:])
+        known = seq.num_tokens - seq.num_pending
+        window = max(map(len, seq.params.stop)) + STOP_WINDOW_SLACK if tail_only else known
+        text = self._decode(seq.token_ids[max(seq.num_prompt_tokens, known - window):known])
         found = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
         return min(found) if found else None
 

@@ -17,9 +17,10 @@ from safetensors import safe_open
 from nanoserve.attention import MIN_DOT_ROWS, PAD_SLOT, PREFILL_TILE_M, AttentionMetadata
 from nanoserve.config import EngineConfig
 from nanoserve.model import CausalLM, ModelArgs, load_weights
-from nanoserve.sampler import Sampler
+from nanoserve.sampler import Sampled, Sampler
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import ScheduledBatch
+from nanoserve.sequence import Sequence
 
 logger = logging.getLogger("nanoserve")
 CPU_KV_CACHE_BYTES = 1 << 30  # without a GPU to profile, give the KV cache 1 GiB of host memory
@@ -131,7 +132,7 @@ class ModelRunner:
                                       for i in range(0, num_tokens, cfg.max_model_len)])
         logits = self.model.compute_logits(hidden[:1].expand(cfg.max_num_seqs, -1))
         n = cfg.max_num_seqs
-        self.sampler(logits, [PROFILE_SAMPLING] * n, [1] * n, [[]] * n)
+        self.sampler(logits, [PROFILE_SAMPLING] * n, [1] * n, [[]] * n)  # waits for the GPU
 
     @torch.inference_mode()
     def compile_kernels(self):
@@ -162,8 +163,13 @@ class ModelRunner:
         length, context length and block table (padded to the longest); and which rows' logits to sample."""
         bs = self.block_size
         input_ids, positions, slots, query_lens, context_lens, sample_rows = [], [], [], [], [], []
+        pending_at, pending_rows = [], []  # input tokens whose values are still on the device, and their rows
         for seq, num_new in batch:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            if seq.num_pending:  # a decode of the token the previous step sampled: read it on the device
+                assert num_new == 1 and start == seq.num_tokens - seq.num_pending, "only the oldest is input"
+                pending_at.append(len(input_ids))
+                pending_rows.append(self._last_sample_rows[seq.seq_id])
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             for first in range(start - start % bs, end, bs):  # block by block, not token by token
@@ -179,15 +185,19 @@ class ModelRunner:
         for seq, _ in batch:  # int32 arrays: copied row by row, never converted entry by entry
             block_tables += seq.block_table
             block_tables += padding[:width - len(seq.block_table)]
-        return self._upload(input_ids, positions, slots, query_lens, context_lens, block_tables, sample_rows)
+        ids, pos, meta, rows = self._upload(input_ids, positions, slots, query_lens, context_lens, block_tables,
+                                            sample_rows, pending_at, pending_rows)
+        return ids, pos, meta, rows
 
-    def _upload(self, input_ids, positions, slots, query_lens, context_lens, block_tables, logits_indices):
+    def _upload(self, input_ids, positions, slots, query_lens, context_lens, block_tables, logits_indices,
+                pending_at=(), pending_rows=()):
         """All of a step's integer inputs in one int32 buffer and one host-to-device copy: per-element
         conversion and per-copy overhead are most of the host's work in a decode step."""
         query_start_loc = [0]
         for n in query_lens:
             query_start_loc.append(query_start_loc[-1] + n)
-        parts = [input_ids, positions, slots, query_start_loc, context_lens, block_tables, logits_indices]
+        parts = [input_ids, positions, slots, query_start_loc, context_lens, block_tables, logits_indices,
+                 pending_at, pending_rows]
         flat = array.array("i")
         for part in parts:
             flat += part if isinstance(part, array.array) else array.array("i", part)
@@ -196,7 +206,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             host = host.pin_memory()  # a pinned source lets the copy run asynchronously
         views = host.to(self.device, non_blocking=True).split([round_up(len(p), INTS_PER_16_BYTES) for p in parts])
-        ids, pos, slot_mapping, qsl, ctx, tables, rows = (v[:len(p)] for v, p in zip(views, parts))
+        ids, pos, slot_mapping, qsl, ctx, tables, rows, at, from_rows = (v[:len(p)] for v, p in zip(views, parts))
+        if pending_at:  # the previous step's samples, still on the device, become this step's inputs
+            ids[at.long()] = self._last_sampled[from_rows.long()].int()
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, query_start_loc=qsl, context_lens=ctx,
             block_tables=tables.view(len(context_lens), -1), max_query_len=max(query_lens),
@@ -204,9 +216,10 @@ class ModelRunner:
         return ids, pos, meta, rows
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch):
-        """Run one step; returns a token (and logprobs) for each sequence whose computed tokens reach
-        its end, in batch order."""
+    def launch(self, batch: ScheduledBatch) -> tuple[list[Sequence], Sampled | None]:
+        """Queue one step on the device and return without waiting for it: the sequences that sample a
+        token (their computed tokens reach their end), in batch order, and their samples on the way back.
+        Reads the sequences as scheduled, before Scheduler.launched() books the step."""
         input_ids, positions, meta, logits_indices = self.prepare(batch)
         if meta.decode_only and self.graphs:  # graphs exist up to max_num_seqs, the most a step holds
             hidden = self.replay_graph(input_ids, positions, meta)
@@ -216,8 +229,11 @@ class ModelRunner:
         if not sampling:
             return [], None
         logits = self.model.compute_logits(hidden[logits_indices])
-        return self.sampler(logits, [s.params for s in sampling], [s.num_tokens for s in sampling],
-                            [self._banned_tokens(s) for s in sampling])
+        sampled = self.sampler.sample(logits, [s.params for s in sampling], [s.num_tokens for s in sampling],
+                                      [self._banned_tokens(s) for s in sampling])
+        self._last_sampled = sampled.device_tokens  # the next step's decode inputs, without a round trip
+        self._last_sample_rows = {seq.seq_id: row for row, seq in enumerate(sampling)}
+        return sampling, sampled
 
     def _banned_tokens(self, seq) -> list[int]:
         """Before min_tokens, EOS and stop ids may not be chosen (vLLM's min_tokens)."""

@@ -53,11 +53,15 @@ class Sampler:
             host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], lengths: list[int],
-                 banned: list[list[int]]):
+    def __call__(self, logits, params, lengths, banned) -> tuple[list[int], list[dict | None] | None]:
+        """sample(), waiting for the result: the tokens and, per row, {token: logprob} if it asked."""
+        return self.sample(logits, params, lengths, banned).wait()
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], lengths: list[int],
+               banned: list[list[int]]) -> "Sampled":
         """logits: [num_rows, vocab]; lengths: tokens each row's sequence has before this sample;
-        banned: token ids a row may not pick yet (EOS before min_tokens).
-        Returns the chosen tokens and, per row, {token: logprob} when that row asked for logprobs."""
+        banned: token ids a row may not pick yet (EOS before min_tokens). Returns without waiting for the
+        GPU: the tokens stay on the device for the next step, and a copy is on its way to the host."""
         logprobs = logits.float().log_softmax(-1) if any(p.logprobs is not None for p in params) else None
         if any(banned):
             where = self._to_device([[r for r, ids in enumerate(banned) for _ in ids], sum(banned, [])], torch.long)
@@ -73,8 +77,11 @@ class Sampler:
                 rows = self._to_device(filtered, torch.long)
                 tokens[rows] = self._sample_torch(logits[rows].float(), [params[r] for r in filtered],
                                                   [lengths[r] for r in filtered])
-        token_list = tokens.tolist()
-        return token_list, self._logprobs(logprobs, tokens, token_list, params) if logprobs is not None else None
+        if logprobs is None:
+            return Sampled(tokens, params, [tokens])
+        n = max(p.logprobs or 0 for p in params)
+        top_lp, top_ids = logprobs.topk(n, dim=-1)  # n = 0 gives empty rows
+        return Sampled(tokens, params, [tokens, logprobs.gather(-1, tokens[:, None])[:, 0], top_lp, top_ids])
 
     def _row_seed(self, p: SamplingParams, length: int) -> int:
         return (p.seed * SEED_MIX + length) % SEED_RANGE
@@ -123,18 +130,36 @@ class Sampler:
             probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0)
         return probs
 
-    @staticmethod
-    def _logprobs(logprobs, tokens, token_list, params):
-        n = max(p.logprobs or 0 for p in params)
-        top_lp, top_ids = logprobs.topk(n, dim=-1)  # n = 0 gives empty rows
-        chosen = logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
-        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+
+
+class Sampled:
+    """One step's samples: the tokens on the device, and their copy (with any logprobs) to the host, queued
+    behind the step's kernels so that launching the next step need not wait for it."""
+    def __init__(self, device_tokens: torch.Tensor, params: list[SamplingParams], results: list[torch.Tensor]):
+        self.device_tokens = device_tokens  # [rows] int64
+        self.params = params
+        if device_tokens.is_cuda:
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in results]
+            for dst, src in zip(self.host, results):
+                dst.copy_(src, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host, self.ready = results, None
+
+    def wait(self) -> tuple[list[int], list[dict | None] | None]:
+        """The tokens and, per row, {token: logprob} (the top-N and the chosen) if any row asked for them."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        tokens = self.host[0].tolist()
+        if len(self.host) == 1:
+            return tokens, None
+        chosen, top_lp, top_ids = (t.tolist() for t in self.host[1:])
         out = []
-        for row, p in enumerate(params):
-            if p.logprobs is None:
-                out.append(None)
-                continue
-            entry = dict(zip(top_ids[row][:p.logprobs], top_lp[row][:p.logprobs]))
-            entry[token_list[row]] = chosen[row]
+        for row, p in enumerate(self.params):
+            entry = None
+            if p.logprobs is not None:
+                entry = dict(zip(top_ids[row][:p.logprobs], top_lp[row][:p.logprobs]))
+                entry[tokens[row]] = chosen[row]
             out.append(entry)
-        return out
+        return tokens, out

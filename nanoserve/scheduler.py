@@ -7,6 +7,10 @@ chunk of its prompt, so prefill chunks and decodes share one mixed batch and a l
 the decodes. Leftover budget admits waiting sequences, which first reuse whatever prefix is cached.
 When the pool runs dry, the most recently admitted sequence is preempted: its blocks go back (keeping
 their hashes) and it waits at the front of the queue to recompute its tokens later.
+
+A step's life: schedule() picks it, launched() books its work as done (each sampling sequence gets a PENDING
+token), and update() fills those tokens in once the GPU's results are read back, which the engine does only
+after launching the next step. So scheduling never waits for the GPU: lengths are known before values.
 """
 from collections import deque
 
@@ -50,6 +54,8 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0 or seq.status != SequenceStatus.RUNNING:  # out of budget, or preempted below
                 continue
+            if self.reached_length_limit(seq):  # its last token is pending: it finishes when read back
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.allocate(seq, num_new):
                 preempted = True
@@ -60,8 +66,8 @@ class Scheduler:
                 budget -= num_new
         # Admitting while others were just preempted would only make the pool thrash.
         while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[0]
+               and len(self.running) < self.max_num_seqs and not self.waiting[0].num_pending):
+            seq = self.waiting[0]  # (a preempted sequence waits for its pending tokens' values)
             cached = self.block_manager.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
             if not self.block_manager.allocate(seq, num_new, cached):
@@ -82,24 +88,41 @@ class Scheduler:
         self.num_preemptions += 1
         return seq
 
-    def update(self, batch: ScheduledBatch, sampled: list[int], logprobs: list | None = None) -> list[Sequence]:
-        """Record a finished step. `sampled` holds one token for each sequence whose computed tokens
-        reached its end this step (a partial prefill chunk samples nothing), in batch order.
-        Returns the sequences that received a token."""
-        got_token = []
-        tokens = iter(sampled)
-        lps = iter(logprobs) if logprobs is not None else None
+    def reached_length_limit(self, seq: Sequence) -> bool:
+        return seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+
+    def launched(self, batch: ScheduledBatch) -> list[Sequence]:
+        """The step is on its way to the GPU: its tokens count as computed, and every sequence whose
+        computed tokens reach its end will get a sampled token, PENDING for now. Returns those, in order."""
+        sampling = []
         for seq, num_new in batch:
             seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq)
             if seq.num_computed_tokens == seq.num_tokens:
-                seq.append_token(next(tokens), next(lps) if lps is not None else None)
+                seq.append_pending()
+                sampling.append(seq)
+        return sampling
+
+    def update(self, batch: ScheduledBatch, sampling: list[Sequence], tokens: list[int],
+               logprobs: list | None = None) -> list[Sequence]:
+        """A launched step's results are back: `tokens` (and logprobs) for the `sampling` sequences of
+        launched(). Returns those still unfinished, which the engine checks for stop conditions."""
+        got_token = []
+        for i, (seq, token) in enumerate(zip(sampling, tokens)):
+            if seq.status != SequenceStatus.FINISHED:  # finished meanwhile: the extra token is dropped
+                seq.resolve_pending(token, logprobs[i] if logprobs is not None else None)
                 got_token.append(seq)
+        for seq, _ in batch:  # computed full blocks become findable, now that their tokens are all known
+            if seq.status == SequenceStatus.RUNNING:
+                self.block_manager.cache_full_blocks(seq)
         return got_token
 
     def finish(self, seq: Sequence, reason: str):
-        self.running.remove(seq)
-        self.block_manager.free(seq)
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        else:  # preempted while its last token was pending: it holds no blocks
+            self.waiting.remove(seq)
+        seq.drop_pending()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 

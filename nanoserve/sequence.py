@@ -1,11 +1,16 @@
 """A Sequence is one request as the engine sees it: token ids, how many of them already have KV in the
 cache, and the block table that says where that KV lives. Scheduler and block manager talk in Sequences;
-neither knows about tensors or models."""
+neither knows about tensors or models.
+
+The engine launches step n+1 before reading step n's tokens back from the GPU, so a sequence's last one or two
+tokens can be PENDING: sampled, counted in every length, but their values not yet on the host."""
 from array import array
 from enum import Enum, auto
 from itertools import count
 
 from nanoserve.sampling_params import SamplingParams
+
+PENDING = -1  # a token id sampled on the GPU and not yet read back
 
 
 class SequenceStatus(Enum):
@@ -31,6 +36,7 @@ class Sequence:
         self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served; None until admitted
         self.finish_reason: str | None = None
         self.logprobs: list[dict] = []     # one entry per generated token when params.logprobs is set
+        self.num_pending = 0               # trailing PENDING tokens (at most two: steps n and n+1)
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +58,18 @@ class Sequence:
         """The token ids that block i of this sequence holds (or will hold)."""
         return tuple(self.token_ids[i * self.block_size:(i + 1) * self.block_size])
 
-    def append_token(self, token_id: int, logprobs: dict | None = None):
-        self.token_ids.append(token_id)
+    def append_pending(self):
+        self.token_ids.append(PENDING)
+        self.num_pending += 1
+
+    def resolve_pending(self, token_id: int, logprobs: dict | None = None):
+        """The oldest pending token's value has arrived (steps are read back in launch order)."""
+        self.token_ids[self.num_tokens - self.num_pending] = token_id
+        self.num_pending -= 1
         if logprobs is not None:
             self.logprobs.append(logprobs)
+
+    def drop_pending(self):
+        """Finished: a token sampled after the last one kept is discarded."""
+        del self.token_ids[self.num_tokens - self.num_pending:]
+        self.num_pending = 0

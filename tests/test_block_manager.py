@@ -151,7 +151,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _compute(self, seq, num_new, token):
         compute(self.bm, self.kv, seq, num_new)
         if seq.num_computed_tokens == seq.num_tokens:
-            seq.append_token(token)  # what a sampled token does
+            seq.append_pending()  # what a sampled token does, once read back
+            seq.resolve_pending(token)
         assert seq.num_uncomputed_tokens >= 1
 
     def teardown(self):

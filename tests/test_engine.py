@@ -22,12 +22,12 @@ def llama(tiny_model):
 def count_computed_tokens(llm):
     """Wraps the runner so a test can see how many tokens went through the model."""
     counter = {"tokens": 0}
-    run = llm.runner.run
+    launch = llm.runner.launch
 
-    def counting_run(batch):
+    def counting_launch(batch):
         counter["tokens"] += sum(n for _, n in batch)
-        return run(batch)
-    llm.runner.run = counting_run
+        return launch(batch)
+    llm.runner.launch = counting_launch
     return counter
 
 

@@ -31,27 +31,35 @@ def fake_next_token(token_ids: list[int]) -> int:
     return (31 * a + 17 * b + 7 * c + len(token_ids)) % VOCAB
 
 
-def reference_completion(prompt: list[int], max_tokens: int) -> list[int]:
+def reference_completion(prompt: list[int], max_tokens: int, stop_token_ids=()) -> list[int]:
     tokens = list(prompt)
     for _ in range(max_tokens):
         tokens.append(fake_next_token(tokens))
+        if tokens[-1] in stop_token_ids:
+            break
     return tokens[len(prompt):]
 
 
 class FakeEngine:
-    """LLM.step without a model: checks every batch and the fake KV cache, records what ran."""
+    """LLM's loop without a model: checks every batch and the fake KV cache, records what ran.
+
+    With overlap=True it reads each step's tokens back only after launching the next step, as LLM does on a
+    GPU: sequences then schedule with PENDING tokens, whose values only the fake device knows so far."""
 
     def __init__(self, num_blocks=1000, block_size=4, max_num_seqs=64, max_num_batched_tokens=512,
-                 max_model_len=4096, enable_prefix_caching=True, **bm_kwargs):
+                 max_model_len=4096, enable_prefix_caching=True, overlap=False, **bm_kwargs):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching, **bm_kwargs)
         self.scheduler = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens, max_model_len)
         self.kv: dict[int, tuple] = {}
         self.steps: list[list[tuple[Sequence, int, int]]] = []  # per step: (seq, start, num_new)
         self.admissions: list[tuple[Sequence, int, list[int]]] = []  # (seq, cached tokens, hit blocks)
         self.tables_when_preempted: dict[int, list[list[int]]] = {}  # seq_id -> its tables then
+        self.overlap = overlap
+        self.on_device: dict[int, list[int]] = {}  # seq_id -> sampled token values not yet read back
+        self.in_flight = None                       # a launched step whose tokens are not read back yet
 
-    def add(self, prompt: list[int], max_tokens: int) -> Sequence:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    def add(self, prompt: list[int], max_tokens: int, stop_token_ids=()) -> Sequence:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop_token_ids=list(stop_token_ids))
         seq = Sequence(prompt, params, self.bm.block_size)
         self.scheduler.add(seq)
         return seq
@@ -59,6 +67,11 @@ class FakeEngine:
     def slot(self, seq: Sequence, pos: int) -> int:
         bs = self.bm.block_size
         return seq.block_table[pos // bs] * bs + pos % bs
+
+    def true_tokens(self, seq: Sequence) -> list[int]:
+        """What the device sees: the sequence's tokens with pending ones replaced by their values."""
+        known = seq.num_tokens - seq.num_pending
+        return seq.token_ids[:known] + self.on_device.get(seq.seq_id, [])[:seq.num_pending]
 
     def step(self) -> list[tuple[Sequence, int]]:
         sched, bm = self.scheduler, self.bm
@@ -75,27 +88,44 @@ class FakeEngine:
                 self.admissions.append((seq, hit * bm.block_size, list(seq.block_table[:hit])))  # tokens hit now
         # the model step: all reads of earlier K/V, then all writes, as one forward would
         for seq, num_new in batch:
+            tokens = self.true_tokens(seq)
             for p in range(seq.num_computed_tokens):
                 got = self.kv.get(self.slot(seq, p))
-                assert got == tuple(seq.token_ids[:p + 1]), (
-                    f"seq {seq.seq_id} position {p} reads K/V of {got}")
+                assert got == tuple(tokens[:p + 1]), f"seq {seq.seq_id} position {p} reads K/V of {got}"
         written = set()
         for seq, num_new in batch:
+            tokens = self.true_tokens(seq)
             for p in range(seq.num_computed_tokens, seq.num_computed_tokens + num_new):
                 s = self.slot(seq, p)
                 assert bm.blocks[s // bm.block_size].ref_count == 1, "write into a shared block"
                 assert s not in written, "two sequences write one slot in one step"
                 written.add(s)
-                self.kv[s] = tuple(seq.token_ids[:p + 1])
+                self.kv[s] = tuple(tokens[:p + 1])
         self.steps.append([(seq, seq.num_computed_tokens, n) for seq, n in batch])
-        sampled = [fake_next_token(seq.token_ids) for seq, n in batch
-                   if seq.num_computed_tokens + n == seq.num_tokens]
-        for seq in sched.update(batch, sampled):
-            if (seq.num_completion_tokens >= seq.params.max_tokens
-                    or seq.num_tokens >= sched.max_model_len):
-                sched.finish(seq, "length")
+        sampling = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
+        sampled = [fake_next_token(self.true_tokens(seq)) for seq in sampling]
+        sched.launched(batch)
+        for seq, token in zip(sampling, sampled):
+            self.on_device.setdefault(seq.seq_id, []).append(token)
+        if self.overlap:  # read back the previous step now, this one after the next launch
+            previous, self.in_flight = self.in_flight, (batch, sampling, sampled)
+            if previous is not None:
+                self.read_back(*previous)
+        else:
+            self.read_back(batch, sampling, sampled)
         self.check_pool()
         return batch
+
+    def read_back(self, batch, sampling, sampled):
+        sched = self.scheduler
+        for seq in sampling:
+            self.on_device[seq.seq_id].pop(0)
+        for seq in sched.update(batch, sampling, sampled):
+            known = seq.num_tokens - seq.num_pending
+            if seq.token_ids[known - 1] in seq.params.stop_token_ids:
+                sched.finish(seq, "stop")
+            elif known - seq.num_prompt_tokens >= seq.params.max_tokens or known >= sched.max_model_len:
+                sched.finish(seq, "length")
 
     def check_batch(self, batch):
         sched, bm = self.scheduler, self.bm
@@ -144,7 +174,7 @@ def random_requests(rng: random.Random, n: int, prompt_len=(30, 60), max_tokens=
     return requests
 
 
-def run_requests(requests, arrivals=None, **engine_kwargs) -> tuple[FakeEngine, list[list[int]]]:
+def run_requests(requests, arrivals=None, stop_token_ids=(), **engine_kwargs) -> tuple[FakeEngine, list[list[int]]]:
     """Runs requests (added at their arrival step, default all at once); returns their outputs."""
     engine = FakeEngine(**engine_kwargs)
     arrivals = arrivals or [0] * len(requests)
@@ -154,7 +184,7 @@ def run_requests(requests, arrivals=None, **engine_kwargs) -> tuple[FakeEngine, 
     while pending or engine.scheduler.has_unfinished():
         while pending and arrivals[pending[0]] <= step:
             i = pending.pop(0)
-            seqs[i] = engine.add(*requests[i])
+            seqs[i] = engine.add(*requests[i], stop_token_ids)
         if engine.scheduler.has_unfinished():
             engine.step()
         step += 1
@@ -216,22 +246,25 @@ def test_max_num_seqs_is_respected():
     assert [s.completion_token_ids for s in seqs] == [reference_completion(*r) for r in requests]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("seed", range(4))
-def test_budget_and_chunks_under_random_load(seed):
+def test_budget_and_chunks_under_random_load(seed, overlap):
     """Guards against budget or cap overruns, and output drift, when chunks, decodes and arrivals mix
     at random (every batch is checked against the budget, the cap and the fake KV cache)."""
     rng = random.Random(seed)
     requests = random_requests(rng, 10, prompt_len=(5, 40), max_tokens=(1, 15))
     arrivals = [rng.randint(0, 30) for _ in requests]
     engine, outputs = run_requests(requests, arrivals, max_num_batched_tokens=rng.choice([1, 5, 16, 37]),
-                                   max_num_seqs=rng.choice([1, 3, 8]), block_size=rng.choice([1, 4, 16]))
+                                   max_num_seqs=rng.choice([1, 3, 8]), block_size=rng.choice([1, 4, 16]),
+                                   overlap=overlap)
     assert outputs == [reference_completion(*r) for r in requests]
 
 
 # ---- preemption ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
-def test_tiny_pool_preempts_and_matches_unconstrained_run(block_size, enable_prefix_caching):
+def test_tiny_pool_preempts_and_matches_unconstrained_run(block_size, enable_prefix_caching, overlap):
     """Guards against preemption by recompute losing or repeating tokens, leaking blocks, or
     livelocking: with a pool of about a tenth of what the batch needs (just enough for the largest
     request), every request finishes, preemptions happen, and outputs equal an unconstrained run's."""
@@ -244,13 +277,14 @@ def test_tiny_pool_preempts_and_matches_unconstrained_run(block_size, enable_pre
                                  enable_prefix_caching=enable_prefix_caching)
     small, outputs = run_requests(requests, block_size=block_size, num_blocks=tiny,
                                   enable_prefix_caching=enable_prefix_caching,
-                                  max_num_batched_tokens=64)
+                                  max_num_batched_tokens=64, overlap=overlap)
     assert big.scheduler.num_preemptions == 0
     assert small.scheduler.num_preemptions > 0
     assert outputs == expected == [reference_completion(*r) for r in requests]
 
 
-def test_preempted_sequence_hits_its_own_blocks():
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_preempted_sequence_hits_its_own_blocks(overlap):
     """Guards against a readmitted sequence reusing its own cached K/V wrongly (stale table, blocks
     overwritten meanwhile, wrong position): distinct prompts, so any hit on readmission is of blocks
     the sequence itself held before preemption; the fake KV check and the outputs must stay right."""
@@ -258,7 +292,7 @@ def test_preempted_sequence_hits_its_own_blocks():
     requests = [([rng.randrange(VOCAB) for _ in range(rng.randint(30, 60))], rng.randint(20, 40))
                 for _ in range(12)]
     engine, outputs = run_requests(requests, block_size=4, num_blocks=blocks_for(requests, 4) + 4,
-                                   max_num_batched_tokens=64)
+                                   max_num_batched_tokens=64, overlap=overlap)
     assert outputs == [reference_completion(*r) for r in requests]
     own_hits = 0
     for seq, num_cached, hit_blocks in engine.admissions:
@@ -267,6 +301,18 @@ def test_preempted_sequence_hits_its_own_blocks():
             assert hit_blocks == last_table[:len(hit_blocks)]  # its own blocks, in its own places
             own_hits += 1
     assert engine.scheduler.num_preemptions > 0 and own_hits > 0
+
+
+def test_overlap_with_stop_tokens_and_preemption():
+    """Guards against the overlapped loop mishandling a sequence that stops on a token still pending when the
+    next step launched (its extra token must vanish, its blocks return), including one preempted meanwhile."""
+    rng = random.Random(8)  # a seed where a preempted sequence's pending token turns out to be a stop token
+    requests = random_requests(rng, 12, max_tokens=(10, 40))
+    stop = (3, 17)  # 2 of 50 fake tokens: most requests stop early, some run to max_tokens
+    engine, outputs = run_requests(requests, block_size=4, num_blocks=blocks_for(requests, 4) + 2,
+                                   max_num_batched_tokens=64, overlap=True, stop_token_ids=stop)
+    assert outputs == [reference_completion(*r, stop) for r in requests]
+    assert any(out[-1] in stop for out in outputs) and engine.scheduler.num_preemptions > 0
 
 
 def test_preempted_prefill_resumes_from_its_cached_chunks():
