@@ -82,6 +82,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> Sequence:
         """Preemption by recompute: drop seq's KV; readmitted, it re-prefills prompt + output so far."""
         self.running.remove(seq)
+        self.block_manager.cache_full_blocks(seq)  # (its last step's tokens are all known by now)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -97,6 +98,8 @@ class Scheduler:
         sampling = []
         for seq, num_new in batch:
             seq.num_computed_tokens += num_new
+            if not seq.num_pending:  # every computed token is known: its full blocks are findable now, so
+                self.block_manager.cache_full_blocks(seq)  # a request admitted next step can hit them
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.append_pending()
                 sampling.append(seq)
@@ -111,7 +114,7 @@ class Scheduler:
             if seq.status != SequenceStatus.FINISHED:  # finished meanwhile: the extra token is dropped
                 seq.resolve_pending(token, logprobs[i] if logprobs is not None else None)
                 got_token.append(seq)
-        for seq, _ in batch:  # computed full blocks become findable, now that their tokens are all known
+        for seq, _ in batch:  # blocks completed by a decode of a then-pending token become findable
             if seq.status == SequenceStatus.RUNNING:
                 self.block_manager.cache_full_blocks(seq)
         return got_token

@@ -19,7 +19,7 @@ import pytest
 from nanoserve.block_manager import BlockManager
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import Scheduler
-from nanoserve.sequence import Sequence, SequenceStatus
+from nanoserve.sequence import PENDING, Sequence, SequenceStatus
 
 VOCAB = 50
 MAX_STEPS = 20_000  # a run that needs more has livelocked
@@ -145,6 +145,8 @@ class FakeEngine:
             assert (block.ref_count == 0) == (block.block_id in bm.free_ids)
         for seq in sched.waiting:
             assert len(seq.block_table) == 0 and seq.num_computed_tokens == 0
+        for block in bm.blocks:  # a prefix key never holds a token whose value was still on the device
+            assert block.key is None or PENDING not in block.key[1], f"block {block.block_id} keyed on PENDING"
 
     def run(self) -> int:
         """Step until everything finished; returns the number of steps."""
@@ -313,6 +315,35 @@ def test_overlap_with_stop_tokens_and_preemption():
                                    max_num_batched_tokens=64, overlap=True, stop_token_ids=stop)
     assert outputs == [reference_completion(*r, stop) for r in requests]
     assert any(out[-1] in stop for out in outputs) and engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_prefix_computed_by_a_chunk_serves_the_next_admission(overlap):
+    """Guards against prefix blocks becoming findable only once a step is read back: with overlap that is
+    after the next step is scheduled, so a request admitted right behind a chunked prefill would miss them."""
+    engine = FakeEngine(block_size=4, max_num_batched_tokens=16, overlap=overlap)
+    shared = list(range(16))
+    a = engine.add(shared + [40, 41, 42, 43], max_tokens=3)
+    engine.step()  # a's first chunk: the 16 shared tokens
+    b = engine.add(shared + [44, 45, 46, 47], max_tokens=3)
+    engine.run()
+    assert [cached for seq, cached, _ in engine.admissions if seq is b] == [16]
+    assert b.completion_token_ids == reference_completion(shared + [44, 45, 46, 47], 3)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_preempted_sequence_keeps_its_last_blocks_cached(overlap):
+    """Guards against a sequence preempted right after its first step losing that step's blocks (with overlap
+    that step is not read back yet when the preemption happens, so its blocks must be findable from launch on):
+    readmitted, it must hit them."""
+    engine = FakeEngine(num_blocks=4, block_size=4, max_num_batched_tokens=64, overlap=overlap)
+    a = engine.add([1, 2, 3], max_tokens=8)
+    engine.step()
+    b = engine.add(list(range(100, 109)), max_tokens=2)  # admitted next step, then preempted by a's decodes
+    engine.run()
+    assert engine.scheduler.num_preemptions > 0
+    assert [cached for seq, cached, _ in engine.admissions if seq is b][-1] == 4
+    assert a.completion_token_ids == reference_completion([1, 2, 3], 8)
 
 
 def test_preempted_prefill_resumes_from_its_cached_chunks():
