@@ -194,7 +194,7 @@ def test_gpu_start_up_steps_run_before_the_cache_exists(llama, monkeypatch):
         profiled.append(True)
         return 32
     monkeypatch.setattr(ModelRunner, "blocks_from_memory", blocks_from_profile)
-    llm = nanoserve.LLM(path, device="cpu", kernels="triton", dtype="float32", max_model_len=128,
+    llm = nanoserve.LLM(path, kernels="triton", dtype="float32", max_model_len=128,  # the GPU if there is one
                         max_num_batched_tokens=64, max_num_seqs=4)
     assert profiled and llm.runner.num_kvcache_blocks == 32
     llm.runner.compile_kernels()  # every prefill tile size and the sampling kernel, under the interpreter
@@ -220,6 +220,7 @@ class RerunGraph:
                                           r._graph_metadata(self.size))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU stand-in; test_gpu.py replays real graphs")
 def test_decode_through_graph_buffers_matches_transformers(llama, monkeypatch):
     """Guards against the CUDA-graph path's own bugs (stale or unpadded static inputs, the decode grid sized
     for max_model_len) on a CPU: 'capture' runs eagerly, and replay reruns the forward on the static buffers."""
