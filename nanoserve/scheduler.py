@@ -92,23 +92,20 @@ class Scheduler:
     def reached_length_limit(self, seq: Sequence) -> bool:
         return seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
 
-    def launched(self, batch: ScheduledBatch) -> list[Sequence]:
+    def launched(self, batch: ScheduledBatch):
         """The step is on its way to the GPU: its tokens count as computed, and every sequence whose
-        computed tokens reach its end will get a sampled token, PENDING for now. Returns those, in order."""
-        sampling = []
+        computed tokens reach its end will get a sampled token, PENDING for now."""
         for seq, num_new in batch:
             seq.num_computed_tokens += num_new
             if not seq.num_pending:  # every computed token is known: its full blocks are findable now, so
                 self.block_manager.cache_full_blocks(seq)  # a request admitted next step can hit them
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.append_pending()
-                sampling.append(seq)
-        return sampling
 
     def update(self, batch: ScheduledBatch, sampling: list[Sequence], tokens: list[int],
                logprobs: list | None = None) -> list[Sequence]:
-        """A launched step's results are back: `tokens` (and logprobs) for the `sampling` sequences of
-        launched(). Returns those still unfinished, which the engine checks for stop conditions."""
+        """A launched step's results are back: `tokens` (and logprobs) for its `sampling` sequences, those
+        that got a PENDING token in launched(). Returns those still unfinished, for the stop checks."""
         got_token = []
         for i, (seq, token) in enumerate(zip(sampling, tokens)):
             if seq.status != SequenceStatus.FINISHED:  # finished meanwhile: the extra token is dropped
