@@ -165,7 +165,7 @@ class LLM:
 
     def _finish_reason(self, seq: Sequence) -> str | None:
         """Checked on the tokens read back so far (a later one may still be pending)."""
-        p, known = seq.params, seq.num_tokens - seq.num_pending
+        p, known = seq.params, seq.num_known_tokens
         last, num_out = seq.token_ids[known - 1], known - seq.num_prompt_tokens
         if num_out >= p.min_tokens:
             if last in p.stop_token_ids or (last in self.eos_token_ids and not p.ignore_eos):
@@ -183,7 +183,7 @@ class LLM:
         """Where the first stop string starts in the output text. Checked every step, so only a tail
         that could hold a new match is decoded (every token is at least one character; a few more
         tokens cover characters split across byte-level tokens)."""
-        known = seq.num_tokens - seq.num_pending
+        known = seq.num_known_tokens
         window = max(map(len, seq.params.stop)) + STOP_WINDOW_SLACK if tail_only else known
         text = self._decode(seq.token_ids[max(seq.num_prompt_tokens, known - window):known])
         found = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]

@@ -167,7 +167,7 @@ class ModelRunner:
         for seq, num_new in batch:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             if seq.num_pending:  # a decode of the token the previous step sampled: read it on the device
-                assert num_new == 1 and start == seq.num_tokens - seq.num_pending, "only the oldest is input"
+                assert num_new == 1 and start == seq.num_known_tokens, "only the oldest is input"
                 pending_at.append(len(input_ids))
                 pending_rows.append(self._last_sample_rows[seq.seq_id])
             input_ids += seq.token_ids[start:end]
@@ -185,9 +185,8 @@ class ModelRunner:
         for seq, _ in batch:  # int32 arrays: copied row by row, never converted entry by entry
             block_tables += seq.block_table
             block_tables += padding[:width - len(seq.block_table)]
-        ids, pos, meta, rows = self._upload(input_ids, positions, slots, query_lens, context_lens, block_tables,
-                                            sample_rows, pending_at, pending_rows)
-        return ids, pos, meta, rows
+        return self._upload(input_ids, positions, slots, query_lens, context_lens, block_tables, sample_rows,
+                            pending_at, pending_rows)
 
     def _upload(self, input_ids, positions, slots, query_lens, context_lens, block_tables, logits_indices,
                 pending_at=(), pending_rows=()):

@@ -66,13 +66,11 @@ class Sampler:
         if any(banned):
             where = self._to_device([[r for r, ids in enumerate(banned) for _ in ids], sum(banned, [])], torch.long)
             logits[where[0], where[1]] = float("-inf")
-        # With Triton the kernel draws every row (one cheap pass over the logits), then top-k / top-p / min-p
-        # rows are redrawn on the PyTorch path; without Triton every row takes that path
-        filtered = [row for row, p in enumerate(params) if p.filtered or not self.use_triton]
-        if len(filtered) == len(params):
+        if not self.use_triton or all(p.filtered for p in params):
             tokens = self._sample_torch(logits.float(), params, lengths)
-        else:
+        else:  # the kernel draws every row (one cheap pass), then top-k / top-p / min-p rows are redrawn
             tokens = self._sample_triton(logits, params, lengths)
+            filtered = [row for row, p in enumerate(params) if p.filtered]
             if filtered:
                 rows = self._to_device(filtered, torch.long)
                 tokens[rows] = self._sample_torch(logits[rows].float(), [params[r] for r in filtered],

@@ -43,6 +43,11 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values are on the host: all but the pending ones."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
     def num_completion_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
@@ -64,12 +69,12 @@ class Sequence:
 
     def resolve_pending(self, token_id: int, logprobs: dict | None = None):
         """The oldest pending token's value has arrived (steps are read back in launch order)."""
-        self.token_ids[self.num_tokens - self.num_pending] = token_id
+        self.token_ids[self.num_known_tokens] = token_id
         self.num_pending -= 1
         if logprobs is not None:
             self.logprobs.append(logprobs)
 
     def drop_pending(self):
         """Finished: a token sampled after the last one kept is discarded."""
-        del self.token_ids[self.num_tokens - self.num_pending:]
+        del self.token_ids[self.num_known_tokens:]
         self.num_pending = 0

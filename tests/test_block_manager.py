@@ -134,19 +134,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule(index=st.integers(0, 99))
     def preempt(self, index):
-        if not self.live:
-            return
-        seq = self.live.pop(index % len(self.live))
-        self.bm.free(seq)
-        assert len(seq.block_table) == 0 and seq.num_computed_tokens == 0
-        self.waiting.insert(0, seq)
+        seq = self._free_live(index)
+        if seq is not None:
+            assert len(seq.block_table) == 0 and seq.num_computed_tokens == 0
+            self.waiting.insert(0, seq)
 
     @rule(index=st.integers(0, 99))
     def finish(self, index):
+        self._free_live(index)
+
+    def _free_live(self, index):
+        """Take a running sequence out and free its blocks (None when none runs)."""
         if not self.live:
-            return
+            return None
         seq = self.live.pop(index % len(self.live))
         self.bm.free(seq)
+        return seq
 
     def _compute(self, seq, num_new, token):
         compute(self.bm, self.kv, seq, num_new)

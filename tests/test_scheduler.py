@@ -70,8 +70,7 @@ class FakeEngine:
 
     def true_tokens(self, seq: Sequence) -> list[int]:
         """What the device sees: the sequence's tokens with pending ones replaced by their values."""
-        known = seq.num_tokens - seq.num_pending
-        return seq.token_ids[:known] + self.on_device.get(seq.seq_id, [])[:seq.num_pending]
+        return seq.token_ids[:seq.num_known_tokens] + self.on_device.get(seq.seq_id, [])[:seq.num_pending]
 
     def step(self) -> list[tuple[Sequence, int]]:
         sched, bm = self.scheduler, self.bm
@@ -121,7 +120,7 @@ class FakeEngine:
         for seq in sampling:
             self.on_device[seq.seq_id].pop(0)
         for seq in sched.update(batch, sampling, sampled):
-            known = seq.num_tokens - seq.num_pending
+            known = seq.num_known_tokens
             if seq.token_ids[known - 1] in seq.params.stop_token_ids:
                 sched.finish(seq, "stop")
             elif known - seq.num_prompt_tokens >= seq.params.max_tokens or known >= sched.max_model_len:
