@@ -1,19 +1,22 @@
-"""Paged attention: write new K/V into cache slots, then attend through each sequence's block table.
+"""Paged attention: write this step's K/V into their cache slots, then attend through each sequence's block table.
 
-The KV cache of one layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]; a sequence's
-tokens live in the blocks its block table lists, in order, so physical blocks need not be contiguous.
-Three Triton jobs: `store_kv` scatters this step's K/V into their slots; a flash-attention kernel serves
-prefill/extend batches (causal, varlen); a flash-decoding kernel serves decode-only batches by splitting each
-sequence's keys across programs and merging the partial softmaxes in a small reduce kernel. Every key is read
+The KV cache of one layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]; a sequence's tokens
+live in the blocks its block table lists, in order, so physical blocks need not be contiguous (PagedAttention,
+Kwon et al. 2023). Three Triton jobs: `store_kv` scatters this step's K/V into their slots; a flash-attention
+kernel (FlashAttention-2, Dao 2023: query tiles, online softmax) serves prefill and mixed batches, causal and
+varlen; a split-KV kernel (Flash-Decoding, Dao et al. 2023) serves decode-only batches by splitting each
+sequence's keys across programs and merging their partial softmaxes in a small reduce kernel. Every key is read
 from the cache, so store_kv runs before attention. The PyTorch references at the bottom are the oracle the
-kernels are tested against. Words: a "block" is a KV-cache page, a "tile" is a compute tile of a kernel.
+kernels are tested against, and the CPU's fast path. Words: a "block" is a KV-cache page, a "tile" a kernel's
+compute tile.
 """
 import functools
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+import torch.nn.functional as F
+
+from nanoserve.kernels import tl, triton
 
 PAD_SLOT = -1  # slot_mapping value of a padded token: the KV store skips it
 LOG2E = 1.4426950408889634  # log2(e) = 1/ln(2): softmax runs on exp2, so the score scale absorbs it
@@ -31,7 +34,8 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # powers of two; 256 would overflow the
 
 @dataclass
 class AttentionMetadata:
-    """What attention needs to know about one step's batch; built by the ModelRunner, passed through forward."""
+    """What attention needs to know about one step's batch: built once per step by the ModelRunner, checked once
+    here, and passed through forward to every layer."""
     slot_mapping: torch.Tensor     # [num_tokens] int32: block_id * block_size + offset, or PAD_SLOT
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32: sequence i's queries are rows [qsl[i], qsl[i+1])
     context_lens: torch.Tensor     # [num_seqs] int32: keys per sequence after this step (cached + new)
@@ -39,6 +43,24 @@ class AttentionMetadata:
     max_query_len: int             # host-side bounds, so launching a kernel never reads the GPU
     max_context_len: int           # >= every context_len (decode under a CUDA graph: max_model_len)
     decode_only: bool              # every sequence has exactly one query token
+
+    def __post_init__(self):
+        num_seqs = self.context_lens.shape[0]
+        for t in (self.slot_mapping, self.query_start_loc, self.context_lens, self.block_tables):
+            assert t.dtype == torch.int32 and t.device == self.context_lens.device, "metadata: int32, one device"
+        assert self.query_start_loc.shape == (num_seqs + 1,) and self.block_tables.shape[0] == num_seqs
+        assert self.block_tables.stride(1) == 1
+        assert not self.decode_only or self.slot_mapping.shape[0] == num_seqs, "decode: one query per sequence"
+
+
+def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int):
+    """The layout every kernel here assumes; checked once, when the cache is made."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), "K and V caches share a layout"
+    assert k_cache.stride(-1) == 1, "head_dim must be contiguous"
+    assert k_cache.dtype in SUPPORTED_DTYPES and num_heads % num_kv_heads == 0
+    assert head_dim in SUPPORTED_HEAD_DIMS, f"head_dim {head_dim} not in {SUPPORTED_HEAD_DIMS}"
+    assert block_size & (block_size - 1) == 0, "block_size: a power of two"
 
 
 @triton.jit
@@ -201,11 +223,6 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, strid
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
     """k, v: [num_tokens, num_kv_heads, head_dim] -> into their slots of k_cache, v_cache; PAD_SLOT tokens skipped."""
     num_tokens, num_kv_heads, head_dim = k.shape
-    assert v.shape == k.shape and k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
-    assert k_cache.shape[2:] == (num_kv_heads, head_dim), "cache is [num_blocks, block_size, num_kv_heads, head_dim]"
-    assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
-    assert k.stride(-1) == v.stride(-1) == k_cache.stride(-1) == 1, "head_dim must be contiguous"
-    assert slot_mapping.dtype == torch.int32 and slot_mapping.shape == (num_tokens,)
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride()[:3], NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
@@ -216,20 +233,6 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     """q: [num_tokens, num_heads, head_dim] -> out, same shape: causal attention over each sequence's cached keys.
 
     Decode-only batches take the split-KV kernels (CUDA-graph safe); others the prefill/extend kernel."""
-    num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    num_seqs = meta.context_lens.shape[0]
-    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), "K and V caches share a layout"
-    assert k_cache.shape[3] == head_dim and num_heads % num_kv_heads == 0
-    assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in SUPPORTED_DTYPES
-    assert q.stride(-1) == k_cache.stride(-1) == 1, "head_dim must be contiguous"
-    assert head_dim in SUPPORTED_HEAD_DIMS, f"head_dim {head_dim} not in {SUPPORTED_HEAD_DIMS}"
-    assert block_size & (block_size - 1) == 0, "block_size: power of two"
-    for t in (meta.query_start_loc, meta.context_lens, meta.block_tables):
-        assert t.dtype == torch.int32 and t.device == q.device, "metadata: int32 on q's device"
-    assert meta.query_start_loc.shape == (num_seqs + 1,) and meta.block_tables.shape[0] == num_seqs
-    assert meta.block_tables.stride(1) == 1
-    assert not meta.decode_only or num_tokens == num_seqs, "decode: q row i is sequence i's one query"
     out = torch.empty_like(q)
     launch = _launch_decode if meta.decode_only else _launch_prefill
     launch(q, k_cache, v_cache, out, meta, scale * LOG2E)

@@ -1,9 +1,12 @@
-"""Engine settings: one dataclass that checks every field before any work starts."""
+"""Engine settings: one dataclass that checks every field's type and value before any work starts."""
 from dataclasses import dataclass, fields
 
 import torch
 
+from nanoserve.sampling_params import InvalidField, check_number
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CHOICES = {"dtype": ("auto", *DTYPES), "device": ("auto", "cpu", "cuda"), "kernels": ("auto", "triton", "torch")}
 
 
 @dataclass
@@ -17,35 +20,39 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9      # share of the GPU that weights, activations and KV may use
     enable_prefix_caching: bool = True
     enforce_eager: bool = False         # no CUDA graphs
+    overlap: bool = True                # launch step n+1 before reading step n back; False: the plain loop
     dtype: str = "auto"                 # auto: float32 on CPU; on GPU the checkpoint's if 16-bit, else bf16
     device: str = "auto"                # auto: cuda when available
-    kernels: str = "auto"               # "triton": our attention and fused-layer kernels; "torch": the PyTorch
-                                        # reference they are tested against; auto: triton on cuda
+    kernels: str = "auto"               # "triton": our kernels; "torch": their PyTorch references; auto:
+                                        # triton on cuda, torch on cpu (see kernels.py)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
+        unknown = sorted(set(kwargs) - {f.name for f in fields(cls)})
         if unknown:
-            raise ValueError(f"unknown config keys: {', '.join(unknown)}")
+            raise InvalidField(unknown[0], f"unknown config keys: {', '.join(unknown)}")
         return cls(**kwargs)
 
     def __post_init__(self):
-        bs = self.kvcache_block_size
-        checks = {
-            "max_model_len": self.max_model_len >= 2,
-            "max_num_seqs": self.max_num_seqs >= 1,
-            "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
-            "kvcache_block_size": 16 <= bs <= 256 and bs & (bs - 1) == 0,  # kernels tile by powers of 2
-            "num_kvcache_blocks": self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1,
-            "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
-            "dtype": self.dtype == "auto" or self.dtype in DTYPES,
-            "device": self.device in ("auto", "cpu", "cuda"),
-            "kernels": self.kernels in ("auto", "triton", "torch"),
-        }
-        for field, ok in checks.items():
-            if not ok:
-                raise ValueError(f"{field}={getattr(self, field)!r} is not allowed")
+        if self.model is not None and not isinstance(self.model, str):
+            raise InvalidField("model", f"{self.model!r} is not a directory path")
+        check_number("max_model_len", self.max_model_len, low=2, integer=True)
+        check_number("max_num_seqs", self.max_num_seqs, low=1, integer=True)
+        check_number("max_num_batched_tokens", self.max_num_batched_tokens, low=1, integer=True)
+        check_number("kvcache_block_size", self.kvcache_block_size, low=16, high=256, integer=True)
+        if self.kvcache_block_size & (self.kvcache_block_size - 1):  # kernels tile by powers of two
+            raise InvalidField("kvcache_block_size", f"{self.kvcache_block_size} is not a power of two")
+        if self.num_kvcache_blocks is not None:
+            check_number("num_kvcache_blocks", self.num_kvcache_blocks, low=1, integer=True)
+        check_number("gpu_memory_utilization", self.gpu_memory_utilization, low=0, high=1, above_low=True)
+        for name in ("enable_prefix_caching", "enforce_eager", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidField(name, f"{getattr(self, name)!r} is not a bool")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise InvalidField(name, f"{getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise InvalidField("device", "'cuda' but no GPU is visible to torch")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.kernels == "auto":

@@ -1,30 +1,30 @@
-"""Triton kernels for a decoder layer's small elementwise work: residual add + RMSNorm, Qwen3's per-head
-QK-norm + RoPE, and SiLU(gate) * up, each one launch instead of 5 to 20 PyTorch kernels.
+"""A decoder layer's small elementwise work: residual add + RMSNorm, Qwen3's per-head QK-norm + RoPE, and
+SiLU(gate) * up. Each is one Triton kernel instead of 5 to 20 PyTorch kernels, with its PyTorch reference after it.
 
 Why it matters: a decode step moves little data per kernel, so each kernel costs its fixed few microseconds
 on the GPU even inside a CUDA graph; unfused, a Qwen3 layer launched about 70 kernels, fused it launches 11.
-The math follows the PyTorch path in model.py: statistics in fp32, and RMSNorm and SiLU round to the model
-dtype where transformers does. RoPE is computed in fp32 and rounded once, as model.py's Rotary does, which is
-more accurate than transformers' bf16 products (they differ by one bf16 step in about a third of elements).
-Results match the PyTorch path to within rounding (summation order, the GPU's fast square root), not bit for bit.
+Statistics are in fp32, and RMSNorm and SiLU round to the model dtype where transformers does. RoPE is computed
+in fp32 and rounded once, which is more accurate than transformers' bf16 products (they differ by one bf16 step
+in about a third of elements). Kernels match their references to within rounding (summation order, the GPU's
+fast square root), not bit for bit.
 """
 import torch
-import triton
-import triton.language as tl
+import torch.nn.functional as F
+
+from nanoserve.kernels import tl, triton
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, stride_r, stride_o, n, eps,
-                     BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
-    # program r normalises row r; with ADD_RESIDUAL it first forms x + residual and keeps that as the residual
+def _add_rms_norm_kernel(x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, stride_r, stride_o, n, eps,
+                         BLOCK: tl.constexpr):
+    # program r: row r's residual stream becomes x + residual (written back in place), then is normalised
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if ADD_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
-             .to(tl.float32)).to(x.dtype)  # rounded like a plain add in the model dtype
-        tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
+    x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+         .to(tl.float32)).to(x.dtype)  # rounded like a plain add in the model dtype
+    tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
     normed = (xf * inv_rms).to(x.dtype).to(tl.float32)  # transformers rounds before scaling by the weight
@@ -88,21 +88,25 @@ def rms_norm_num_warps(block: int) -> int:
     return min(16, max(1, block // 256))  # 8 elements a thread (one 16-byte bf16 load) up to 4k columns
 
 
-def rms_norm(x, weight, eps: float, residual=None):
-    """x: [rows, n] -> (RMSNorm(x) * weight, x). With residual: (RMSNorm(x + residual) * weight, x + residual),
-    the sum OVERWRITING `residual` in place (it becomes the next residual stream): pass a tensor that nothing
-    else still needs."""
+def add_rms_norm(x, residual, weight, eps: float):
+    """x, residual: [rows, n] -> (RMSNorm(x + residual) * weight, x + residual). The sum OVERWRITES `residual` in
+    place (it becomes the next residual stream): pass a tensor that nothing else still needs."""
     rows, n = x.shape
-    assert x.stride(-1) == 1 and weight.shape == (n,)
     out = torch.empty_like(x)
-    add = residual is not None
-    if add:
-        assert residual.shape == x.shape and residual.stride(-1) == 1 and residual.dtype == x.dtype
     block = triton.next_power_of_2(n)
-    _rms_norm_kernel[(rows,)](x, residual if add else x, out, weight, x.stride(0),
-                              residual.stride(0) if add else 0, out.stride(0), n, eps, BLOCK=block,
-                              ADD_RESIDUAL=add, num_warps=rms_norm_num_warps(block))
-    return out, residual if add else x
+    _add_rms_norm_kernel[(rows,)](x, residual, out, weight, x.stride(0), residual.stride(0), out.stride(0), n, eps,
+                                  BLOCK=block, num_warps=rms_norm_num_warps(block))
+    return out, residual
+
+
+def rms_norm_ref(x, weight, eps: float):
+    xf = x.float()  # the mean of squares in fp32, whatever the model dtype; rounded before the weight, as HF does
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def add_rms_norm_ref(x, residual, weight, eps: float):
+    stream = x + residual
+    return rms_norm_ref(stream, weight, eps), stream
 
 
 def qk_norm_rope(q, k, positions, cos, sin, q_weight=None, k_weight=None, eps: float = 0.0):
@@ -110,8 +114,6 @@ def qk_norm_rope(q, k, positions, cos, sin, q_weight=None, k_weight=None, eps: f
     q_weight / k_weight (Qwen3; skipped when None), then RoPE at their positions. cos, sin: [max_pos, head_dim/2]."""
     tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
-    assert q.stride(-1) == k.stride(-1) == 1 and cos.shape[1] * 2 == head_dim and cos.is_contiguous()
-    assert head_dim & (head_dim - 1) == 0, "head_dim: a power of two"
     has_norm = q_weight is not None
     _qk_norm_rope_kernel[(tokens,)](
         q, k, positions, cos, sin, q_weight if has_norm else q, k_weight if has_norm else k,
@@ -121,14 +123,31 @@ def qk_norm_rope(q, k, positions, cos, sin, q_weight=None, k_weight=None, eps: f
     return q, k
 
 
+def rope_ref(x, positions, cos, sin):
+    """x: [tokens, heads, head_dim] in the rotate-half layout; cos, sin: [max_pos, head_dim / 2] fp32."""
+    cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def qk_norm_rope_ref(q, k, positions, cos, sin, q_weight=None, k_weight=None, eps: float = 0.0):
+    if q_weight is not None:
+        q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
+    return rope_ref(q, positions, cos, sin), rope_ref(k, positions, cos, sin)
+
+
 SILU_BLOCK = 1024  # columns per program
 
 
 def silu_and_mul(x):
     """x: [rows, 2n] = [gate | up] -> silu(gate) * up, [rows, n]."""
     rows, n = x.shape[0], x.shape[1] // 2
-    assert x.stride(-1) == 1 and x.shape[1] == 2 * n
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block = min(SILU_BLOCK, triton.next_power_of_2(n))
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
     return out
+
+
+def silu_and_mul_ref(x):
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,220 +1,235 @@
-"""The user-facing engine, vLLM-style: LLM(...).generate(prompts, sampling_params) and .chat(...).
+"""The user-facing engine, vLLM-style. Offline: LLM(...).generate(prompts, sampling_params) and chat(...).
+Online: add_request / step / abort, which generate() is a short loop over and which the server drives.
 
-It validates every request before any work, then loops: the scheduler picks a batch, the model runner
-computes it and samples, and finished sequences leave, freeing their blocks, while new ones join.
-The loop keeps the GPU fed: it launches step n+1 before it reads step n's tokens back and checks them for
-stop conditions, so the host's work for a step overlaps the GPU's work on the previous one.
+One step() has three numbered phases:
+  1) schedule step n+1: the scheduler plans and books it (lengths are known even where values are pending);
+  2) launch it: the model runner queues it on the GPU, its decode inputs read from step n's samples there;
+  3) finish step n: read its tokens back, apply the stop rules (stopping.py), free what finished.
+So the host's work on one step overlaps the GPU's work on the previous one. With overlap=False each step is
+finished right after it is launched: the plain synchronous loop, with the same outputs.
 """
 import numbers
-import os
 import time
-from dataclasses import dataclass
+from dataclasses import replace
+from itertools import count
 
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from nanoserve.block_manager import BlockManager
 from nanoserve.config import EngineConfig
-from nanoserve.model_runner import ModelRunner
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.outputs import Request, RequestOutput
+from nanoserve.sampling_params import InvalidField, SamplingParams, check_token_ids
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
-
-STOP_WINDOW_SLACK = 8  # extra tokens decoded when looking for a stop string at the end of the output
-
-
-@dataclass
-class RequestOutput:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]          # generated tokens, EOS or stop id included when that ended it
-    text: str                     # generated text, special tokens and a matched stop string removed
-    finish_reason: str            # "stop" (EOS, stop id, stop string) or "length"
-    logprobs: list[dict] | None   # per generated token: {token_id: logprob}, the top-N and the chosen
-    num_cached_tokens: int        # prompt tokens served by the prefix cache
-
-
-def resolve_model_dir(model: str | None) -> str:
-    if model is None:
-        from nanoserve.default_model import default_model_dir
-        return default_model_dir()
-    if os.path.isdir(model):
-        return model
-    from huggingface_hub import snapshot_download  # a hub id: fetched once, when online
-    return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
-
-
-def eos_ids_of(model_dir: str, hf_config, tokenizer) -> set[int]:
-    """EOS ids from the generation config and the model config (several allowed), then the tokenizer."""
-    ids = set()
-    try:
-        sources = [GenerationConfig.from_pretrained(model_dir).eos_token_id]
-    except OSError:
-        sources = []
-    sources.append(getattr(hf_config, "eos_token_id", None))
-    if not any(s is not None for s in sources) and tokenizer is not None:
-        sources.append(tokenizer.eos_token_id)
-    for s in sources:
-        ids.update([s] if isinstance(s, int) else (s or []))
-    return ids
+from nanoserve.stopping import StopChecker
 
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
-        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
-        model_dir = resolve_model_dir(model)
-        hf_config = AutoConfig.from_pretrained(model_dir)
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        except (OSError, ValueError, TypeError):
-            self.tokenizer = None  # a weights-only directory: prompts must be token ids
-        self.eos_token_ids = eos_ids_of(model_dir, hf_config, self.tokenizer)
-        self.runner = ModelRunner(self.config, hf_config, model_dir, self.eos_token_ids)
-        self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.kvcache_block_size,
-                                          self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens, self.config.max_model_len)
-        self.vocab_size = self.runner.args.vocab_size
+        from nanoserve import loader
+        from nanoserve.model_runner import ModelRunner
+        config = EngineConfig.from_kwargs(model=model, **kwargs)
+        model_dir = loader.resolve_model_dir(model)
+        hf_config, args = loader.load_hf_config(model_dir, config)
+        tokenizer = loader.load_tokenizer(model_dir)
+        runner = ModelRunner(config, model_dir, hf_config, args)
+        self._start(config, runner, tokenizer, loader.eos_ids_of(model_dir, hf_config, tokenizer), args.vocab_size)
+
+    @classmethod
+    def from_runner(cls, config: EngineConfig, runner, vocab_size: int, tokenizer=None,
+                    eos_token_ids: frozenset[int] = frozenset()) -> "LLM":
+        """The engine around any runner with launch() and num_kvcache_blocks: tests drive the real loop with a
+        fake model this way."""
+        llm = cls.__new__(cls)
+        llm._start(config, runner, tokenizer, eos_token_ids, vocab_size)
+        return llm
+
+    def _start(self, config: EngineConfig, runner, tokenizer, eos_token_ids: frozenset[int], vocab_size: int):
+        self.config, self.runner, self.tokenizer = config, runner, tokenizer
+        self.eos_token_ids, self.vocab_size = frozenset(eos_token_ids), vocab_size
+        self.block_manager = BlockManager(runner.num_kvcache_blocks, config.kvcache_block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_model_len)
+        self.stop_checker = StopChecker(tokenizer, config.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.request_of: dict[int, Request] = {}  # seq_id -> its request
+        self.in_flight = None                      # the launched step not yet read back (overlap)
+        self._request_ids = count()
+        self.counters = dict(generated_tokens=0, finished_requests=0, ttft_sum=0.0, itl_sum=0.0, itl_count=0)
 
     # ---- requests ---------------------------------------------------------------------------------
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
+                    stream: bool = True) -> str:
+        """Queue one request (its n samples) after checking everything about it. With stream, step() returns its
+        output every time it changes, with the new text in text_delta; without, only when it has finished."""
+        return self._queue(self._make_request(prompt, sampling_params, request_id, stream))
+
+    def abort(self, request_id: str):
+        """Stop a request wherever it is (queued, prefilling, decoding, preempted): its blocks return at once."""
+        request = self.requests.pop(request_id, None)
+        for seq in request.seqs if request else []:
+            if not seq.is_finished:
+                self.stop_checker.flush(seq)
+                self.scheduler.finish(seq, "abort")
+            self.request_of.pop(seq.seq_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def _make_request(self, prompt, params, request_id, stream) -> Request:
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidField("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
+        if not all(0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise InvalidField("stop_token_ids", f"token ids must lie in [0, {self.vocab_size})")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise InvalidField("logprobs", f"{params.logprobs} exceeds the vocabulary ({self.vocab_size})")
+        if request_id is None:
+            request_id = f"req-{next(self._request_ids)}"
+        if not isinstance(request_id, str) or request_id in self.requests:
+            raise InvalidField("request_id", f"{request_id!r} is not a new string id")
+        ids = self._prompt_ids(prompt)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        seqs = [Sequence(ids, params if i == 0 or params.seed is None else replace(params, seed=hash((params.seed, i))),
+                         self.config.kvcache_block_size, stop_ids) for i in range(params.n)]
+        self.scheduler.check_fits(seqs[0])
+        for seq in seqs[1:]:  # the first computes the prompt; the others then find it in the prefix cache
+            seq.shares_prompt_with = seqs[0]
+        return Request(request_id, prompt if isinstance(prompt, str) else None, seqs, stream)
+
+    def _queue(self, request: Request) -> str:
+        self.requests[request.request_id] = request
+        for seq in request.seqs:
+            self.request_of[seq.seq_id] = request
+            self.scheduler.add(seq)
+        return request.request_id
+
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+                raise InvalidField("prompt", "this model has no tokenizer; pass token ids")
             ids = self.tokenizer.encode(prompt)
-        elif all(isinstance(t, numbers.Integral) for t in prompt):
-            ids = [int(t) for t in prompt]
         else:
-            raise ValueError("prompt must be a string or a list of integer token ids")
+            ids = check_token_ids("prompt", prompt)
         if not ids:
-            raise ValueError("prompt is empty")
+            raise InvalidField("prompt", "is empty")
         if not all(0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+            raise InvalidField("prompt", f"token ids must lie in [0, {self.vocab_size})")
         if len(ids) >= self.config.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.config.max_model_len} "
-                             "leaves no room to generate")
+            raise InvalidField("prompt", f"has {len(ids)} tokens; max_model_len={self.config.max_model_len} "
+                               "leaves no room to generate")
         return ids
 
-    def _make_sequences(self, prompts, sampling_params) -> list[Sequence]:
-        """Everything checked here, before any sequence reaches the scheduler."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
-            prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        for p in params:
-            if not all(0 <= t < self.vocab_size for t in p.stop_token_ids):
-                raise ValueError(f"SamplingParams.stop_token_ids must lie in [0, {self.vocab_size})")
-            if p.logprobs is not None and p.logprobs > self.vocab_size:
-                raise ValueError(f"SamplingParams.logprobs={p.logprobs} exceeds the vocabulary")
-        seqs = [Sequence(self._prompt_ids(p), sp, self.config.kvcache_block_size, p if isinstance(p, str) else None)
-                for p, sp in zip(prompts, params)]
-        for seq in seqs:
-            self.scheduler.check_fits(seq)
-        return seqs
+    # ---- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the outputs that changed (streaming requests) or finished."""
+        # 1) schedule step n+1
+        step = self.scheduler.schedule()
+        # 2) launch it: the GPU queues it behind step n, whose samples it takes as inputs on the device
+        launched = self.runner.launch(step, self.in_flight) if step.scheduled else None
+        # 3) finish step n (without overlap: this one): read its tokens back, apply the stop rules
+        done, self.in_flight = (self.in_flight, launched) if self.config.overlap else (launched, None)
+        if done is None and launched is None and self.scheduler.has_unfinished():
+            raise RuntimeError("the scheduler found nothing to run")  # a bug, never a state
+        changed = self._finish(done) if done else []
+        return self._outputs(changed)
 
-    # ---- the loop ---------------------------------------------------------------------------------
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        seqs = self._make_sequences(prompts, sampling_params)
-        for seq in seqs:
-            self.scheduler.add(seq)
-        bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
-        in_flight = None
-        try:
-            while self.scheduler.has_unfinished() or in_flight:
-                start = time.perf_counter()
-                launched, num_prefill, num_decode = self.launch_step()
-                num_done = self.finish_step(*in_flight) if in_flight else 0
-                if launched is None and in_flight is None:
-                    raise RuntimeError("the scheduler found nothing to run")  # a bug, never a state
-                in_flight = launched
-                rate = 1 / (time.perf_counter() - start)
-                bar.set_postfix_str(f"prefill {num_prefill * rate:.0f} tok/s, decode {num_decode * rate:.0f} tok/s",
-                                    refresh=False)
-                bar.update(num_done)
-        finally:
-            bar.close()
-            self.scheduler.abort_all()  # frees what an interruption left behind; a no-op otherwise
-        return [self._output(seq) for seq in seqs]
-
-    def launch_step(self):
-        """Schedule a step and queue it on the GPU. Returns (what finish_step needs, or None if nothing
-        could run; prefill tokens; decode tokens)."""
-        batch = self.scheduler.schedule()
-        if not batch:
-            return None, 0, 0
-        num_decode = sum(1 for seq, n in batch if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
-        num_prefill = sum(n for _, n in batch) - num_decode
-        sampling, sampled = self.runner.launch(batch)
-        self.scheduler.launched(batch)
-        return (batch, sampling, sampled), num_prefill, num_decode
-
-    def finish_step(self, batch, sampling, sampled) -> int:
-        """Read a launched step's tokens back (waiting for the GPU if needed), record them, and end the
-        sequences that reached a stop condition. Returns how many ended."""
-        tokens, logprobs = sampled.wait() if sampled is not None else ([], None)
-        num_done = 0
-        for seq in self.scheduler.update(batch, sampling, tokens, logprobs):
-            reason = self._finish_reason(seq)
+    def _finish(self, in_flight) -> list[Request]:
+        tokens, logprobs = in_flight.wait()
+        now, changed = time.perf_counter(), {}
+        for seq in self.scheduler.update(in_flight.step, tokens, logprobs):
+            request = self.request_of[seq.seq_id]
+            reason = self.stop_checker.check(seq, incremental=request.stream)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-                num_done += 1
-        return num_done
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            changed[request.request_id] = request
+            self.counters["generated_tokens"] += 1
+        return list(changed.values())
 
-    def _finish_reason(self, seq: Sequence) -> str | None:
-        """Checked on the tokens read back so far (a later one may still be pending)."""
-        p, known = seq.params, seq.num_known_tokens
-        last, num_out = seq.token_ids[known - 1], known - seq.num_prompt_tokens
-        if num_out >= p.min_tokens:
-            if last in p.stop_token_ids or (last in self.eos_token_ids and not p.ignore_eos):
-                return "stop"
-            if p.stop and self._stop_string_at(seq) is not None:
-                return "stop"
-        if num_out >= p.max_tokens or known >= self.config.max_model_len:
-            return "length"
-        return None
+    def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
+        outputs = []
+        for request in changed:
+            if request.finished:
+                request.metrics.finished_time = time.perf_counter()
+                self._count_latency(request)
+                self.abort(request.request_id)  # retires it: every sequence is finished, so nothing is freed
+            if request.stream or request.finished:
+                outputs.append(request.output())
+        return outputs
 
-    def _decode(self, token_ids) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+    def _count_latency(self, request: Request):
+        m, c = request.metrics, self.counters
+        c["finished_requests"] += 1
+        c["ttft_sum"] += m.first_token_time - m.arrival_time
+        num_tokens = max(len(seq.completion_token_ids) for seq in request.seqs)
+        if num_tokens > 1:
+            c["itl_sum"] += (m.finished_time - m.first_token_time) / (num_tokens - 1)
+            c["itl_count"] += 1
 
-    def _stop_string_at(self, seq: Sequence, tail_only: bool = True) -> int | None:
-        """Where the first stop string starts in the output text. Checked every step, so only a tail
-        that could hold a new match is decoded (every token is at least one character; a few more
-        tokens cover characters split across byte-level tokens)."""
-        known = seq.num_known_tokens
-        window = max(map(len, seq.params.stop)) + STOP_WINDOW_SLACK if tail_only else known
-        text = self._decode(seq.token_ids[max(seq.num_prompt_tokens, known - window):known])
-        found = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
-        return min(found) if found else None
+    # ---- offline batches --------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, or a list of either; sampling_params: one for all, or one per
+        prompt. Every prompt is checked before any is queued; the outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], numbers.Integral)) or hasattr(prompts, "ndim"):
+            prompts = [prompts]  # one prompt
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidField("prompts", "expected a string, token ids, or a list of them")
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidField("sampling_params", f"{len(params)} given for {len(prompts)} prompts")
+        requests = [self._make_request(p, sp, None, stream=False) for p, sp in zip(prompts, params)]
+        return self._run(requests, use_tqdm)
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        text = self._decode(seq.completion_token_ids)
-        if seq.params.stop and seq.finish_reason == "stop":
-            cut = self._stop_string_at(seq, tail_only=False)
-            text = text if cut is None else text[:cut]
-        return RequestOutput(
-            prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
-            token_ids=seq.completion_token_ids, text=text, finish_reason=seq.finish_reason,
-            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
-            num_cached_tokens=seq.num_cached_tokens)
+    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        finished, generated = {}, self.counters["generated_tokens"]
+        bar = tqdm(total=sum(len(r.seqs) * r.seqs[0].params.max_tokens for r in requests), unit="tok",
+                   desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            for request in requests:
+                self._queue(request)
+            while len(finished) < len(requests):
+                finished.update((out.request_id, out) for out in self.step() if out.finished)
+                bar.update(self.counters["generated_tokens"] - generated)
+                generated = self.counters["generated_tokens"]
+                bar.set_postfix_str(f"{len(finished)}/{len(requests)} requests", refresh=False)
+        finally:
+            bar.total = bar.n  # outputs that ended early (EOS) never reach max_tokens
+            bar.close()
+            for request in requests:  # an interruption leaves nothing behind; a no-op otherwise
+                self.abort(request.request_id)
+        return [finished[r.request_id] for r in requests]
 
-    # ---- chat and counters ------------------------------------------------------------------------
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("model: this model has no chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(
-            c, tokenize=False, add_generation_prompt=True), add_special_tokens=False) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        """One conversation (a list of {"role", "content"} dicts) or a list of them, through the chat template."""
+        return self.generate(self.chat_prompts(messages), sampling_params, use_tqdm)
 
+    def chat_prompts(self, messages) -> list[list[int]]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidField("model", "this model has no chat template")
+        one = isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict)
+        conversations = [messages] if one else messages
+        if not isinstance(conversations, (list, tuple)) or not conversations or not all(
+                isinstance(c, (list, tuple)) and c and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in c) for c in conversations):
+            raise InvalidField("messages", "expected a non-empty list of {'role': str, 'content': str} dicts")
+        return [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                                      add_special_tokens=False) for c in conversations]
+
+    # ---- counters ---------------------------------------------------------------------------------
     def stats(self) -> dict:
-        bm = self.block_manager
-        return dict(kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks,
-                    kv_blocks_peak=bm.peak_used_blocks,
+        bm, c = self.block_manager, self.counters
+        return dict(kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks, kv_blocks_peak=bm.peak_used_blocks,
                     kv_blocks_free=bm.num_free_blocks, kv_blocks_cached=bm.num_cached_blocks,
                     prefix_hit_tokens=bm.prefix_hit_tokens, prefix_queried_tokens=bm.prefix_queried_tokens,
                     prefix_hit_rate=bm.prefix_hit_tokens / max(bm.prefix_queried_tokens, 1),
-                    preemptions=self.scheduler.num_preemptions)
+                    preemptions=self.scheduler.num_preemptions, running=len(self.scheduler.running),
+                    waiting=len(self.scheduler.waiting), generated_tokens=c["generated_tokens"],
+                    finished_requests=c["finished_requests"],
+                    mean_ttft_s=c["ttft_sum"] / max(c["finished_requests"], 1),
+                    mean_itl_s=c["itl_sum"] / max(c["itl_count"], 1))

@@ -3,18 +3,18 @@
 
 The model knows nothing of scheduling: a step's tokens arrive flattened ([num_tokens]), with their
 positions, the per-layer KV caches and the AttentionMetadata that says which sequence each token is in.
-Projections that read the same input are fused (q|k|v, gate|up): fewer, larger matmuls. With Triton on,
-the elementwise work between them runs as fused kernels (fused_ops.py); the PyTorch code here is their reference.
+Projections that read the same input are fused (q|k|v, gate|up): fewer, larger matmuls. The work between
+them (add + RMSNorm, QK-norm + RoPE, SiLU x up, the KV store and paged attention) goes to the kernels chosen
+when the model is built (kernels.py): Triton, or the PyTorch references.
 """
 import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from nanoserve import attention, fused_ops
 from nanoserve.attention import AttentionMetadata
+from nanoserve.kernels import Kernels
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
@@ -63,22 +63,15 @@ class ModelArgs:
 
 
 class RMSNorm(nn.Module):
-    """weight * x / rms(x). Given the residual stream it first adds x into it, fused with the norm (one kernel on
-    GPU). Returns (normed, stream): stream = x + residual, or x itself when there is no residual yet. The Triton
-    path writes the sum into `residual` in place, so the stream must be a tensor the model owns."""
-    def __init__(self, dim: int, eps: float, use_triton: bool = False):
+    """Adds a sublayer's output into the residual stream and normalises the sum: (norm(x + residual), x + residual).
+    The Triton kernel writes the sum into `residual` in place, so the stream is a tensor the model owns."""
+    def __init__(self, dim: int, eps: float, kernels: Kernels):
         super().__init__()
-        self.eps, self.use_triton = eps, use_triton
+        self.eps, self.kernels = eps, kernels
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x, residual=None):
-        if self.use_triton:
-            return fused_ops.rms_norm(x, self.weight, self.eps, residual)
-        if residual is not None:
-            x = x + residual
-        xf = x.float()  # the mean of squares in fp32, as the reference does, whatever the model dtype
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype), x
+    def forward(self, x, residual):
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -95,158 +88,108 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
+    """RoPE's cos and sin for every position, [max_position, head_dim / 2] in fp32, shared by all layers."""
     def __init__(self, args: ModelArgs):
         super().__init__()
         freqs = torch.outer(torch.arange(args.max_position).float(), rope_inv_freq(args))
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_position, head_dim / 2]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    def forward(self, positions, x):  # x: [num_tokens, heads, head_dim], rotate-half layout
-        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim / 2]
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 class MergedLinear(nn.Linear):
-    """Several projections of the same input in one matmul; checkpoints load them one shard at a time."""
+    """Several projections of the same input in one matmul; the checkpoint fills it one shard at a time."""
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool):
         super().__init__(in_features, sum(shard_sizes), bias=bias)
         self.shard_sizes = shard_sizes
+        for param in self.parameters():
+            param.weight_loader = self.load_shard
 
-    def load_shard(self, index: int, param_name: str, tensor: torch.Tensor):
-        start = sum(self.shard_sizes[:index])
-        getattr(self, param_name).data[start:start + self.shard_sizes[index]].copy_(tensor)
+    def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: int):
+        start = sum(self.shard_sizes[:shard])
+        param.data[start:start + self.shard_sizes[shard]].copy_(tensor)
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, use_triton: bool):
+    def __init__(self, args: ModelArgs, kernels: Kernels):
         super().__init__()
-        self.use_triton = use_triton  # Triton kernels on GPU; the PyTorch reference on CPU
+        self.kernels = kernels
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.qkv_proj = MergedLinear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias)
         self.o_proj = nn.Linear(q_size, args.hidden_size, bias=args.o_bias)
-        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels) if args.qk_norm else None  # Qwen3
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels) if args.qk_norm else None
         self.scale = args.head_dim ** -0.5
 
-    def forward(self, x, positions, rotary, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, positions, rotary: Rotary, kv_cache, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)     # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.position_encode(q, k, positions, rotary)
-        k_cache, v_cache = kv_cache
-        if self.use_triton:
-            attention.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = attention.paged_attention(q, k_cache, v_cache, meta, self.scale)
-        else:
-            attention.store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = attention.paged_attention_ref(q, k_cache, v_cache, meta, self.scale)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else (None, None, 0.0)
+        q, k = self.kernels.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, *norms)
+        self.kernels.store_kv(k, v, *kv_cache, meta.slot_mapping)
+        o = self.kernels.paged_attention(q, *kv_cache, meta, self.scale)
         return self.o_proj(o.flatten(1))
-
-    def position_encode(self, q, k, positions, rotary):
-        """RoPE on q and k; Qwen3 first RMS-normalises each of their heads. On GPU, one in-place kernel."""
-        if self.use_triton and self.q_norm is None:
-            return fused_ops.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin)
-        if self.use_triton:
-            return fused_ops.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, self.q_norm.weight,
-                                          self.k_norm.weight, self.q_norm.eps)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
-        return rotary(positions, q), rotary(positions, k)
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, use_triton: bool):
+    def __init__(self, args: ModelArgs, kernels: Kernels):
         super().__init__()
-        self.use_triton = use_triton
+        self.kernels = kernels
         self.gate_up_proj = MergedLinear(args.hidden_size, [args.intermediate_size] * 2, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x):
-        gate_up = self.gate_up_proj(x)
-        if self.use_triton:
-            return self.down_proj(fused_ops.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, use_triton: bool):
+    def __init__(self, args: ModelArgs, kernels: Kernels):
         super().__init__()
-        self.self_attn = Attention(args, use_triton)
-        self.mlp = MLP(args, use_triton)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, use_triton)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, use_triton)
+        self.self_attn = Attention(args, kernels)
+        self.mlp = MLP(args, kernels)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
 
-    def forward(self, h, residual, positions, rotary, kv_cache, meta):
-        """h: the previous sublayer's output, not yet added to the residual stream (layer 0: the embeddings,
-        and no stream yet). Each add is fused into the norm after it. Returns (mlp output, stream)."""
-        h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, positions, rotary, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
+    def forward(self, x, residual, positions, rotary, kv_cache, meta):
+        """x: the previous sublayer's output, not yet added to the residual stream. Each add is fused into the
+        norm after it, so the residual stream h = x + attn(norm(x)); out = h + mlp(norm(h)) reads:"""
+        h, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(h, positions, rotary, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(h), residual
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, use_triton: bool):
+    def __init__(self, args: ModelArgs, kernels: Kernels):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, use_triton) for _ in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, use_triton)
+        self.layers = nn.ModuleList(DecoderLayer(args, kernels) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+        self.rotary = Rotary(args)
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+        x = self.embed_tokens(input_ids)
+        residual = torch.zeros_like(x)  # the residual stream starts empty: layer 0's add gives the embeddings
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
 
 class CausalLM(nn.Module):
     """Module names follow the HF checkpoints (model.layers.0.self_attn...), so weights load by name."""
-    def __init__(self, args: ModelArgs, use_triton: bool = False):
+    def __init__(self, args: ModelArgs, kernels: Kernels):
         super().__init__()
         self.args = args
-        self.model = Transformer(args, use_triton)
-        self.rotary = Rotary(args)
+        self.model = Transformer(args, kernels)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        h, residual = self.model.embed_tokens(input_ids), None  # a fresh tensor: the stream may overwrite it
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h, residual = layer(h, residual, positions, self.rotary, kv_cache, meta)
-        return self.model.norm(h, residual)[0]
+        return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden):
-        return self.lm_head(hidden)  # [num_rows, vocab_size], model dtype: the sampler reads it in fp32
-
-
-PACKED_SHARDS = {  # checkpoint projection -> (our fused projection, shard index)
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
-
-
-def load_weights(model: CausalLM, tensors):
-    """tensors: iterable of (HF name, tensor). Unfused names copy straight; fused ones fill a shard."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    modules = dict(model.named_modules())
-    loaded = set()
-    for name, tensor in tensors:
-        module_name, _, param_name = name.rpartition(".")
-        *parent, proj = module_name.split(".")
-        if proj in PACKED_SHARDS:
-            fused, shard = PACKED_SHARDS[proj]
-            modules[".".join(parent + [fused])].load_shard(shard, param_name, tensor)
-            loaded.add(".".join(parent + [fused, param_name]))
-        elif name in params:
-            params[name].data.copy_(tensor)
-            loaded.add(name)
-        elif name.endswith("rotary_emb.inv_freq"):
-            continue  # older checkpoints store RoPE frequencies; we compute them
-        else:
-            raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-    if model.args.tie_word_embeddings:
-        loaded.add("lm_head.weight")
-    missing = set(params) - loaded
-    if missing:
-        raise ValueError(f"checkpoint lacks {sorted(missing)[:5]}")
+        return self.lm_head(hidden)  # [num_rows, vocab_size] in the model dtype

@@ -1,16 +1,18 @@
-"""Turns one step's logits into next tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds,
-and logprobs. Everything runs batched on the device; per-row settings travel in few host-to-device copies,
-and reading the chosen tokens back is the step's one wait for the GPU.
+"""Turns one step's logits into next tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds, and
+logprobs, batched on the device. Nothing here waits for the GPU: the tokens stay on the device (the next step's
+inputs) and the model runner copies them back.
 
-Sampling from softmax(logits / T) is done as argmax(logits / T + Gumbel noise) (the Gumbel-max trick). With
-Triton on, one kernel does that for every row, reading each row of logits once and making its noise in
-registers from a per-row seed; the PyTorch path, needed anyway for top-k/top-p/min-p, writes and rereads the
-vocabulary-wide noise and probabilities several times (about 2 GB a step at 256 rows of a 152k vocabulary).
+Every row is drawn the same way: argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T) (the
+Gumbel-max trick), plain argmax when T = 0. Top-k, top-p and min-p only set the logits they drop to -inf first.
+The Triton kernel draws each row in one pass over its logits, making the noise in registers from a per-row seed;
+its PyTorch reference below writes the noise out with a seeded generator per row, so the two backends draw
+different (equally valid) samples for the same seed.
 """
-import torch
-import triton
-import triton.language as tl
+import random
 
+import torch
+
+from nanoserve.kernels import Kernels, tl, triton
 from nanoserve.sampling_params import SamplingParams
 
 SEED_MIX = 1_000_003  # mixes a request's seed with its length, so each step draws fresh noise
@@ -41,123 +43,72 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, out_ptr
     tl.store(out_ptr + row, best_id)
 
 
+def gumbel_argmax(logits, temperatures: list[float], seeds: list[int]) -> torch.Tensor:
+    """logits: [rows, vocab] -> [rows] int64 token ids, one draw per row from softmax(logits / T)."""
+    num_rows, vocab_size = logits.shape
+    tokens = torch.empty(num_rows, dtype=torch.int32, device=logits.device)
+    _gumbel_argmax_kernel[(num_rows,)](
+        logits, logits.stride(0), to_device(temperatures, torch.float32, logits.device),
+        to_device(seeds, torch.int64, logits.device), tokens, vocab_size, TILE=GUMBEL_TILE, num_warps=GUMBEL_NUM_WARPS)
+    return tokens.long()
+
+
+def gumbel_argmax_ref(logits, temperatures: list[float], seeds: list[int]) -> torch.Tensor:
+    generator = torch.Generator(logits.device)
+    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for row, seed in enumerate(seeds):  # E ~ Exp(1) per entry; -log(E) is Gumbel noise
+        noise[row].exponential_(generator=generator.manual_seed(seed))
+    t = torch.tensor(temperatures, device=logits.device)[:, None]
+    drawn = (logits.float() / t.clamp(min=1e-6) - noise.log()).argmax(-1)
+    return torch.where(t[:, 0] > 0, drawn, logits.argmax(-1))
+
+
+def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    host = torch.tensor(rows, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
 class Sampler:
-    def __init__(self, device: torch.device, use_triton: bool = False):
-        self.device = device
-        self.use_triton = use_triton
-        self.seeded = torch.Generator(device)  # re-seeded per row: reproducible whatever the batch
+    def __init__(self, kernels: Kernels):
+        self.kernels = kernels
+        self.fresh_seeds = random.Random()  # unseeded rows: new noise every step
 
-    def _to_device(self, rows, dtype) -> torch.Tensor:
-        host = torch.tensor(rows, dtype=dtype)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)
-
-    def __call__(self, logits, params, lengths, banned) -> tuple[list[int], list[dict | None] | None]:
-        """sample(), waiting for the result: the tokens and, per row, {token: logprob} if it asked."""
-        return self.sample(logits, params, lengths, banned).wait()
-
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], lengths: list[int],
-               banned: list[list[int]]) -> "Sampled":
-        """logits: [num_rows, vocab]; lengths: tokens each row's sequence has before this sample;
-        banned: token ids a row may not pick yet (EOS before min_tokens). Returns without waiting for the
-        GPU: the tokens stay on the device for the next step, and a copy is on its way to the host."""
-        logprobs = logits.float().log_softmax(-1) if any(p.logprobs is not None for p in params) else None
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], lengths: list[int],
+                 banned: list[frozenset[int]]) -> list[torch.Tensor]:
+        """logits: [rows, vocab] in the model dtype; lengths: each row's sequence length with the token being
+        sampled; banned: ids a row may not pick (EOS before min_tokens). Returns [tokens] or, if any row asked for
+        logprobs, [tokens, chosen token's logprob, top-N logprobs, top-N ids], all on the device."""
+        want_logprobs = any(p.logprobs is not None for p in params)
+        logprobs = logits.float().log_softmax(-1) if want_logprobs else None  # of the model's own distribution
         if any(banned):
-            where = self._to_device([[r for r, ids in enumerate(banned) for _ in ids], sum(banned, [])], torch.long)
+            where = to_device([[r for r, ids in enumerate(banned) for _ in ids], [t for ids in banned for t in ids]],
+                              torch.long, logits.device)
             logits[where[0], where[1]] = float("-inf")
-        if not self.use_triton or all(p.filtered for p in params):
-            tokens = self._sample_torch(logits.float(), params, lengths)
-        else:  # the kernel draws every row (one cheap pass), then top-k / top-p / min-p rows are redrawn
-            tokens = self._sample_triton(logits, params, lengths)
-            filtered = [row for row, p in enumerate(params) if p.filtered]
-            if filtered:
-                rows = self._to_device(filtered, torch.long)
-                tokens[rows] = self._sample_torch(logits[rows].float(), [params[r] for r in filtered],
-                                                  [lengths[r] for r in filtered])
+        filtered = [row for row, p in enumerate(params) if p.filtered]
+        if filtered:
+            rows = to_device(filtered, torch.long, logits.device)
+            logits[rows] = drop_filtered(logits[rows].float(), [params[r] for r in filtered]).to(logits.dtype)
+        seeds = [self.fresh_seeds.randrange(SEED_RANGE) if p.seed is None else (p.seed * SEED_MIX + n) % SEED_RANGE
+                 for p, n in zip(params, lengths)]
+        tokens = self.kernels.gumbel_argmax(logits, [p.temperature for p in params], seeds)
         if logprobs is None:
-            return Sampled(tokens, params, [tokens])
-        n = max(p.logprobs or 0 for p in params)
-        top_lp, top_ids = logprobs.topk(n, dim=-1)  # n = 0 gives empty rows
-        return Sampled(tokens, params, [tokens, logprobs.gather(-1, tokens[:, None])[:, 0], top_lp, top_ids])
-
-    def _row_seed(self, p: SamplingParams, length: int) -> int:
-        return (p.seed * SEED_MIX + length) % SEED_RANGE
-
-    def _sample_triton(self, logits, params, lengths) -> torch.Tensor:
-        num_rows, vocab_size = logits.shape
-        fresh = torch.randint(0, SEED_RANGE - 1, (num_rows,)).tolist()  # unseeded rows: new noise every step
-        seeds = [fresh[row] if p.seed is None else self._row_seed(p, length)
-                 for row, (p, length) in enumerate(zip(params, lengths))]
-        tokens = torch.empty(num_rows, dtype=torch.int32, device=logits.device)
-        assert logits.stride(-1) == 1
-        _gumbel_argmax_kernel[(num_rows,)](
-            logits, logits.stride(0), self._to_device([p.temperature for p in params], torch.float32),
-            self._to_device(seeds, torch.int64), tokens, vocab_size, TILE=GUMBEL_TILE, num_warps=GUMBEL_NUM_WARPS)
-        return tokens.long()
-
-    def _sample_torch(self, logits, params, lengths) -> torch.Tensor:
-        tokens = logits.argmax(-1)  # greedy rows: exact argmax of the model's logits
-        if all(p.greedy for p in params):
-            return tokens
-        settings = self._to_device([[p.temperature or 1.0 for p in params],  # [5, num_rows]
-                                    [p.top_k if p.top_k > 0 else logits.shape[-1] for p in params],
-                                    [p.top_p for p in params], [p.min_p for p in params],
-                                    [p.greedy for p in params]], torch.float32)
-        probs = self._filtered_probs(logits, params, *settings[:4])
-        noise = torch.empty_like(probs).exponential_()
-        for row, (p, length) in enumerate(zip(params, lengths)):
-            if p.seed is not None:
-                noise[row].exponential_(generator=self.seeded.manual_seed(self._row_seed(p, length)))
-        sampled = (probs / noise).argmax(-1)  # Gumbel-max in exponential form: a draw from probs
-        return torch.where(settings[4].bool(), tokens, sampled)
-
-    @staticmethod
-    def _filtered_probs(logits, params, temperature, top_k, top_p, min_p):
-        logits = logits / temperature[:, None]
-        if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            sorted_logits, order = logits.sort(-1, descending=True)
-            rank = torch.arange(logits.shape[-1], device=logits.device)
-            probs = sorted_logits.softmax(-1)
-            mass_before = probs.cumsum(-1) - probs  # keep a token while the mass before it is < top_p
-            drop = (rank >= top_k[:, None]) | (mass_before >= top_p[:, None])
-            drop[:, 0] = False
-            logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-        probs = logits.softmax(-1)
-        if any(p.min_p > 0 for p in params):
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0)
-        return probs
+            return [tokens]
+        top_lp, top_ids = logprobs.topk(max(p.logprobs or 0 for p in params), dim=-1)  # 0 gives empty rows
+        return [tokens, logprobs.gather(-1, tokens[:, None])[:, 0], top_lp, top_ids]
 
 
-
-class Sampled:
-    """One step's samples: the tokens on the device, and their copy (with any logprobs) to the host, queued
-    behind the step's kernels so that launching the next step need not wait for it."""
-    def __init__(self, device_tokens: torch.Tensor, params: list[SamplingParams], results: list[torch.Tensor]):
-        self.device_tokens = device_tokens  # [rows] int64
-        self.params = params
-        if device_tokens.is_cuda:
-            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in results]
-            for dst, src in zip(self.host, results):
-                dst.copy_(src, non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record()
-        else:
-            self.host, self.ready = results, None
-
-    def wait(self) -> tuple[list[int], list[dict | None] | None]:
-        """The tokens and, per row, {token: logprob} (the top-N and the chosen) if any row asked for them."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        tokens = self.host[0].tolist()
-        if len(self.host) == 1:
-            return tokens, None
-        chosen, top_lp, top_ids = (t.tolist() for t in self.host[1:])
-        out = []
-        for row, p in enumerate(self.params):
-            entry = None
-            if p.logprobs is not None:
-                entry = dict(zip(top_ids[row][:p.logprobs], top_lp[row][:p.logprobs]))
-                entry[tokens[row]] = chosen[row]
-            out.append(entry)
-        return tokens, out
+def drop_filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Set to -inf what top-k, top-p and min-p drop, judged on softmax(logits / T). logits: [rows, vocab] fp32."""
+    device, vocab = logits.device, logits.shape[-1]
+    t, top_k, top_p, min_p = to_device([[p.temperature or 1.0 for p in params],
+                                        [p.top_k if p.top_k > 0 else vocab for p in params],
+                                        [p.top_p for p in params], [p.min_p for p in params]], torch.float32, device)
+    scaled = logits / t[:, None]
+    sorted_logits, order = scaled.sort(-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs  # keep a token while the mass before it is < top_p
+    rank = torch.arange(vocab, device=device)
+    drop = (rank >= top_k[:, None]) | (mass_before >= top_p[:, None])
+    drop |= sorted_logits < sorted_logits[:, :1] + min_p[:, None].log()  # p < min_p * p_max, in log space
+    drop[:, 0] = False  # the most likely token always stays
+    return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))  # unsorted

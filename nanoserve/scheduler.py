@@ -1,23 +1,46 @@
-"""The scheduler decides, every step, which sequences run and how many of their tokens: continuous
-batching at the level of single iterations. Plain Python over Sequences and the BlockManager.
+"""The scheduler plans every step: which sequences run and how many of their tokens (continuous batching at the
+level of single iterations). Plain Python over Sequences and the BlockManager.
 
-Each step has a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs). Running
-sequences go first, oldest first: a decoding one costs one token, one still prefilling takes the next
-chunk of its prompt, so prefill chunks and decodes share one mixed batch and a long prompt never stalls
-the decodes. Leftover budget admits waiting sequences, which first reuse whatever prefix is cached.
-When the pool runs dry, the most recently admitted sequence is preempted: its blocks go back (keeping
-their hashes) and it waits at the front of the queue to recompute its tokens later.
+A step has a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs). Running sequences go
+first, oldest first: a decoding one costs one token, one still prefilling takes the next chunk of its prompt,
+so prefill chunks and decodes share one batch and a long prompt never stalls the decodes (chunked prefill).
+When the pool runs dry, the most recently admitted sequence is preempted: its blocks go back (still findable
+in the prefix cache) and it waits at the front of the queue to recompute its tokens later. Leftover budget
+admits waiting sequences, which first take whatever prefix of theirs is cached.
 
-A step's life: schedule() picks it, launched() books its work as done (each sampling sequence gets a PENDING
-token), and update() fills those tokens in once the GPU's results are read back, which the engine does only
-after launching the next step. So scheduling never waits for the GPU: lengths are known before values.
+A planned step is booked at once: its tokens count as computed, and each sequence whose chunk reaches its end
+gets a PENDING token, whose value update() fills in when the step's results are read back. Later steps may be
+planned before that: the GPU runs steps in order, so lengths are all the scheduler needs.
 """
 from collections import deque
+from dataclasses import dataclass, field
 
 from nanoserve.block_manager import BlockManager
 from nanoserve.sequence import Sequence, SequenceStatus
+from nanoserve.stopping import reached_length_limit
 
-ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, number of its tokens to compute this step)
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int            # first position computed this step
+    num_new_tokens: int   # positions [start, start + num_new_tokens) are computed
+    samples: bool         # the chunk reaches the sequence's end, so its last logits pick the next token
+
+
+@dataclass
+class Step:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def sampling(self) -> list[Sequence]:
+        """The sequences that get a token from this step, in batch order: the rows of its samples."""
+        return [s.seq for s in self.scheduled if s.samples]
 
 
 class Scheduler:
@@ -37,8 +60,8 @@ class Scheduler:
         kv_tokens = max(seq.num_tokens, final_len - 1)  # the last sampled token never needs KV
         needed = self.block_manager.blocks_needed(kv_tokens)
         if needed > self.block_manager.num_blocks:
-            raise ValueError(f"request needs {needed} KV blocks ({kv_tokens} tokens) but the pool has "
-                             f"{self.block_manager.num_blocks}: lower max_tokens or add KV memory")
+            raise ValueError(f"max_tokens: the request needs {needed} KV blocks ({kv_tokens} tokens) but the pool "
+                             f"has {self.block_manager.num_blocks}: lower max_tokens or add KV memory")
 
     def add(self, seq: Sequence):
         self.check_fits(seq)
@@ -47,89 +70,98 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
-        budget = self.max_num_batched_tokens
-        batch: ScheduledBatch = []
-        preempted = False
-        for seq in list(self.running):
-            if budget == 0 or seq.status != SequenceStatus.RUNNING:  # out of budget, or preempted below
-                continue
-            if self.reached_length_limit(seq):  # its last token is pending: it finishes when read back
-                continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.allocate(seq, num_new):
-                preempted = True
-                if self._preempt(self.running[-1]) is seq:
-                    break
-            else:
-                batch.append((seq, num_new))
-                budget -= num_new
-        # Admitting while others were just preempted would only make the pool thrash.
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs and not self.waiting[0].num_pending):
-            seq = self.waiting[0]  # (a preempted sequence waits for its pending tokens' values)
-            cached = self.block_manager.find_cached_prefix(seq)
-            num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
-            if not self.block_manager.allocate(seq, num_new, cached):
-                break
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.append((seq, num_new))
-            budget -= num_new
-        return batch
+    # ---- planning a step --------------------------------------------------------------------------
+    def schedule(self) -> Step:
+        step = Step()
+        self._schedule_running(step)
+        if not step.preempted:  # admitting while others were just preempted would only make the pool thrash
+            self._admit_waiting(step)
+        for s in step.scheduled:  # book it
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(s.seq)  # findable from now on by later steps' admissions
+            if s.samples:
+                s.seq.append_pending()
+        return step
 
-    def _preempt(self, seq: Sequence) -> Sequence:
+    def _budget(self, step: Step) -> int:
+        return self.max_num_batched_tokens - step.num_tokens
+
+    def _plan(self, step: Step, seq: Sequence, num_new: int):
+        start = seq.num_computed_tokens
+        step.scheduled.append(ScheduledSeq(seq, start, num_new, samples=start + num_new == seq.num_tokens))
+
+    def _schedule_running(self, step: Step):
+        for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING or self._budget(step) == 0:  # preempted just now, or full
+                continue
+            if reached_length_limit(seq, self.max_model_len):  # its last token is pending; it ends when read
+                continue
+            num_new = min(seq.num_uncomputed_tokens, self._budget(step))
+            if self._make_room(seq, num_new, step):
+                self._plan(step, seq, num_new)
+
+    def _make_room(self, seq: Sequence, num_new: int, step: Step) -> bool:
+        """Allocate seq's blocks, preempting the most recently admitted sequences until they fit. False when seq
+        itself had to go."""
+        while not self.block_manager.allocate(seq, num_new):
+            victim = self.running[-1]
+            self._preempt(victim)
+            step.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence):
         """Preemption by recompute: drop seq's KV; readmitted, it re-prefills prompt + output so far."""
         self.running.remove(seq)
-        self.block_manager.cache_full_blocks(seq)  # (its last step's tokens are all known by now)
+        self.block_manager.cache_full_blocks(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
-        return seq
 
-    def reached_length_limit(self, seq: Sequence) -> bool:
-        return seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+    def _admit_waiting(self, step: Step):
+        while self.waiting and len(self.running) < self.max_num_seqs and self._budget(step) > 0:
+            seq = self.waiting[0]
+            if seq.num_pending or self._waits_for_sibling(seq):  # a preempted one waits for its tokens' values
+                return
+            cached = self.block_manager.find_cached_prefix(seq)
+            num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, self._budget(step))
+            if not self.block_manager.allocate(seq, num_new, cached):
+                return
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._plan(step, seq, num_new)
 
-    def launched(self, batch: ScheduledBatch):
-        """The step is on its way to the GPU: its tokens count as computed, and every sequence whose
-        computed tokens reach its end will get a sampled token, PENDING for now."""
-        for seq, num_new in batch:
-            seq.num_computed_tokens += num_new
-            if not seq.num_pending:  # every computed token is known: its full blocks are findable now, so
-                self.block_manager.cache_full_blocks(seq)  # a request admitted next step can hit them
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.append_pending()
+    @staticmethod
+    def _waits_for_sibling(seq: Sequence) -> bool:
+        """With n > 1, the first completion computes the prompt and the others then take it from the prefix cache."""
+        first = seq.shares_prompt_with
+        return (first is not None and first.status == SequenceStatus.RUNNING
+                and first.num_computed_tokens < first.num_prompt_tokens)
 
-    def update(self, batch: ScheduledBatch, sampling: list[Sequence], tokens: list[int],
-               logprobs: list | None = None) -> list[Sequence]:
-        """A launched step's results are back: `tokens` (and logprobs) for its `sampling` sequences, those
-        that got a PENDING token in launched(). Returns those still unfinished, for the stop checks."""
+    # ---- after a step -----------------------------------------------------------------------------
+    def update(self, step: Step, tokens: list[int], logprobs: list[dict | None] | None) -> list[Sequence]:
+        """A launched step's samples are back, one per sequence of step.sampling: fill in their oldest pending
+        tokens. Returns the sequences that got one (those finished meanwhile drop it)."""
         got_token = []
-        for i, (seq, token) in enumerate(zip(sampling, tokens)):
-            if seq.status != SequenceStatus.FINISHED:  # finished meanwhile: the extra token is dropped
-                seq.resolve_pending(token, logprobs[i] if logprobs is not None else None)
-                got_token.append(seq)
-        for seq, _ in batch:  # blocks completed by a decode of a then-pending token become findable
-            if seq.status == SequenceStatus.RUNNING:
+        for row, seq in enumerate(step.sampling):
+            if seq.status == SequenceStatus.FINISHED:
+                continue
+            seq.resolve_pending(tokens[row], logprobs[row] if logprobs else None)
+            if seq.status == SequenceStatus.RUNNING:  # a block completed by a then-pending token is findable now
                 self.block_manager.cache_full_blocks(seq)
+            got_token.append(seq)
         return got_token
 
     def finish(self, seq: Sequence, reason: str):
+        """Stopped or aborted: its blocks return to the pool at once, wherever it was."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq)
-        else:  # preempted while its last token was pending: it holds no blocks
+        elif seq.status == SequenceStatus.WAITING:  # holds no blocks
             self.waiting.remove(seq)
         seq.drop_pending()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-
-    def abort_all(self):
-        """Free everything, e.g. after an interrupted generate, so the engine stays usable."""
-        for seq in self.running + list(self.waiting):
-            self.block_manager.free(seq)
-            seq.status = SequenceStatus.FINISHED
-        self.running.clear()
-        self.waiting.clear()

@@ -1,10 +1,11 @@
-"""A Sequence is one request as the engine sees it: token ids, how many of them already have KV in the
-cache, and the block table that says where that KV lives. Scheduler and block manager talk in Sequences;
-neither knows about tensors or models.
+"""A Sequence is one completion as the engine sees it: token ids, how many of them already have KV in the cache,
+and the block table that says where that KV lives. Scheduler and block manager talk in Sequences; neither
+knows about tensors or models.
 
-The engine launches step n+1 before reading step n's tokens back from the GPU, so a sequence's last one or two
-tokens can be PENDING: sampled, counted in every length, but their values not yet on the host."""
+The engine may launch step n+1 before reading step n's tokens back from the GPU, so a sequence's last token can
+be PENDING: sampled, counted in every length, but its value not yet on the host."""
 from array import array
+from dataclasses import dataclass
 from enum import Enum, auto
 from itertools import count
 
@@ -19,24 +20,39 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
+@dataclass
+class DecodedText:
+    """A completion's text, decoded as its tokens are read back (stopping.py keeps it up to date)."""
+    text: str = ""
+    num_decoded: int = 0             # completion tokens whose text is in `text`
+    num_searched: int = 0            # characters of `text` already searched for stop strings
+    stop_at: int | None = None       # a stop string starts here: the output text ends here
+    num_streamed: int = 0            # characters already handed out as deltas
+    num_tokens_streamed: int = 0     # completion tokens already handed out
+
+
 class Sequence:
     _ids = count()
 
-    def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int, prompt: str | None = None):
+    def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int,
+                 stop_token_ids: frozenset[int] = frozenset()):
         self.seq_id = next(Sequence._ids)
-        self.prompt = prompt                 # the text, when the request came as text
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.params = params
+        self.stop_token_ids = stop_token_ids  # the request's stop ids, plus EOS unless ignore_eos
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
         # physical block ids in token order, as packed int32: the runner copies it, no per-entry conversion
         self.block_table = array("i")
-        self.num_computed_tokens = 0       # tokens whose K/V are in the cache
+        self.num_computed_tokens = 0       # tokens whose K/V are in the cache (or being written this step)
         self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served; None until admitted
-        self.finish_reason: str | None = None
-        self.logprobs: list[dict] = []     # one entry per generated token when params.logprobs is set
         self.num_pending = 0               # trailing PENDING tokens (at most two: steps n and n+1)
+        self.finish_reason: str | None = None
+        self.logprobs: list[dict] = []     # per generated token, when params.logprobs is set
+        self.cumulative_logprob = 0.0
+        self.text = DecodedText()
+        self.shares_prompt_with: Sequence | None = None  # n > 1: admitted once this sibling cached the prompt
 
     @property
     def num_tokens(self) -> int:
@@ -53,11 +69,15 @@ class Sequence:
 
     @property
     def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:self.num_known_tokens]
 
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
 
     def block_tokens(self, i: int) -> tuple[int, ...]:
         """The token ids that block i of this sequence holds (or will hold)."""
@@ -73,6 +93,7 @@ class Sequence:
         self.num_pending -= 1
         if logprobs is not None:
             self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token_id]
 
     def drop_pending(self):
         """Finished: a token sampled after the last one kept is discarded."""

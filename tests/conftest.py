@@ -48,3 +48,154 @@ def hf_greedy(hf, prompt, max_new_tokens):
     out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                       max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+# ---- a fake model runner: the real engine loop without a model ------------------------------------
+FAKE_VOCAB = 50
+
+
+def fake_next_token(token_ids: list[int]) -> int:
+    """The fake model: a deterministic function of the tokens so far (last three and the length)."""
+    a, b, c = ([0, 0, 0] + token_ids)[-3:]
+    return (31 * a + 17 * b + 7 * c + len(token_ids)) % FAKE_VOCAB
+
+
+def reference_completion(prompt: list[int], max_tokens: int, stop_token_ids=()) -> list[int]:
+    """What any correct engine must produce for the fake model: iterate it from the prompt."""
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(fake_next_token(tokens))
+        if tokens[-1] in stop_token_ids:
+            break
+    return tokens[len(prompt):]
+
+
+class FakeInFlight:
+    """A launched step as the engine sees it: its samples 'on the device' and wait() to read them back."""
+    def __init__(self, step, tokens: list[int]):
+        self.step, self.device_tokens = step, tokens
+        self.row_of = {seq.seq_id: row for row, seq in enumerate(step.sampling)}
+
+    def wait(self):
+        return list(self.device_tokens), None
+
+
+class FakeRunner:
+    """The ModelRunner's contract (num_kvcache_blocks, launch) with a fake model and a fake KV cache that maps each
+    physical slot to the token prefix whose K/V it holds. Before a step writes, every earlier position of each of
+    its sequences must read back its own prefix: a wrong prefix hit, a write into a shared block, a stale block
+    table or a block handed out twice all fail there. PENDING decode inputs take their values from the previous
+    in-flight step, as the real runner does on the device, so any mix-up of rows shows up as wrong tokens."""
+
+    def __init__(self, num_blocks: int):
+        self.num_kvcache_blocks = num_blocks
+        self.engine = None  # the LLM driving this runner, for its block manager and limits
+        self.kv: dict[int, tuple] = {}
+        self.steps: list[list[tuple]] = []  # per launched step: (seq, start, num_new)
+        self.was_waiting: set[int] = set()  # seq ids waiting before the current step (set by FakeEngine)
+        self.admissions: list[tuple] = []   # (seq, cached tokens, hit blocks) of each admission
+
+    def device_tokens_of(self, s, previous) -> list[int]:
+        from nanoserve.sequence import PENDING
+        tokens = s.seq.token_ids[:s.start + s.num_new_tokens]
+        if tokens[s.start] == PENDING:  # the decode input sampled by the previous step, not yet read back
+            tokens[s.start] = previous.device_tokens[previous.row_of[s.seq.seq_id]]
+        assert PENDING not in tokens, "an input token whose value nobody has"
+        return tokens
+
+    def slot(self, seq, pos: int) -> int:
+        bs = self.engine.block_manager.block_size
+        return seq.block_table[pos // bs] * bs + pos % bs
+
+    def launch(self, step, previous):
+        bm, sched = self.engine.block_manager, self.engine.scheduler
+        assert step.num_tokens <= sched.max_num_batched_tokens and len(step.scheduled) <= sched.max_num_seqs
+        assert len({s.seq.seq_id for s in step.scheduled}) == len(step.scheduled)
+        tokens = {s.seq.seq_id: self.device_tokens_of(s, previous) for s in step.scheduled}
+        for s in step.scheduled:  # one forward: every read of earlier K/V, then every write
+            assert s.num_new_tokens >= 1 and s.seq in sched.running
+            assert len(s.seq.block_table) == bm.blocks_needed(s.start + s.num_new_tokens)
+            for p in range(s.start):
+                got = self.kv.get(self.slot(s.seq, p))
+                assert got == tuple(tokens[s.seq.seq_id][:p + 1]), f"seq {s.seq.seq_id} pos {p} reads {got}"
+            if s.seq.seq_id in self.was_waiting:
+                hit = s.start // bm.block_size
+                self.admissions.append((s.seq, s.start, list(s.seq.block_table[:hit])))
+        written = set()
+        for s in step.scheduled:
+            for p in range(s.start, s.start + s.num_new_tokens):
+                slot = self.slot(s.seq, p)
+                assert bm.blocks[slot // bm.block_size].ref_count == 1, "write into a shared block"
+                assert slot not in written, "two sequences write one slot in one step"
+                written.add(slot)
+                self.kv[slot] = tuple(tokens[s.seq.seq_id][:p + 1])
+        self.steps.append([(s.seq, s.start, s.num_new_tokens) for s in step.scheduled])
+        return FakeInFlight(step, [fake_next_token(tokens[seq.seq_id]) for seq in step.sampling])
+
+
+class FakeEngine:
+    """nanoserve.LLM's real loop (schedule, launch, finish; overlapped or not) around a FakeRunner, with the
+    pool checked after every step. Block sizes below the kernels' minimum of 16 are allowed here: the scheduler
+    and block manager work with any size, and small blocks make tight pools cheap to test."""
+
+    def __init__(self, num_blocks=1000, block_size=4, max_num_seqs=64, max_num_batched_tokens=512,
+                 max_model_len=4096, enable_prefix_caching=True, overlap=False):
+        from nanoserve.config import EngineConfig
+        from nanoserve.llm import LLM
+        config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, device="cpu",
+                              max_num_batched_tokens=max_num_batched_tokens, num_kvcache_blocks=num_blocks,
+                              enable_prefix_caching=enable_prefix_caching, overlap=overlap)
+        config.kvcache_block_size = block_size  # after the checks: see the class docstring
+        self.runner = FakeRunner(num_blocks)
+        self.llm = LLM.from_runner(config, self.runner, vocab_size=1000)
+        self.runner.engine = self.llm
+        self.tables_when_preempted: dict[int, list[list[int]]] = {}  # seq_id -> its block tables then
+
+    scheduler = property(lambda self: self.llm.scheduler)
+    bm = property(lambda self: self.llm.block_manager)
+    steps = property(lambda self: self.runner.steps)
+    admissions = property(lambda self: self.runner.admissions)
+
+    def add(self, prompt: list[int], max_tokens: int, stop_token_ids=()):
+        from nanoserve import SamplingParams
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop_token_ids=list(stop_token_ids))
+        return self.llm.requests[self.llm.add_request(prompt, params, stream=False)].seqs[0]
+
+    def step(self) -> list[tuple]:
+        """One engine step; returns what it launched as (seq, num_new_tokens) pairs."""
+        sched = self.scheduler
+        self.runner.was_waiting = {s.seq_id for s in sched.waiting}
+        tables_before = {s.seq_id: list(s.block_table) for s in sched.running}
+        num_launched = len(self.steps)
+        self.llm.step()
+        for seq in sched.waiting:  # preempted in this step, with what it held
+            if seq.seq_id in tables_before:
+                self.tables_when_preempted.setdefault(seq.seq_id, []).append(tables_before[seq.seq_id])
+        self.check_pool()
+        return [(seq, n) for seq, _, n in self.steps[num_launched]] if len(self.steps) > num_launched else []
+
+    def check_pool(self):
+        from collections import Counter
+
+        from nanoserve.sequence import PENDING
+        bm, sched = self.bm, self.scheduler
+        owners = Counter(b for seq in sched.running for b in seq.block_table)
+        for block in bm.blocks:
+            assert block.ref_count == owners[block.block_id] >= 0
+            assert (block.ref_count == 0) == (block.block_id in bm.free_ids)
+            assert block.key is None or PENDING not in block.key[1], f"block {block.block_id} keyed on PENDING"
+        for seq in sched.waiting:
+            assert len(seq.block_table) == 0 and seq.num_computed_tokens == 0
+
+    def run(self, max_steps: int = 20_000) -> int:
+        """Step until every request has finished; returns the number of steps."""
+        steps = 0
+        while self.llm.has_unfinished_requests():
+            self.step()
+            steps += 1
+            assert steps < max_steps, "the scheduler stopped making progress"
+        assert self.bm.num_used_blocks == 0, "blocks leaked"
+        return steps
+
+    def tokens_computed(self, seq) -> int:
+        return sum(n for step in self.steps for s, _, n in step if s is seq)
