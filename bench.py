@@ -15,7 +15,7 @@ import time
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.sampler import Sampled
+from nanoserve.model_runner import InFlightStep
 
 STANDARD_NUM_SEQS = 256         # the standard workload's size
 PROMPT_ID_RANGE = 10000          # prompt token ids are uniform in [0, PROMPT_ID_RANGE] (nano-vllm's bench)
@@ -67,7 +67,7 @@ def timed_generate(llm, prompts, params):
 
 
 def result_row(name, llm, outs, seconds):
-    tokens = sum(len(o.token_ids) for o in outs)
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     s = llm.stats()
     return {"run": name, "requests": len(outs), "output_tokens": tokens, "seconds": round(seconds, 2),
             "tok_per_s": round(tokens / seconds, 1), "kv_blocks": s["kv_blocks_total"],
@@ -134,23 +134,23 @@ def run_cpu_profile(llm, args):
             start = time.perf_counter()
             result = fn(*a, **k)
             if stage == "schedule":
-                steps.append({"decode_only": all(n == 1 for _, n in result)})
+                steps.append({"decode_only": all(s.num_new_tokens == 1 for s in result.scheduled)})
             if steps:
                 steps[-1][stage] = steps[-1].get(stage, 0.0) + time.perf_counter() - start
             return result
         return wrapper
     for obj, stage, name in ((sched, "schedule", "schedule"), (runner, "prepare", "prepare"),
-                             (runner, "launch", "launch"), (llm, "finish", "finish_step")):
+                             (runner, "launch", "launch"), (llm, "finish", "_finish")):
         setattr(obj, name, timed(stage, getattr(obj, name)))
-    wait = Sampled.wait
-    Sampled.wait = lambda self: timed("wait", wait)(self)
+    wait = InFlightStep.wait
+    InFlightStep.wait = lambda self: timed("wait", wait)(self)
     try:
         rows = run_throughput(llm, args)
     finally:
-        Sampled.wait = wait
+        InFlightStep.wait = wait
     for step in steps:
         step["launch"] = step.get("launch", 0.0) - step.get("prepare", 0.0)  # launch calls prepare
-        step["finish"] = step.get("finish", 0.0) - step.get("wait", 0.0)    # finish_step calls wait
+        step["finish"] = step.get("finish", 0.0) - step.get("wait", 0.0)    # _finish calls wait
     for name, chosen in (("all", steps), ("decode-only", [s for s in steps if s["decode_only"]])):
         rows[0][f"{name}_steps"] = len(chosen)
         for stage in stages:

@@ -3,6 +3,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from nanoserve.kernels import HAVE_TRITON
 from nanoserve.sampling_params import InvalidField, check_number
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -51,6 +52,8 @@ class EngineConfig:
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise InvalidField(name, f"{getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        if self.kernels == "triton" and not HAVE_TRITON:
+            raise InvalidField("kernels", "'triton' needs the triton package (Linux only); use kernels='torch'")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise InvalidField("device", "'cuda' but no GPU is visible to torch")
         if self.device == "auto":

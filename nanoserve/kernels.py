@@ -35,8 +35,6 @@ class Kernels:
 def get_kernels(name: str) -> Kernels:
     from nanoserve import attention, fused_ops, sampler
     if name == "triton":
-        if not HAVE_TRITON:
-            raise ValueError("kernels: 'triton' needs the triton package (Linux only); use kernels='torch'")
         return Kernels("triton", fused_ops.add_rms_norm, fused_ops.qk_norm_rope, fused_ops.silu_and_mul,
                        attention.store_kv, attention.paged_attention, sampler.gumbel_argmax)
     return Kernels("torch", fused_ops.add_rms_norm_ref, fused_ops.qk_norm_rope_ref, fused_ops.silu_and_mul_ref,

@@ -68,9 +68,8 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int):
                 dict(HEAD_DIM=head_dim, SPLITS_PAD=A.MAX_SPLITS), 4)
     # the fused layer kernels, at Qwen3-0.6B's widths (hidden 1024, intermediate 3072) and 8x as wide
     for hidden in (1024, 8192):
-        yield build(F._rms_norm_kernel, dict(x_ptr=dtype, residual_ptr=dtype, out_ptr=dtype, weight_ptr=dtype,
-                                             eps="fp32"), dict(BLOCK=hidden, ADD_RESIDUAL=True),
-                    F.rms_norm_num_warps(hidden))
+        yield build(F._add_rms_norm_kernel, dict(x_ptr=dtype, residual_ptr=dtype, out_ptr=dtype, weight_ptr=dtype,
+                                                 eps="fp32"), dict(BLOCK=hidden), F.rms_norm_num_warps(hidden))
     yield build(F._qk_norm_rope_kernel, dict(q_ptr=dtype, k_ptr=dtype, positions_ptr="*i32", cos_ptr="*fp32",
                                              sin_ptr="*fp32", q_weight_ptr=dtype, k_weight_ptr=dtype, eps="fp32"),
                 dict(Q_HEADS_PAD=8 * group, K_HEADS_PAD=8, HALF=head_dim // 2, HAS_NORM=True), 4)

@@ -1,12 +1,15 @@
-"""Tests for the block manager: hypothesis drives it with random admissions, growth, preemptions and
-frees over a tiny pool, and after every operation the bookkeeping is checked against a plain recount.
+"""Tests for the block manager: hypothesis drives it with random admissions, growth, preemptions, frees and
+late read-backs of sampled tokens over a tiny pool, and after every operation the bookkeeping is checked
+against a plain recount.
 
 The trusted reference is a fake KV cache: a dict from physical slot to the token prefix whose K/V that
 slot holds (K/V at position p depends on tokens[:p+1], nothing else). Every "compute" writes the prefix
 of each new position into its slot, after checking that every earlier position of the sequence reads
 back its own prefix. So a wrong prefix hit, a shared block that gets written, a block handed out while
 still in use, or a stale block table all show up as a slot that holds someone else's prefix.
-No model, no torch: the whole file runs in seconds.
+The prefix cache is one dict keyed by (parent's prefix id, block tokens); the tests below aim at what that
+key must get right: equal blocks under different prefixes, prefix ids outliving their blocks, and the same
+prefix computed twice at once. No model, no torch: the whole file runs in seconds.
 """
 import copy
 from collections import Counter
@@ -16,17 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from nanoserve.block_manager import BlockManager, hash_block
+from nanoserve.block_manager import BlockManager
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.sequence import Sequence
+from nanoserve.sequence import PENDING, Sequence
 
 PARAMS = SamplingParams(max_tokens=1, ignore_eos=True)  # the block manager never reads them
 SMALL_VOCAB = 3  # few distinct tokens, so random prompts share prefixes and hits happen
-HASH_FNS = {
-    "chained": hash_block,
-    "all_collide": lambda parent, tokens: 0,                 # every block lands on one key
-    "two_buckets": lambda parent, tokens: hash(tokens) % 2,  # ignores the parent: chains collide
-}
 
 
 # ---- the fake KV cache --------------------------------------------------------------------------
@@ -34,53 +32,62 @@ def slot(bm: BlockManager, seq: Sequence, pos: int) -> int:
     return seq.block_table[pos // bm.block_size] * bm.block_size + pos % bm.block_size
 
 
-def check_kv_reads(bm: BlockManager, kv: dict, seq: Sequence, end: int):
-    """Positions [0, end) of seq must read back exactly their own token prefix."""
+def check_kv_reads(bm: BlockManager, kv: dict, seq: Sequence, end: int, tokens: list[int] | None = None):
+    """Positions [0, end) of seq must read back exactly their own token prefix (tokens: seq's token values,
+    pending ones included, when some are not on the host yet)."""
+    tokens = seq.token_ids if tokens is None else tokens
     for p in range(end):
         got = kv.get(slot(bm, seq, p))
-        assert got == tuple(seq.token_ids[:p + 1]), (
-            f"seq {seq.seq_id} position {p} reads K/V of {got}, expected its prefix "
-            f"{tuple(seq.token_ids[:p + 1])}")
+        assert got == tuple(tokens[:p + 1]), (
+            f"seq {seq.seq_id} position {p} reads K/V of {got}, expected its prefix {tuple(tokens[:p + 1])}")
 
 
-def compute(bm: BlockManager, kv: dict, seq: Sequence, num_new: int):
-    """What a model step does to the cache: read the computed prefix, write num_new new positions,
-    then what Scheduler.update does: advance num_computed_tokens and publish full blocks."""
+def compute(bm: BlockManager, kv: dict, seq: Sequence, num_new: int, tokens: list[int] | None = None):
+    """What a model step does to the cache: read the computed prefix, write num_new new positions;
+    and what the scheduler books with it: advance num_computed_tokens and make full blocks findable."""
+    tokens = seq.token_ids if tokens is None else tokens
     start = seq.num_computed_tokens
     assert len(seq.block_table) * bm.block_size >= start + num_new, "allocate left no room to write"
-    check_kv_reads(bm, kv, seq, start)
+    check_kv_reads(bm, kv, seq, start, tokens)
     for p in range(start, start + num_new):
         block_id = seq.block_table[p // bm.block_size]
         assert bm.blocks[block_id].ref_count == 1, (
             f"seq {seq.seq_id} writes position {p} into block {block_id}, "
             f"shared by {bm.blocks[block_id].ref_count} sequences")
-        kv[slot(bm, seq, p)] = tuple(seq.token_ids[:p + 1])
+        kv[slot(bm, seq, p)] = tuple(tokens[:p + 1])
     seq.num_computed_tokens += num_new
     bm.cache_full_blocks(seq)
 
 
 def snapshot(bm: BlockManager, seq: Sequence):
-    return (copy.deepcopy(bm.blocks), list(bm.free_ids), dict(bm.hash_to_block),
-            bm.prefix_hit_tokens, bm.prefix_queried_tokens,
-            list(seq.block_table), seq.num_computed_tokens, seq.num_cached_tokens)
+    return (copy.deepcopy(bm.blocks), list(bm.free_ids), dict(bm.cached),
+            bm.prefix_hit_tokens, bm.prefix_queried_tokens, bm.num_allocated, bm.num_hit_blocks,
+            bm.peak_used_blocks, list(seq.block_table), seq.num_computed_tokens, seq.num_cached_tokens)
 
 
 # ---- the state machine --------------------------------------------------------------------------
 class BlockManagerMachine(RuleBasedStateMachine):
     """Sequences are created (waiting), admitted with their cached prefix, grown chunk by chunk (a
-    sampled token is appended once all known tokens are computed, as Scheduler.update does), preempted
-    (freed, back to waiting with their tokens, to be readmitted and maybe hit their own blocks) or
-    finished (freed for good)."""
+    sampled token is appended once all tokens are computed, PENDING until read back, as the scheduler
+    books it; up to two pending, as with an overlapped loop), read back (the oldest pending token gets
+    its value and the blocks it completes become findable, as Scheduler.update does), preempted (freed,
+    back to waiting with their tokens, to be readmitted once nothing is pending and maybe hit their own
+    blocks) or finished (freed for good)."""
 
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(1, 12),
-                hash_name=st.sampled_from(sorted(HASH_FNS)),
                 prefix_caching=st.sampled_from([True, True, True, False]))
-    def setup(self, block_size, num_blocks, hash_name, prefix_caching):
-        self.bm = BlockManager(num_blocks, block_size, prefix_caching, hash_fn=HASH_FNS[hash_name])
+    def setup(self, block_size, num_blocks, prefix_caching):
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.kv: dict[int, tuple] = {}
         self.live: list[Sequence] = []     # hold blocks
         self.waiting: list[Sequence] = []  # hold none: new, or preempted
-        self.hit_tokens = self.queried_tokens = 0
+        self.on_device: dict[int, list[int]] = {}  # seq_id -> values of its pending tokens, oldest first
+        self.named: dict[int, tuple] = {}  # prefix_id -> the token prefix it named, over the whole run
+        self.hit_tokens = self.queried_tokens = self.hit_blocks = self.allocated = 0
+
+    def true_tokens(self, seq: Sequence) -> list[int]:
+        """What the device sees: seq's tokens with the pending ones' values filled in."""
+        return seq.token_ids[:seq.num_known_tokens] + self.on_device.get(seq.seq_id, [])
 
     # ---- operations -----------------------------------------------------------------------------
     @rule(tokens=st.lists(st.integers(0, SMALL_VOCAB - 1), min_size=1, max_size=14))
@@ -88,20 +95,24 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if len(self.waiting) < 6:
             self.waiting.append(Sequence(tokens, PARAMS, self.bm.block_size))
 
-    @rule(index=st.integers(0, 99), chunk=st.integers(1, 16), token=st.integers(0, SMALL_VOCAB - 1))
-    def admit(self, index, chunk, token):
+    @rule(index=st.integers(0, 99), chunk=st.integers(1, 16), token=st.integers(0, SMALL_VOCAB - 1),
+          read_now=st.booleans())
+    def admit(self, index, chunk, token, read_now):
         if not self.waiting:
             return
         seq = self.waiting[index % len(self.waiting)]
+        if seq.num_pending:  # preempted before its last token was read back: it waits for the value
+            return
         bs = self.bm.block_size
         cached = self.bm.find_cached_prefix(seq)
         if not self.bm.enable_prefix_caching:
             assert cached == []
         assert len(cached) * bs <= seq.num_tokens - 1, "a hit must leave the last token to compute"
         assert len(set(cached)) == len(cached)
-        for i, block_id in enumerate(cached):  # a hit is a full, published block with these tokens
+        for i, block_id in enumerate(cached):  # a hit is a full, findable block with these tokens
             block = self.bm.blocks[block_id]
-            assert block.hash is not None and block.key[1] == seq.block_tokens(i)
+            assert block.key is not None and self.bm.cached[block.key] == block_id
+            assert block.key[1] == seq.block_tokens(i)
         num_new = min(chunk, seq.num_tokens - len(cached) * bs)
         before = snapshot(self.bm, seq)
         first_admission = seq.num_cached_tokens is None
@@ -114,49 +125,69 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.hit_tokens += len(cached) * bs
             self.queried_tokens += seq.num_tokens
             assert seq.num_cached_tokens == len(cached) * bs
+        self.hit_blocks += len(cached)
+        self.allocated += len(seq.block_table) - len(cached)
         assert list(seq.block_table[:len(cached)]) == cached
         assert seq.num_computed_tokens == len(cached) * bs
         # the hit blocks must hold this sequence's own prefix, whole, not just matching tokens
         check_kv_reads(self.bm, self.kv, seq, seq.num_computed_tokens)
-        self._compute(seq, num_new, token)
+        self._compute(seq, num_new, token, read_now)
 
-    @rule(index=st.integers(0, 99), chunk=st.integers(1, 16), token=st.integers(0, SMALL_VOCAB - 1))
-    def grow(self, index, chunk, token):
+    @rule(index=st.integers(0, 99), chunk=st.integers(1, 16), token=st.integers(0, SMALL_VOCAB - 1),
+          read_now=st.booleans())
+    def grow(self, index, chunk, token, read_now):
         if not self.live:
             return
         seq = self.live[index % len(self.live)]
         num_new = min(chunk, seq.num_uncomputed_tokens)
+        if seq.num_computed_tokens + num_new == seq.num_tokens and seq.num_pending == 2:
+            return  # a third pending token: the oldest is always read back before
         before = snapshot(self.bm, seq)
+        num_blocks = len(seq.block_table)
         if not self.bm.allocate(seq, num_new):
             assert snapshot(self.bm, seq) == before, "a failed allocate changed state"
             return
-        self._compute(seq, num_new, token)
+        self.allocated += len(seq.block_table) - num_blocks
+        self._compute(seq, num_new, token, read_now)
+
+    @rule(index=st.integers(0, 99))
+    def read_back(self, index):
+        """The oldest pending token of a sequence (running or preempted) gets its value."""
+        pending = [seq for seq in self.live + self.waiting if seq.num_pending]
+        if pending:
+            self._read_back(pending[index % len(pending)])
 
     @rule(index=st.integers(0, 99))
     def preempt(self, index):
-        seq = self._free_live(index)
-        if seq is not None:
-            assert len(seq.block_table) == 0 and seq.num_computed_tokens == 0
-            self.waiting.insert(0, seq)
+        if not self.live:
+            return
+        seq = self.live.pop(index % len(self.live))
+        self.bm.cache_full_blocks(seq)  # what Scheduler._preempt does before freeing
+        self.bm.free(seq)
+        assert len(seq.block_table) == 0 and seq.num_computed_tokens == 0
+        self.waiting.insert(0, seq)
 
     @rule(index=st.integers(0, 99))
     def finish(self, index):
-        self._free_live(index)
-
-    def _free_live(self, index):
-        """Take a running sequence out and free its blocks (None when none runs)."""
         if not self.live:
-            return None
+            return
         seq = self.live.pop(index % len(self.live))
         self.bm.free(seq)
-        return seq
+        self.on_device.pop(seq.seq_id, None)
 
-    def _compute(self, seq, num_new, token):
-        compute(self.bm, self.kv, seq, num_new)
+    def _compute(self, seq, num_new, token, read_now):
+        compute(self.bm, self.kv, seq, num_new, self.true_tokens(seq))
         if seq.num_computed_tokens == seq.num_tokens:
-            seq.append_pending()  # what a sampled token does, once read back
-            seq.resolve_pending(token)
+            seq.append_pending()  # what a sampling step books
+            self.on_device.setdefault(seq.seq_id, []).append(token)
+            if read_now:  # the synchronous loop reads it back at once
+                self._read_back(seq)
         assert seq.num_uncomputed_tokens >= 1
+
+    def _read_back(self, seq):
+        seq.resolve_pending(self.on_device[seq.seq_id].pop(0))
+        if seq in self.live:
+            self.bm.cache_full_blocks(seq)
 
     def teardown(self):
         if not hasattr(self, "bm"):
@@ -186,37 +217,45 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def block_tables_are_tight(self):
         if not hasattr(self, "bm"):
             return
+        bs = self.bm.block_size
         for seq in self.live:
             assert len(set(seq.block_table)) == len(seq.block_table), "a block twice in one table"
             assert len(seq.block_table) == self.bm.blocks_needed(seq.num_computed_tokens)
-            for i, block_id in enumerate(seq.block_table):  # hashed blocks are full and computed
+            for i, block_id in enumerate(seq.block_table):  # keyed blocks are full, computed and known
                 block = self.bm.blocks[block_id]
-                if block.hash is not None:
-                    assert i < seq.num_computed_tokens // self.bm.block_size
+                if block.key is not None:
+                    assert i < min(seq.num_computed_tokens, seq.num_known_tokens) // bs
                     assert block.key[1] == seq.block_tokens(i)
         for seq in self.waiting:
             assert len(seq.block_table) == 0 and seq.num_computed_tokens == 0
 
     @invariant()
-    def published_blocks_hold_their_tokens(self):
-        """Every findable block holds K/V of one consistent prefix ending in its key's tokens, and a
-        prefix_id always names the same token prefix."""
+    def findable_blocks_hold_their_tokens(self):
+        """Every findable block holds K/V of one consistent prefix ending in its key's tokens, under the
+        prefix its key's parent names; a prefix_id names the same token prefix for the whole run (so it is
+        never reused); no key holds a token whose value was still on the device."""
         if not hasattr(self, "bm"):
             return
         bs = self.bm.block_size
-        for h, block_id in self.bm.hash_to_block.items():
-            block = self.bm.blocks[block_id]
-            assert block.hash == h
-            full = self.kv[block_id * bs + bs - 1]
-            assert full[-bs:] == block.key[1]
-            for j in range(bs):
-                assert self.kv[block_id * bs + j] == full[:len(full) - bs + j + 1]
-        named: dict[int, tuple] = {}
         for block in self.bm.blocks:
+            assert block.key is None or PENDING not in block.key[1], f"block {block.block_id} keyed on PENDING"
             if block.prefix_id is not None:
                 content = self.kv[block.block_id * bs + bs - 1]
-                assert named.setdefault(block.prefix_id, content) == content, (
+                assert self.named.setdefault(block.prefix_id, content) == content, (
                     f"prefix_id {block.prefix_id} names two different prefixes")
+        if not self.bm.enable_prefix_caching:
+            assert not self.bm.cached
+        for key, block_id in self.bm.cached.items():
+            block = self.bm.blocks[block_id]
+            assert block.key == key
+            full = self.kv[block_id * bs + bs - 1]
+            assert full[-bs:] == key[1]
+            for j in range(bs):
+                assert self.kv[block_id * bs + j] == full[:len(full) - bs + j + 1]
+            parent_id = key[0]
+            assert (parent_id is None) == (len(full) == bs)
+            if parent_id is not None:
+                assert self.named[parent_id] == full[:-bs], "a key under a parent that names another prefix"
 
     @invariant()
     def counters_match(self):
@@ -224,6 +263,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         assert self.bm.prefix_hit_tokens == self.hit_tokens
         assert self.bm.prefix_queried_tokens == self.queried_tokens
+        assert self.bm.num_hit_blocks == self.hit_blocks
+        assert self.bm.num_allocated == self.allocated
+        assert self.bm.num_cached_blocks == sum(self.bm.cached.get(self.bm.blocks[b].key) == b
+                                                for b in self.bm.free_ids)
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
@@ -240,46 +283,163 @@ def fully_computed(bm: BlockManager, kv: dict, tokens: list[int]) -> Sequence:
     return seq
 
 
+def common_full_blocks(a: list[int], b: list[int], block_size: int) -> int:
+    """How many leading full blocks of a could serve b: equal tokens, and b's last token left to compute."""
+    n = 0
+    while (n < min(len(a) // block_size, (len(b) - 1) // block_size)
+           and a[n * block_size:(n + 1) * block_size] == b[n * block_size:(n + 1) * block_size]):
+        n += 1
+    return n
+
+
 @settings(max_examples=200, deadline=None)
 @given(first=st.lists(st.integers(0, 1), min_size=1, max_size=12),
        second=st.lists(st.integers(0, 1), min_size=1, max_size=12),
-       block_size=st.sampled_from([1, 2, 3, 4]), hash_name=st.sampled_from(sorted(HASH_FNS)))
-def test_hit_is_longest_common_full_block_prefix(first, second, block_size, hash_name):
-    """Guards against wrong hits (a hash collision, or a matching block under a different parent,
-    taken as a match) and missed ones: with one cached sequence, the hit is exactly its leading full
-    blocks that equal the new prompt's, capped so the new prompt's last token is computed."""
-    bm = BlockManager(16, block_size, hash_fn=HASH_FNS[hash_name])
+       block_size=st.sampled_from([1, 2, 3, 4]))
+def test_hit_is_longest_common_full_block_prefix(first, second, block_size):
+    """Guards against wrong hits (a matching block under a different parent taken as a match) and missed
+    ones: with one cached sequence, the hit is exactly its leading full blocks that equal the new prompt's,
+    capped so the new prompt's last token is computed."""
+    bm = BlockManager(16, block_size)
     kv: dict[int, tuple] = {}
     cached_seq = fully_computed(bm, kv, first)
     new = Sequence(second, PARAMS, block_size)
-    expected = 0
-    while (expected < min(len(first) // block_size, (len(second) - 1) // block_size)
-           and new.block_tokens(expected) == cached_seq.block_tokens(expected)):
-        expected += 1
     hit = bm.find_cached_prefix(new)
-    if hash_name == "chained":
-        assert hit == list(cached_seq.block_table[:expected])
-    else:  # a colliding hash_fn may lose hits (the first block on a key keeps it), never invent one
-        assert len(hit) <= expected and hit == list(cached_seq.block_table[:len(hit)])
+    assert hit == list(cached_seq.block_table[:common_full_blocks(first, second, block_size)])
     bm.free(cached_seq)  # freed blocks stay findable, with the same answer
     assert bm.find_cached_prefix(new) == hit
 
 
 @settings(max_examples=100, deadline=None)
 @given(prompts=st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=10), min_size=2, max_size=6),
-       hash_name=st.sampled_from(sorted(HASH_FNS)))
-def test_colliding_hashes_never_give_wrong_kv(prompts, hash_name):
-    """Guards against a hash collision handing back K/V of other tokens: prompts over a two-token
-    vocabulary are cached one after another (all kept alive), and each admission's hit must read
-    back its own prefix from the fake KV cache."""
-    bm = BlockManager(64, 2, hash_fn=HASH_FNS[hash_name])
+       block_size=st.sampled_from([1, 2, 3]))
+def test_hits_over_many_cached_prompts_read_back_their_own_prefix(prompts, block_size):
+    """Guards against a hit on K/V of other tokens, and against missed hits, when many cached blocks hold
+    equal tokens under different prefixes: prompts over a two-token vocabulary are cached one after another
+    (all kept alive); each admission's hit is as long as its longest common full-block prefix with any
+    earlier prompt, and reads back its own prefix from the fake KV cache."""
+    bm = BlockManager(64, block_size)
     kv: dict[int, tuple] = {}
-    for tokens in prompts:
-        seq = Sequence(tokens, PARAMS, 2)
+    for n, tokens in enumerate(prompts):
+        seq = Sequence(tokens, PARAMS, block_size)
         cached = bm.find_cached_prefix(seq)
-        assert bm.allocate(seq, seq.num_tokens - len(cached) * 2, cached)
+        assert len(cached) == max((common_full_blocks(p, tokens, block_size) for p in prompts[:n]), default=0)
+        assert bm.allocate(seq, seq.num_tokens - len(cached) * block_size, cached)
         check_kv_reads(bm, kv, seq, seq.num_computed_tokens)
         compute(bm, kv, seq, seq.num_uncomputed_tokens)
+
+
+# ---- the dict key: (parent's prefix id, tokens) -------------------------------------------------
+def test_equal_block_under_another_parent_is_not_hit():
+    """Guards against a key that leaves out the parent (or a lookup that ignores it): [3,4] is cached after
+    [7,8] and [5,6] after [1,2]; a prompt [3,4,5,6,...] hits its first block but not the [5,6] block, whose
+    K/V belongs to the prefix [1,2,5,6]. Once computed, its own [5,6] block is a second entry with the same
+    tokens, and each prefix finds its own."""
+    bm = BlockManager(16, 2)
+    kv: dict[int, tuple] = {}
+    a = fully_computed(bm, kv, [1, 2, 5, 6, 9])
+    c = fully_computed(bm, kv, [3, 4, 7, 7, 9])
+    b = Sequence([3, 4, 5, 6, 9], PARAMS, 2)
+    cached = bm.find_cached_prefix(b)
+    assert cached == [c.block_table[0]]
+    assert bm.allocate(b, 3, cached)
+    check_kv_reads(bm, kv, b, 2)
+    compute(bm, kv, b, 3)
+    assert b.block_table[1] != a.block_table[1]
+    assert sorted(tokens for _, tokens in bm.cached).count((5, 6)) == 2
+    for seq in (a, b, c):
+        bm.free(seq)
+    for prompt, owner in (([1, 2, 5, 6, 0], a), ([3, 4, 5, 6, 0], b)):
+        probe = Sequence(prompt, PARAMS, 2)
+        hit = bm.find_cached_prefix(probe)
+        assert len(hit) == 2 and bm.blocks[hit[1]].key[1] == (5, 6)
+        check_kv_reads(bm, kv, Sequence(prompt, PARAMS, 2), 0)  # (nothing computed: no reads)
+        assert all(kv[h * 2 + 1] == tuple(prompt[:2 * i + 2]) for i, h in enumerate(hit))
+        del owner
+
+
+def test_child_of_an_evicted_parent_is_never_hit():
+    """Guards against prefix ids that get reused (say, a block's id as its prefix id): a child's key outlives
+    its parent's eviction when the child is held by a twin (see below), and when the parent's block id is
+    reused for other content, a prompt with that content followed by the child's tokens must not find the
+    child, whose K/V belongs to the old prefix; a prompt with the old prefix must not reach it either."""
+    bm = BlockManager(4, 2)
+    kv: dict[int, tuple] = {}
+    x = Sequence([1, 2], PARAMS, 2)          # X and Y compute [1, 2] in the same step: X's block owns the key
+    y = Sequence([1, 2, 3, 4, 9], PARAMS, 2)
+    assert bm.allocate(x, 2) and bm.allocate(y, 5)
+    compute(bm, kv, x, 2)
+    compute(bm, kv, y, 5)
+    parent, child = x.block_table[0], y.block_table[1]
+    assert bm.cached[(None, (1, 2))] == parent
+    child_key = bm.blocks[child].key
+    assert child_key == (bm.blocks[parent].prefix_id, (3, 4)) and bm.cached[child_key] == child
+    bm.free(x)
+    bm.free(y)                               # free, oldest first: X's block, Y's tail, Y's child, Y's head
+    z = fully_computed(bm, kv, [5, 5, 9])    # evicts the parent, then reuses its block id for [5, 5]
+    assert z.block_table[0] == parent and (None, (1, 2)) not in bm.cached
+    assert bm.cached[child_key] == child     # the child is orphaned, still in the dict
+    w = Sequence([5, 5, 3, 4, 9], PARAMS, 2)
+    assert bm.find_cached_prefix(w) == [parent]  # [5, 5] hit; [3, 4] after it is not the orphan
+    assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 9], PARAMS, 2)) == []
+    bm.free(z)
+    v = fully_computed(bm, kv, [1, 2, 3, 4, 8])  # recomputes [1, 2], then [3, 4] under a new prefix id
+    assert child not in v.block_table
+    assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 7], PARAMS, 2)) == list(v.block_table[:2])
+    bm.free(v)
+
+
+@pytest.mark.parametrize("freed_first", ["owner", "twin"])
+def test_twins_share_one_entry_that_only_the_owner_removes(freed_first):
+    """Guards against the same prefix computed twice in one step (twins, admitted before either was cached)
+    making two entries, two names for one prefix, or an entry that the non-owner's eviction deletes: the
+    first to be cached owns each key and the twin's blocks carry the same keys and prefix ids; freeing and
+    evicting the twin never removes the owner's entries, while evicting the owner's does."""
+    bm = BlockManager(7, 2)
+    kv: dict[int, tuple] = {}
+    owner, twin = Sequence([1, 2, 3, 4, 9], PARAMS, 2), Sequence([1, 2, 3, 4, 8], PARAMS, 2)
+    assert bm.allocate(owner, 5) and bm.allocate(twin, 5)
+    compute(bm, kv, owner, 5)
+    compute(bm, kv, twin, 5)
+    owner_blocks, twin_blocks = list(owner.block_table[:2]), list(twin.block_table[:2])
+    assert not set(owner_blocks) & set(twin_blocks)
+    assert sorted(bm.cached.values()) == sorted(owner_blocks) and len(bm.cached) == 2
+    for o, t in zip(owner_blocks, twin_blocks):
+        assert bm.blocks[o].key == bm.blocks[t].key and bm.blocks[o].prefix_id == bm.blocks[t].prefix_id
+    probe = Sequence([1, 2, 3, 4, 0], PARAMS, 2)
+    first, second = (owner, twin) if freed_first == "owner" else (twin, owner)
+    bm.free(first)
+    fill = fully_computed(bm, kv, [6] * 7)   # 4 blocks: the never-used one and all 3 of the first's
+    assert set(first.block_table) == set() and bm.num_free_blocks == 0
+    if first is twin:
+        assert bm.find_cached_prefix(probe) == owner_blocks  # the twin's eviction left the owner's entries
+    else:
+        assert bm.find_cached_prefix(probe) == []            # the owner's were evicted; the twin's never entered
+        assert not any(block in bm.cached.values() for block in twin_blocks)
+    bm.free(fill)
+    bm.free(second)
+    again = fully_computed(bm, kv, [1, 2, 3, 4, 5])
+    assert list(again.block_table[:2]) == (owner_blocks if first is twin else list(again.block_table[:2]))
+    bm.free(again)
+    assert bm.num_used_blocks == 0
+
+
+def test_block_completed_by_a_pending_token_is_cached_once_read_back():
+    """Guards against keying a block on a token whose value is still on the device (PENDING): such a key
+    would hand this block's K/V to any prompt that really has PENDING's id... or never match the real
+    token. The block becomes findable with the token's real value once it is read back."""
+    bm = BlockManager(8, 2)
+    kv: dict[int, tuple] = {}
+    seq = fully_computed(bm, kv, [1, 2, 3])
+    seq.append_pending()                     # sampled: [1, 2, 3, ?]
+    assert bm.allocate(seq, 1)
+    compute(bm, kv, seq, 1, [1, 2, 3, 4])    # the next step decodes the pending token (value 4 on the device)
+    assert bm.blocks[seq.block_table[1]].key is None and len(bm.cached) == 1
+    seq.resolve_pending(4)
+    bm.cache_full_blocks(seq)
+    assert bm.blocks[seq.block_table[1]].key == (bm.blocks[seq.block_table[0]].prefix_id, (3, 4))
+    assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 0], PARAMS, 2)) == list(seq.block_table[:2])
+    bm.free(seq)
 
 
 # ---- plain unit tests ---------------------------------------------------------------------------
@@ -311,7 +471,7 @@ def test_lru_evicts_least_recently_freed_prefix_first():
 
 
 def test_freed_prompt_is_hit_again():
-    """Guards against free() dropping hashes: a request with the same prompt as a finished one reuses
+    """Guards against free() dropping keys: a request with the same prompt as a finished one reuses
     its full blocks (all but the block holding the last token) and its K/V reads back right."""
     bm = BlockManager(8, 4)
     kv: dict[int, tuple] = {}
@@ -349,19 +509,23 @@ def test_fully_cached_prompt_leaves_last_token_to_compute(block_size):
 
 
 def test_prefix_counters():
-    """Guards against miscounted hit rates: queried counts every admitted prompt token, hit counts
-    only tokens served from the cache, and a failed admission counts nothing."""
+    """Guards against miscounted hit rates and block counters: queried counts every admitted prompt token,
+    hit counts only tokens served from the cache, num_hit_blocks the blocks reused, num_allocated the fresh
+    blocks handed out; a failed admission counts nothing."""
     bm = BlockManager(6, 4)
     kv: dict[int, tuple] = {}
-    a = fully_computed(bm, kv, list(range(12)))          # 12 queried, 0 hit
+    a = fully_computed(bm, kv, list(range(12)))          # 12 queried, 0 hit; 3 fresh blocks
     assert (bm.prefix_hit_tokens, bm.prefix_queried_tokens) == (0, 12)
-    b = fully_computed(bm, kv, list(range(8)) + [99])    # 9 queried, 8 hit
+    assert (bm.num_hit_blocks, bm.num_allocated) == (0, 3)
+    b = fully_computed(bm, kv, list(range(8)) + [99])    # 9 queried, 8 hit; 2 hit blocks, 1 fresh
     assert (bm.prefix_hit_tokens, bm.prefix_queried_tokens) == (8, 21)
+    assert (bm.num_hit_blocks, bm.num_allocated) == (2, 4)
     big = Sequence(list(range(8)) + [50] * 20, PARAMS, 4)  # hits 2 blocks, needs 5 more: only 2 free
     cached = bm.find_cached_prefix(big)
     assert len(cached) == 2
     assert not bm.allocate(big, big.num_tokens - 8, cached)
     assert (bm.prefix_hit_tokens, bm.prefix_queried_tokens) == (8, 21)
+    assert (bm.num_hit_blocks, bm.num_allocated) == (2, 4)
     bm.free(a)
     bm.free(b)
 

@@ -24,9 +24,9 @@ def count_computed_tokens(llm):
     counter = {"tokens": 0}
     launch = llm.runner.launch
 
-    def counting_launch(batch):
-        counter["tokens"] += sum(n for _, n in batch)
-        return launch(batch)
+    def counting_launch(step, previous):
+        counter["tokens"] += step.num_tokens
+        return launch(step, previous)
     llm.runner.launch = counting_launch
     return counter
 
@@ -37,7 +37,7 @@ def test_chunked_prefill_matches_transformers(llama):
     llm = LLM(path, max_model_len=256, num_kvcache_blocks=64, max_num_batched_tokens=16)
     prompts = random_prompts([5, 40, 23])
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 24) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 24) for p in prompts]
 
 
 def test_preemption_under_small_pool_gives_same_outputs(llama):
@@ -48,7 +48,7 @@ def test_preemption_under_small_pool_gives_same_outputs(llama):
     # the batch needs about 8 x 4 = 32 blocks of 16 at its peak; give it 6 (enough for the longest alone)
     tight = LLM(path, max_model_len=256, num_kvcache_blocks=6)
     outs = tight.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in free]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in free]
     stats = tight.stats()
     assert stats["preemptions"] > 0 and stats["kv_blocks_used"] == 0
     # recomputing a preempted sequence is not a prefix-cache query: no hits on these distinct prompts
@@ -69,8 +69,8 @@ def test_prefix_cache_computes_only_uncached_tokens(llama):
     assert counter["tokens"] == uncached
     assert all(o.num_cached_tokens == 64 for o in outs)
     off = LLM(path, max_model_len=256, num_kvcache_blocks=64, enable_prefix_caching=False)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in off.generate(second, GREEDY, use_tqdm=False)]
-    assert outs[0].token_ids == hf_greedy(hf, second[0], 24)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in off.generate(second, GREEDY, use_tqdm=False)]
+    assert outs[0].outputs[0].token_ids == hf_greedy(hf, second[0], 24)
 
 
 def test_repeated_prompt_fully_cached_still_samples(llama):
@@ -80,7 +80,7 @@ def test_repeated_prompt_fully_cached_still_samples(llama):
     llm = LLM(path, max_model_len=256, num_kvcache_blocks=32)
     a = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
     b = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
-    assert a.token_ids == b.token_ids and b.num_cached_tokens == 16
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and b.num_cached_tokens == 16
 
 
 def test_max_model_len_ends_with_length(llama):
@@ -89,7 +89,7 @@ def test_max_model_len_ends_with_length(llama):
     llm = LLM(path, max_model_len=40, num_kvcache_blocks=16)
     out = llm.generate(random_prompts([30]), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
                        use_tqdm=False)[0]
-    assert out.finish_reason == "length" and len(out.token_ids) == 10
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 10
 
 
 def test_stop_token_ids_eos_and_min_tokens(llama):
@@ -97,17 +97,16 @@ def test_stop_token_ids_eos_and_min_tokens(llama):
     path, _ = llama
     llm = LLM(path, max_model_len=256, num_kvcache_blocks=32)
     prompt = random_prompts([12])
-    free = llm.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids
+    free = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     stop_id = free[5]
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]),
                        use_tqdm=False)[0]
-    assert out.finish_reason == "stop" and out.token_ids == free[:free.index(stop_id) + 1]
-    llm.eos_token_ids.add(stop_id)  # the same token as the model's EOS
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].token_ids == free[:free.index(stop_id) + 1]
+    llm.eos_token_ids = frozenset({stop_id})  # the same token as the model's EOS
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
-    assert out.token_ids[-1] == stop_id and out.finish_reason == "stop"
+    assert out.outputs[0].token_ids[-1] == stop_id and out.outputs[0].finish_reason == "stop"
     late = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, min_tokens=10), use_tqdm=False)[0]
-    assert len(late.token_ids) >= 10 and stop_id not in late.token_ids[:9]
-    llm.eos_token_ids.discard(stop_id)
+    assert len(late.outputs[0].token_ids) > 10 and stop_id not in late.outputs[0].token_ids[:10]
 
 
 def test_seed_reproducible_whatever_the_batch(llama):
@@ -118,10 +117,10 @@ def test_seed_reproducible_whatever_the_batch(llama):
     alone = LLM(path, max_model_len=256, num_kvcache_blocks=64).generate(prompts[:1], p, use_tqdm=False)[0]
     tight = LLM(path, max_model_len=256, num_kvcache_blocks=4)
     batched = tight.generate(prompts, [p, GREEDY, SamplingParams(temperature=0.8, max_tokens=20)], use_tqdm=False)
-    assert batched[0].token_ids == alone.token_ids
+    assert batched[0].outputs[0].token_ids == alone.outputs[0].token_ids
     other = tight.generate(prompts[:1], SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=99),
                            use_tqdm=False)[0]
-    assert other.token_ids != alone.token_ids
+    assert other.outputs[0].token_ids != alone.outputs[0].token_ids
 
 
 BAD_PARAMS = [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=0), dict(top_k=-2),
@@ -162,9 +161,9 @@ def test_bad_requests_raise_before_work_and_engine_stays_usable(llama):
         with pytest.raises(ValueError, match=field):
             llm.generate([good], bad_params, use_tqdm=False)
     huge_seed = SamplingParams(temperature=1.0, max_tokens=4, seed=2**80)  # any int seed is fine
-    assert len(llm.generate([good], huge_seed, use_tqdm=False)[0].token_ids) == 4
+    assert len(llm.generate([good], huge_seed, use_tqdm=False)[0].outputs[0].token_ids) == 4
     assert llm.stats()["kv_blocks_used"] == 0 and not llm.scheduler.has_unfinished()
-    assert llm.generate([good], GREEDY, use_tqdm=False)[0].token_ids == hf_greedy(hf, good, 24)
+    assert llm.generate([good], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, good, 24)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -179,7 +178,7 @@ def test_triton_kernels_in_the_engine_match_transformers(tiny_model, family):
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # caches `shared`
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert llm.stats()["prefix_hit_tokens"] > 0
-    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
 
 
 def test_gpu_start_up_steps_run_before_the_cache_exists(llama, monkeypatch):
@@ -199,25 +198,23 @@ def test_gpu_start_up_steps_run_before_the_cache_exists(llama, monkeypatch):
     assert profiled and llm.runner.num_kvcache_blocks == 32
     llm.runner.compile_kernels()  # every prefill tile size and the sampling kernel, under the interpreter
     prompt = random_prompts([11])[0]
-    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids == hf_greedy(hf, prompt, 24)
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 24)
 
 
 class RerunGraph:
-    """Stands in for a captured CUDA graph on CPU: replay() reruns the decode forward on the runner's static
-    input buffers, which is what replaying the real graph computes."""
+    """Stands in for a captured CUDA graph on CPU: replay() reruns the decode forward on the static input buffers,
+    which is what replaying the real graph computes."""
     replays = 0
 
-    def __init__(self, runner=None, size=0):
-        self.runner, self.size = runner, size
+    def __init__(self, graphs=None, size=0):
+        self.graphs, self.size = graphs, size
 
     def pool(self):
         return None
 
     def replay(self):
         RerunGraph.replays += 1
-        r, g = self.runner, self.runner.graph_in
-        r.graph_out[:self.size] = r.model(g["input_ids"][:self.size], g["positions"][:self.size], r.kv_caches,
-                                          r._graph_metadata(self.size))
+        self.graphs.forward(self.size)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU stand-in; test_gpu.py replays real graphs")
@@ -225,18 +222,22 @@ def test_decode_through_graph_buffers_matches_transformers(llama, monkeypatch):
     """Guards against the CUDA-graph path's own bugs (stale or unpadded static inputs, the decode grid sized
     for max_model_len) on a CPU: 'capture' runs eagerly, and replay reruns the forward on the static buffers."""
     import contextlib
+
+    from nanoserve.cuda_graphs import DecodeGraphs
     path, hf = llama
     monkeypatch.setattr(torch.cuda, "CUDAGraph", RerunGraph)
     monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     llm = nanoserve.LLM(path, device="cpu", kernels="triton", dtype="float32", max_model_len=128,
                         num_kvcache_blocks=64, max_num_seqs=8)
-    llm.runner.capture_cudagraphs()
-    assert sorted(llm.runner.graphs) == [1, 2, 4, 8]
-    llm.runner.graphs = {size: RerunGraph(llm.runner, size) for size in llm.runner.graphs}
+    r = llm.runner
+    r.graphs = DecodeGraphs(r.model, r.kv_caches, 8, r.max_blocks_per_seq, 128)
+    r.graphs.capture()
+    assert sorted(r.graphs.graphs) == [1, 2, 4, 8]
+    r.graphs.graphs = {size: RerunGraph(r.graphs, size) for size in r.graphs.graphs}
     prompts = random_prompts([5, 12, 30, 7, 21])  # 5 sequences: the graph of 8, three rows padded...
     lengths = [10, 3, 7, 5, 9]  # ...then 4, 3, 2 and 1 rows as they finish: graphs of 4, 2 and 1
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert RerunGraph.replays >= 9
-    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, n) for p, n in zip(prompts, lengths)]
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, n) for p, n in zip(prompts, lengths)]

@@ -23,7 +23,7 @@ def test_fp32_with_kernels_and_graphs_equals_transformers(tiny_model, family):
     prompts = random_prompts([3, 17, 40, 64, 5])
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(hf, prompt, 32)
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 32)
 
 
 def test_bf16_stays_close_to_fp32(tiny_model):
@@ -34,9 +34,9 @@ def test_bf16_stays_close_to_fp32(tiny_model):
     ref = LLM(path, dtype="float32", max_model_len=256, num_kvcache_blocks=64).generate(prompts, p, use_tqdm=False)
     bf16 = LLM(path, dtype="bfloat16", max_model_len=256, num_kvcache_blocks=64).generate(prompts, p, use_tqdm=False)
     for r, b in zip(ref, bf16):
-        for step, (tr, tb) in enumerate(zip(r.token_ids, b.token_ids)):
+        for step, (tr, tb) in enumerate(zip(r.outputs[0].token_ids, b.outputs[0].token_ids)):
             if tr != tb:  # a near-tie flipped: both tokens must be almost equally likely
-                assert abs(r.logprobs[step][tr] - b.logprobs[step][tb]) < 0.1
+                assert abs(r.outputs[0].logprobs[step][tr] - b.outputs[0].logprobs[step][tb]) < 0.1
                 break
 
 
@@ -48,7 +48,7 @@ def test_graph_replay_equals_eager(tiny_model):
     kw = dict(max_model_len=256, num_kvcache_blocks=64, max_num_seqs=16, dtype="float32")
     eager = LLM(path, enforce_eager=True, **kw).generate(prompts, GREEDY, use_tqdm=False)
     graph = LLM(path, **kw).generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in graph] == [o.token_ids for o in eager]
+    assert [o.outputs[0].token_ids for o in graph] == [o.outputs[0].token_ids for o in eager]
 
 
 def test_kv_cache_sized_from_memory_profile(tmp_path):
@@ -65,4 +65,4 @@ def test_kv_cache_sized_from_memory_profile(tmp_path):
     total = torch.cuda.get_device_properties(0).total_memory
     assert 0.2 * total < kv_bytes < 0.3 * total
     assert llm.runner.kv_bytes_per_token == 2 * 28 * 8 * 128 * 2
-    assert llm.generate(random_prompts([10]), GREEDY, use_tqdm=False)[0].finish_reason == "length"
+    assert llm.generate(random_prompts([10]), GREEDY, use_tqdm=False)[0].outputs[0].finish_reason == "length"

@@ -21,8 +21,8 @@ def test_greedy_matches_transformers(tiny_model, family):
     prompts = random_prompts([3, 17, 40, 64])
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(hf, prompt, 32)
-        assert out.prompt_token_ids == prompt and out.finish_reason == "length"
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 32)
+        assert out.prompt_token_ids == prompt and out.outputs[0].finish_reason == "length"
     assert llm.stats()["kv_blocks_used"] == 0
 
 
@@ -35,10 +35,10 @@ def test_logprobs_match_transformers(tiny_model, family):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3),
                         use_tqdm=False)
     for prompt, out in zip(prompts, outs):
-        ids = torch.tensor([prompt + out.token_ids])
+        ids = torch.tensor([prompt + out.outputs[0].token_ids])
         with torch.no_grad():
             ref = hf(ids).logits[0, len(prompt) - 1:-1].log_softmax(-1)  # [8, vocab]
-        for step, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        for step, (token, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
             top = ref[step].topk(3)
             expected = dict(zip(top.indices.tolist(), top.values.tolist()))
             expected[token] = ref[step, token].item()

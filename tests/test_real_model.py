@@ -32,10 +32,10 @@ def test_greedy_chat_equals_transformers(engine):
         assert out.prompt_token_ids == ids
         ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                           max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
-        assert out.token_ids == ref
-        if out.finish_reason == "stop":
-            assert out.token_ids[-1] == 2  # <|im_end|>
-    assert "Paris" in outs[0].text
+        assert out.outputs[0].token_ids == ref
+        if out.outputs[0].finish_reason == "stop":
+            assert out.outputs[0].token_ids[-1] == 2  # <|im_end|>
+    assert "Paris" in outs[0].outputs[0].text
     assert engine.stats()["kv_blocks_used"] == 0
 
 
@@ -43,7 +43,7 @@ def test_stop_string_is_cut(engine):
     """Guards against stop strings that are ignored or left in the returned text."""
     conv = [{"role": "user", "content": "What is the capital of France?"}]
     free = engine.chat(conv, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
-    word = free.text.split()[2]  # "The capital of ..." -> stop at the third word
+    word = free.outputs[0].text.split()[2]  # "The capital of ..." -> stop at the third word
     out = engine.chat(conv, SamplingParams(temperature=0, max_tokens=32, stop=[word]), use_tqdm=False)[0]
-    assert out.finish_reason == "stop" and word not in out.text
-    assert free.text.startswith(out.text) and len(out.token_ids) < len(free.token_ids)
+    assert out.outputs[0].finish_reason == "stop" and word not in out.outputs[0].text
+    assert free.outputs[0].text.startswith(out.outputs[0].text) and len(out.outputs[0].token_ids) < len(free.outputs[0].token_ids)

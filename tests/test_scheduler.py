@@ -1,196 +1,59 @@
-"""Tests for the scheduler, driven the way LLM.generate drives it (schedule -> model -> update ->
-finish) but with a fake model and a fake KV cache instead of tensors, so every test runs in
-milliseconds.
+"""Tests for the scheduler, driven through the engine's real loop (LLM.step: schedule and book, launch, read
+back, stop rules, finish; overlapped or not) with conftest's FakeRunner in place of a model, so every test
+runs in milliseconds.
 
 The fake model's next token is a fixed function of the whole token list, so the trusted reference for
 any request is simply to iterate that function from its prompt: whatever the pool size, budget,
 preemptions or prefix hits, every run must produce exactly those tokens. The fake KV cache maps each
 physical slot to the token prefix whose K/V it holds; before a step writes a sequence's new positions,
 every earlier position must read back its own prefix (a wrong prefix hit, a shared block that gets
-written, a stale block table or a block handed out twice all fail there). The tests aim at where
-chunked prefill, prefix caching and preemption meet: a fully cached prompt, a preempted sequence that
-hits its own blocks, sequences sharing a prefix admitted in one step.
+written, a stale block table or a block handed out twice all fail there). FakeEngine checks the pool
+after every step and that nothing leaked at the end. The tests aim at where chunked prefill, prefix
+caching and preemption meet: a fully cached prompt, a preempted sequence that hits its own blocks,
+sequences sharing a prefix admitted in one step.
 """
 import random
-from collections import Counter
 
 import pytest
+from conftest import FAKE_VOCAB, FakeEngine, reference_completion
 
-from nanoserve.block_manager import BlockManager
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scheduler import Scheduler
-from nanoserve.sequence import PENDING, Sequence, SequenceStatus
+from nanoserve.sequence import Sequence, SequenceStatus
 
-VOCAB = 50
 MAX_STEPS = 20_000  # a run that needs more has livelocked
 
 
-def fake_next_token(token_ids: list[int]) -> int:
-    """The fake model: a deterministic function of the tokens so far (last three and the length)."""
-    a, b, c = ([0, 0, 0] + token_ids)[-3:]
-    return (31 * a + 17 * b + 7 * c + len(token_ids)) % VOCAB
-
-
-def reference_completion(prompt: list[int], max_tokens: int, stop_token_ids=()) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(max_tokens):
-        tokens.append(fake_next_token(tokens))
-        if tokens[-1] in stop_token_ids:
-            break
-    return tokens[len(prompt):]
-
-
-class FakeEngine:
-    """LLM's loop without a model: checks every batch and the fake KV cache, records what ran.
-
-    With overlap=True it reads each step's tokens back only after launching the next step, as LLM does on a
-    GPU: sequences then schedule with PENDING tokens, whose values only the fake device knows so far."""
-
-    def __init__(self, num_blocks=1000, block_size=4, max_num_seqs=64, max_num_batched_tokens=512,
-                 max_model_len=4096, enable_prefix_caching=True, overlap=False, **bm_kwargs):
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching, **bm_kwargs)
-        self.scheduler = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens, max_model_len)
-        self.kv: dict[int, tuple] = {}
-        self.steps: list[list[tuple[Sequence, int, int]]] = []  # per step: (seq, start, num_new)
-        self.admissions: list[tuple[Sequence, int, list[int]]] = []  # (seq, cached tokens, hit blocks)
-        self.tables_when_preempted: dict[int, list[list[int]]] = {}  # seq_id -> its tables then
-        self.overlap = overlap
-        self.on_device: dict[int, list[int]] = {}  # seq_id -> sampled token values not yet read back
-        self.in_flight = None                       # a launched step whose tokens are not read back yet
-
-    def add(self, prompt: list[int], max_tokens: int, stop_token_ids=()) -> Sequence:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop_token_ids=list(stop_token_ids))
-        seq = Sequence(prompt, params, self.bm.block_size)
-        self.scheduler.add(seq)
-        return seq
-
-    def slot(self, seq: Sequence, pos: int) -> int:
-        bs = self.bm.block_size
-        return seq.block_table[pos // bs] * bs + pos % bs
-
-    def true_tokens(self, seq: Sequence) -> list[int]:
-        """What the device sees: the sequence's tokens with pending ones replaced by their values."""
-        return seq.token_ids[:seq.num_known_tokens] + self.on_device.get(seq.seq_id, [])[:seq.num_pending]
-
-    def step(self) -> list[tuple[Sequence, int]]:
-        sched, bm = self.scheduler, self.bm
-        was_waiting = {s.seq_id for s in sched.waiting}
-        tables_before = {s.seq_id: list(s.block_table) for s in sched.running}
-        batch = sched.schedule()
-        self.check_batch(batch)
-        for seq_id, table in tables_before.items():  # record preemptions, with what they held
-            if any(s.seq_id == seq_id for s in sched.waiting):
-                self.tables_when_preempted.setdefault(seq_id, []).append(table)
-        for seq, _ in batch:
-            if seq.seq_id in was_waiting:
-                hit = seq.num_computed_tokens // bm.block_size
-                self.admissions.append((seq, hit * bm.block_size, list(seq.block_table[:hit])))  # tokens hit now
-        # the model step: all reads of earlier K/V, then all writes, as one forward would
-        for seq, num_new in batch:
-            tokens = self.true_tokens(seq)
-            for p in range(seq.num_computed_tokens):
-                got = self.kv.get(self.slot(seq, p))
-                assert got == tuple(tokens[:p + 1]), f"seq {seq.seq_id} position {p} reads K/V of {got}"
-        written = set()
-        for seq, num_new in batch:
-            tokens = self.true_tokens(seq)
-            for p in range(seq.num_computed_tokens, seq.num_computed_tokens + num_new):
-                s = self.slot(seq, p)
-                assert bm.blocks[s // bm.block_size].ref_count == 1, "write into a shared block"
-                assert s not in written, "two sequences write one slot in one step"
-                written.add(s)
-                self.kv[s] = tuple(tokens[:p + 1])
-        self.steps.append([(seq, seq.num_computed_tokens, n) for seq, n in batch])
-        sampling = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
-        sampled = [fake_next_token(self.true_tokens(seq)) for seq in sampling]
-        sched.launched(batch)
-        for seq, token in zip(sampling, sampled):
-            self.on_device.setdefault(seq.seq_id, []).append(token)
-        if self.overlap:  # read back the previous step now, this one after the next launch
-            previous, self.in_flight = self.in_flight, (batch, sampling, sampled)
-            if previous is not None:
-                self.read_back(*previous)
-        else:
-            self.read_back(batch, sampling, sampled)
-        self.check_pool()
-        return batch
-
-    def read_back(self, batch, sampling, sampled):
-        sched = self.scheduler
-        for seq in sampling:
-            self.on_device[seq.seq_id].pop(0)
-        for seq in sched.update(batch, sampling, sampled):
-            known = seq.num_known_tokens
-            if seq.token_ids[known - 1] in seq.params.stop_token_ids:
-                sched.finish(seq, "stop")
-            elif known - seq.num_prompt_tokens >= seq.params.max_tokens or known >= sched.max_model_len:
-                sched.finish(seq, "length")
-
-    def check_batch(self, batch):
-        sched, bm = self.scheduler, self.bm
-        assert sum(n for _, n in batch) <= sched.max_num_batched_tokens
-        assert len(batch) <= sched.max_num_seqs and len(sched.running) <= sched.max_num_seqs
-        assert len({seq.seq_id for seq, _ in batch}) == len(batch)
-        for seq, n in batch:
-            assert seq.status == SequenceStatus.RUNNING and seq in sched.running
-            assert 1 <= n <= seq.num_uncomputed_tokens
-            assert len(seq.block_table) == bm.blocks_needed(seq.num_computed_tokens + n)
-
-    def check_pool(self):
-        bm, sched = self.bm, self.scheduler
-        owners = Counter(b for seq in sched.running for b in seq.block_table)
-        for block in bm.blocks:
-            assert block.ref_count == owners[block.block_id] >= 0
-            assert (block.ref_count == 0) == (block.block_id in bm.free_ids)
-        for seq in sched.waiting:
-            assert len(seq.block_table) == 0 and seq.num_computed_tokens == 0
-        for block in bm.blocks:  # a prefix key never holds a token whose value was still on the device
-            assert block.key is None or PENDING not in block.key[1], f"block {block.block_id} keyed on PENDING"
-
-    def run(self) -> int:
-        """Step until everything finished; returns the number of steps."""
-        steps = empty = 0
-        while self.scheduler.has_unfinished():
-            batch = self.step()
-            empty = 0 if batch else empty + 1
-            steps += 1
-            assert empty < 3 and steps < MAX_STEPS, "the scheduler stopped making progress"
-        assert self.bm.num_used_blocks == 0, "blocks leaked"
-        return steps
-
-    def tokens_computed(self, seq: Sequence) -> int:
-        return sum(n for step in self.steps for s, _, n in step if s is seq)
-
-
 def random_requests(rng: random.Random, n: int, prompt_len=(30, 60), max_tokens=(20, 40),
-                    num_prefixes=3) -> list[tuple[list[int], int]]:
+                    num_prefixes=3, vocab=FAKE_VOCAB) -> list[tuple[list[int], int]]:
     """Prompts that often start with one of a few shared prefixes, so prefix hits happen."""
-    prefixes = [[rng.randrange(VOCAB) for _ in range(prompt_len[1])] for _ in range(num_prefixes)]
+    prefixes = [[rng.randrange(vocab) for _ in range(prompt_len[1])] for _ in range(num_prefixes)]
     requests = []
     for _ in range(n):
         length = rng.randint(*prompt_len)
         shared = rng.choice([0, rng.randint(0, length - 1)])
-        prompt = rng.choice(prefixes)[:shared] + [rng.randrange(VOCAB) for _ in range(length - shared)]
+        prompt = rng.choice(prefixes)[:shared] + [rng.randrange(vocab) for _ in range(length - shared)]
         requests.append((prompt, rng.randint(*max_tokens)))
     return requests
 
 
 def run_requests(requests, arrivals=None, stop_token_ids=(), **engine_kwargs) -> tuple[FakeEngine, list[list[int]]]:
-    """Runs requests (added at their arrival step, default all at once); returns their outputs."""
+    """Runs requests through a FakeEngine, each added at its arrival step (default: all at once); returns the
+    engine and the requests' outputs."""
     engine = FakeEngine(**engine_kwargs)
     arrivals = arrivals or [0] * len(requests)
     pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
     seqs: dict[int, Sequence] = {}
     step = 0
-    while pending or engine.scheduler.has_unfinished():
+    while pending:
         while pending and arrivals[pending[0]] <= step:
             i = pending.pop(0)
             seqs[i] = engine.add(*requests[i], stop_token_ids)
-        if engine.scheduler.has_unfinished():
+        if engine.llm.has_unfinished_requests():
             engine.step()
         step += 1
         assert step < MAX_STEPS
-    engine.run()
+    engine.run()  # the rest; asserts that no block leaked
+    assert all(seq.is_finished for seq in seqs.values())
     return engine, [seqs[i].completion_token_ids for i in range(len(requests))]
 
 
@@ -242,7 +105,10 @@ def test_max_num_seqs_is_respected():
     seqs = [engine.add(*r) for r in requests]
     engine.step()
     assert len(engine.scheduler.running) == 2 and len(engine.scheduler.waiting) == 2
-    engine.run()  # check_batch asserts the cap on every step
+    while engine.llm.has_unfinished_requests():  # the runner asserts the cap on every launched step
+        engine.step()
+        assert len(engine.scheduler.running) <= 2
+    engine.run()
     assert max(len(step) for step in engine.steps) == 2
     assert [s.completion_token_ids for s in seqs] == [reference_completion(*r) for r in requests]
 
@@ -251,7 +117,7 @@ def test_max_num_seqs_is_respected():
 @pytest.mark.parametrize("seed", range(4))
 def test_budget_and_chunks_under_random_load(seed, overlap):
     """Guards against budget or cap overruns, and output drift, when chunks, decodes and arrivals mix
-    at random (every batch is checked against the budget, the cap and the fake KV cache)."""
+    at random (every launched step is checked against the budget, the cap and the fake KV cache)."""
     rng = random.Random(seed)
     requests = random_requests(rng, 10, prompt_len=(5, 40), max_tokens=(1, 15))
     arrivals = [rng.randint(0, 30) for _ in requests]
@@ -290,7 +156,7 @@ def test_preempted_sequence_hits_its_own_blocks(overlap):
     overwritten meanwhile, wrong position): distinct prompts, so any hit on readmission is of blocks
     the sequence itself held before preemption; the fake KV check and the outputs must stay right."""
     rng = random.Random(7)
-    requests = [([rng.randrange(VOCAB) for _ in range(rng.randint(30, 60))], rng.randint(20, 40))
+    requests = [([rng.randrange(FAKE_VOCAB) for _ in range(rng.randint(30, 60))], rng.randint(20, 40))
                 for _ in range(12)]
     engine, outputs = run_requests(requests, block_size=4, num_blocks=blocks_for(requests, 4) + 4,
                                    max_num_batched_tokens=64, overlap=overlap)
@@ -310,10 +176,27 @@ def test_overlap_with_stop_tokens_and_preemption():
     rng = random.Random(8)  # a seed where a preempted sequence's pending token turns out to be a stop token
     requests = random_requests(rng, 12, max_tokens=(10, 40))
     stop = (3, 17)  # 2 of 50 fake tokens: most requests stop early, some run to max_tokens
-    engine, outputs = run_requests(requests, block_size=4, num_blocks=blocks_for(requests, 4) + 2,
-                                   max_num_batched_tokens=64, overlap=True, stop_token_ids=stop)
+    engine = FakeEngine(block_size=4, num_blocks=blocks_for(requests, 4) + 2, max_num_batched_tokens=64,
+                        overlap=True)
+    seqs = [engine.add(*r, stop) for r in requests]
+    schedule, preempted = engine.scheduler.schedule, []
+
+    def recording_schedule():  # the engine's own schedule(), noting which sequences each step preempts
+        step = schedule()
+        preempted[:] = step.preempted
+        return step
+    engine.scheduler.schedule = recording_schedule
+    stopped_while_preempted = 0  # preempted with a pending token that turned out to be a stop token
+    while engine.llm.has_unfinished_requests():
+        waiting = [seq for seq in engine.scheduler.waiting if seq.num_pending]
+        engine.step()  # a sequence preempted in this step has its pending token read back in it too
+        stopped_while_preempted += sum(seq.finish_reason == "stop" for seq in set(waiting + preempted))
+    engine.run()
+    outputs = [seq.completion_token_ids for seq in seqs]
     assert outputs == [reference_completion(*r, stop) for r in requests]
     assert any(out[-1] in stop for out in outputs) and engine.scheduler.num_preemptions > 0
+    assert stopped_while_preempted > 0  # the workload reaches the case named above
+    assert all(seq.num_pending == 0 and not seq.block_table for seq in seqs)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
@@ -327,6 +210,7 @@ def test_prefix_computed_by_a_chunk_serves_the_next_admission(overlap):
     b = engine.add(shared + [44, 45, 46, 47], max_tokens=3)
     engine.run()
     assert [cached for seq, cached, _ in engine.admissions if seq is b] == [16]
+    assert a.completion_token_ids == reference_completion(shared + [40, 41, 42, 43], 3)
     assert b.completion_token_ids == reference_completion(shared + [44, 45, 46, 47], 3)
 
 
@@ -343,24 +227,27 @@ def test_preempted_sequence_keeps_its_last_blocks_cached(overlap):
     assert engine.scheduler.num_preemptions > 0
     assert [cached for seq, cached, _ in engine.admissions if seq is b][-1] == 4
     assert a.completion_token_ids == reference_completion([1, 2, 3], 8)
+    assert b.completion_token_ids == reference_completion(list(range(100, 109)), 2)
 
 
-def test_preempted_prefill_resumes_from_its_cached_chunks():
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_preempted_prefill_resumes_from_its_cached_chunks(overlap):
     """Guards against a sequence preempted mid-prefill (chunked) restarting wrongly: the older
     request's decodes evict the newer one's partially computed prompt, which is readmitted hitting the
     chunks of its own that are still cached and finishes with the right tokens."""
-    engine = FakeEngine(num_blocks=10, block_size=4, max_num_batched_tokens=8)
+    engine = FakeEngine(num_blocks=10, block_size=4, max_num_batched_tokens=8, overlap=overlap)
     a = engine.add(list(range(10)), max_tokens=20)    # up to 30 tokens: 8 blocks
     engine.step()
     engine.step()                                     # a prefilled, decoding
     b = engine.add(list(range(20, 48)), max_tokens=5)  # 28-token prompt, chunks of 7
     preempted_at = []
-    while engine.scheduler.has_unfinished():
+    while engine.llm.has_unfinished_requests():
         was_running = b.status == SequenceStatus.RUNNING
         computed = b.num_computed_tokens
         engine.step()
         if was_running and b.status == SequenceStatus.WAITING:
             preempted_at.append(computed)
+    engine.run()  # nothing left to run: checks that no block leaked
     assert preempted_at and preempted_at[0] < b.num_prompt_tokens
     assert [cached for seq, cached, _ in engine.admissions if seq is b][-1] > 0
     assert a.completion_token_ids == reference_completion(list(range(10)), 20)
@@ -370,11 +257,11 @@ def test_preempted_prefill_resumes_from_its_cached_chunks():
 # ---- requests that cannot fit -------------------------------------------------------------------
 def test_request_that_can_never_fit_is_refused():
     """Guards against accepting a request larger than the whole pool (it would wait forever): add
-    raises ValueError, queues nothing, and the scheduler still serves requests that fit."""
+    raises ValueError, queues nothing, and the engine still serves requests that fit."""
     engine = FakeEngine(num_blocks=4, block_size=4)
     with pytest.raises(ValueError):
         engine.add(list(range(10)), max_tokens=10)   # 20 tokens: 5 blocks
-    assert not engine.scheduler.has_unfinished()
+    assert not engine.scheduler.has_unfinished() and not engine.llm.has_unfinished_requests()
     seq = engine.add(list(range(10)), max_tokens=6)  # 16 tokens: 4 blocks, fits exactly
     engine.run()
     assert seq.completion_token_ids == reference_completion(list(range(10)), 6)
@@ -383,10 +270,14 @@ def test_request_that_can_never_fit_is_refused():
 def test_prompt_longer_than_max_model_len_is_refused():
     """Guards against check_fits capping a request at max_model_len even when its prompt alone is
     longer: such a prompt needs more blocks than the pool, so without a refusal the scheduler spins
-    on empty batches forever. (LLM refuses these prompts itself; the scheduler should too.)"""
+    on empty batches forever. LLM refuses these prompts itself; the scheduler must too."""
     engine = FakeEngine(num_blocks=4, block_size=4, max_model_len=16, max_num_batched_tokens=8)
     with pytest.raises(ValueError):
         engine.add(list(range(20)), max_tokens=2)    # 20 prompt tokens: 5 blocks, pool has 4
+    seq = Sequence(list(range(20)), SamplingParams(max_tokens=2, ignore_eos=True), 4)
+    with pytest.raises(ValueError):
+        engine.scheduler.add(seq)                    # the scheduler's own check, behind LLM's
+    assert not engine.scheduler.has_unfinished()
 
 
 # ---- prefix caching -----------------------------------------------------------------------------
@@ -395,7 +286,7 @@ def test_second_wave_computes_only_uncached_tokens():
     results: a second wave sharing a 32-token prefix with a finished first wave computes only its
     own tails (and decodes), with outputs identical with caching on and off."""
     rng = random.Random(3)
-    prefix = [rng.randrange(VOCAB) for _ in range(32)]
+    prefix = [rng.randrange(FAKE_VOCAB) for _ in range(32)]
     wave1 = [(prefix + [1, i, 5, 6, 7], 6) for i in range(4)]
     wave2 = [(prefix + [2, i, 9], 6) for i in range(4)]  # tails differ from wave 1's first token on
     outputs = {}
@@ -408,6 +299,7 @@ def test_second_wave_computes_only_uncached_tokens():
         hit = 32 if caching else 0
         for seq, (prompt, max_tokens) in zip(second, wave2):
             assert engine.tokens_computed(seq) == len(prompt) - hit + max_tokens - 1
+            assert seq.num_cached_tokens == hit
             assert seq.num_computed_tokens == 0  # freed
         for seq, (prompt, max_tokens) in zip(first, wave1):
             assert engine.tokens_computed(seq) == len(prompt) + max_tokens - 1
@@ -415,17 +307,19 @@ def test_second_wave_computes_only_uncached_tokens():
     assert outputs[True] == outputs[False] == [reference_completion(*r) for r in wave1 + wave2]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("budget", [100, 24])
-def test_shared_prefix_admitted_in_one_step(budget):
+def test_shared_prefix_admitted_in_one_step(budget, overlap):
     """Guards against two sequences with a common prefix, admitted in the same step, sharing blocks
     that neither has computed yet (or one overwriting the other's): both compute the prefix, the
     fake KV check passes, outputs are right, and a later request hits the published prefix."""
     prefix = list(range(16))
-    engine = FakeEngine(block_size=4, max_num_batched_tokens=budget)
+    engine = FakeEngine(block_size=4, max_num_batched_tokens=budget, overlap=overlap)
     a = engine.add(prefix + [40, 41], max_tokens=4)
     b = engine.add(prefix + [42], max_tokens=4)
     first = engine.step()
     assert [seq for seq, _ in first] == [a, b] and b.num_cached_tokens == 0
+    assert not set(a.block_table) & set(b.block_table)
     c = engine.add(prefix + [43, 44, 45], max_tokens=4)
     engine.run()
     assert [s.completion_token_ids for s in (a, b, c)] == [
@@ -453,14 +347,18 @@ def test_fully_cached_prompt_still_computes_and_samples(prompt_len):
     assert again.completion_token_ids == first.completion_token_ids == reference_completion(prompt, 5)
 
 
-def test_one_token_request_with_cached_prompt():
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_one_token_request_with_cached_prompt(overlap):
     """Guards against the max_tokens=1 path at a full hit: admitted, computes its last block, samples
-    one token and finishes in a single step, freeing everything."""
-    engine = FakeEngine(block_size=4)
+    one token and finishes in a single launched step, freeing everything."""
+    engine = FakeEngine(block_size=4, overlap=overlap)
     engine.add(list(range(8)), max_tokens=1)
     engine.run()
+    num_launched = len(engine.steps)
     again = engine.add(list(range(8)), max_tokens=1)
-    assert engine.run() == 1
+    assert engine.run() == (2 if overlap else 1)  # with overlap, one more step reads it back
+    assert len(engine.steps) == num_launched + 1
+    assert engine.steps[-1] == [(again, 4, 4)]
     assert again.completion_token_ids == reference_completion(list(range(8)), 1)
 
 
@@ -481,10 +379,10 @@ def test_num_cached_tokens_survives_later_steps():
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_caching_on_off_and_colliding_hash_agree_under_preemption(seed):
-    """Guards against prefix caching, hash collisions or preemption changing any output: the same
-    random workload with staggered arrivals, on a tight pool, gives the reference tokens with caching
-    off, on, and on with a hash function where every block collides."""
+def test_caching_on_and_off_agree_under_preemption(seed):
+    """Guards against prefix caching or preemption changing any output: the same random workload with
+    staggered arrivals, on a tight pool, gives the reference tokens with caching off and on, synchronous
+    and overlapped; with caching on, blocks really are hit."""
     rng = random.Random(100 + seed)
     requests = random_requests(rng, 12, prompt_len=(8, 40), max_tokens=(1, 20))
     arrivals = [rng.randint(0, 40) for _ in requests]
@@ -493,9 +391,31 @@ def test_caching_on_off_and_colliding_hash_agree_under_preemption(seed):
                   max_num_batched_tokens=rng.choice([7, 32]), max_num_seqs=rng.choice([4, 12]))
     expected = [reference_completion(*r) for r in requests]
     preemptions = 0
-    for kwargs in (dict(enable_prefix_caching=False), dict(),
-                   dict(hash_fn=lambda parent, tokens: 0)):
-        engine, outputs = run_requests(requests, arrivals, **common, **kwargs)
-        assert outputs == expected
-        preemptions += engine.scheduler.num_preemptions
+    for caching in (False, True):
+        for overlap in (False, True):
+            engine, outputs = run_requests(requests, arrivals, **common, enable_prefix_caching=caching,
+                                           overlap=overlap)
+            assert outputs == expected
+            assert (engine.bm.num_hit_blocks > 0) == caching
+            preemptions += engine.scheduler.num_preemptions
     assert preemptions > 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("seed", range(3))
+def test_equal_blocks_under_different_prefixes(seed, overlap):
+    """Guards against a prefix hit that matches a block's tokens but not everything before them (what a
+    hash collision or a key without the parent's prefix would give): prompts over a two-token vocabulary in
+    one-token and two-token blocks repeat the same block contents under many different prefixes; on a tight
+    pool with staggered arrivals, every hit must read back its own prefix and every output be the reference."""
+    rng = random.Random(200 + seed)
+    requests = [([rng.randrange(2) for _ in range(rng.randint(4, 24))], rng.randint(1, 12)) for _ in range(14)]
+    arrivals = [rng.randint(0, 30) for _ in requests]
+    bs = rng.choice([1, 2])
+    engine, outputs = run_requests(requests, arrivals, block_size=bs, overlap=overlap,
+                                   num_blocks=blocks_for(requests, bs) + rng.randint(0, 4),
+                                   max_num_batched_tokens=rng.choice([5, 16]), max_num_seqs=6)
+    assert outputs == [reference_completion(*r) for r in requests]
+    keys = list(engine.bm.cached)
+    assert len({tokens for _, tokens in keys}) < len(keys)  # equal contents under different prefixes met
+    assert engine.bm.num_hit_blocks > 0

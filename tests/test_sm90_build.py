@@ -37,7 +37,7 @@ def test_every_kernel_compiles_for_h100(builds, shape):
     """Guards against a kernel that only the interpreter accepts, or one whose variants stopped building."""
     kernels = [r["kernel"] for r in builds[shape]]
     assert kernels.count("_prefill_kernel") >= 4  # query tiles 16 .. PREFILL_TILE_M
-    assert {"_store_kv_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_rms_norm_kernel",
+    assert {"_store_kv_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_add_rms_norm_kernel",
             "_qk_norm_rope_kernel", "_silu_mul_kernel", "_gumbel_argmax_kernel"} <= set(kernels)
 
 

@@ -1,0 +1,50 @@
+"""What importing nanoserve costs and needs, checked in fresh subprocesses: the engine's bookkeeping loads no
+torch, the library installs no logging handler, and without triton (macOS, Windows) the PyTorch path still runs."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_bookkeeping_imports_without_torch():
+    """Guards against the plain-Python modules (sequence, block_manager, scheduler, stopping) pulling in torch,
+    triton or transformers, e.g. through the package __init__, and against a logging handler added at import."""
+    loaded = json.loads(run_python(
+        "import json, logging, sys\n"
+        "import nanoserve.scheduler, nanoserve.sequence, nanoserve.block_manager, nanoserve.stopping\n"
+        "from nanoserve import SamplingParams\n"
+        "heavy = [m for m in ('torch', 'triton', 'transformers') if m in sys.modules]\n"
+        "print(json.dumps([heavy, len(logging.getLogger('nanoserve').handlers)]))"))
+    assert loaded == [[], 0]
+
+
+def test_engine_runs_without_triton(tiny_model):
+    """Guards against the PyTorch path needing triton (no wheels for macOS or Windows): with its import blocked,
+    the package imports, kernels='torch' generates the same greedy tokens as transformers, and asking for
+    kernels='triton' is a clear ValueError."""
+    from conftest import hf_greedy, random_prompts
+    path, hf = tiny_model("qwen3")
+    prompt = random_prompts([11])[0]
+    got = json.loads(run_python(
+        "import json, sys\n"
+        "sys.modules['triton'] = None  # import triton now raises ImportError, as where it is not installed\n"
+        "from nanoserve import LLM, SamplingParams\n"
+        f"llm = LLM({path!r}, device='cpu', max_model_len=64, num_kvcache_blocks=16)\n"
+        f"out = llm.generate({prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)\n"
+        "try:\n"
+        f"    LLM({path!r}, device='cpu', kernels='triton', max_model_len=64)\n"
+        "    error = None\n"
+        "except ValueError as e:\n"
+        "    error = str(e)\n"
+        "print(json.dumps([out[0].outputs[0].token_ids, error, 'triton' in sys.modules and sys.modules['triton'] is not None]))"))
+    assert got[0] == hf_greedy(hf, prompt, 8)
+    assert got[1] and "kernels" in got[1] and "triton" in got[1]
+    assert got[2] is False

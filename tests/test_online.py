@@ -1,0 +1,104 @@
+"""The online API (add_request / step / abort / has_unfinished_requests) on the real engine loop with a fake
+model (conftest.FakeRunner): abort frees blocks at once wherever a request is, n samples share the prompt's KV,
+streaming outputs arrive step by step, and the overlapped and plain loops agree."""
+import random
+
+import pytest
+from conftest import FakeEngine, reference_completion
+
+from nanoserve import SamplingParams
+from nanoserve.sequence import SequenceStatus
+
+
+def add(engine, prompt, max_tokens, **kwargs):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kwargs)
+    request_id = engine.llm.add_request(prompt, params)
+    return request_id, engine.llm.requests[request_id].seqs
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_abort_mid_prefill_frees_blocks_at_once(overlap):
+    """Guards against an aborted request keeping its blocks until a later step, or being scheduled again."""
+    engine = FakeEngine(block_size=4, max_num_batched_tokens=8, overlap=overlap)
+    request_id, (seq,) = add(engine, list(range(40)), 5)
+    engine.step()  # its first 8-token chunk
+    assert engine.bm.num_used_blocks > 0 and seq.num_computed_tokens < seq.num_prompt_tokens
+    engine.llm.abort(request_id)
+    assert engine.bm.num_used_blocks == 0 and seq.finish_reason == "abort"
+    assert not engine.llm.has_unfinished_requests() and not engine.scheduler.has_unfinished()
+    other_id, (other,) = add(engine, [1, 2, 3], 4)
+    engine.run()
+    assert other.completion_token_ids == reference_completion([1, 2, 3], 4)
+    assert all(s is not seq for step in engine.steps[1:] for s, _, _ in step)
+
+
+def test_abort_while_preempted_and_while_pending():
+    """Guards against abort mishandling a preempted sequence (it holds no blocks but waits in the queue) or one
+    whose last token is still pending on the device (the in-flight step must not bring it back to life)."""
+    rng = random.Random(5)
+    engine = FakeEngine(num_blocks=12, block_size=4, max_num_batched_tokens=64, overlap=True)
+    ids = [add(engine, [rng.randrange(50) for _ in range(20)], 20)[0] for _ in range(4)]
+    preempted = None
+    for _ in range(200):
+        engine.step()
+        preempted = next((s for s in engine.scheduler.waiting if s.num_computed_tokens == 0
+                          and s.num_completion_tokens > 0), None)
+        if preempted:
+            break
+    assert preempted is not None, "the pool should force a preemption"
+    victim_id = next(i for i in ids if engine.llm.requests[i].seqs[0] is preempted)
+    engine.llm.abort(victim_id)
+    assert preempted.status == SequenceStatus.FINISHED and preempted not in engine.scheduler.waiting
+    pending = next(s for s in engine.scheduler.running if s.num_pending)  # its token is in flight
+    engine.llm.abort(next(i for i in ids if i in engine.llm.requests and engine.llm.requests[i].seqs[0] is pending))
+    assert pending.num_pending == 0 and pending.block_table == type(pending.block_table)("i")
+    engine.run()  # the in-flight step comes back carrying the aborted sequence's token: it must be dropped
+    assert pending.finish_reason == "abort" and engine.bm.num_used_blocks == 0
+    for request_id in ids:
+        if request_id in engine.llm.requests:
+            pytest.fail("a request was left behind")
+
+
+def test_n_samples_compute_the_prompt_once():
+    """Guards against SamplingParams(n=4) computing its prompt four times: the first sample computes it, the
+    others take every full block of it from the prefix cache and compute only the last partial block."""
+    engine = FakeEngine(block_size=4, max_num_batched_tokens=256)
+    prompt = list(range(1, 31))  # 30 tokens: 7 full blocks of 4, then 2 tokens
+    request_id, seqs = add(engine, prompt, 6, n=4)
+    engine.run()
+    cached = (len(prompt) - 1) // 4 * 4
+    assert [s.num_cached_tokens for s in seqs] == [0, cached, cached, cached]
+    prompt_work = sum(engine.tokens_computed(s) - (6 - 1) for s in seqs)  # minus each sample's decodes
+    assert prompt_work == len(prompt) + 3 * (len(prompt) - cached)
+    assert all(s.completion_token_ids == reference_completion(prompt, 6) for s in seqs)  # the fake is greedy
+
+
+def test_streamed_outputs_arrive_step_by_step():
+    """Guards against step() withholding a streaming request's progress, repeating tokens, or returning a
+    non-streaming request before it has finished."""
+    engine = FakeEngine(block_size=4)
+    streamed = engine.llm.add_request([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))
+    final = engine.llm.add_request([8, 9], SamplingParams(max_tokens=3, ignore_eos=True), stream=False)
+    deltas, finals = [], []
+    while engine.llm.has_unfinished_requests():
+        for out in engine.llm.step():
+            if out.request_id == streamed:
+                deltas += out.outputs[0].token_ids_delta
+            else:
+                finals.append(out)
+    assert deltas == reference_completion([5, 6, 7], 5)
+    assert len(finals) == 1 and finals[0].finished and finals[0].outputs[0].token_ids == reference_completion([8, 9], 3)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_overlap_on_and_off_agree(seed):
+    """Guards against the overlapped loop changing any output or leaking, on a random workload that preempts."""
+    rng = random.Random(seed)
+    requests = [([rng.randrange(50) for _ in range(rng.randint(5, 40))], rng.randint(1, 20)) for _ in range(10)]
+    outputs = {}
+    for overlap in (False, True):
+        engine = FakeEngine(num_blocks=24, block_size=4, max_num_batched_tokens=32, overlap=overlap)
+        seqs = [add(engine, p, m)[1][0] for p, m in requests]
+        engine.run()
+        outputs[overlap] = [s.completion_token_ids for s in seqs]
+    assert outputs[False] == outputs[True] == [reference_completion(*r) for r in requests]
