@@ -40,6 +40,7 @@ class BlockManager:
         self.prefix_queried_tokens = 0
         self.peak_used_blocks = 0
         self.num_allocated = 0          # fresh blocks handed out, ever
+        self.num_freed = 0              # blocks returned to the pool, ever
         self.num_hit_blocks = 0         # cached blocks reused by an admission, ever
 
     # ---- counters -------------------------------------------------------------------------------
@@ -125,6 +126,7 @@ class BlockManager:
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 self.free_ids[block_id] = None
+                self.num_freed += 1
         del seq.block_table[:]
         seq.num_computed_tokens = 0
 

@@ -22,6 +22,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False         # no CUDA graphs
     overlap: bool = True                # launch step n+1 before reading step n back; False: the plain loop
+    trace: str | None = None            # a path: write one JSON line per step there (trace.py)
     dtype: str = "auto"                 # auto: float32 on CPU; on GPU the checkpoint's if 16-bit, else bf16
     device: str = "auto"                # auto: cuda when available
     kernels: str = "auto"               # "triton": our kernels; "torch": their PyTorch references; auto:
@@ -35,8 +36,9 @@ class EngineConfig:
         return cls(**kwargs)
 
     def __post_init__(self):
-        if self.model is not None and not isinstance(self.model, str):
-            raise InvalidField("model", f"{self.model!r} is not a directory path")
+        for name in ("model", "trace"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise InvalidField(name, f"{getattr(self, name)!r} is not a path")
         check_number("max_model_len", self.max_model_len, low=2, integer=True)
         check_number("max_num_seqs", self.max_num_seqs, low=1, integer=True)
         check_number("max_num_batched_tokens", self.max_num_batched_tokens, low=1, integer=True)

@@ -55,6 +55,10 @@ class LLM:
         self.requests: dict[str, Request] = {}
         self.request_of: dict[int, Request] = {}  # seq_id -> its request
         self.in_flight = None                      # the launched step not yet read back (overlap)
+        self.trace = None
+        if config.trace is not None:
+            from nanoserve.trace import StepTrace
+            self.trace = StepTrace(config.trace, self.scheduler)
         self._request_ids = count()
         self.counters = dict(generated_tokens=0, finished_requests=0, ttft_sum=0.0, itl_sum=0.0, itl_count=0)
 
@@ -125,15 +129,20 @@ class LLM:
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs that changed (streaming requests) or finished."""
+        started = time.perf_counter()
         # 1) schedule step n+1
         step = self.scheduler.schedule()
         # 2) launch it: the GPU queues it behind step n, whose samples it takes as inputs on the device
         launched = self.runner.launch(step, self.in_flight) if step.scheduled else None
+        if self.trace is not None:
+            self.trace.begin(step)
         # 3) finish step n (without overlap: this one): read its tokens back, apply the stop rules
         done, self.in_flight = (self.in_flight, launched) if self.config.overlap else (launched, None)
         if done is None and launched is None and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler found nothing to run")  # a bug, never a state
         changed = self._finish(done) if done else []
+        if self.trace is not None:
+            self.trace.end(started)
         return self._outputs(changed)
 
     def _finish(self, in_flight) -> list[Request]:

@@ -98,17 +98,17 @@ class Sampler:
 
 
 def drop_filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Set to -inf what top-k, top-p and min-p drop, judged on softmax(logits / T). logits: [rows, vocab] fp32."""
+    """Set to -inf what top-k, top-p and min-p drop, in that order (as vLLM and transformers do): top-p judged on
+    softmax(logits / T) renormalised over what top-k kept; min-p on the ratio to the top token, which top-k does
+    not change. logits: [rows, vocab] fp32."""
     device, vocab = logits.device, logits.shape[-1]
     t, top_k, top_p, min_p = to_device([[p.temperature or 1.0 for p in params],
                                         [p.top_k if p.top_k > 0 else vocab for p in params],
                                         [p.top_p for p in params], [p.min_p for p in params]], torch.float32, device)
-    scaled = logits / t[:, None]
-    sorted_logits, order = scaled.sort(-1, descending=True)
-    probs = sorted_logits.softmax(-1)
-    mass_before = probs.cumsum(-1) - probs  # keep a token while the mass before it is < top_p
-    rank = torch.arange(vocab, device=device)
-    drop = (rank >= top_k[:, None]) | (mass_before >= top_p[:, None])
-    drop |= sorted_logits < sorted_logits[:, :1] + min_p[:, None].log()  # p < min_p * p_max, in log space
+    sorted_logits, order = (logits / t[:, None]).sort(-1, descending=True)
+    drop = torch.arange(vocab, device=device) >= top_k[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    drop |= (top_p[:, None] < 1) & (probs.cumsum(-1) - probs >= top_p[:, None])  # keep while the mass before < top_p
+    drop |= sorted_logits < sorted_logits[:, :1] + min_p[:, None].log()  # p < min_p x p_max, in log space
     drop[:, 0] = False  # the most likely token always stays
     return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))  # unsorted

@@ -3,7 +3,8 @@
 Inputs are random and fresh each run (the seed is printed, so pytest shows it with a failure). Caches start as
 NaN and block tables are padded with a NaN block, so a kernel that reads past a context fails. On CPU the
 kernels run in Triton's interpreter: shapes stay tiny and dtypes are fp32/fp16 (it computes bf16 dots wrongly);
-tests marked gpu run bf16 at Qwen3-0.6B's head shapes and capture decode in a CUDA graph.
+tests marked gpu run bf16 at Qwen3-0.6B's head shapes and capture decode in a CUDA graph. The launchers check
+nothing per call: AttentionMetadata and check_kv_cache validate their inputs once, and are tested here too.
 """
 import itertools
 import os
@@ -16,8 +17,8 @@ if not torch.cuda.is_available():
 import pytest
 
 from nanoserve.attention import (DECODE_TILE_N, MAX_SPLITS, PAD_SLOT, PREFILL_TILE_M, PROGRAMS_PER_SM,
-                                 AttentionMetadata, _num_sms, decode_splits, paged_attention, paged_attention_ref,
-                                 store_kv, store_kv_ref)
+                                 AttentionMetadata, _num_sms, check_kv_cache, decode_splits, paged_attention,
+                                 paged_attention_ref, store_kv, store_kv_ref)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = {torch.float32: 1e-4, torch.float16: 1e-2}  # CPU dtypes; fp16 rounds the softmax weights before P @ V
@@ -96,6 +97,66 @@ def assert_rel_close(out, ref, tol, what):
 
 def heads(group, num_kv_heads=2):
     return dict(num_heads=group * num_kv_heads, num_kv_heads=num_kv_heads)
+
+
+def metadata_fields(**changes) -> dict:
+    """A valid decode-free batch of two sequences (2 and 1 queries; 5 and 3 keys), with `changes` applied."""
+    ints = dict(dtype=torch.int32, device=DEVICE)
+    fields = dict(slot_mapping=torch.tensor([3, 4, 18], **ints), query_start_loc=torch.tensor([0, 2, 3], **ints),
+                  context_lens=torch.tensor([5, 3], **ints), block_tables=torch.tensor([[0, 2], [1, 3]], **ints),
+                  max_query_len=2, max_context_len=5, decode_only=False)
+    return {**fields, **changes}
+
+
+BAD_METADATA = {
+    "int64 context_lens": lambda f: dict(context_lens=f["context_lens"].long()),
+    "int64 slot_mapping": lambda f: dict(slot_mapping=f["slot_mapping"].long()),
+    "int64 block_tables": lambda f: dict(block_tables=f["block_tables"].long()),
+    "query_start_loc one short": lambda f: dict(query_start_loc=f["query_start_loc"][:-1]),
+    "query_start_loc one long": lambda f: dict(query_start_loc=torch.cat([f["query_start_loc"],
+                                                                          f["query_start_loc"][-1:]])),
+    "a block table row missing": lambda f: dict(block_tables=f["block_tables"][:1]),
+    "block table entries strided": lambda f: dict(block_tables=f["block_tables"].t().contiguous().t()),
+    "decode_only with two queries for one sequence": lambda f: dict(decode_only=True),
+    "block tables on another device": lambda f: dict(block_tables=f["block_tables"].to("meta")),
+}
+
+
+def test_metadata_checks_pass_a_valid_batch():
+    AttentionMetadata(**metadata_fields())
+    AttentionMetadata(**metadata_fields(slot_mapping=torch.tensor([4, 18], dtype=torch.int32, device=DEVICE),
+                                        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE),
+                                        max_query_len=1, decode_only=True))
+
+
+@pytest.mark.parametrize("bad", BAD_METADATA)
+def test_bad_metadata_fails_at_construction(bad):
+    """The launchers no longer check their inputs on every call: AttentionMetadata checks them once, when it is
+    made (int32 everywhere, one device, one query_start_loc entry per sequence plus one, a block-table row per
+    sequence with unit-stride entries, decode batches one query per sequence)."""
+    fields = metadata_fields()
+    with pytest.raises(AssertionError):
+        AttentionMetadata(**{**fields, **BAD_METADATA[bad](fields)})
+
+
+def test_check_kv_cache_rejects_layouts_the_kernels_cannot_read():
+    """check_kv_cache (run once, when the cache is made) passes the runner's layout and rejects the rest."""
+    def cache(block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float16):
+        return torch.zeros(2, 3, block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    kv = cache()
+    check_kv_cache(kv[0], kv[1], num_heads=4)  # the runner's [K or V, ...] slices
+    with pytest.raises(AssertionError):
+        check_kv_cache(kv[0], kv[1], num_heads=3)  # not a whole GQA group per KV head
+    v_heads_outer = torch.zeros(3, 2, 16, 64, dtype=torch.float16, device=DEVICE).transpose(1, 2)
+    assert v_heads_outer.shape == kv[0].shape and v_heads_outer.stride(-1) == 1
+    with pytest.raises(AssertionError):
+        check_kv_cache(kv[0], v_heads_outer, num_heads=4)  # same shape, other strides: K and V share one layout
+    for bad in (cache(head_dim=48), cache(head_dim=256), cache(block_size=24), cache(dtype=torch.float64)):
+        with pytest.raises(AssertionError):
+            check_kv_cache(bad[0], bad[1], num_heads=4)
+    noncontig = cache().transpose(-1, -2).contiguous().transpose(-1, -2)  # head_dim not contiguous, both alike
+    with pytest.raises(AssertionError):
+        check_kv_cache(noncontig[0], noncontig[1], num_heads=4)
 
 
 @pytest.mark.parametrize("dtype,num_kv_heads,head_dim,block_size",

@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from nanoserve.block_manager import BlockManager
 from nanoserve.sampling_params import SamplingParams
@@ -81,6 +81,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.kv: dict[int, tuple] = {}
         self.live: list[Sequence] = []     # hold blocks
         self.waiting: list[Sequence] = []  # hold none: new, or preempted
+        self.seen: list[Sequence] = []     # every sequence so far
         self.on_device: dict[int, list[int]] = {}  # seq_id -> values of its pending tokens, oldest first
         self.named: dict[int, tuple] = {}  # prefix_id -> the token prefix it named, over the whole run
         self.hit_tokens = self.queried_tokens = self.hit_blocks = self.allocated = 0
@@ -90,16 +91,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
         return seq.token_ids[:seq.num_known_tokens] + self.on_device.get(seq.seq_id, [])
 
     # ---- operations -----------------------------------------------------------------------------
-    @rule(tokens=st.lists(st.integers(0, SMALL_VOCAB - 1), min_size=1, max_size=14))
-    def new_request(self, tokens):
+    @rule(tokens=st.lists(st.integers(0, SMALL_VOCAB - 1), min_size=1, max_size=14),
+          base=st.integers(0, 99), shared=st.integers(0, 14))
+    def new_request(self, tokens, base, shared):
+        """A new prompt, often starting with (part of) an earlier sequence's tokens, so hits happen."""
         if len(self.waiting) < 6:
-            self.waiting.append(Sequence(tokens, PARAMS, self.bm.block_size))
+            if self.seen and shared:
+                earlier = self.seen[base % len(self.seen)]
+                tokens = (earlier.token_ids[:min(shared, earlier.num_known_tokens)] + tokens)[:16]
+            seq = Sequence(tokens, PARAMS, self.bm.block_size)
+            self.waiting.append(seq)
+            self.seen.append(seq)
 
+    @precondition(lambda self: self.waiting)
     @rule(index=st.integers(0, 99), chunk=st.integers(1, 16), token=st.integers(0, SMALL_VOCAB - 1),
           read_now=st.booleans())
     def admit(self, index, chunk, token, read_now):
-        if not self.waiting:
-            return
         seq = self.waiting[index % len(self.waiting)]
         if seq.num_pending:  # preempted before its last token was read back: it waits for the value
             return
@@ -133,11 +140,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         check_kv_reads(self.bm, self.kv, seq, seq.num_computed_tokens)
         self._compute(seq, num_new, token, read_now)
 
+    @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 99), chunk=st.integers(1, 16), token=st.integers(0, SMALL_VOCAB - 1),
           read_now=st.booleans())
     def grow(self, index, chunk, token, read_now):
-        if not self.live:
-            return
         seq = self.live[index % len(self.live)]
         num_new = min(chunk, seq.num_uncomputed_tokens)
         if seq.num_computed_tokens + num_new == seq.num_tokens and seq.num_pending == 2:
@@ -150,27 +156,25 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.allocated += len(seq.block_table) - num_blocks
         self._compute(seq, num_new, token, read_now)
 
+    @precondition(lambda self: any(seq.num_pending for seq in self.live + self.waiting))
     @rule(index=st.integers(0, 99))
     def read_back(self, index):
         """The oldest pending token of a sequence (running or preempted) gets its value."""
         pending = [seq for seq in self.live + self.waiting if seq.num_pending]
-        if pending:
-            self._read_back(pending[index % len(pending)])
+        self._read_back(pending[index % len(pending)])
 
+    @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 99))
     def preempt(self, index):
-        if not self.live:
-            return
         seq = self.live.pop(index % len(self.live))
         self.bm.cache_full_blocks(seq)  # what Scheduler._preempt does before freeing
         self.bm.free(seq)
         assert len(seq.block_table) == 0 and seq.num_computed_tokens == 0
         self.waiting.insert(0, seq)
 
+    @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 99))
     def finish(self, index):
-        if not self.live:
-            return
         seq = self.live.pop(index % len(self.live))
         self.bm.free(seq)
         self.on_device.pop(seq.seq_id, None)
@@ -332,7 +336,7 @@ def test_hits_over_many_cached_prompts_read_back_their_own_prefix(prompts, block
 # ---- the dict key: (parent's prefix id, tokens) -------------------------------------------------
 def test_equal_block_under_another_parent_is_not_hit():
     """Guards against a key that leaves out the parent (or a lookup that ignores it): [3,4] is cached after
-    [7,8] and [5,6] after [1,2]; a prompt [3,4,5,6,...] hits its first block but not the [5,6] block, whose
+    nothing and [5,6] after [1,2]; a prompt [3,4,5,6,...] hits its first block but not the [5,6] block, whose
     K/V belongs to the prefix [1,2,5,6]. Once computed, its own [5,6] block is a second entry with the same
     tokens, and each prefix finds its own."""
     bm = BlockManager(16, 2)
@@ -346,16 +350,16 @@ def test_equal_block_under_another_parent_is_not_hit():
     check_kv_reads(bm, kv, b, 2)
     compute(bm, kv, b, 3)
     assert b.block_table[1] != a.block_table[1]
-    assert sorted(tokens for _, tokens in bm.cached).count((5, 6)) == 2
+    assert [tokens for _, tokens in bm.cached].count((5, 6)) == 2
+    expected = {(1, 2, 5, 6): list(a.block_table[:2]), (3, 4, 5, 6): list(b.block_table[:2])}
     for seq in (a, b, c):
         bm.free(seq)
-    for prompt, owner in (([1, 2, 5, 6, 0], a), ([3, 4, 5, 6, 0], b)):
-        probe = Sequence(prompt, PARAMS, 2)
-        hit = bm.find_cached_prefix(probe)
-        assert len(hit) == 2 and bm.blocks[hit[1]].key[1] == (5, 6)
-        check_kv_reads(bm, kv, Sequence(prompt, PARAMS, 2), 0)  # (nothing computed: no reads)
-        assert all(kv[h * 2 + 1] == tuple(prompt[:2 * i + 2]) for i, h in enumerate(hit))
-        del owner
+    for prefix, blocks in expected.items():  # freed, each prefix still finds its own [5, 6]
+        probe = Sequence(list(prefix) + [0], PARAMS, 2)
+        assert bm.find_cached_prefix(probe) == blocks
+        assert bm.allocate(probe, 1, blocks)
+        check_kv_reads(bm, kv, probe, 4)
+        bm.free(probe)
 
 
 def test_child_of_an_evicted_parent_is_never_hit():
@@ -370,12 +374,13 @@ def test_child_of_an_evicted_parent_is_never_hit():
     assert bm.allocate(x, 2) and bm.allocate(y, 5)
     compute(bm, kv, x, 2)
     compute(bm, kv, y, 5)
-    parent, child = x.block_table[0], y.block_table[1]
+    parent, (y_head, child, y_tail) = x.block_table[0], y.block_table
     assert bm.cached[(None, (1, 2))] == parent
     child_key = bm.blocks[child].key
     assert child_key == (bm.blocks[parent].prefix_id, (3, 4)) and bm.cached[child_key] == child
     bm.free(x)
     bm.free(y)                               # free, oldest first: X's block, Y's tail, Y's child, Y's head
+    assert list(bm.free_ids) == [parent, y_tail, child, y_head]
     z = fully_computed(bm, kv, [5, 5, 9])    # evicts the parent, then reuses its block id for [5, 5]
     assert z.block_table[0] == parent and (None, (1, 2)) not in bm.cached
     assert bm.cached[child_key] == child     # the child is orphaned, still in the dict
@@ -384,7 +389,7 @@ def test_child_of_an_evicted_parent_is_never_hit():
     assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 9], PARAMS, 2)) == []
     bm.free(z)
     v = fully_computed(bm, kv, [1, 2, 3, 4, 8])  # recomputes [1, 2], then [3, 4] under a new prefix id
-    assert child not in v.block_table
+    assert child_key not in bm.cached           # (the orphan's block was evicted for it)
     assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 7], PARAMS, 2)) == list(v.block_table[:2])
     bm.free(v)
 
@@ -393,8 +398,9 @@ def test_child_of_an_evicted_parent_is_never_hit():
 def test_twins_share_one_entry_that_only_the_owner_removes(freed_first):
     """Guards against the same prefix computed twice in one step (twins, admitted before either was cached)
     making two entries, two names for one prefix, or an entry that the non-owner's eviction deletes: the
-    first to be cached owns each key and the twin's blocks carry the same keys and prefix ids; freeing and
-    evicting the twin never removes the owner's entries, while evicting the owner's does."""
+    first to be cached owns each key and the twin's blocks carry the same keys and prefix ids; evicting the
+    twin's blocks never removes an entry (the owner's, or a later owner's of the same key), while evicting
+    the owner's does."""
     bm = BlockManager(7, 2)
     kv: dict[int, tuple] = {}
     owner, twin = Sequence([1, 2, 3, 4, 9], PARAMS, 2), Sequence([1, 2, 3, 4, 8], PARAMS, 2)
@@ -409,25 +415,26 @@ def test_twins_share_one_entry_that_only_the_owner_removes(freed_first):
     probe = Sequence([1, 2, 3, 4, 0], PARAMS, 2)
     first, second = (owner, twin) if freed_first == "owner" else (twin, owner)
     bm.free(first)
-    fill = fully_computed(bm, kv, [6] * 7)   # 4 blocks: the never-used one and all 3 of the first's
-    assert set(first.block_table) == set() and bm.num_free_blocks == 0
-    if first is twin:
-        assert bm.find_cached_prefix(probe) == owner_blocks  # the twin's eviction left the owner's entries
-    else:
-        assert bm.find_cached_prefix(probe) == []            # the owner's were evicted; the twin's never entered
-        assert not any(block in bm.cached.values() for block in twin_blocks)
+    fill = fully_computed(bm, kv, [6] * 7)   # 4 blocks: the never-used one and the 3 just freed
+    assert bm.num_free_blocks == 0
+    assert bm.find_cached_prefix(probe) == (owner_blocks if first is twin else [])
     bm.free(fill)
     bm.free(second)
-    again = fully_computed(bm, kv, [1, 2, 3, 4, 5])
-    assert list(again.block_table[:2]) == (owner_blocks if first is twin else list(again.block_table[:2]))
+    again = fully_computed(bm, kv, [1, 2, 3, 4, 5])  # a hit on the owner's blocks, or a new owner
+    if first is twin:
+        assert list(again.block_table[:2]) == owner_blocks
+    fill = fully_computed(bm, kv, [7] * (2 * bm.num_free_blocks - 1))  # evicts every other block
+    assert bm.num_free_blocks == 0
+    assert bm.find_cached_prefix(probe) == list(again.block_table[:2])
+    bm.free(fill)
     bm.free(again)
     assert bm.num_used_blocks == 0
 
 
 def test_block_completed_by_a_pending_token_is_cached_once_read_back():
-    """Guards against keying a block on a token whose value is still on the device (PENDING): such a key
-    would hand this block's K/V to any prompt that really has PENDING's id... or never match the real
-    token. The block becomes findable with the token's real value once it is read back."""
+    """Guards against keying a block on a token whose value is still on the device (PENDING), or caching
+    it only up to the computed tokens: a block completed by a decode of a pending token becomes findable,
+    keyed on the token's real value, only once that value is read back."""
     bm = BlockManager(8, 2)
     kv: dict[int, tuple] = {}
     seq = fully_computed(bm, kv, [1, 2, 3])

@@ -44,15 +44,16 @@ def run_requests(requests, arrivals=None, stop_token_ids=(), **engine_kwargs) ->
     pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
     seqs: dict[int, Sequence] = {}
     step = 0
-    while pending:
+    while pending or engine.llm.has_unfinished_requests():
         while pending and arrivals[pending[0]] <= step:
             i = pending.pop(0)
             seqs[i] = engine.add(*requests[i], stop_token_ids)
         if engine.llm.has_unfinished_requests():
-            engine.step()
+            engine.step()  # the runner checks the budget, the cap and the fake KV cache; FakeEngine the pool
+            assert len(engine.scheduler.running) <= engine.scheduler.max_num_seqs
         step += 1
-        assert step < MAX_STEPS
-    engine.run()  # the rest; asserts that no block leaked
+        assert step < MAX_STEPS, "the scheduler stopped making progress"
+    engine.run()  # nothing left to run: asserts that no block leaked
     assert all(seq.is_finished for seq in seqs.values())
     return engine, [seqs[i].completion_token_ids for i in range(len(requests))]
 
@@ -212,6 +213,23 @@ def test_prefix_computed_by_a_chunk_serves_the_next_admission(overlap):
     assert [cached for seq, cached, _ in engine.admissions if seq is b] == [16]
     assert a.completion_token_ids == reference_completion(shared + [40, 41, 42, 43], 3)
     assert b.completion_token_ids == reference_completion(shared + [44, 45, 46, 47], 3)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_block_completed_by_a_decode_serves_the_next_turn(overlap):
+    """Guards against a block whose last token was still pending when its decode was booked never becoming
+    findable: with overlap, [1, 2, 3, first output] is computed by a step booked before the first output was
+    read back, and the sequence ends without being booked again, so only the read-back (update) can make the
+    block findable. A next turn that resends prompt and completion must hit it."""
+    engine = FakeEngine(block_size=4, overlap=overlap)
+    a = engine.add([1, 2, 3], max_tokens=2)
+    engine.run()
+    assert engine.tokens_computed(a) == 4
+    follow_up = [1, 2, 3] + a.completion_token_ids + [9, 9]
+    b = engine.add(follow_up, max_tokens=3)
+    engine.run()
+    assert b.num_cached_tokens == 4
+    assert b.completion_token_ids == reference_completion(follow_up, 3)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
