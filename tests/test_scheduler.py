@@ -24,14 +24,14 @@ MAX_STEPS = 20_000  # a run that needs more has livelocked
 
 
 def random_requests(rng: random.Random, n: int, prompt_len=(30, 60), max_tokens=(20, 40),
-                    num_prefixes=3, vocab=FAKE_VOCAB) -> list[tuple[list[int], int]]:
+                    num_prefixes=3) -> list[tuple[list[int], int]]:
     """Prompts that often start with one of a few shared prefixes, so prefix hits happen."""
-    prefixes = [[rng.randrange(vocab) for _ in range(prompt_len[1])] for _ in range(num_prefixes)]
+    prefixes = [[rng.randrange(FAKE_VOCAB) for _ in range(prompt_len[1])] for _ in range(num_prefixes)]
     requests = []
     for _ in range(n):
         length = rng.randint(*prompt_len)
         shared = rng.choice([0, rng.randint(0, length - 1)])
-        prompt = rng.choice(prefixes)[:shared] + [rng.randrange(vocab) for _ in range(length - shared)]
+        prompt = rng.choice(prefixes)[:shared] + [rng.randrange(FAKE_VOCAB) for _ in range(length - shared)]
         requests.append((prompt, rng.randint(*max_tokens)))
     return requests
 
