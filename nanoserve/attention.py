@@ -303,31 +303,22 @@ def store_kv_ref(k, v, k_cache, v_cache, slot_mapping):
 def paged_attention_ref(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim], causal within each sequence.
 
-    The query tokens of a sequence are its last tokens: query j of n sits at position context_len - n + j.
-    Plain batched PyTorch: every sequence padded to the batch's longest query and context, then masked.
-    """
-    num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_seqs = meta.context_lens.shape[0]
-    q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()  # [num_seqs]
-    ctx = meta.context_lens.long()
-    tok_seq = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), q_lens, output_size=num_tokens)
-    tok_idx = torch.arange(num_tokens, device=q.device) - meta.query_start_loc[tok_seq].long()
-    q_pos = ctx[tok_seq] - q_lens[tok_seq] + tok_idx  # [num_tokens] position of each query in its sequence
-    qp = q.new_zeros(num_seqs, meta.max_query_len, num_heads, head_dim, dtype=torch.float32)
-    qp[tok_seq, tok_idx] = q.float()  # [num_seqs, max_query_len, num_heads, head_dim]
-    num_blocks = -(-meta.max_context_len // block_size)
-    blocks = meta.block_tables[:, :num_blocks].long()
-    k = k_cache[blocks].flatten(1, 2).float()  # [num_seqs, num_blocks * block_size, num_kv_heads, head_dim]
-    v = v_cache[blocks].flatten(1, 2).float()
-    key_pos = torch.arange(k.shape[1], device=q.device)
-    in_context = (key_pos[None, :] < ctx[:, None])[:, :, None, None]  # slots past a context may hold garbage
-    k = torch.where(in_context, k, 0.0).repeat_interleave(num_heads // num_kv_heads, dim=2)  # GQA: a KV head
-    v = torch.where(in_context, v, 0.0).repeat_interleave(num_heads // num_kv_heads, dim=2)  # serves a group
-    scores = torch.einsum("bqhd,bkhd->bhqk", qp, k) * scale
-    pos = torch.full((num_seqs, meta.max_query_len), -1, device=q.device)
-    pos[tok_seq, tok_idx] = q_pos  # padded query rows see no key; their output is never read
-    visible = key_pos[None, None, :] <= pos[:, :, None]  # causal; q_pos < ctx, so within the context too
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1).nan_to_num(0.0), v)
-    return out[tok_seq, tok_idx].to(q.dtype)
+    Plain PyTorch, the kernels' oracle and the CPU's path: each sequence's keys are gathered from its blocks into a
+    batch padded to the longest context, its queries into one padded to the longest query, and PyTorch's SDPA
+    attends under a mask that is causal and hides the padding. Query j of n sits at position context_len - n + j."""
+    block_size, device = k_cache.shape[1], q.device
+    q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]  # [num_seqs]
+    key_pos = torch.arange(meta.max_context_len, device=device)    # [max_k]
+    # padding keys re-read the sequence's own keys (slots past a context may hold anything, even NaN); masked below
+    pos = torch.minimum(key_pos, (meta.context_lens[:, None] - 1).clamp(min=0))  # [num_seqs, max_k]
+    slots = meta.block_tables.gather(1, pos // block_size) * block_size + pos % block_size
+    k = k_cache.flatten(0, 1)[slots].float()  # [num_seqs, max_k, num_kv_heads, head_dim]
+    v = v_cache.flatten(0, 1)[slots].float()
+    q_idx = torch.arange(meta.max_query_len, device=device)        # [max_q]
+    rows = (meta.query_start_loc[:-1, None] + q_idx).clamp(max=q.shape[0] - 1)  # [num_seqs, max_q] rows of q
+    q_pos = (meta.context_lens - q_lens)[:, None] + q_idx          # [num_seqs, max_q] positions of the queries
+    visible = (key_pos <= q_pos[..., None]) & (key_pos < meta.context_lens[:, None, None])  # [num_seqs, max_q, max_k]
+    out = F.scaled_dot_product_attention(q[rows].float().transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=visible[:, None], scale=scale, enable_gqa=True)
+    out = out.transpose(1, 2)[q_idx < q_lens[:, None]]  # padded query rows dropped
+    return out.nan_to_num(0.0).to(q.dtype)  # a context of 0 keys (a padded graph row) gives 0, as the kernels do

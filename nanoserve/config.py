@@ -23,6 +23,7 @@ class EngineConfig:
     enforce_eager: bool = False         # no CUDA graphs
     overlap: bool = True                # launch step n+1 before reading step n back; False: the plain loop
     trace: str | None = None            # a path: write one JSON line per step there (trace.py)
+    tensor_parallel_size: int = 1       # processes (GPUs) the model is split across (parallel.py)
     dtype: str = "auto"                 # auto: float32 on CPU; on GPU the checkpoint's if 16-bit, else bf16
     device: str = "auto"                # auto: cuda when available
     kernels: str = "auto"               # "triton": our kernels; "torch": their PyTorch references; auto:
@@ -47,6 +48,7 @@ class EngineConfig:
             raise InvalidField("kvcache_block_size", f"{self.kvcache_block_size} is not a power of two")
         if self.num_kvcache_blocks is not None:
             check_number("num_kvcache_blocks", self.num_kvcache_blocks, low=1, integer=True)
+        check_number("tensor_parallel_size", self.tensor_parallel_size, low=1, integer=True)
         check_number("gpu_memory_utilization", self.gpu_memory_utilization, low=0, high=1, above_low=True)
         for name in ("enable_prefix_caching", "enforce_eager", "overlap"):
             if not isinstance(getattr(self, name), bool):
@@ -60,6 +62,9 @@ class EngineConfig:
             raise InvalidField("device", "'cuda' but no GPU is visible to torch")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
+            raise InvalidField("tensor_parallel_size", f"{self.tensor_parallel_size} exceeds the "
+                               f"{torch.cuda.device_count()} GPUs present")
         if self.kernels == "auto":
             self.kernels = "triton" if self.device == "cuda" else "torch"
         if self.device == "cpu" or self.kernels == "torch":

@@ -10,6 +10,7 @@ finished right after it is launched: the plain synchronous loop, with the same o
 """
 import numbers
 import time
+import weakref
 from dataclasses import replace
 from itertools import count
 
@@ -28,11 +29,20 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs):
         from nanoserve import loader
         from nanoserve.model_runner import ModelRunner
+        from nanoserve.parallel import TP, Workers
         config = EngineConfig.from_kwargs(model=model, **kwargs)
         model_dir = loader.resolve_model_dir(model)
         hf_config, args = loader.load_hf_config(model_dir, config)
         tokenizer = loader.load_tokenizer(model_dir)
-        runner = ModelRunner(config, model_dir, hf_config, args)
+        workers = Workers(config, model_dir) if config.tensor_parallel_size > 1 else None  # ranks 1..N-1
+        if workers is not None:
+            self._close = weakref.finalize(self, workers.close)  # closed or collected: the workers exit
+        try:
+            runner = ModelRunner(config, model_dir, hf_config, args, TP(0, config.tensor_parallel_size), workers)
+        except RuntimeError as error:
+            if workers is not None:
+                workers.failed(error)  # raises, naming the rank at fault
+            raise
         self._start(config, runner, tokenizer, loader.eos_ids_of(model_dir, hf_config, tokenizer), args.vocab_size)
 
     @classmethod
@@ -60,7 +70,8 @@ class LLM:
             from nanoserve.trace import StepTrace
             self.trace = StepTrace(config.trace, self.scheduler)
         self._request_ids = count()
-        self.counters = dict(generated_tokens=0, finished_requests=0, ttft_sum=0.0, itl_sum=0.0, itl_count=0)
+        self.counters = dict(computed_tokens=0, generated_tokens=0, finished_requests=0, ttft_sum=0.0, itl_sum=0.0,
+                             itl_count=0)
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
@@ -80,6 +91,11 @@ class LLM:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def close(self):
+        """Stop the tensor-parallel workers (nothing to do with one rank)."""
+        if getattr(self, "_close", None) is not None:
+            self._close()
 
     def _make_request(self, prompt, params, request_id, stream) -> Request:
         if params is None:
@@ -134,6 +150,7 @@ class LLM:
         step = self.scheduler.schedule()
         # 2) launch it: the GPU queues it behind step n, whose samples it takes as inputs on the device
         launched = self.runner.launch(step, self.in_flight) if step.scheduled else None
+        self.counters["computed_tokens"] += step.num_tokens
         if self.trace is not None:
             self.trace.begin(step)
         # 3) finish step n (without overlap: this one): read its tokens back, apply the stop rules
@@ -238,7 +255,8 @@ class LLM:
                     prefix_hit_tokens=bm.prefix_hit_tokens, prefix_queried_tokens=bm.prefix_queried_tokens,
                     prefix_hit_rate=bm.prefix_hit_tokens / max(bm.prefix_queried_tokens, 1),
                     preemptions=self.scheduler.num_preemptions, running=len(self.scheduler.running),
-                    waiting=len(self.scheduler.waiting), generated_tokens=c["generated_tokens"],
+                    waiting=len(self.scheduler.waiting), computed_tokens=c["computed_tokens"],
+                    generated_tokens=c["generated_tokens"],
                     finished_requests=c["finished_requests"],
                     mean_ttft_s=c["ttft_sum"] / max(c["finished_requests"], 1),
                     mean_itl_s=c["itl_sum"] / max(c["itl_count"], 1))

@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from nanoserve.config import EngineConfig
 from nanoserve.kernels import Kernels
 from nanoserve.model import CausalLM, ModelArgs
+from nanoserve.parallel import TP
 from nanoserve.sampling_params import InvalidField
 
 PACKED_SHARDS = {  # checkpoint projection -> (our fused projection, shard index)
@@ -97,13 +98,13 @@ def load_weights(model: CausalLM, tensors):
         raise ValueError(f"model: checkpoint lacks {sorted(missing)[:5]}")
 
 
-def build_model(args: ModelArgs, model_dir: str, dtype: torch.dtype, device: torch.device,
-                kernels: Kernels) -> CausalLM:
+def build_model(args: ModelArgs, model_dir: str, dtype: torch.dtype, device: torch.device, kernels: Kernels,
+                tp: TP) -> CausalLM:
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are made in the serving dtype; RoPE tables stay fp32
     try:
         with torch.device(device):
-            model = CausalLM(args, kernels)
+            model = CausalLM(args, kernels, tp)
     finally:
         torch.set_default_dtype(default_dtype)
     load_weights(model, read_safetensors(model_dir))
@@ -116,4 +117,8 @@ def load_hf_config(model_dir: str, config: EngineConfig):
     if config.max_model_len > args.max_position:
         raise InvalidField("max_model_len", f"{config.max_model_len} exceeds the model's "
                            f"max_position_embeddings={args.max_position}")
+    n = config.tensor_parallel_size  # each rank takes an equal share of these (fewer KV heads than ranks: refused)
+    for name in ("num_heads", "num_kv_heads", "vocab_size", "intermediate_size"):
+        if getattr(args, name) % n:
+            raise InvalidField("tensor_parallel_size", f"{n} does not divide the model's {name}={getattr(args, name)}")
     return hf_config, args

@@ -15,6 +15,7 @@ from torch import nn
 
 from nanoserve.attention import AttentionMetadata
 from nanoserve.kernels import Kernels
+from nanoserve.parallel import TP, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
@@ -96,27 +97,15 @@ class Rotary(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
 
-class MergedLinear(nn.Linear):
-    """Several projections of the same input in one matmul; the checkpoint fills it one shard at a time."""
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool):
-        super().__init__(in_features, sum(shard_sizes), bias=bias)
-        self.shard_sizes = shard_sizes
-        for param in self.parameters():
-            param.weight_loader = self.load_shard
-
-    def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: int):
-        start = sum(self.shard_sizes[:shard])
-        param.data[start:start + self.shard_sizes[shard]].copy_(tensor)
-
-
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels):
+    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP):
         super().__init__()
         self.kernels = kernels
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.num_heads, self.num_kv_heads = args.num_heads // tp.size, args.num_kv_heads // tp.size  # this rank's
+        self.head_dim = args.head_dim
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.qkv_proj = MergedLinear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias)
-        self.o_proj = nn.Linear(q_size, args.hidden_size, bias=args.o_bias)
+        self.qkv_proj = ColumnParallelLinear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias, tp)
+        self.o_proj = RowParallelLinear(q_size, args.hidden_size, args.o_bias, tp)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels) if args.qk_norm else None  # Qwen3
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels) if args.qk_norm else None
         self.scale = args.head_dim ** -0.5
@@ -134,21 +123,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels):
+    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP):
         super().__init__()
         self.kernels = kernels
-        self.gate_up_proj = MergedLinear(args.hidden_size, [args.intermediate_size] * 2, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.gate_up_proj = ColumnParallelLinear(args.hidden_size, [args.intermediate_size] * 2, False, tp)
+        self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, False, tp)
 
     def forward(self, x):
         return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels):
+    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP):
         super().__init__()
-        self.self_attn = Attention(args, kernels)
-        self.mlp = MLP(args, kernels)
+        self.self_attn = Attention(args, kernels, tp)
+        self.mlp = MLP(args, kernels, tp)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
 
@@ -162,10 +151,10 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels):
+    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, kernels) for _ in range(args.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(args, kernels, tp) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.rotary = Rotary(args)
 
@@ -179,12 +168,13 @@ class Transformer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Module names follow the HF checkpoints (model.layers.0.self_attn...), so weights load by name."""
-    def __init__(self, args: ModelArgs, kernels: Kernels):
+    """Module names follow the HF checkpoints (model.layers.0.self_attn...), so weights load by name. With tensor
+    parallelism (tp.size > 1) each rank holds its share of every layer (parallel.py)."""
+    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP = TP()):
         super().__init__()
         self.args = args
-        self.model = Transformer(args, kernels)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.model = Transformer(args, kernels, tp)
+        self.lm_head = ParallelLMHead(args.hidden_size, args.vocab_size, tp)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

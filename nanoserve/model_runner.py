@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from nanoserve.attention import MIN_DOT_ROWS, PAD_SLOT, PREFILL_TILE_M, AttentionMetadata, check_kv_cache
 from nanoserve.config import EngineConfig
@@ -19,6 +20,7 @@ from nanoserve.cuda_graphs import DecodeGraphs
 from nanoserve.kernels import get_kernels
 from nanoserve.loader import build_model, checkpoint_dtype
 from nanoserve.model import ModelArgs
+from nanoserve.parallel import HEADER_LEN, STEP, STOP, TP, Workers
 from nanoserve.sampler import Sampler
 from nanoserve.sampling_params import InvalidField, SamplingParams
 from nanoserve.scheduler import Step
@@ -32,6 +34,7 @@ CPU_KV_CACHE_BYTES = 1 << 30  # no GPU to profile: the KV pool gets 1 GiB of hos
 # at start-up rather than in the middle of a run.
 INTS_PER_16_BYTES = 4
 BLOCK_TABLE_WIDTH_MULTIPLE = 16
+NUM_PARTS = 9  # integer lists a step uploads (prepare's), in one buffer
 PROFILE_SAMPLING = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, logprobs=1)  # the sampler's costliest path
 
 
@@ -84,24 +87,29 @@ class InFlightStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: str, hf_config, args: ModelArgs):
-        self.config, self.args = config, args
-        self.device = torch.device(config.device)
+    def __init__(self, config: EngineConfig, model_dir: str, hf_config, args: ModelArgs, tp: TP = TP(),
+                 workers: Workers | None = None):
+        self.config, self.args, self.tp, self.workers = config, args, tp, workers  # workers: rank 0 of several
+        self.device = torch.device(f"cuda:{tp.rank}" if config.device == "cuda" else "cpu")
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = round_up(-(-config.max_model_len // self.block_size), BLOCK_TABLE_WIDTH_MULTIPLE)
         # 1) the model in the serving dtype, and the sampler
         self.kernels = get_kernels(config.kernels)
         self.dtype = config.torch_dtype(checkpoint_dtype(hf_config))
-        self.model = build_model(args, model_dir, self.dtype, self.device, self.kernels)
+        self.model = build_model(args, model_dir, self.dtype, self.device, self.kernels, tp)
         self.sampler = Sampler(self.kernels)
         # 2) the KV cache: as many blocks as the memory left after a profile run of 1) holds
         self.num_kvcache_blocks = config.num_kvcache_blocks or self.blocks_from_memory()
-        # [K or V, layer, block, slot in block, kv head, head_dim]
+        if tp.size > 1:  # every rank holds the same blocks (its share of their heads): the fewest any rank fits
+            fewest = torch.tensor([self.num_kvcache_blocks], device=self.device)
+            dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+            self.num_kvcache_blocks = int(fewest)
+        # [K or V, layer, block, slot in block, kv head (this rank's), head_dim]
         self.kv_cache = torch.zeros(2, args.num_layers, self.num_kvcache_blocks, self.block_size,
-                                    args.num_kv_heads, args.head_dim, dtype=self.dtype, device=self.device)
+                                    args.num_kv_heads // tp.size, args.head_dim, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(args.num_layers)]
         if self.kernels.name == "triton":
-            check_kv_cache(*self.kv_caches[0], args.num_heads)
+            check_kv_cache(*self.kv_caches[0], args.num_heads // tp.size)
         logger.info(self.kv_account())
         # 3) over that cache: every kernel compiled, and the decode graphs captured
         if self.device.type == "cuda" and self.kernels.name == "triton":
@@ -116,14 +124,14 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         a = self.args
-        return 2 * a.num_layers * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return 2 * a.num_layers * (a.num_kv_heads // self.tp.size) * a.head_dim * self.dtype.itemsize
 
     def kv_account(self) -> str:
         a, blocks = self.args, self.num_kvcache_blocks
         why = ("set by num_kvcache_blocks" if self.config.num_kvcache_blocks else "1 GiB of host memory on a CPU"
                if self.device.type == "cpu" else f"{self.config.gpu_memory_utilization:.0%} of the GPU less "
                "weights and activations")
-        return (f"KV cache: 2 (K, V) x {a.num_layers} layers x {a.num_kv_heads} KV heads x {a.head_dim} head_dim x "
+        return (f"KV cache: 2 (K, V) x {a.num_layers} layers x {a.num_kv_heads // self.tp.size} KV heads x {a.head_dim} head_dim x "
                 f"{self.dtype.itemsize} bytes ({str(self.dtype).removeprefix('torch.')}) = "
                 f"{self.kv_bytes_per_token / 1024:.1f} KiB per token; {blocks} blocks x {self.block_size} tokens = "
                 f"{blocks * self.block_size:,} tokens, {blocks * self.block_size * self.kv_bytes_per_token / 2**30:.2f}"
@@ -175,10 +183,12 @@ class ModelRunner:
         """A prefill of sequences of these lengths whose K/V go nowhere (padded slots; reads from one zeroed
         scratch block): for profiling and compiling without touching the real cache."""
         a, num_tokens = self.args, sum(seq_lens)
-        scratch = torch.zeros(2, 1, self.block_size, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
+        scratch = torch.zeros(2, 1, self.block_size, a.num_kv_heads // self.tp.size, a.head_dim, dtype=self.dtype,
+                              device=self.device)
         no_blocks = array.array("i", bytes(4 * len(seq_lens) * self.max_blocks_per_seq))
-        inputs = self._upload([0] * num_tokens, [0] * num_tokens, [PAD_SLOT] * num_tokens, seq_lens, seq_lens,
-                              no_blocks, [0])
+        header, flat = self._upload([[0] * num_tokens, [0] * num_tokens, [PAD_SLOT] * num_tokens, seq_lens, seq_lens,
+                                     no_blocks, [0], [], []])
+        inputs = self._inputs(header, flat, None)
         return self.model(inputs.input_ids, inputs.positions, [(scratch[0], scratch[1])] * a.num_layers, inputs.meta)
 
     # ---- one step ---------------------------------------------------------------------------------
@@ -186,20 +196,53 @@ class ModelRunner:
     def launch(self, step: Step, previous: InFlightStep | None) -> InFlightStep:
         """Queue one step on the device and return without waiting for it. `previous`, the step launched before
         and maybe not yet read back, holds the values of this step's PENDING decode inputs."""
-        inputs = self.prepare(step, previous)
+        try:
+            header, flat = self._upload(self.prepare(step, previous))
+            if self.workers is not None:  # tensor parallel: every rank runs the step; rank 0 samples
+                self.workers.send_step(torch.tensor(header, device=self.device), flat)
+            logits = self.execute(header, flat, previous.device_tokens if previous else None)
+            if logits is None:
+                return InFlightStep(step, [])
+            sampling = step.sampling
+            samples = self.sampler(logits, [s.params for s in sampling], [s.num_tokens for s in sampling],
+                                   [banned_token_ids(s) for s in sampling])
+            if self.workers is not None:
+                dist.broadcast(samples[0], 0)  # the workers' next decode inputs
+            return InFlightStep(step, samples)
+        except RuntimeError as error:
+            if self.workers is not None:
+                self.workers.failed(error)  # raises, naming the rank at fault
+            raise
+
+    def execute(self, header: list[int], flat: torch.Tensor, previous_tokens: torch.Tensor | None):
+        """Every rank: the forward pass of one step (a graph replay when it is decode-only), and the logits of its
+        sampling rows (None if it has none)."""
+        inputs = self._inputs(header, flat, previous_tokens)
         if inputs.meta.decode_only and self.graphs is not None:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        sampling = step.sampling
-        if not sampling:
-            return InFlightStep(step, [])
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        samples = self.sampler(logits, [s.params for s in sampling], [s.num_tokens for s in sampling],
-                               [banned_token_ids(s) for s in sampling])
-        return InFlightStep(step, samples)
+        return self.model.compute_logits(hidden[inputs.sample_rows]) if len(inputs.sample_rows) else None
 
-    def prepare(self, step: Step, previous: InFlightStep | None) -> StepInputs:
+    @torch.inference_mode()
+    def serve_steps(self):
+        """A worker rank's loop: receive each step's inputs from rank 0 and run it, until told to stop."""
+        tokens = None  # the last step's samples, broadcast by rank 0: the next step's PENDING inputs
+        while True:
+            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+            dist.broadcast(header, 0)
+            header = header.tolist()
+            if header[0] == STOP:
+                return
+            flat = torch.empty(sum(round_up(n, INTS_PER_16_BYTES) for n in header[1:1 + NUM_PARTS]),
+                               dtype=torch.int32, device=self.device)
+            dist.broadcast(flat, 0)
+            logits = self.execute(header, flat, tokens)
+            if logits is not None:
+                tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=self.device)
+                dist.broadcast(tokens, 0)
+
+    def prepare(self, step: Step, previous: InFlightStep | None) -> list:
         """Flatten the step: per token its id, position and cache slot; per sequence its query length, context
         length and block table (padded to the longest); the rows whose logits are sampled; and the inputs whose
         values are still on the device (PENDING decode inputs) with the rows of `previous` that hold them."""
@@ -225,19 +268,16 @@ class ModelRunner:
         for s in step.scheduled:  # int32 arrays: copied row by row, never converted entry by entry
             block_tables += s.seq.block_table
             block_tables += padding[:width - len(s.seq.block_table)]
-        return self._upload(input_ids, positions, slots, query_lens, context_lens, block_tables, sample_rows,
-                            pending_at, pending_rows, previous)
+        return [input_ids, positions, slots, query_lens, context_lens, block_tables, sample_rows, pending_at,
+                pending_rows]
 
-    def _upload(self, input_ids, positions, slots, query_lens, context_lens, block_tables, sample_rows,
-                pending_at=(), pending_rows=(), previous: InFlightStep | None = None) -> StepInputs:
-        """All of a step's integer inputs in one int32 buffer and one host-to-device copy (per-element conversion
-        and per-copy overhead are most of the host's work in a decode step); then the PENDING inputs are filled
-        in from the previous step's samples, still on the device: no round trip."""
-        query_start_loc = [0]
+    def _upload(self, parts: list) -> tuple[list[int], torch.Tensor]:
+        """All of a step's integer inputs in one int32 buffer and one host-to-device copy: per-element conversion
+        and per-copy overhead are most of the host's work in a decode step. The header says how to cut it up."""
+        query_lens, context_lens = parts[3], parts[4]
+        parts[3] = [0]  # query lengths -> query_start_loc
         for n in query_lens:
-            query_start_loc.append(query_start_loc[-1] + n)
-        parts = [input_ids, positions, slots, query_start_loc, context_lens, block_tables, sample_rows,
-                 pending_at, pending_rows]
+            parts[3].append(parts[3][-1] + n)
         flat = array.array("i")
         for part in parts:
             flat += part if isinstance(part, array.array) else array.array("i", part)
@@ -245,12 +285,18 @@ class ModelRunner:
         host = torch.frombuffer(flat, dtype=torch.int32)
         if self.device.type == "cuda":
             host = host.pin_memory()  # a pinned source lets the copy run asynchronously
-        views = host.to(self.device, non_blocking=True).split([round_up(len(p), INTS_PER_16_BYTES) for p in parts])
-        ids, pos, slot_mapping, qsl, ctx, tables, rows, at, from_rows = (v[:len(p)] for v, p in zip(views, parts))
-        if pending_at:
-            ids[at.long()] = previous.device_tokens[from_rows.long()].int()
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping, query_start_loc=qsl, context_lens=ctx,
-            block_tables=tables.view(len(context_lens), -1), max_query_len=max(query_lens),
-            max_context_len=max(context_lens), decode_only=max(query_lens) == 1)
+        header = [STEP, *map(len, parts), max(query_lens), max(context_lens)]
+        return header, host.to(self.device, non_blocking=True)
+
+    def _inputs(self, header: list[int], flat: torch.Tensor, previous_tokens: torch.Tensor | None) -> StepInputs:
+        """Views into the uploaded buffer, and the PENDING decode inputs filled in from the previous step's samples,
+        still on the device: no round trip."""
+        lengths, (max_query_len, max_context_len) = header[1:1 + NUM_PARTS], header[1 + NUM_PARTS:]
+        views = flat.split([round_up(n, INTS_PER_16_BYTES) for n in lengths])
+        ids, pos, slot_mapping, qsl, ctx, tables, rows, at, from_rows = (v[:n] for v, n in zip(views, lengths))
+        if len(at):
+            ids[at.long()] = previous_tokens[from_rows.long()].int()
+        meta = AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=qsl, context_lens=ctx,
+                                 block_tables=tables.view(len(ctx), -1), max_query_len=max_query_len,
+                                 max_context_len=max_context_len, decode_only=max_query_len == 1)
         return StepInputs(ids, pos, meta, rows)

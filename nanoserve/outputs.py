@@ -57,7 +57,7 @@ class Request:
             outputs.append(CompletionOutput(
                 index=i, text=final_text(seq) if seq.is_finished else t.text[:t.num_streamed],
                 token_ids=token_ids, finish_reason=seq.finish_reason,
-                logprobs=seq.logprobs if wants_logprobs else None,
+                logprobs=list(seq.logprobs) if wants_logprobs else None,
                 cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
                 text_delta=delta, token_ids_delta=new_tokens))
         first = self.seqs[0]

@@ -9,7 +9,7 @@ class InvalidField(ValueError):
     """Bad input, with the name of the field at fault (the server reports it as OpenAI's `param`)."""
     def __init__(self, field: str, problem: str):
         super().__init__(f"{field}: {problem}")
-        self.field = field
+        self.field, self.problem = field, problem
 
 
 def check_number(field: str, value, low=None, high=None, integer=False, above_low=False):

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nanoserve.block_manager import BlockManager
+from nanoserve.sampling_params import InvalidField
 from nanoserve.sequence import Sequence, SequenceStatus
 from nanoserve.stopping import reached_length_limit
 
@@ -60,8 +61,8 @@ class Scheduler:
         kv_tokens = max(seq.num_tokens, final_len - 1)  # the last sampled token never needs KV
         needed = self.block_manager.blocks_needed(kv_tokens)
         if needed > self.block_manager.num_blocks:
-            raise ValueError(f"max_tokens: the request needs {needed} KV blocks ({kv_tokens} tokens) but the pool "
-                             f"has {self.block_manager.num_blocks}: lower max_tokens or add KV memory")
+            raise InvalidField("max_tokens", f"the request needs {needed} KV blocks ({kv_tokens} tokens) but the pool "
+                               f"has {self.block_manager.num_blocks}: lower max_tokens or add KV memory")
 
     def add(self, seq: Sequence):
         self.check_fits(seq)
@@ -114,8 +115,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence):
         """Preemption by recompute: drop seq's KV; readmitted, it re-prefills prompt + output so far."""
         self.running.remove(seq)
-        self.block_manager.cache_full_blocks(seq)
-        self.block_manager.free(seq)
+        self.block_manager.free(seq)  # its full blocks stay findable: they were cached when booked or read back
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

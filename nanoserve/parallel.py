@@ -1,0 +1,173 @@
+"""Tensor parallelism (Megatron-LM style) over torch.distributed: one model split across N processes, one per GPU
+(NCCL; gloo on CPUs). Each rank holds 1/N of every projection and of the KV cache's heads, and runs every step:
+  - q|k|v and gate|up are column-parallel: each rank computes its share of the heads and of the MLP's width;
+  - o and down are row-parallel: each rank multiplies its share, and one all-reduce sums the partial outputs;
+  - the embedding and the LM head split the vocabulary: each rank embeds the ids it owns (an all-reduce joins
+    them), and the logits' slices are gathered so that rank 0 can sample.
+The engine process is rank 0. It starts the other ranks, and each step broadcasts them the step's inputs (once,
+not per layer) and then the sampled tokens (their next decode inputs). With one rank nothing communicates.
+"""
+import os
+import queue
+import socket
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+STOP, STEP = 0, 1        # what rank 0 sends the workers first in each message...
+HEADER_LEN = 12          # ...a header: [STOP or STEP, 9 part lengths, max query length, max context length]
+TIMEOUT_S = 300          # a collective waiting longer than this fails (a rank that hangs, not one that died)
+
+
+@dataclass(frozen=True)
+class TP:
+    rank: int = 0
+    size: int = 1
+
+
+def my_shard(tensor: torch.Tensor, tp: TP, dim: int) -> torch.Tensor:
+    return tensor.chunk(tp.size, dim)[tp.rank]
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Output features split across ranks. It may fuse several projections of one input (q|k|v): each is split
+    alike, and the checkpoint fills them one shard at a time."""
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, tp: TP):
+        self.shard_sizes = [size // tp.size for size in shard_sizes]
+        super().__init__(in_features, sum(self.shard_sizes), bias=bias)
+        self.tp = tp
+        for param in self.parameters():
+            param.weight_loader = self.load_shard
+
+    def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: int = 0):
+        start = sum(self.shard_sizes[:shard])
+        param.data[start:start + self.shard_sizes[shard]].copy_(my_shard(tensor, self.tp, 0))
+
+
+class RowParallelLinear(nn.Linear):
+    """Input features split across ranks: each computes a partial product, and one all-reduce sums them."""
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TP):
+        super().__init__(in_features // tp.size, out_features, bias=bias)
+        self.tp = tp
+        self.weight.weight_loader = lambda param, tensor: param.data.copy_(my_shard(tensor, tp, 1))
+
+    def forward(self, x):
+        if self.tp.size == 1:
+            return super().forward(x)
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y)
+        return y if self.bias is None else y + self.bias  # the bias once, after the sum
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Each rank holds the rows of a 1/N slice of the vocabulary; ids outside it embed to 0 before the all-reduce."""
+    def __init__(self, vocab_size: int, dim: int, tp: TP):
+        super().__init__(vocab_size // tp.size, dim)
+        self.tp, self.first_id = tp, tp.rank * (vocab_size // tp.size)
+        self.weight.weight_loader = lambda param, tensor: param.data.copy_(my_shard(tensor, tp, 0))
+
+    def forward(self, ids):
+        if self.tp.size == 1:
+            return super().forward(ids)
+        local = ids - self.first_id
+        mine = (local >= 0) & (local < self.num_embeddings)
+        x = super().forward(local.clamp(0, self.num_embeddings - 1)) * mine[:, None]
+        dist.all_reduce(x)
+        return x
+
+
+class ParallelLMHead(nn.Linear):
+    """Logits for this rank's slice of the vocabulary, gathered into the full rows every rank returns."""
+    def __init__(self, dim: int, vocab_size: int, tp: TP):
+        super().__init__(dim, vocab_size // tp.size, bias=False)
+        self.tp = tp
+        self.weight.weight_loader = lambda param, tensor: param.data.copy_(my_shard(tensor, tp, 0))
+
+    def forward(self, hidden):
+        logits = super().forward(hidden)
+        if self.tp.size == 1:
+            return logits
+        slices = [torch.empty_like(logits) for _ in range(self.tp.size)]
+        dist.all_gather(slices, logits)
+        return torch.cat(slices, dim=-1)
+
+
+# ---- the processes ---------------------------------------------------------------------------------------
+def init_group(tp: TP, port: int, device: str):
+    if device == "cuda":
+        torch.cuda.set_device(tp.rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=tp.rank, world_size=tp.size, timeout=timedelta(seconds=TIMEOUT_S))
+
+
+def run_worker(config, model_dir: str, tp: TP, port: int, errors):
+    """A worker rank: build the same runner on its shard, then run every step rank 0 sends until told to stop."""
+    torch.set_num_threads(max(1, torch.get_num_threads() // tp.size))  # the ranks share the CPU's cores
+    try:
+        from nanoserve.loader import load_hf_config
+        from nanoserve.model_runner import ModelRunner
+        init_group(tp, port, config.device)
+        runner = ModelRunner(config, model_dir, *load_hf_config(model_dir, config), tp=tp)
+        runner.serve_steps()
+    except Exception:
+        errors.put((tp.rank, traceback.format_exc()))
+        errors.close()
+        errors.join_thread()  # the traceback is delivered...
+        os._exit(1)  # ...then exit at once: the sockets close, so rank 0's next collective fails, not waits
+    dist.destroy_process_group()
+
+
+class Workers:
+    """Rank 0's handle on ranks 1..N-1: it starts them, stops them, and turns their failures into errors."""
+    def __init__(self, config, model_dir: str):
+        with socket.socket() as s:  # a free port for the rendezvous, chosen by the OS
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        context = mp.get_context("spawn")
+        self.errors = context.Queue()
+        self.procs = [context.Process(target=run_worker, daemon=True, args=(
+            config, model_dir, TP(rank, config.tensor_parallel_size), port, self.errors))
+            for rank in range(1, config.tensor_parallel_size)]
+        for proc in self.procs:
+            proc.start()
+        try:
+            init_group(TP(0, config.tensor_parallel_size), port, config.device)
+        except Exception as e:
+            self.failed(e)
+
+    def send_step(self, header: torch.Tensor, flat: torch.Tensor):
+        dist.broadcast(header, 0)
+        dist.broadcast(flat, 0)
+
+    def failed(self, error: Exception):
+        """A collective failed: name the rank that caused it, stop the others, and raise."""
+        try:
+            rank, trace = self.errors.get(timeout=2)
+            cause = f"tensor-parallel rank {rank} failed:\n{trace}"
+        except queue.Empty:
+            dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs, 1) if not p.is_alive()]
+            cause = f"tensor-parallel worker {', '.join(dead) or 'unknown'} died: {error}"
+        self.close(graceful=False)
+        raise RuntimeError(cause) from error
+
+    def close(self, graceful: bool = True):
+        if graceful and dist.is_initialized():
+            try:
+                device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+                dist.broadcast(torch.zeros(HEADER_LEN, dtype=torch.int64, device=device), 0)  # STOP
+            except Exception:
+                pass  # a worker already gone: terminated below
+        for proc in self.procs:
+            proc.join(timeout=10 if graceful else 0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.procs = []
