@@ -24,6 +24,7 @@ class EngineConfig:
     overlap: bool = True                # launch step n+1 before reading step n back; False: the plain loop
     trace: str | None = None            # a path: write one JSON line per step there (trace.py)
     tensor_parallel_size: int = 1       # processes (GPUs) the model is split across (parallel.py)
+    threads: int | None = None          # CPU: torch threads; None: the cores other processes leave free
     dtype: str = "auto"                 # auto: float32 on CPU; on GPU the checkpoint's if 16-bit, else bf16
     device: str = "auto"                # auto: cuda when available
     kernels: str = "auto"               # "triton": our kernels; "torch": their PyTorch references; auto:
@@ -49,6 +50,8 @@ class EngineConfig:
         if self.num_kvcache_blocks is not None:
             check_number("num_kvcache_blocks", self.num_kvcache_blocks, low=1, integer=True)
         check_number("tensor_parallel_size", self.tensor_parallel_size, low=1, integer=True)
+        if self.threads is not None:
+            check_number("threads", self.threads, low=1, integer=True)
         check_number("gpu_memory_utilization", self.gpu_memory_utilization, low=0, high=1, above_low=True)
         for name in ("enable_prefix_caching", "enforce_eager", "overlap"):
             if not isinstance(getattr(self, name), bool):

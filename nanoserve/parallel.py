@@ -108,7 +108,6 @@ def init_group(tp: TP, port: int, device: str):
 
 def run_worker(config, model_dir: str, tp: TP, port: int, errors):
     """A worker rank: build the same runner on its shard, then run every step rank 0 sends until told to stop."""
-    torch.set_num_threads(max(1, torch.get_num_threads() // tp.size))  # the ranks share the CPU's cores
     try:
         from nanoserve.loader import load_hf_config
         from nanoserve.model_runner import ModelRunner
