@@ -1,29 +1,59 @@
-"""Offline throughput benchmark: the standard small-engine workload (256 random requests), plus modes for a
-peer comparison (--compare hf), shared-prefix caching (--prefix), single-request latency (--latency),
-host-side step costs (--cpu-profile) and the attention kernels (--attention).
+"""nanoserve's benchmark CLI. Each run prints a progress line, then a table, then one JSON line of all rows (--json
+FILE also writes them). Without a GPU the flags left out take CPU sizes, and a line says so.
 
-    python bench.py                        # Qwen3-0.6B shape, random weights, on the GPU
-    python bench.py --arch tiny --num-seqs 8 --max-input-len 64 --max-output-len 16   # CPU smoke test
+    python bench.py                          # GPU: the standard workload (256 random requests, Qwen3-0.6B shape,
+                                             # random weights); no GPU: 24 ShareGPT chat prompts x 40 greedy tokens
+    python bench.py --arch tiny --num-seqs 8 --max-input-len 64 --max-output-len 16     # a seconds-long smoke test
+    python bench.py --dataset sharegpt       # ShareGPT's prompt and output lengths (vLLM's filters), 1,000 requests
+    python bench.py --serve --request-rate 4             # the OpenAI server in-process, Poisson arrivals: TTFT, ITL
+    python bench.py --compare hf             # the same requests through transformers' continuous batching
+    python bench.py --compare hf-sequential  # ... through transformers' generate, one prompt at a time
+    python bench.py --busy 2 --compare hf-sequential     # the same beside 2 CPU-burning processes
+    python bench.py --kv-report              # KV memory wasted, contiguous vs paged; prefill saved by the prefix cache
+    python bench.py --plot plots/            # the run's step trace as pictures (nanoserve/plots.py)
+    python bench.py --prefix                 # a 2k-token system prompt shared by every request, caching off vs on
+    python bench.py --latency                # one request: 512 prompt + 256 greedy tokens
+    python bench.py --cpu-profile            # host ms per engine step, by stage
+    python bench.py --attention              # the paged attention kernels beside SDPA (CUDA)
+    python bench.py --tp 2 --threads 4       # tensor parallelism; CPU torch threads
 """
 import argparse
+import importlib.util
 import json
+import logging
+import math
+import os
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.model_runner import InFlightStep
 
-STANDARD_NUM_SEQS = 256         # the standard workload's size
-PROMPT_ID_RANGE = 10000          # prompt token ids are uniform in [0, PROMPT_ID_RANGE] (nano-vllm's bench)
-MIN_LEN = 100                    # prompt and output lengths are uniform in [MIN_LEN, --max-*-len]
-PREFIX_QUESTION_LEN = 64         # --prefix: per-request question after the shared system prompt...
-PREFIX_ANSWER_LEN = 64           # ...and the answer's length
+STANDARD_NUM_SEQS, STANDARD_MAX_LEN = 256, 1024   # the standard workload: requests, longest prompt and output
+SHAREGPT_NUM_SEQS = 1000         # --dataset sharegpt on a GPU (vLLM's benchmark default)
+CPU_NUM_SEQS, CPU_NEW_TOKENS = 24, 40   # no GPU: requests and tokens each (the "course edition" issue's case)
+CHAT_PROMPT_LENS = (16, 200)     # --dataset chat: the templated first human turns kept are this long
+MAX_NUM_SEQS = 256               # the engine's batch limit
+SEED = 0
+PROMPT_ID_RANGE = 10000          # random prompt ids are uniform in [0, PROMPT_ID_RANGE] (nano-vllm's bench)
+MIN_LEN = 100                    # random prompt and output lengths are uniform in [MIN_LEN, --max-*-len]
+RANDOM_TEMPERATURE = 0.6         # the random workload samples; the ShareGPT ones are greedy
+PREFIX_QUESTION_LEN, PREFIX_ANSWER_LEN = 64, 64   # --prefix: per request, after the shared system prompt
 LATENCY_PROMPT_LEN, LATENCY_NEW_TOKENS = 512, 256
+WARMUP_PROMPTS, WARMUP_TOKENS = 4, 16
 HF_RESULT_TIMEOUT_S = 600        # --compare hf: longest wait for one finished request
+HF_MAX_BATCH_TOKENS, HF_PAGE_SIZE = 8192, 256     # ...transformers' defaults (our batch budget is 8192 too)
+BUSY_START_S = 0.5               # --busy: the burners spin before the engine counts free cores
+VLLM_CLAIMS = "vLLM's announcement: 60-80% wasted by contiguous reservation, under 4% with paging"
+DEFAULT_THREADS = torch.get_num_threads()   # torch's own choice, before the engine sets its count
 
 ARCHS = {  # public configs; the weights are random, which with ignore_eos does not change throughput
     "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -34,29 +64,112 @@ ARCHS = {  # public configs; the weights are random, which with ignore_eos does 
 }
 
 
-def random_model_dir(arch: str) -> str:
+@dataclass
+class Workload:
+    prompts: list[list[int]]  # token ids
+    params: list[SamplingParams]
+    kind: str                 # what the requests are, for the header line
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def description(self) -> str:
+        return f"{len(self.prompts)} {self.kind} ({self.prompt_tokens:,} prompt tokens)"
+
+
+# ---- models and workloads --------------------------------------------------------------------------------------
+def resolve_defaults(args, gpu: bool) -> bool:
+    """Fill in the flags left out: the standard workload on a GPU; without one, CPU sizes, and with neither --model
+    nor --arch the CPU workload (the default model's chat). True when it is the CPU workload."""
+    cpu_default = not gpu and args.model is None and args.arch is None
+    if cpu_default:
+        args.model = "default"
+    args.arch = args.arch or "qwen3-0.6b"
+    if args.dataset is None:
+        args.dataset = "sharegpt" if args.serve else "chat" if cpu_default else "random"
+    if args.num_seqs is None:
+        args.num_seqs = CPU_NUM_SEQS if not gpu else SHAREGPT_NUM_SEQS if args.dataset == "sharegpt" \
+            else STANDARD_NUM_SEQS
+    if args.max_output_len is None:  # sharegpt on a GPU: the dataset's lengths
+        args.max_output_len = CPU_NEW_TOKENS if not gpu or args.dataset == "chat" else \
+            STANDARD_MAX_LEN if args.dataset == "random" else None
+    return cpu_default
+
+
+def model_dir_of(args) -> tuple[str, bool]:
+    """(directory, temporary): the embedded default model, an HF directory, or --arch with random weights."""
+    from nanoserve.loader import resolve_model_dir
+    if args.model is not None:
+        return resolve_model_dir(None if args.model == "default" else args.model), False
     from transformers import AutoModelForCausalLM, Qwen3Config
-    path = tempfile.mkdtemp(prefix=f"nanoserve-{arch}-")
+    path = tempfile.mkdtemp(prefix=f"nanoserve-{args.arch}-")
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    AutoModelForCausalLM.from_config(Qwen3Config(**ARCHS[arch]), dtype=dtype).save_pretrained(path)
-    return path
+    AutoModelForCausalLM.from_config(Qwen3Config(**ARCHS[args.arch]), dtype=dtype).save_pretrained(path)
+    return path, True
 
 
-def standard_workload(num_seqs, max_input_len, max_output_len):
+def random_workload(num_seqs, max_input_len, max_output_len) -> Workload:
     """nano-vllm's bench.py workload: random prompt ids and lengths, then random output lengths.
 
     Always drawn for at least STANDARD_NUM_SEQS requests, so --num-seqs 64 means the first 64 of the standard
     256 (33,322 output tokens), the subset the H100 peer figures quote."""
-    random.seed(0)
+    random.seed(SEED)
     drawn = max(num_seqs, STANDARD_NUM_SEQS)
     low_in, low_out = min(MIN_LEN, max_input_len), min(MIN_LEN, max_output_len)  # smoke-test sizes allowed
     prompts = [[random.randint(0, PROMPT_ID_RANGE) for _ in range(random.randint(low_in, max_input_len))]
                for _ in range(drawn)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(low_out, max_output_len))
-              for _ in range(drawn)]
-    return prompts[:num_seqs], params[:num_seqs]
+    params = [SamplingParams(temperature=RANDOM_TEMPERATURE, ignore_eos=True,
+                             max_tokens=random.randint(low_out, max_output_len)) for _ in range(drawn)]
+    return Workload(prompts[:num_seqs], params[:num_seqs], f"random requests, outputs {low_out}..{max_output_len}")
 
 
+def sharegpt_workload(tokenizer, num_seqs, max_output_len) -> Workload:
+    """vLLM's ShareGPT requests (bench_serve.py), greedy with ignore_eos so outputs have the dataset's lengths."""
+    from bench_serve import sharegpt_requests
+    requests = sharegpt_requests(tokenizer, num_seqs, SEED, max_output_len, token_ids=True)
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for _, _, n in requests]
+    clip = f", outputs clipped to {max_output_len}" if max_output_len else ""
+    return Workload([ids for ids, _, _ in requests], params, f"ShareGPT requests, greedy{clip}")
+
+
+def chat_workload(tokenizer, num_seqs, new_tokens) -> Workload:
+    """ShareGPT's first human turns in a seeded shuffle, through the chat template as LLM.chat applies it: the first
+    num_seqs whose templated length lies in CHAT_PROMPT_LENS, new_tokens greedy tokens each."""
+    from bench_serve import first_exchange, sharegpt_conversations
+    if not getattr(tokenizer, "chat_template", None):
+        raise SystemExit("--dataset chat needs a model with a chat template (--model default, or an HF directory)")
+    exchanges = [e for e in map(first_exchange, sharegpt_conversations()) if e is not None]
+    random.Random(SEED).shuffle(exchanges)
+    prompts = []
+    for question, _ in exchanges:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if CHAT_PROMPT_LENS[0] <= len(ids) <= CHAT_PROMPT_LENS[1]:
+            prompts.append(ids)
+        if len(prompts) == num_seqs:
+            break
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=new_tokens)] * len(prompts)
+    return Workload(prompts, params, f"ShareGPT chat prompts x {new_tokens} greedy tokens")
+
+
+def build_workload(args, llm) -> Workload:
+    if args.dataset == "random":
+        return random_workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    tokenizer = llm.tokenizer
+    if args.model is None:  # random weights: the default model's tokenizer measures the lengths (the loader gives
+        from nanoserve.loader import load_tokenizer, resolve_model_dir  # a weights-only directory an empty one)
+        tokenizer = load_tokenizer(resolve_model_dir(None))
+    make = chat_workload if args.dataset == "chat" else sharegpt_workload
+    workload = make(tokenizer, args.num_seqs, args.max_output_len)
+    if args.model is None:  # folded into the random model's vocabulary: with random weights only lengths count
+        workload.prompts = [[t % llm.vocab_size for t in ids] for ids in workload.prompts]
+    return workload
+
+
+# ---- nanoserve's runs ------------------------------------------------------------------------------------------
 def timed_generate(llm, prompts, params):
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
@@ -69,8 +182,9 @@ def timed_generate(llm, prompts, params):
 def result_row(name, llm, outs, seconds):
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     s = llm.stats()
-    return {"run": name, "requests": len(outs), "output_tokens": tokens, "seconds": round(seconds, 2),
-            "tok_per_s": round(tokens / seconds, 1), "kv_blocks": s["kv_blocks_total"],
+    return {"run": name, "requests": len(outs), "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+            "output_tokens": tokens, "seconds": round(seconds, 2), "tok_per_s": round(tokens / seconds, 1),
+            "threads": torch.get_num_threads(), "kv_blocks": s["kv_blocks_total"],
             "peak_kv_use": f"{s['kv_blocks_peak'] / s['kv_blocks_total']:.0%}",
             "prefix_hit_rate": f"{s['prefix_hit_rate']:.0%}", "preemptions": s["preemptions"]}
 
@@ -81,33 +195,35 @@ def reset_counters(llm):
     llm.scheduler.num_preemptions = 0
 
 
-def run_throughput(llm, args):
-    prompts, params = standard_workload(args.num_seqs, args.max_input_len, args.max_output_len)
+def run_throughput(llm, workload, args):
+    print(f"running nanoserve: {workload.description}", flush=True)
     reset_counters(llm)
-    outs, seconds = timed_generate(llm, prompts, params)
+    outs, seconds = timed_generate(llm, workload.prompts, workload.params)
     return [result_row("nanoserve", llm, outs, seconds)]
 
 
-def run_prefix(llm, args):
+def run_prefix(llm, workload, args):
     """One 2,048-token system prompt shared by every request, a 64-token question, 64 tokens of answer."""
-    random.seed(0)
+    random.seed(SEED)
     system = [random.randint(0, PROMPT_ID_RANGE) for _ in range(args.prefix_len)]
     prompts = [system + [random.randint(0, PROMPT_ID_RANGE) for _ in range(PREFIX_QUESTION_LEN)]
                for _ in range(args.num_seqs)]
-    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=PREFIX_ANSWER_LEN)
+    params = SamplingParams(temperature=RANDOM_TEMPERATURE, ignore_eos=True, max_tokens=PREFIX_ANSWER_LEN)
     rows = []
-    for caching in (False, True):
-        llm.block_manager.enable_prefix_caching = caching
+    for caching in ("off", "on"):
+        print(f"running nanoserve, prefix caching {caching}: {args.num_seqs} requests", flush=True)
+        llm.block_manager.enable_prefix_caching = caching == "on"
         reset_counters(llm)
         outs, seconds = timed_generate(llm, prompts, params)
-        rows.append(result_row(f"prefix caching {'on' if caching else 'off'}", llm, outs, seconds))
+        rows.append(result_row(f"prefix caching {caching}", llm, outs, seconds))
     print(f"prefix caching speed-up (wall time off / on): {rows[0]['seconds'] / rows[1]['seconds']:.1f}x")
     return rows
 
 
-def run_latency(llm, args):
+def run_latency(llm, workload, args):
     """One request alone: 512-token prompt, 256 new greedy tokens; decode rate excludes the first token."""
-    random.seed(0)
+    print(f"running nanoserve: 1 request, {LATENCY_PROMPT_LEN} prompt + {LATENCY_NEW_TOKENS} tokens", flush=True)
+    random.seed(SEED)
     prompt = [[random.randint(0, PROMPT_ID_RANGE) for _ in range(LATENCY_PROMPT_LEN)]]
     greedy = dict(temperature=0, ignore_eos=True)
     llm.block_manager.enable_prefix_caching = False  # both runs compute the prompt, no cache hit
@@ -120,7 +236,7 @@ def run_latency(llm, args):
     return [row]
 
 
-def run_cpu_profile(llm, args):
+def run_cpu_profile(llm, workload, args):
     """Host time per loop iteration, split by stage, over all iterations and over decode-only ones (the
     ones the 1 ms target is about). An iteration schedules and launches step n+1 (the GPU only queues it),
     then reads step n back: 'wait' is the host idling for those tokens, the rest is host work, which
@@ -145,7 +261,7 @@ def run_cpu_profile(llm, args):
     wait = InFlightStep.wait
     InFlightStep.wait = lambda self: timed("wait", wait)(self)
     try:
-        rows = run_throughput(llm, args)
+        rows = run_throughput(llm, workload, args)
     finally:
         InFlightStep.wait = wait
     for step in steps:
@@ -159,23 +275,101 @@ def run_cpu_profile(llm, args):
     return rows
 
 
-def run_compare_hf(model_dir, args):
-    """The same requests through transformers' continuous batching (paged attention over SDPA, prefix sharing off).
+def run_serve(llm, workload, args):
+    """The workload's requests sent to the OpenAI-compatible server in this process at Poisson arrival times."""
+    import httpx
+    from bench_serve import run_serve_bench
+    from nanoserve.server import serve_in_background
+    print(f"running nanoserve's server: {workload.description}, {args.request_rate:g} requests/s", flush=True)
+    requests = [(ids, len(ids), p.max_tokens) for ids, p in zip(workload.prompts, workload.params)]
+    with serve_in_background(llm) as base_url:
+        model_name = httpx.get(f"{base_url}/models").json()["data"][0]["id"]
+        row = run_serve_bench(base_url, requests, args.request_rate, model_name, SEED)
+    return [row | {"threads": torch.get_num_threads()}]
 
-    This is `generate_batch`'s own loop (warm-up, start, add requests, collect results) written out, because
-    generate_batch takes one max_new_tokens for all requests and the workload gives each its own."""
-    from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+def kv_report(trace_lines, max_model_len: int, block_size: int) -> dict:
+    """vLLM's KV-memory claims on a step trace (trace.py's JSON lines, as strings or dicts): at the step with the
+    most blocks in use (of equals, the one holding most tokens), the share of reserved KV memory wasted if every
+    running request had reserved max_model_len contiguously (static batching), and the paged cache's waste (the
+    unused slots of each sequence's last block)."""
+    steps = [json.loads(line) if isinstance(line, str) else line for line in trace_lines]
+    peak = max(steps, key=lambda s: (s["blocks"]["used"], s["kv_tokens"]))
+    return {"kv_peak_step": peak["step"], "kv_peak_running": peak["running"], "kv_peak_blocks": peak["blocks"]["used"],
+            "kv_static_waste": round(1 - peak["kv_tokens"] / (max(peak["running"], 1) * max_model_len), 4),
+            "kv_paged_waste": round(peak["kv_unused_slots"] / (max(peak["blocks"]["used"], 1) * block_size), 4)}
+
+
+def report_kv(row, trace_path, llm, workload):
+    with open(trace_path) as f:
+        report = kv_report(f, llm.config.max_model_len, llm.config.kvcache_block_size)
+    saved = llm.stats()["prefix_hit_tokens"]
+    report.update(prefix_saved_tokens=saved, prefix_saved_share=round(saved / max(workload.prompt_tokens, 1), 4))
+    row.update(report)
+    print(f"KV memory wasted at the peak step ({report['kv_peak_running']} running, {report['kv_peak_blocks']} blocks "
+          f"of {llm.config.kvcache_block_size}): {report['kv_static_waste']:.1%} if each had reserved max_model_len="
+          f"{llm.config.max_model_len} contiguously, {report['kv_paged_waste']:.1%} paged ({VLLM_CLAIMS})")
+    print(f"prefill saved by the prefix cache: {saved:,} of {workload.prompt_tokens:,} prompt tokens "
+          f"({report['prefix_saved_share']:.1%})")
+
+
+def run_traced(llm, run, workload, args):
+    """run under the engine's step trace (trace.py), attached after the warm-up so that its steps stay out; then the
+    KV report and the plots from that trace."""
+    from nanoserve.trace import StepTrace
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.jsonl")
+        llm.trace = StepTrace(path, llm.scheduler)
+        try:
+            rows = run(llm, workload, args)
+        finally:
+            llm.trace.close()
+            llm.trace = None
+        if args.kv_report:
+            report_kv(rows[0], path, llm, workload)
+        if args.plot:
+            from nanoserve.plots import plot_trace  # main checked that it exists
+            for png in plot_trace(path, args.plot):
+                print(f"plot: {png}")
+    return rows
+
+
+# ---- transformers, the peer ------------------------------------------------------------------------------------
+def hf_model(model_dir, **kwargs):
+    from transformers import AutoModelForCausalLM
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="paged|sdpa", dtype=dtype).to(device)
-    prompts, params = standard_workload(args.num_seqs, args.max_input_len, args.max_output_len)
-    config = GenerationConfig(do_sample=True, temperature=0.6, max_new_tokens=args.max_output_len, eos_token_id=-1)
-    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=args.max_output_len,
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs).to(device).eval(), device
+
+
+def hf_sampling(p: SamplingParams) -> dict:
+    return dict(do_sample=True, temperature=p.temperature, top_k=0) if p.temperature > 0 else dict(do_sample=False)
+
+
+def peer_row(name, requests, tokens, seconds) -> dict:
+    return {"run": name, "requests": requests, "output_tokens": tokens, "seconds": round(seconds, 2),
+            "tok_per_s": round(tokens / seconds, 1), "threads": torch.get_num_threads()}
+
+
+def run_compare_hf(model_dir, workload):
+    """The same requests through transformers' continuous batching (paged attention over SDPA, prefix sharing off):
+    `generate_batch`'s own loop written out, as it takes one max_new_tokens for all requests. Left to itself it sizes
+    its cache (and SDPA's batch x cache-tokens mask) from 60% of free memory, host RAM on a CPU (8 GB for 4 tiny
+    requests): there it gets the pages the workload needs and a batch of all its prompts instead."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+    model, device = hf_model(model_dir, attn_implementation="paged|sdpa")
+    prompts, params = workload.prompts, workload.params
+    config = GenerationConfig(**hf_sampling(params[0]), max_new_tokens=max(p.max_tokens for p in params),
+                              eos_token_id=-1)
+    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=config.max_new_tokens,
                           num_requests=len(prompts))  # what generate_batch sizes its cache from
-    manager = model.init_continuous_batching(generation_config=config, workload_hints=hints,
-                                             continuous_batching_config=ContinuousBatchingConfig(
-                                                 allow_block_sharing=False))
+    sizes = {}
+    if device == "cpu":
+        pages = sum(-(-(len(ids) + p.max_tokens) // HF_PAGE_SIZE) for ids, p in zip(prompts, params))
+        sizes = dict(num_blocks=pages, max_batch_tokens=min(HF_MAX_BATCH_TOKENS, workload.prompt_tokens))
+    manager = model.init_continuous_batching(generation_config=config, workload_hints=hints, continuous_batching_config=
+                                             ContinuousBatchingConfig(allow_block_sharing=False, **sizes))
     manager.warmup()  # its CUDA-graph capture, outside the timed run as ours is
     manager.start()
     start = time.perf_counter()
@@ -190,8 +384,89 @@ def run_compare_hf(model_dir, args):
             tokens, done = tokens + len(result.generated_tokens), done + 1
     seconds = time.perf_counter() - start
     manager.stop(block=True)
-    return [{"run": "transformers continuous batching", "requests": len(prompts), "output_tokens": tokens,
-             "seconds": round(seconds, 2), "tok_per_s": round(tokens / seconds, 1)}]
+    return peer_row("transformers continuous batching", len(prompts), tokens, seconds)
+
+
+def run_compare_hf_sequential(model_dir, workload):
+    """The same requests through transformers' generate one prompt at a time (batch 1, no padding), greedy or at the
+    workload's temperature, with min_new_tokens = max_new_tokens so that it makes as many tokens as nanoserve."""
+    from transformers import GenerationConfig
+    model, device = hf_model(model_dir)
+    eos = model.generation_config.eos_token_id
+    pad = (eos[0] if isinstance(eos, list) else eos) or 0
+
+    def generate(prompt, p):
+        ids = torch.tensor([prompt], device=device)
+        config = GenerationConfig(**hf_sampling(p), max_new_tokens=p.max_tokens, min_new_tokens=p.max_tokens,
+                                  eos_token_id=eos, pad_token_id=pad)
+        with torch.inference_mode():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config).shape[1] \
+                - ids.shape[1]
+    generate(workload.prompts[0], replace(workload.params[0], max_tokens=WARMUP_TOKENS))  # warm-up
+    start = time.perf_counter()
+    tokens = sum(generate(prompt, p) for prompt, p in zip(workload.prompts, workload.params))
+    return peer_row("transformers one-at-a-time", len(workload.prompts), tokens, time.perf_counter() - start)
+
+
+COMPARE = {"hf": (run_compare_hf, "transformers"),
+           "hf-sequential": (run_compare_hf_sequential, "transformers one-at-a-time")}
+
+
+# ---- the command line ------------------------------------------------------------------------------------------
+@contextmanager
+def busy_processes(count: int):
+    """count processes burning a core each, the background load of a shared machine; killed on leaving."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        time.sleep(BUSY_START_S if procs else 0)
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def run_engine(args, model_dir, cpu_default):
+    """nanoserve's run of the chosen mode: (rows, the workload for a peer)."""
+    llm = LLM(model_dir, max_model_len=args.max_model_len, max_num_seqs=min(args.num_seqs, MAX_NUM_SEQS),
+              enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp, threads=args.threads)
+    try:
+        workload = None if args.prefix or args.latency else build_workload(args, llm)
+        if cpu_default:
+            print(f"no GPU: the CPU workload, {workload.description} on the default model; --arch qwen3-0.6b "
+                  f"--num-seqs {STANDARD_NUM_SEQS} --max-output-len {STANDARD_MAX_LEN} for the standard GPU workload")
+        model = "the default model" if args.model == "default" else args.model or f"{args.arch}, random weights"
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        what = workload.description if workload else "the mode's own requests"
+        print(f"bench: {device}, {model}, {what}, "
+              f"threads {torch.get_num_threads()}, tp {args.tp}, busy {args.busy}", flush=True)
+        llm.generate([[1, 2, 3]] * WARMUP_PROMPTS, SamplingParams(max_tokens=WARMUP_TOKENS), use_tqdm=False)
+        run = run_prefix if args.prefix else run_latency if args.latency else run_cpu_profile if args.cpu_profile \
+            else run_serve if args.serve else run_throughput
+        rows = run_traced(llm, run, workload, args) if args.kv_report or args.plot else run(llm, workload, args)
+        return [row | {"device": device, "busy": args.busy} for row in rows], workload
+    finally:
+        llm.close()
+
+
+def run_all(args, cpu_default):
+    model_dir, temporary = model_dir_of(args)
+    try:
+        rows, workload = run_engine(args, model_dir, cpu_default)
+        if args.compare:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            torch.set_num_threads(args.threads or DEFAULT_THREADS)  # the peer as a user runs it
+            run, name = COMPARE[args.compare]
+            print(f"running {name}: {workload.description}", flush=True)
+            rows.append(run(model_dir, workload) | {"busy": args.busy})
+            ratio = rows[0]["tok_per_s"] / rows[-1]["tok_per_s"]
+            rows[-1]["nanoserve_speedup"] = round(ratio, 2)
+            print(f"nanoserve / {name}: {ratio:.1f}x")
+        return rows
+    finally:
+        if temporary:
+            shutil.rmtree(model_dir, ignore_errors=True)
 
 
 def print_table(rows):
@@ -202,53 +477,56 @@ def print_table(rows):
         print("  ".join(str(row.get(c, "")).rjust(widths[c]) for c in columns))
 
 
-def main():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="HF model directory (default: --arch with random weights)")
-    ap.add_argument("--arch", choices=sorted(ARCHS), default="qwen3-0.6b")
-    ap.add_argument("--num-seqs", type=int, default=256)
-    ap.add_argument("--max-input-len", type=int, default=1024)
-    ap.add_argument("--max-output-len", type=int, default=1024)
+    ap.add_argument("--model", help="'default' (the embedded SmolLM2-135M-Instruct) or an HF directory "
+                                    "(default: --arch with random weights; no GPU: 'default')")
+    ap.add_argument("--arch", choices=sorted(ARCHS), help="random-weight architecture (default qwen3-0.6b)")
+    ap.add_argument("--dataset", choices=["random", "sharegpt", "chat"], help="random ids (the standard "
+                    "workload), ShareGPT's lengths, or ShareGPT chat prompts (the CPU workload)")
+    ap.add_argument("--num-seqs", type=int, help=f"requests ({STANDARD_NUM_SEQS}; sharegpt {SHAREGPT_NUM_SEQS}; "
+                                                 f"no GPU {CPU_NUM_SEQS})")
+    ap.add_argument("--max-input-len", type=int, default=STANDARD_MAX_LEN)
+    ap.add_argument("--max-output-len", type=int, help=f"({STANDARD_MAX_LEN}; sharegpt: the dataset's; chat or no "
+                                                       f"GPU: {CPU_NEW_TOKENS})")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--prefix-len", type=int, default=2048, help="shared prompt length for --prefix")
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--compare", choices=["hf"], help="also run the standard requests through transformers")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    ap.add_argument("--threads", type=int, help="CPU torch threads (default: the engine's, the free cores)")
+    ap.add_argument("--busy", type=int, default=0, help="CPU-burning processes running beside the benchmark")
+    ap.add_argument("--compare", choices=sorted(COMPARE), help="also run the requests through transformers")
+    ap.add_argument("--kv-report", action="store_true", help="KV memory wasted (paged vs contiguous), prefill saved")
+    ap.add_argument("--plot", metavar="DIR", help="write the run's step-trace plots here")
+    ap.add_argument("--request-rate", type=float, default=math.inf, help="--serve: requests per second")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--prefix", action="store_true", help="shared 2k-token system prompt, caching on vs off")
     mode.add_argument("--latency", action="store_true", help="one request: 512 prompt, 256 new tokens")
     mode.add_argument("--cpu-profile", action="store_true", help="host ms per step by stage")
     mode.add_argument("--attention", action="store_true", help="the attention kernels beside SDPA")
+    mode.add_argument("--serve", action="store_true", help="the OpenAI server in-process, ShareGPT at --request-rate")
     ap.add_argument("--json", help="also write the results here")
-    args = ap.parse_args()
-    if args.compare and (args.prefix or args.latency or args.attention):
-        ap.error("--compare runs the standard workload; use it without --prefix/--latency/--attention")
+    args = ap.parse_args(argv)
+    if (args.compare or args.kv_report or args.plot) and (args.prefix or args.latency or args.attention or args.serve):
+        ap.error("--compare, --kv-report and --plot go with the throughput modes, not --prefix/--latency/--attention/"
+                 "--serve")
+    if args.serve and args.dataset not in (None, "sharegpt"):
+        ap.error("--serve sends ShareGPT requests")
+    if args.plot and importlib.util.find_spec("nanoserve.plots") is None:
+        ap.error("--plot needs nanoserve/plots.py (plot_trace), which this checkout does not have")
+    return args
 
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the engine's KV-cache account
     if args.attention:
         from bench_attention import run_attention_bench
         rows = run_attention_bench()
     else:
-        model_dir = args.model or random_model_dir(args.arch)
-        temporary = args.model is None
-        if not args.model:
-            print(f"model: {args.arch} architecture with random weights "
-                  "(ignore_eos: throughput does not depend on them)")
-        llm = LLM(model_dir, max_model_len=args.max_model_len, max_num_seqs=min(args.num_seqs, 256),
-                  enforce_eager=args.enforce_eager)
-        llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
-        run = run_prefix if args.prefix else run_latency if args.latency else \
-            run_cpu_profile if args.cpu_profile else run_throughput
-        rows = run(llm, args)
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        for row in rows:
-            row["device"] = device
-        if args.compare == "hf":
-            del llm
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            rows += run_compare_hf(model_dir, args)
-            print(f"nanoserve / transformers: {rows[0]['tok_per_s'] / rows[-1]['tok_per_s']:.1f}x")
-        if temporary:
-            shutil.rmtree(model_dir, ignore_errors=True)
+        cpu_default = resolve_defaults(args, torch.cuda.is_available())
+        with busy_processes(args.busy):
+            rows = run_all(args, cpu_default)
     print_table(rows)
     print(json.dumps(rows))
     if args.json:

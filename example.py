@@ -1,7 +1,10 @@
-"""Chat with the embedded default model (SmolLM2-135M-Instruct) or any HF model: python example.py [--model DIR]."""
+"""Chat with the embedded default model (SmolLM2-135M-Instruct) or any HF model: python example.py [--model DIR].
+The other options are the knobs of the course guide's experiments (docs/course.md); --plot DIR also writes a step
+trace and draws it (kv_blocks.png, batches.png, block_tables.png; needs matplotlib)."""
 import argparse
 import logging
 import time
+from pathlib import Path
 
 from nanoserve import LLM, SamplingParams
 
@@ -11,30 +14,73 @@ QUESTIONS = [
     "Explain in two sentences why the sky is blue.",
     "List three prime numbers greater than 10.",
 ]
+SYSTEM_PROMPT = (  # about 150 tokens, the same at the start of every conversation with --system-prompt
+    "You are a friendly and patient teaching assistant for a university course on how large language models are "
+    "served. Students ask you short questions about science, writing, mathematics and geography while they wait "
+    "for their experiments to finish. Answer in plain English, keep every answer short and correct, prefer simple "
+    "words to technical terms, and never invent facts: when you do not know something, say so. If a question asks "
+    "for a list, give exactly the number of items requested. If it asks for a poem, respect its form. Do not "
+    "mention these instructions, and do not greet the student: answer the question directly.")
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="HF directory (default: the embedded SmolLM2)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # shows the KV cache account
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two, 16-256)")
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (small: preemptions)")
+    parser.add_argument("--max-batched-tokens", type=int, default=8192, help="token budget of one step")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--no-overlap", action="store_true", help="finish each step before launching the next")
+    parser.add_argument("--system-prompt", nargs="?", const=SYSTEM_PROMPT, default=None, metavar="TEXT",
+                        help="start every conversation with this system prompt (a built-in one if TEXT is left out)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    parser.add_argument("--plot", metavar="DIR", help="write DIR/trace.jsonl and draw it into DIR as PNG files")
+    return parser.parse_args(argv)
 
-    llm = LLM(args.model, max_model_len=2048)
-    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    start = time.perf_counter()
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(max_model_len=2048, kvcache_block_size=args.block_size, num_kvcache_blocks=args.num_blocks,
+                max_num_batched_tokens=args.max_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
+                overlap=not args.no_overlap, threads=args.threads,
+                trace=str(Path(args.plot) / "trace.jsonl") if args.plot else None)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # shows the KV cache account
+    if args.plot:
+        Path(args.plot).mkdir(parents=True, exist_ok=True)
+    llm = LLM(args.model, **engine_kwargs(args))
+    system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    if system:  # computed once, as by a server's earlier requests: the batch below finds it in the prefix cache
+        llm.chat(system, SamplingParams(max_tokens=1), use_tqdm=False)
+    conversations = [system + [{"role": "user", "content": q}] for q in QUESTIONS]
+    start, computed = time.perf_counter(), llm.stats()["computed_tokens"]
     outputs = llm.chat(conversations, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))
     seconds = time.perf_counter() - start
     for question, out in zip(QUESTIONS, outputs):
         answer = out.outputs[0]
         print(f"\n> {question}\n{answer.text.strip()}  [{len(answer.token_ids)} tokens, {answer.finish_reason}]")
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    stats = llm.stats()
+    stats, bs = llm.stats(), args.block_size
+    prompt, cached = sum(len(o.prompt_token_ids) for o in outputs), sum(o.num_cached_tokens for o in outputs)
     print(f"\n{generated} tokens in {seconds:.2f} s: {generated / seconds:.1f} tok/s "
           f"(batch of {len(outputs)}, {llm.config.device}); KV blocks at peak {stats['kv_blocks_peak']} of "
-          f"{stats['kv_blocks_total']}; prefix-cache hit rate {stats['prefix_hit_rate']:.0%}; "
+          f"{stats['kv_blocks_total']}; prefix-cache hit rate {cached / prompt:.0%}; "
           f"preemptions {stats['preemptions']}")
+    lengths = [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outputs]
+    slots = sum(-(-n // bs) * bs for n in lengths)  # the slots of each request's blocks at its end
+    print(f"KV at peak: {stats['kv_blocks_peak']} blocks x {bs} = {stats['kv_blocks_peak'] * bs} token slots; "
+          f"requests at their end: {sum(lengths)} tokens in {slots} slots ({1 - sum(lengths) / slots:.0%} unused)")
+    ttft = sum(o.metrics.first_token_time - o.metrics.arrival_time for o in outputs) / len(outputs)
+    print(f"prompts: {prompt} tokens, {cached} from the prefix cache; tokens computed "
+          f"{stats['computed_tokens'] - computed}; time to first token {ttft:.2f} s (mean)")
+    if args.plot:
+        from nanoserve.plots import plot_trace
+        for path in plot_trace(llm.config.trace, args.plot):
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -36,25 +36,15 @@ class BlockManager:
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
         self.cached: dict[PrefixKey, int] = {}  # the prefix cache: key -> block id
         self._prefix_ids = count()
-        self.prefix_hit_tokens = 0      # counters for stats() and the trace
-        self.prefix_queried_tokens = 0
-        self.peak_used_blocks = 0
-        self.num_allocated = 0          # fresh blocks handed out, ever
-        self.num_freed = 0              # blocks returned to the pool, ever
-        self.num_hit_blocks = 0         # cached blocks reused by an admission, ever
+        # counters for stats() and the trace: prompt tokens served from / asked of the prefix cache, the most blocks
+        # ever used, and blocks ever handed out fresh, returned to the pool, and reused through the prefix cache
+        self.prefix_hit_tokens = self.prefix_queried_tokens = self.peak_used_blocks = 0
+        self.num_allocated = self.num_freed = self.num_hit_blocks = 0
 
     # ---- counters -------------------------------------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_ids)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return len(self.blocks) - len(self.free_ids)
+    num_blocks = property(lambda self: len(self.blocks))
+    num_free_blocks = property(lambda self: len(self.free_ids))
+    num_used_blocks = property(lambda self: len(self.blocks) - len(self.free_ids))
 
     @property
     def num_cached_blocks(self) -> int:

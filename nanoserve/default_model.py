@@ -9,6 +9,7 @@ import copy
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -23,10 +24,13 @@ BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, UNK_TOKEN_ID = 1, 2, 2, 0
 # nanoserve and its reference, transformers, both load this same folder, so they still see equal weights.
 SAVE_DTYPE = "bfloat16"
 COMPLETE_MARKER = ".nanoserve-complete"  # written last, so a folder that has it is whole
+CONVERTED_MB = 270  # the converted folder's size on disk
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("NANOSERVE_CACHE") or Path.home() / ".cache" / "nanoserve")
+    """$NANOSERVE_CACHE, else $XDG_CACHE_HOME/nanoserve, else ~/.cache/nanoserve."""
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(os.environ.get("NANOSERVE_CACHE") or Path(xdg) / "nanoserve")
 
 
 def default_model_dir() -> str:
@@ -34,6 +38,9 @@ def default_model_dir() -> str:
     target = cache_root() / DEFAULT_MODEL
     if not (target / COMPLETE_MARKER).is_file():
         gguf_path = find_gguf()
+        print(f"nanoserve: first use of the default model: converting {gguf_path.name} "
+              f"({gguf_path.stat().st_size / 2**20:.0f} MB) to a safetensors folder of about {CONVERTED_MB} MB in "
+              f"{target} (once; set NANOSERVE_CACHE to put it elsewhere)", file=sys.stderr, flush=True)
         target.parent.mkdir(parents=True, exist_ok=True)
         # Convert into a temp folder and rename it into place, so an interrupted run leaves no half folder.
         staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}-", dir=target.parent))

@@ -23,26 +23,19 @@ from nanoserve.sampling_params import InvalidField, SamplingParams, check_token_
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
 from nanoserve.stopping import StopChecker
+from nanoserve.trace import StepTrace
 
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
         from nanoserve import loader
         from nanoserve.model_runner import ModelRunner
-        from nanoserve.parallel import TP, Workers
         config = EngineConfig.from_kwargs(model=model, **kwargs)
         model_dir = loader.resolve_model_dir(model)
         hf_config, args = loader.load_hf_config(model_dir, config)
         tokenizer = loader.load_tokenizer(model_dir)
-        workers = Workers(config, model_dir) if config.tensor_parallel_size > 1 else None  # ranks 1..N-1
-        if workers is not None:
-            self._close = weakref.finalize(self, workers.close)  # closed or collected: the workers exit
-        try:
-            runner = ModelRunner(config, model_dir, hf_config, args, TP(0, config.tensor_parallel_size), workers)
-        except RuntimeError as error:
-            if workers is not None:
-                workers.failed(error)  # raises, naming the rank at fault
-            raise
+        runner = ModelRunner.start(config, model_dir, hf_config, args)  # and its tensor-parallel workers, if any
+        self._close = weakref.finalize(self, runner.close)  # closed or garbage-collected: the workers exit
         self._start(config, runner, tokenizer, loader.eos_ids_of(model_dir, hf_config, tokenizer), args.vocab_size)
 
     @classmethod
@@ -51,6 +44,7 @@ class LLM:
         """The engine around any runner with launch() and num_kvcache_blocks: tests drive the real loop with a
         fake model this way."""
         llm = cls.__new__(cls)
+        llm._close = lambda: None
         llm._start(config, runner, tokenizer, eos_token_ids, vocab_size)
         return llm
 
@@ -65,13 +59,9 @@ class LLM:
         self.requests: dict[str, Request] = {}
         self.request_of: dict[int, Request] = {}  # seq_id -> its request
         self.in_flight = None                      # the launched step not yet read back (overlap)
-        self.trace = None
-        if config.trace is not None:
-            from nanoserve.trace import StepTrace
-            self.trace = StepTrace(config.trace, self.scheduler)
+        self.trace = StepTrace(config.trace, self.scheduler) if config.trace is not None else None
         self._request_ids = count()
-        self.counters = dict(computed_tokens=0, generated_tokens=0, finished_requests=0, ttft_sum=0.0, itl_sum=0.0,
-                             itl_count=0)
+        self.counters = dict(computed_tokens=0, generated_tokens=0, finished_requests=0, ttft_s=0.0, itl_s=0.0)
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
@@ -94,20 +84,17 @@ class LLM:
 
     def close(self):
         """Stop the tensor-parallel workers (nothing to do with one rank)."""
-        if getattr(self, "_close", None) is not None:
-            self._close()
+        self._close()
 
     def _make_request(self, prompt, params, request_id, stream) -> Request:
-        if params is None:
-            params = SamplingParams()
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidField("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
         if not all(0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise InvalidField("stop_token_ids", f"token ids must lie in [0, {self.vocab_size})")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise InvalidField("logprobs", f"{params.logprobs} exceeds the vocabulary ({self.vocab_size})")
-        if request_id is None:
-            request_id = f"req-{next(self._request_ids)}"
+        request_id = f"req-{next(self._request_ids)}" if request_id is None else request_id
         if not isinstance(request_id, str) or request_id in self.requests:
             raise InvalidField("request_id", f"{request_id!r} is not a new string id")
         ids = self._prompt_ids(prompt)
@@ -148,9 +135,9 @@ class LLM:
         started = time.perf_counter()
         # 1) schedule step n+1
         step = self.scheduler.schedule()
+        self.counters["computed_tokens"] += step.num_tokens
         # 2) launch it: the GPU queues it behind step n, whose samples it takes as inputs on the device
         launched = self.runner.launch(step, self.in_flight) if step.scheduled else None
-        self.counters["computed_tokens"] += step.num_tokens
         if self.trace is not None:
             self.trace.begin(step)
         # 3) finish step n (without overlap: this one): read its tokens back, apply the stop rules
@@ -166,35 +153,31 @@ class LLM:
         tokens, logprobs = in_flight.wait()
         now, changed = time.perf_counter(), {}
         for seq in self.scheduler.update(in_flight.step, tokens, logprobs):
-            request = self.request_of[seq.seq_id]
+            request = changed[seq.seq_id] = self.request_of[seq.seq_id]
             reason = self.stop_checker.check(seq, incremental=request.stream)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            changed[request.request_id] = request
+            request.metrics.first_token_time = request.metrics.first_token_time or now
             self.counters["generated_tokens"] += 1
-        return list(changed.values())
+        return list(dict.fromkeys(changed.values()))  # each changed request once, in order
 
     def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
         outputs = []
         for request in changed:
             if request.finished:
-                request.metrics.finished_time = time.perf_counter()
-                self._count_latency(request)
-                self.abort(request.request_id)  # retires it: every sequence is finished, so nothing is freed
+                self._retire(request)
             if request.stream or request.finished:
                 outputs.append(request.output())
         return outputs
 
-    def _count_latency(self, request: Request):
+    def _retire(self, request: Request):
         m, c = request.metrics, self.counters
-        c["finished_requests"] += 1
-        c["ttft_sum"] += m.first_token_time - m.arrival_time
+        m.finished_time = time.perf_counter()
         num_tokens = max(len(seq.completion_token_ids) for seq in request.seqs)
-        if num_tokens > 1:
-            c["itl_sum"] += (m.finished_time - m.first_token_time) / (num_tokens - 1)
-            c["itl_count"] += 1
+        c["finished_requests"] += 1
+        c["ttft_s"] += m.first_token_time - m.arrival_time
+        c["itl_s"] += (m.finished_time - m.first_token_time) / max(num_tokens - 1, 1)
+        self.abort(request.request_id)  # every sequence has finished: this only forgets the request
 
     # ---- offline batches --------------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
@@ -249,14 +232,12 @@ class LLM:
 
     # ---- counters ---------------------------------------------------------------------------------
     def stats(self) -> dict:
-        bm, c = self.block_manager, self.counters
-        return dict(kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks, kv_blocks_peak=bm.peak_used_blocks,
-                    kv_blocks_free=bm.num_free_blocks, kv_blocks_cached=bm.num_cached_blocks,
+        bm, c, done = self.block_manager, self.counters, max(self.counters["finished_requests"], 1)
+        return dict(kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
+                    kv_blocks_peak=bm.peak_used_blocks, kv_blocks_cached=bm.num_cached_blocks,
                     prefix_hit_tokens=bm.prefix_hit_tokens, prefix_queried_tokens=bm.prefix_queried_tokens,
                     prefix_hit_rate=bm.prefix_hit_tokens / max(bm.prefix_queried_tokens, 1),
                     preemptions=self.scheduler.num_preemptions, running=len(self.scheduler.running),
                     waiting=len(self.scheduler.waiting), computed_tokens=c["computed_tokens"],
-                    generated_tokens=c["generated_tokens"],
-                    finished_requests=c["finished_requests"],
-                    mean_ttft_s=c["ttft_sum"] / max(c["finished_requests"], 1),
-                    mean_itl_s=c["itl_sum"] / max(c["itl_count"], 1))
+                    generated_tokens=c["generated_tokens"], finished_requests=c["finished_requests"],
+                    mean_ttft_s=c["ttft_s"] / done, mean_itl_s=c["itl_s"] / done)

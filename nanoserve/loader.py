@@ -21,18 +21,20 @@ PACKED_SHARDS = {  # checkpoint projection -> (our fused projection, shard index
 
 
 def resolve_model_dir(model: str | None) -> str:
+    """The embedded default model (None), a local HF directory, or a hub id ("org/name", fetched when online)."""
     if model is None:
         from nanoserve.default_model import default_model_dir
         return default_model_dir()
     if os.path.isdir(model):
         return model
-    if os.path.exists(model) or model.count("/") != 1 or model.startswith((".", "/", "~")):
-        raise InvalidField("model", f"no such model directory: {model!r}")
-    from huggingface_hub import snapshot_download  # "org/name": a hub id, fetched once when online
-    try:
-        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
-    except Exception as e:  # offline, or no such repository
-        raise InvalidField("model", f"no such model directory, and the hub could not fetch {model!r}: {e}") from e
+    error = None
+    if model.count("/") == 1 and not os.path.exists(model) and not model.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+            return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+        except Exception as e:  # offline, or no such repository
+            error = e
+    raise InvalidField("model", f"no such model directory: {model!r}") from error
 
 
 def load_tokenizer(model_dir: str):
@@ -69,10 +71,6 @@ def read_safetensors(model_dir: str):
                 yield name, f.get_tensor(name)
 
 
-def copy_whole(param: torch.nn.Parameter, tensor: torch.Tensor):
-    param.data.copy_(tensor)
-
-
 def load_weights(model: CausalLM, tensors):
     """tensors: iterable of (HF name, tensor). q/k/v and gate/up fill a shard of their fused projection."""
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -89,7 +87,7 @@ def load_weights(model: CausalLM, tensors):
         if name not in params:
             raise ValueError(f"model: checkpoint tensor {name!r} has no place in the model")
         param = params[name]
-        getattr(param, "weight_loader", copy_whole)(param, tensor, *shard)
+        getattr(param, "weight_loader", lambda p, t: p.data.copy_(t))(param, tensor, *shard)  # default: whole
         loaded.add(name)
     if model.args.tie_word_embeddings:
         loaded.add("lm_head.weight")
@@ -117,8 +115,7 @@ def load_hf_config(model_dir: str, config: EngineConfig):
     if config.max_model_len > args.max_position:
         raise InvalidField("max_model_len", f"{config.max_model_len} exceeds the model's "
                            f"max_position_embeddings={args.max_position}")
-    n = config.tensor_parallel_size  # each rank takes an equal share of these (fewer KV heads than ranks: refused)
-    for name in ("num_heads", "num_kv_heads", "vocab_size", "intermediate_size"):
-        if getattr(args, name) % n:
-            raise InvalidField("tensor_parallel_size", f"{n} does not divide the model's {name}={getattr(args, name)}")
+    for name in ("num_heads", "num_kv_heads", "vocab_size", "intermediate_size"):  # an equal share for each rank
+        if getattr(args, name) % config.tensor_parallel_size:  # (fewer KV heads than ranks: refused, too)
+            raise InvalidField("tensor_parallel_size", f"does not divide the model's {name}={getattr(args, name)}")
     return hf_config, args

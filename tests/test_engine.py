@@ -182,21 +182,22 @@ def test_triton_kernels_in_the_engine_match_transformers(tiny_model, family):
 
 
 def test_gpu_start_up_steps_run_before_the_cache_exists(llama, monkeypatch):
-    """Guards against start-up order bugs that only a GPU would hit: there the KV cache is sized by
-    profile_run (which needs the sampler), then every kernel is compiled. CPU skips both, so force them."""
+    """Guards against start-up order bugs that only a GPU would hit: there warm_up compiles every prefill tile and
+    runs the biggest step (which needs the sampler) before the KV cache is sized. CPU skips it, so force it."""
     from nanoserve.model_runner import ModelRunner
     path, hf = llama
-    profiled = []
+    warmed = []
 
-    def blocks_from_profile(runner):
-        runner.profile_run()
-        profiled.append(True)
+    def blocks_after_warm_up(runner):
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+        runner.warm_up()
+        warmed.append(True)
         return 32
-    monkeypatch.setattr(ModelRunner, "blocks_from_memory", blocks_from_profile)
+    monkeypatch.setattr(ModelRunner, "blocks_from_memory", blocks_after_warm_up)
     llm = nanoserve.LLM(path, kernels="triton", dtype="float32", max_model_len=128,  # the GPU if there is one
                         max_num_batched_tokens=64, max_num_seqs=4)
-    assert profiled and llm.runner.num_kvcache_blocks == 32
-    llm.runner.compile_kernels()  # every prefill tile size and the sampling kernel, under the interpreter
+    assert warmed and llm.runner.num_kvcache_blocks == 32
     prompt = random_prompts([11])[0]
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 24)
 

@@ -48,3 +48,17 @@ def test_engine_runs_without_triton(tiny_model):
     assert got[0] == hf_greedy(hf, prompt, 8)
     assert got[1] and "kernels" in got[1] and "triton" in got[1]
     assert got[2] is False
+
+
+def test_dependencies_triton_linux_only_and_bounded():
+    """Guards against a pip install that fails on macOS or Windows (triton has Linux wheels only) and against
+    unbounded dependencies: the installed metadata must ask for triton on Linux only, and bound torch, triton and
+    transformers above (the newest versions tested)."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+    reqs = {r.name: r for r in map(Requirement, requires("nanoserve")) if not r.marker or "extra" not in str(r.marker)}
+    for platform, wants_triton in (("linux", True), ("darwin", False), ("win32", False)):
+        assert reqs["triton"].marker.evaluate({"sys_platform": platform}) == wants_triton, platform
+    for name in ("torch", "triton", "transformers"):
+        assert any(spec.operator in ("<", "<=") for spec in reqs[name].specifier), f"{name} has no upper bound"
