@@ -14,7 +14,7 @@ QUESTIONS = [
     "Explain in two sentences why the sky is blue.",
     "List three prime numbers greater than 10.",
 ]
-SYSTEM_PROMPT = (  # about 150 tokens, the same at the start of every conversation with --system-prompt
+SYSTEM_PROMPT = (  # about 120 tokens, the same at the start of every conversation with --system-prompt
     "You are a friendly and patient teaching assistant for a university course on how large language models are "
     "served. Students ask you short questions about science, writing, mathematics and geography while they wait "
     "for their experiments to finish. Answer in plain English, keep every answer short and correct, prefer simple "

@@ -1,13 +1,12 @@
-"""Pictures of a step trace (trace.py) as PNG files: plot_trace(trace_path, out_dir). Needs matplotlib.
+"""Pictures of a step trace (trace.py), as PNG files: plot_trace(trace_path, out_dir). Needs matplotlib.
 
-kv_blocks.png     The block pool after each step: used (held by running sequences), cached (free, but holding a
-    findable prefix) and free. Used climbs as prompts are prefilled and decodes fill new blocks, and falls as
-    requests finish; red dashed lines mark preemptions, where the pool ran dry and the youngest sequence gave back.
-batches.png       Top: each step's tokens, prompt (prefill) tokens under one per decode. A tall bar is a prefill;
-    with a small max_num_batched_tokens a long prompt is cut into chunks that share steps with decodes. Bottom:
-    the running and waiting queues (continuous batching: requests join and leave at every step).
-block_tables.png  The first sequences' block tables (each at its longest), one cell per physical block, labelled
-    with its id. Orange cells start two or more tables: one copy of a shared prefix, found in the prefix cache.
+kv_blocks.png: the block pool after each step: used (held by running sequences), cached (free, still holding a
+findable prefix) and free. Used climbs with prefills and decodes and falls as requests finish; red dashed lines
+mark preemptions (the pool ran dry and the youngest sequence gave its blocks back).
+batches.png: top, each step's prefill (prompt chunk) tokens under its decodes (one token each): with a small
+max_num_batched_tokens a long prompt is cut into chunks that ride beside decodes; bottom, the running and waiting
+queues. block_tables.png: the first sequences' block tables, one cell per physical block labelled with its id;
+orange cells are blocks shared through the prefix cache (one copy of a common prefix, computed once).
 """
 import json
 from pathlib import Path
@@ -47,25 +46,26 @@ def plot_batches(steps: list[dict], top, bottom):
     top.bar(x, decodes, width=1.0, bottom=prefill, color="tab:green", label="decodes (1 token each)")
     top.set(ylabel="tokens in the step", title="Batch composition per step")
     top.legend(loc="upper right", fontsize=8)
-    bottom.step(x, [s["running"] for s in steps], where="post", label="running")
-    bottom.step(x, [s["waiting"] for s in steps], where="post", label="waiting")
+    bottom.plot(x, [(s["running"], s["waiting"]) for s in steps], drawstyle="steps-post", label=["running", "waiting"])
     bottom.set(xlabel="step", ylabel="sequences")
     bottom.legend(loc="upper right", fontsize=8)
 
 
 def plot_block_tables(steps: list[dict], ax):
-    tables, hit = {}, set()  # seq id -> its longest block table, first sequences first; ids admitted on a hit
-    for q in (q for s in steps for q in s["seqs"]):
-        if q["id"] not in tables and len(tables) < MAX_ROWS:
-            tables[q["id"]], hit = q["block_table"], hit | ({q["id"]} if q["start"] > 0 else set())
-        elif len(q["block_table"]) > len(tables.get(q["id"], q["block_table"])):
-            tables[q["id"]] = q["block_table"]
+    seqs = [q for s in steps for q in s["seqs"]]
+    bs = next(b for b in 2 ** np.arange(16) if all(len(q["block_table"]) == -(-(q["start"] + q["tokens"]) // b)
+                                                   for q in seqs))  # the block size: every table's length fits it
+    tables, hits = {}, {}  # the first sequences: id -> longest block table, blocks found cached when admitted
+    for q in seqs:
+        if q["id"] in tables or len(tables) < MAX_ROWS:
+            hits.setdefault(q["id"], q["start"] // bs)  # its first entry is its admission
+            tables[q["id"]] = max(tables.get(q["id"], []), q["block_table"], key=len)
     ids, rows = list(tables), [t[:MAX_CELLS] for t in tables.values()]
     width = max(map(len, rows), default=1)
     grid = np.array([[0.0] * len(t) + [np.nan] * (width - len(t)) for t in rows]).reshape(-1, width)  # 1: shared
-    for i, j in ((i, j) for i in range(len(rows)) for j in range(len(rows)) if i != j and hit & {ids[i], ids[j]}):
+    for i, j in ((i, j) for i in range(len(rows)) for j in range(len(rows)) if i != j):
         n = next((k for k, (u, v) in enumerate(zip(rows[i], rows[j])) if u != v), min(len(rows[i]), len(rows[j])))
-        grid[i, :n] = 1  # a prefix hit: the same blocks at the start of both tables
+        grid[i, :min(n, max(hits[ids[i]], hits[ids[j]]))] = 1  # same blocks, found in the cache
     ax.pcolormesh(np.ma.masked_invalid(grid), cmap=matplotlib.colors.ListedColormap(["lightsteelblue", "orange"]),
                   vmin=0, vmax=1, edgecolors="white", linewidth=3)
     for i, j in np.argwhere(~np.isnan(grid)):

