@@ -444,7 +444,7 @@ def run_engine(args, model_dir, cpu_default):
         run = run_prefix if args.prefix else run_latency if args.latency else run_cpu_profile if args.cpu_profile \
             else run_serve if args.serve else run_throughput
         rows = run_traced(llm, run, workload, args) if args.kv_report or args.plot else run(llm, workload, args)
-        return [row | {"device": device, "busy": args.busy} for row in rows], workload
+        return [row | {"device": device, "busy": args.busy, "peak_rss_mb": peak_rss_mb()} for row in rows], workload
     finally:
         llm.close()
 
@@ -459,7 +459,7 @@ def run_all(args, cpu_default):
             torch.set_num_threads(args.threads or DEFAULT_THREADS)  # the peer as a user runs it
             run, name = COMPARE[args.compare]
             print(f"running {name}: {workload.description}", flush=True)
-            rows.append(run(model_dir, workload) | {"busy": args.busy})
+            rows.append(run(model_dir, workload) | {"busy": args.busy, "peak_rss_mb": peak_rss_mb()})
             ratio = rows[0]["tok_per_s"] / rows[-1]["tok_per_s"]
             rows[-1]["nanoserve_speedup"] = round(ratio, 2)
             print(f"nanoserve / {name}: {ratio:.1f}x")
@@ -467,6 +467,12 @@ def run_all(args, cpu_default):
     finally:
         if temporary:
             shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def peak_rss_mb() -> int:
+    """This process's peak resident memory so far (Linux counts KiB, macOS bytes); TP workers are not in it."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> (20 if sys.platform == "darwin" else 10)
 
 
 def print_table(rows):

@@ -3,7 +3,8 @@
 # JSON under $OUT (default ./gpu-results). Stages can be picked to fit a time limit:
 #   bash gpu_check.sh            # tests + bench
 #   bash gpu_check.sh tests      # the test suite only (gpu-marked tests included)
-#   bash gpu_check.sh bench      # the benchmarks only
+#   bash gpu_check.sh bench      # the benchmarks only (standard, latency, prefix, host profile, KV report, ShareGPT,
+#                                # serving at 16 requests/s)
 #   bash gpu_check.sh hf         # transformers' continuous batching on 64 requests, beside nanoserve
 set -uo pipefail
 cd "$(dirname "$0")"
@@ -27,7 +28,10 @@ for stage in $stages; do
       run python3 bench.py --json "$OUT/throughput.json"
       run python3 bench.py --latency --json "$OUT/latency.json"
       run python3 bench.py --prefix --json "$OUT/prefix.json"
-      run python3 bench.py --cpu-profile --json "$OUT/cpu_profile.json" ;;
+      run python3 bench.py --cpu-profile --json "$OUT/cpu_profile.json"
+      run python3 bench.py --kv-report --json "$OUT/kv_report.json"
+      run python3 bench.py --dataset sharegpt --json "$OUT/sharegpt.json"
+      run python3 bench.py --serve --request-rate 16 --json "$OUT/serve.json" ;;
     hf) run python3 bench.py --num-seqs 64 --compare hf --json "$OUT/compare_hf.json" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -8,7 +8,6 @@ from nanoserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
-
 def __getattr__(name: str):
     if name == "LLM":
         from nanoserve.llm import LLM

@@ -31,7 +31,6 @@ CPU_NUM_SMS = 4  # SM count assumed under TRITON_INTERPRET: small, yet CPU tests
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # fp32 dots run in full fp32 (ieee), not tf32
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # powers of two; 256 would overflow the registers of a 128-row tile
 
-
 @dataclass
 class AttentionMetadata:
     """What attention needs to know about one step's batch: built once per step by the ModelRunner, checked once
@@ -52,7 +51,6 @@ class AttentionMetadata:
         assert self.block_tables.stride(1) == 1
         assert not self.decode_only or self.slot_mapping.shape[0] == num_seqs, "decode: one query per sequence"
 
-
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int):
     """The layout every kernel here assumes; checked once, when the cache is made."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -61,7 +59,6 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int)
     assert k_cache.dtype in SUPPORTED_DTYPES and num_heads % num_kv_heads == 0
     assert head_dim in SUPPORTED_HEAD_DIMS, f"head_dim {head_dim} not in {SUPPORTED_HEAD_DIMS}"
     assert block_size & (block_size - 1) == 0, "block_size: a power of two"
-
 
 @triton.jit
 def _store_kv_kernel(
@@ -82,7 +79,6 @@ def _store_kv_kernel(
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
     tl.store(k_cache_ptr + dst, tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask), mask=mask)
     tl.store(v_cache_ptr + dst, tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask), mask=mask)
-
 
 @triton.jit
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, pos, kv_end, kv_head,
@@ -106,7 +102,6 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, pos, kv_end, kv_hea
         v = tl.load(v_cache_ptr + offs)
     return k, v
 
-
 @triton.jit
 def _online_softmax_step(acc, m, l, q, k, v, visible, qk_scale, MASKED: tl.constexpr):
     """Fold one key tile into the running softmax of each query row (flash attention).
@@ -123,7 +118,6 @@ def _online_softmax_step(acc, m, l, q, k, v, visible, qk_scale, MASKED: tl.const
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return acc, m_new, l
-
 
 @triton.jit
 def _prefill_kernel(
@@ -164,7 +158,6 @@ def _prefill_kernel(
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
              (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
 
-
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr, context_lens_ptr,
@@ -200,7 +193,6 @@ def _decode_split_kernel(
     tl.store(part_lse_ptr + row, lse, mask=g < GROUP)
     tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=(g < GROUP)[:, None])
 
-
 @triton.jit
 def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
                           HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
@@ -219,7 +211,6 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, strid
     out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM]; 0 if context_len 0
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
-
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
     """k, v: [num_tokens, num_kv_heads, head_dim] -> into their slots of k_cache, v_cache; PAD_SLOT tokens skipped."""
     num_tokens, num_kv_heads, head_dim = k.shape
@@ -227,7 +218,6 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride()[:3], NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], PAD=PAD_SLOT)
-
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     """q: [num_tokens, num_heads, head_dim] -> out, same shape: causal attention over each sequence's cached keys.
@@ -237,7 +227,6 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     launch = _launch_decode if meta.decode_only else _launch_prefill
     launch(q, k_cache, v_cache, out, meta, scale * LOG2E)
     return out
-
 
 def _launch_prefill(q, k_cache, v_cache, out, meta, qk_scale):
     _, num_heads, head_dim = q.shape
@@ -251,10 +240,8 @@ def _launch_prefill(q, k_cache, v_cache, out, meta, qk_scale):
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE_M=tile_m,
         TILE_N=PREFILL_TILE_N, num_warps=prefill_num_warps(tile_m))
 
-
 def prefill_num_warps(tile_m: int) -> int:
     return 8 if tile_m >= 128 else 4  # 8 warps = 2 warpgroups, each a 64-row wgmma on Hopper
-
 
 def _launch_decode(q, k_cache, v_cache, out, meta, qk_scale):
     num_seqs, num_heads, head_dim = q.shape
@@ -272,7 +259,6 @@ def _launch_decode(q, k_cache, v_cache, out, meta, qk_scale):
         part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits))
 
-
 def decode_splits(num_seqs, num_kv_heads, max_context_len, num_sms) -> tuple[int, int]:
     """(keys per split, number of splits) of the decode grid, from host ints only so a CUDA graph can hold it.
 
@@ -284,13 +270,11 @@ def decode_splits(num_seqs, num_kv_heads, max_context_len, num_sms) -> tuple[int
     split_len = triton.cdiv(max_context_len, wanted * DECODE_TILE_N) * DECODE_TILE_N
     return split_len, triton.cdiv(max_context_len, split_len)
 
-
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return CPU_NUM_SMS
-
 
 def store_kv_ref(k, v, k_cache, v_cache, slot_mapping):
     """k, v: [num_tokens, num_kv_heads, head_dim]; writes each token's K/V into its slot."""
@@ -298,7 +282,6 @@ def store_kv_ref(k, v, k_cache, v_cache, slot_mapping):
     slots = slot_mapping[keep].long()
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
-
 
 def paged_attention_ref(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim], causal within each sequence.

@@ -19,14 +19,12 @@ from nanoserve.sequence import Sequence
 
 PrefixKey = tuple[int | None, tuple[int, ...]]  # (parent block's prefix id, this block's tokens)
 
-
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
     key: PrefixKey | None = None   # set once the block is full and its K/V computed
     prefix_id: int | None = None   # names the whole token prefix ending in this block
-
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -37,9 +35,10 @@ class BlockManager:
         self.cached: dict[PrefixKey, int] = {}  # the prefix cache: key -> block id
         self._prefix_ids = count()
         # counters for stats() and the trace: prompt tokens served from / asked of the prefix cache, the most blocks
-        # ever used, and blocks ever handed out fresh, returned to the pool, and reused through the prefix cache
+        # ever used; blocks ever handed out fresh, returned to the pool, reused through the prefix cache, and of
+        # those, taken back from the pool (so used blocks = allocated - freed + revived)
         self.prefix_hit_tokens = self.prefix_queried_tokens = self.peak_used_blocks = 0
-        self.num_allocated = self.num_freed = self.num_hit_blocks = 0
+        self.num_allocated = self.num_freed = self.num_hit_blocks = self.num_revived = 0
 
     # ---- counters -------------------------------------------------------------------------------
     num_blocks = property(lambda self: len(self.blocks))
@@ -100,6 +99,7 @@ class BlockManager:
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += seq.num_cached_tokens
         self.num_hit_blocks += len(cached_blocks)
+        self.num_revived += num_revived
         for block_id in cached_blocks:
             self._take(block_id)
         seq.block_table.extend(cached_blocks)

@@ -8,7 +8,8 @@ from nanoserve.sampling_params import InvalidField, check_number
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CHOICES = {"dtype": ("auto", *DTYPES), "device": ("auto", "cpu", "cuda"), "kernels": ("auto", "triton", "torch")}
-
+LEAST = dict(max_model_len=2, max_num_seqs=1, max_num_batched_tokens=1, kvcache_block_size=16, num_kvcache_blocks=1,
+             tensor_parallel_size=1, threads=1)  # integer fields (None allowed where it is the default), least values
 
 @dataclass
 class EngineConfig:
@@ -41,17 +42,11 @@ class EngineConfig:
         for name in ("model", "trace"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise InvalidField(name, f"{getattr(self, name)!r} is not a path")
-        check_number("max_model_len", self.max_model_len, low=2, integer=True)
-        check_number("max_num_seqs", self.max_num_seqs, low=1, integer=True)
-        check_number("max_num_batched_tokens", self.max_num_batched_tokens, low=1, integer=True)
-        check_number("kvcache_block_size", self.kvcache_block_size, low=16, high=256, integer=True)
-        if self.kvcache_block_size & (self.kvcache_block_size - 1):  # kernels tile by powers of two
-            raise InvalidField("kvcache_block_size", f"{self.kvcache_block_size} is not a power of two")
-        if self.num_kvcache_blocks is not None:
-            check_number("num_kvcache_blocks", self.num_kvcache_blocks, low=1, integer=True)
-        check_number("tensor_parallel_size", self.tensor_parallel_size, low=1, integer=True)
-        if self.threads is not None:
-            check_number("threads", self.threads, low=1, integer=True)
+        for name, least in LEAST.items():
+            if getattr(self, name) is not None or name not in ("num_kvcache_blocks", "threads"):
+                check_number(name, getattr(self, name), low=least, integer=True)
+        if self.kvcache_block_size > 256 or self.kvcache_block_size & (self.kvcache_block_size - 1):
+            raise InvalidField("kvcache_block_size", f"{self.kvcache_block_size} is not a power of two in [16, 256]")
         check_number("gpu_memory_utilization", self.gpu_memory_utilization, low=0, high=1, above_low=True)
         for name in ("enable_prefix_caching", "enforce_eager", "overlap"):
             if not isinstance(getattr(self, name), bool):

@@ -8,11 +8,9 @@ import torch
 
 from nanoserve.attention import PAD_SLOT, AttentionMetadata
 
-
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
     return sizes + [max_num_seqs]
-
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int):

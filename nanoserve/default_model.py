@@ -23,8 +23,7 @@ BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, UNK_TOKEN_ID = 1, 2, 2, 0
 # bfloat16 halves the cache (~270 MB instead of ~540 MB). It rounds the dequantized float32 weights, but
 # nanoserve and its reference, transformers, both load this same folder, so they still see equal weights.
 SAVE_DTYPE = "bfloat16"
-COMPLETE_MARKER = ".nanoserve-complete"  # written last, so a folder that has it is whole
-CONVERTED_MB = 270  # the converted folder's size on disk
+COMPLETE_MARKER, CONVERTED_MB = ".nanoserve-complete", 270  # written last: a folder that has it is whole; its size
 
 
 def cache_root() -> Path:

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from nanoserve.kernels import tl, triton
 
-
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, stride_r, stride_o, n, eps,
                          BLOCK: tl.constexpr):
@@ -30,7 +29,6 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, str
     normed = (xf * inv_rms).to(x.dtype).to(tl.float32)  # transformers rounds before scaling by the weight
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (normed * w).to(x.dtype), mask=mask)
-
 
 @triton.jit
 def _norm_rope_heads(ptr, stride_h, num_heads, weight_ptr, cos, sin, eps,
@@ -53,7 +51,6 @@ def _norm_rope_heads(ptr, stride_h, num_heads, weight_ptr, cos, sin, eps,
     tl.store(ptr + h * stride_h + d, (x1 * cos - x2 * sin).to(dtype), mask=mask)
     tl.store(ptr + h * stride_h + HALF + d, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
-
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads, eps,
@@ -70,7 +67,6 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight
     _norm_rope_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, k_weight_ptr, cos, sin, eps,
                      K_HEADS_PAD, HALF, HAS_NORM)
 
-
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
     # program (row, chunk): out = silu(gate) * up for BLOCK columns, where x's row is [gate | up]
@@ -83,10 +79,8 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # silu, rounded as F.silu's output is
     tl.store(out_ptr + row * stride_o + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
-
 def rms_norm_num_warps(block: int) -> int:
     return min(16, max(1, block // 256))  # 8 elements a thread (one 16-byte bf16 load) up to 4k columns
-
 
 def add_rms_norm(x, residual, weight, eps: float):
     """x, residual: [rows, n] -> (RMSNorm(x + residual) * weight, x + residual). The sum OVERWRITES `residual` in
@@ -98,16 +92,13 @@ def add_rms_norm(x, residual, weight, eps: float):
                                   BLOCK=block, num_warps=rms_norm_num_warps(block))
     return out, residual
 
-
 def rms_norm_ref(x, weight, eps: float):
     xf = x.float()  # the mean of squares in fp32, whatever the model dtype; rounded before the weight, as HF does
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
-
 def add_rms_norm_ref(x, residual, weight, eps: float):
     stream = x + residual
     return rms_norm_ref(stream, weight, eps), stream
-
 
 def qk_norm_rope(q, k, positions, cos, sin, q_weight=None, k_weight=None, eps: float = 0.0):
     """In place: q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] get, per head, RMSNorm with
@@ -122,22 +113,18 @@ def qk_norm_rope(q, k, positions, cos, sin, q_weight=None, k_weight=None, eps: f
         HALF=head_dim // 2, HAS_NORM=has_norm)
     return q, k
 
-
 def rope_ref(x, positions, cos, sin):
     """x: [tokens, heads, head_dim] in the rotate-half layout; cos, sin: [max_pos, head_dim / 2] fp32."""
     cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
-
 def qk_norm_rope_ref(q, k, positions, cos, sin, q_weight=None, k_weight=None, eps: float = 0.0):
     if q_weight is not None:
         q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     return rope_ref(q, positions, cos, sin), rope_ref(k, positions, cos, sin)
 
-
 SILU_BLOCK = 1024  # columns per program
-
 
 def silu_and_mul(x):
     """x: [rows, 2n] = [gate | up] -> silu(gate) * up, [rows, n]."""
@@ -146,7 +133,6 @@ def silu_and_mul(x):
     block = min(SILU_BLOCK, triton.next_power_of_2(n))
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
     return out
-
 
 def silu_and_mul_ref(x):
     gate, up = x.chunk(2, dim=-1)

@@ -20,7 +20,6 @@ except ImportError:
 else:
     HAVE_TRITON = True
 
-
 @dataclass(frozen=True)
 class Kernels:
     name: str
@@ -30,7 +29,6 @@ class Kernels:
     store_kv: Callable         # (k, v, k_cache, v_cache, slot_mapping): this step's K/V into their slots
     paged_attention: Callable  # (q, k_cache, v_cache, meta, scale) -> out: through the block tables
     gumbel_argmax: Callable    # (logits, temperatures, seeds) -> tokens: a draw from softmax(logits / T)
-
 
 def get_kernels(name: str) -> Kernels:
     from nanoserve import attention, fused_ops, sampler

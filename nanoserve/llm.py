@@ -25,7 +25,6 @@ from nanoserve.sequence import Sequence
 from nanoserve.stopping import StopChecker
 from nanoserve.trace import StepTrace
 
-
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
         from nanoserve import loader
@@ -83,8 +82,10 @@ class LLM:
         return bool(self.requests)
 
     def close(self):
-        """Stop the tensor-parallel workers (nothing to do with one rank)."""
+        """Stop the tensor-parallel workers (nothing to do with one rank) and close the trace."""
         self._close()
+        if self.trace is not None:
+            self.trace.close()
 
     def _make_request(self, prompt, params, request_id, stream) -> Request:
         params = SamplingParams() if params is None else params

@@ -19,7 +19,6 @@ PACKED_SHARDS = {  # checkpoint projection -> (our fused projection, shard index
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
 
-
 def resolve_model_dir(model: str | None) -> str:
     """The embedded default model (None), a local HF directory, or a hub id ("org/name", fetched when online)."""
     if model is None:
@@ -36,13 +35,11 @@ def resolve_model_dir(model: str | None) -> str:
             error = e
     raise InvalidField("model", f"no such model directory: {model!r}") from error
 
-
 def load_tokenizer(model_dir: str):
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, TypeError):
         return None  # a weights-only directory: prompts must be token ids
-
 
 def eos_ids_of(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
     """EOS ids from the generation config and the model config (several allowed), then the tokenizer."""
@@ -55,11 +52,9 @@ def eos_ids_of(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
         sources.append(tokenizer.eos_token_id)
     return frozenset(i for s in sources for i in ([s] if isinstance(s, int) else (s or [])))
 
-
 def checkpoint_dtype(hf_config) -> torch.dtype | None:
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     return getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-
 
 def read_safetensors(model_dir: str):
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
@@ -69,7 +64,6 @@ def read_safetensors(model_dir: str):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
-
 
 def load_weights(model: CausalLM, tensors):
     """tensors: iterable of (HF name, tensor). q/k/v and gate/up fill a shard of their fused projection."""
@@ -95,7 +89,6 @@ def load_weights(model: CausalLM, tensors):
     if missing:
         raise ValueError(f"model: checkpoint lacks {sorted(missing)[:5]}")
 
-
 def build_model(args: ModelArgs, model_dir: str, dtype: torch.dtype, device: torch.device, kernels: Kernels,
                 tp: TP) -> CausalLM:
     default_dtype = torch.get_default_dtype()
@@ -107,7 +100,6 @@ def build_model(args: ModelArgs, model_dir: str, dtype: torch.dtype, device: tor
         torch.set_default_dtype(default_dtype)
     load_weights(model, read_safetensors(model_dir))
     return model.eval()
-
 
 def load_hf_config(model_dir: str, config: EngineConfig):
     hf_config = AutoConfig.from_pretrained(model_dir)

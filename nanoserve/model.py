@@ -20,7 +20,6 @@ from nanoserve.sampling_params import InvalidField
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
-
 @dataclass
 class ModelArgs:
     vocab_size: int
@@ -63,7 +62,6 @@ class ModelArgs:
             qk_norm=cfg.model_type == "qwen3",
         )
 
-
 class RMSNorm(nn.Module):
     """Adds a sublayer's output into the residual stream and normalises the sum: (norm(x + residual), x + residual).
     The Triton kernel writes the sum into `residual` in place, so the stream is a tensor the model owns."""
@@ -74,7 +72,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x, residual):
         return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
-
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim)
@@ -88,7 +85,6 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     blend = ((old_len / wavelen - low) / (high - low)).clamp(0, 1)
     return (1 - blend) * inv_freq / s["factor"] + blend * inv_freq
 
-
 class Rotary(nn.Module):
     """RoPE's cos and sin for every position, [max_position, head_dim / 2] in fp32, shared by all layers."""
     def __init__(self, args: ModelArgs):
@@ -96,7 +92,6 @@ class Rotary(nn.Module):
         freqs = torch.outer(torch.arange(args.max_position).float(), rope_inv_freq(args))
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
-
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP):
@@ -122,7 +117,6 @@ class Attention(nn.Module):
         o = self.kernels.paged_attention(q, *kv_cache, meta, self.scale)
         return self.o_proj(o.flatten(1))
 
-
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP):
         super().__init__()
@@ -132,7 +126,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP):
@@ -150,7 +143,6 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(h), residual
 
-
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP):
         super().__init__()
@@ -166,7 +158,6 @@ class Transformer(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
         return self.norm(x, residual)[0]
-
 
 class CausalLM(nn.Module):
     """Module names follow the HF checkpoints (model.layers.0.self_attn...), so weights load by name. With tensor

@@ -39,7 +39,6 @@ BLOCK_TABLE_WIDTH_MULTIPLE = 16
 NUM_PARTS = 9  # integer lists a step uploads (prepare's), in one buffer
 PROFILE_SAMPLING = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, logprobs=1)  # the sampler's costliest path
 
-
 def free_cores() -> int:
     """Cores this process may use that other processes are not busy on. On a CPU, more torch threads than free
     cores is ruinous: each parallel region waits for a thread that is not running (38 -> 2.6 tok/s measured)."""
@@ -53,10 +52,8 @@ def free_cores() -> int:
         time.sleep(0.01)
     return max(1, cores - min(running))
 
-
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
 
 @dataclass
 class StepInputs:
@@ -64,7 +61,6 @@ class StepInputs:
     positions: torch.Tensor    # [num_tokens] int32
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [num_sampling] int32: rows of the hidden states whose logits pick a token
-
 
 class InFlightStep:
     """A launched step. Its samples stay on the device (the next step reads its decode inputs there), and their
@@ -90,7 +86,6 @@ class InFlightStep:
         chosen, top_lp, top_ids = (t.tolist() for t in self.host[1:])
         return tokens, [None if p.logprobs is None else {**dict(zip(top_ids[r][:p.logprobs], top_lp[r][:p.logprobs])),
                                                          tokens[r]: chosen[r]} for r, p in enumerate(self.params)]
-
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str, hf_config, args: ModelArgs, tp: TP = TP(),

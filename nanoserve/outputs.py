@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from nanoserve.sequence import Sequence
 from nanoserve.stopping import final_text, take_stream_delta
 
-
 @dataclass
 class CompletionOutput:
     index: int                       # which of the request's n samples
@@ -18,13 +17,11 @@ class CompletionOutput:
     text_delta: str = ""             # streaming: the text added since this request's previous output
     token_ids_delta: list[int] = field(default_factory=list)
 
-
 @dataclass
 class RequestMetrics:
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
-
 
 @dataclass
 class RequestOutput:
@@ -35,7 +32,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int           # prompt tokens served by the prefix cache (of the first sample)
     metrics: RequestMetrics
-
 
 class Request:
     def __init__(self, request_id: str, prompt: str | None, seqs: list[Sequence], stream: bool):

@@ -24,7 +24,6 @@ STOP, STEP = 0, 1        # what rank 0 sends the workers first in each message..
 HEADER_LEN = 12          # ...a header: [STOP or STEP, 9 part lengths, max query length, max context length]
 TIMEOUT_S = 300          # a collective waiting longer than this fails (a rank that hangs, not one that died)
 
-
 @dataclass(frozen=True)
 class TP:
     rank: int = 0
@@ -33,7 +32,6 @@ class TP:
     def loader(self, dim: int):
         """A weight_loader that copies this rank's 1/size slice of a checkpoint tensor along dim."""
         return lambda param, tensor: param.data.copy_(tensor.chunk(self.size, dim)[self.rank])
-
 
 class ColumnParallelLinear(nn.Linear):
     """Output features split across ranks. It may fuse several projections of one input (q|k|v): each is split
@@ -49,7 +47,6 @@ class ColumnParallelLinear(nn.Linear):
         start = sum(self.shard_sizes[:shard])
         self.tp.loader(0)(param.data[start:start + self.shard_sizes[shard]], tensor)
 
-
 class RowParallelLinear(nn.Linear):
     """Input features split across ranks: each computes a partial product, and one all-reduce sums them."""
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TP):
@@ -62,7 +59,6 @@ class RowParallelLinear(nn.Linear):
         y = F.linear(x, self.weight)
         dist.all_reduce(y)
         return y if self.bias is None else y + self.bias  # the bias once, after the sum
-
 
 class VocabParallelEmbedding(nn.Embedding):
     """Each rank holds the rows of a 1/N slice of the vocabulary; ids outside it embed to 0 before the all-reduce."""
@@ -79,7 +75,6 @@ class VocabParallelEmbedding(nn.Embedding):
         dist.all_reduce(x)
         return x
 
-
 def gather_vocab(logits: torch.Tensor, tp: TP) -> torch.Tensor:
     """[rows, vocab / N] on each rank -> [rows, vocab] on every rank."""
     if tp.size == 1:
@@ -88,14 +83,12 @@ def gather_vocab(logits: torch.Tensor, tp: TP) -> torch.Tensor:
     dist.all_gather(slices, logits)
     return torch.cat(slices, dim=-1)
 
-
 # ---- the processes ---------------------------------------------------------------------------------------
 def init_group(tp: TP, port: int, device: str):
     if device == "cuda":
         torch.cuda.set_device(tp.rank)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=tp.rank, world_size=tp.size, timeout=timedelta(seconds=TIMEOUT_S))
-
 
 def run_worker(config, model_dir: str, tp: TP, port: int, errors):
     """A worker rank: build the same runner on its shard, then run every step rank 0 sends until told to stop."""
@@ -110,7 +103,6 @@ def run_worker(config, model_dir: str, tp: TP, port: int, errors):
         errors.close()
         errors.join_thread()  # the traceback is delivered, then the process ends at once: its sockets close,
         os._exit(1)           # so rank 0's next collective fails instead of waiting
-
 
 class Workers:
     """Rank 0's handle on ranks 1..N-1: it starts them, stops them, and turns their failures into errors."""

@@ -20,7 +20,6 @@ SEED_RANGE = 2**63    # torch generators take 64-bit seeds; any Python int seed 
 GUMBEL_TILE = 2048    # vocabulary entries per step of the sampling kernel's loop
 GUMBEL_NUM_WARPS = 8
 
-
 @triton.jit
 def _gumbel_argmax_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, out_ptr, vocab_size,
                           TILE: tl.constexpr):
@@ -42,7 +41,6 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, out_ptr
         best = tl.where(take, tile_best, best)
     tl.store(out_ptr + row, best_id)
 
-
 def gumbel_argmax(logits, temperatures: list[float], seeds: list[int]) -> torch.Tensor:
     """logits: [rows, vocab] -> [rows] int64 token ids, one draw per row from softmax(logits / T)."""
     num_rows, vocab_size = logits.shape
@@ -51,7 +49,6 @@ def gumbel_argmax(logits, temperatures: list[float], seeds: list[int]) -> torch.
         logits, logits.stride(0), to_device(temperatures, torch.float32, logits.device),
         to_device(seeds, torch.int64, logits.device), tokens, vocab_size, TILE=GUMBEL_TILE, num_warps=GUMBEL_NUM_WARPS)
     return tokens.long()
-
 
 def gumbel_argmax_ref(logits, temperatures: list[float], seeds: list[int]) -> torch.Tensor:
     generator = torch.Generator(logits.device)
@@ -62,11 +59,9 @@ def gumbel_argmax_ref(logits, temperatures: list[float], seeds: list[int]) -> to
     drawn = (logits.float() / t.clamp(min=1e-6) - noise.log()).argmax(-1)
     return torch.where(t[:, 0] > 0, drawn, logits.argmax(-1))
 
-
 def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     host = torch.tensor(rows, dtype=dtype)
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
-
 
 class Sampler:
     def __init__(self, kernels: Kernels):
@@ -95,7 +90,6 @@ class Sampler:
             return [tokens]
         top_lp, top_ids = logprobs.topk(max(p.logprobs or 0 for p in params), dim=-1)  # 0 gives empty rows
         return [tokens, logprobs.gather(-1, tokens[:, None])[:, 0], top_lp, top_ids]
-
 
 def drop_filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Set to -inf what top-k, top-p and min-p drop, in that order (as vLLM and transformers do): top-p judged on

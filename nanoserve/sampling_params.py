@@ -4,13 +4,11 @@ import math
 import numbers
 from dataclasses import dataclass
 
-
 class InvalidField(ValueError):
     """Bad input, with the name of the field at fault (the server reports it as OpenAI's `param`)."""
     def __init__(self, field: str, problem: str):
         super().__init__(f"{field}: {problem}")
         self.field, self.problem = field, problem
-
 
 def check_number(field: str, value, low=None, high=None, integer=False, above_low=False):
     """value must be a finite real (an integer if asked; bool is neither) in [low, high], or (low, high]."""
@@ -21,7 +19,6 @@ def check_number(field: str, value, low=None, high=None, integer=False, above_lo
         bounds = f"{'(' if above_low else '['}{'-inf' if low is None else low}, {'inf' if high is None else high}]"
         raise InvalidField(field, f"{value!r} is out of range {bounds}")
 
-
 def check_token_ids(field: str, ids) -> list[int]:
     """A list of integer token ids (a numpy array or tensor of them is fine): returned as plain ints."""
     if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):
@@ -30,7 +27,6 @@ def check_token_ids(field: str, ids) -> list[int]:
                                                       for t in ids):
         raise InvalidField(field, "expected a list of integer token ids")
     return [int(t) for t in ids]
-
 
 @dataclass
 class SamplingParams:

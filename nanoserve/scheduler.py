@@ -20,14 +20,12 @@ from nanoserve.sampling_params import InvalidField
 from nanoserve.sequence import Sequence, SequenceStatus
 from nanoserve.stopping import reached_length_limit
 
-
 @dataclass
 class ScheduledSeq:
     seq: Sequence
     start: int            # first position computed this step
     num_new_tokens: int   # positions [start, start + num_new_tokens) are computed
     samples: bool         # the chunk reaches the sequence's end, so its last logits pick the next token
-
 
 @dataclass
 class Step:
@@ -37,7 +35,6 @@ class Step:
     num_tokens = property(lambda self: sum(s.num_new_tokens for s in self.scheduled))
     # the sequences that get a token from this step, in batch order: the rows of its samples
     sampling = property(lambda self: [s.seq for s in self.scheduled if s.samples])
-
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,

@@ -13,12 +13,10 @@ from nanoserve.sampling_params import SamplingParams
 
 PENDING = -1  # a token id sampled on the GPU and not yet read back
 
-
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
     FINISHED = auto()
-
 
 @dataclass
 class DecodedText:
@@ -29,7 +27,6 @@ class DecodedText:
     stop_at: int | None = None       # a stop string starts here: the output text ends here
     num_streamed: int = 0            # characters already handed out as deltas
     num_tokens_streamed: int = 0     # completion tokens already handed out
-
 
 class Sequence:
     _ids = count()

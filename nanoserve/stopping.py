@@ -17,16 +17,13 @@ from nanoserve.sequence import Sequence
 DETOKENIZE_CONTEXT = 6  # tokens decoded again before the new ones (a UTF-8 character has at most 4 bytes)
 INCOMPLETE_CHARACTER = "\ufffd"  # what decoding shows for a character whose last bytes have not come yet
 
-
 def reached_length_limit(seq: Sequence, max_model_len: int) -> bool:
     """Counts pending tokens: a sequence whose last token is pending but already at its limit is not scheduled."""
     return seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= max_model_len
 
-
 def banned_token_ids(seq: Sequence) -> frozenset[int]:
     """Ids the sampler may not pick for seq's newest (pending) token: the first min_tokens tokens cannot stop."""
     return seq.stop_token_ids if seq.num_completion_tokens <= seq.params.min_tokens else frozenset()
-
 
 class StopChecker:
     def __init__(self, tokenizer, max_model_len: int):
@@ -83,10 +80,8 @@ class StopChecker:
             t.stop_at = min(found)
         return bool(found)
 
-
 def final_text(seq: Sequence) -> str:
     return seq.text.text if seq.text.stop_at is None else seq.text.text[:seq.text.stop_at]
-
 
 def take_stream_delta(seq: Sequence) -> str:
     """The text not yet streamed, less any tail that could still become a stop string (until the end)."""

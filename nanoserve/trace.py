@@ -8,7 +8,6 @@ import time
 from nanoserve.block_manager import BlockManager
 from nanoserve.scheduler import Scheduler, Step
 
-
 class StepTrace:
     def __init__(self, path: str, scheduler: Scheduler):
         self.file = open(path, "w", buffering=1)  # line-buffered: a trace is readable while the engine runs
@@ -18,7 +17,7 @@ class StepTrace:
 
     @staticmethod
     def counters(bm: BlockManager) -> dict:
-        return dict(allocated=bm.num_allocated, freed=bm.num_freed, hit=bm.num_hit_blocks)
+        return dict(allocated=bm.num_allocated, freed=bm.num_freed, hit=bm.num_hit_blocks, revived=bm.num_revived)
 
     def begin(self, step: Step):
         """The step as launched (before finishing the previous one may free blocks)."""

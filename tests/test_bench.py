@@ -1,4 +1,5 @@
-"""bench.py runs end to end on CPU at small sizes, so a broken benchmark shows up in CI, not on the GPU."""
+"""bench.py runs end to end on CPU at small sizes, so a broken benchmark shows up in CI, not on the GPU. Every mode
+runs in a subprocess with --json, and its rows must say what the run did; nothing here depends on timing."""
 import json
 import subprocess
 import sys
@@ -7,22 +8,133 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import bench  # noqa: E402  (bench.py lives at the repository root)
+
+TINY = ["--arch", "tiny", "--num-seqs", "4", "--max-input-len", "40", "--max-output-len", "8", "--max-model-len", "1024"]
+CHAT = ["--model", "default", "--dataset", "chat", "--num-seqs", "2", "--max-output-len", "8", "--max-model-len", "512"]
+PEER_RSS_LIMIT_MB = 2048  # --compare hf sized its cache from free RAM (14 GB peaks in CI) before bench.py bounded it
 
 
-@pytest.mark.parametrize("mode", [[], ["--prefix", "--prefix-len", "48"], ["--latency"], ["--cpu-profile"],
-                                  ["--compare", "hf"]],
-                         ids=["standard", "prefix", "latency", "cpu-profile", "compare-hf"])
-def test_bench_smoke(tmp_path, mode):
-    """Guards against bench.py modes that crash or report tokens they did not generate."""
+def run_bench(tmp_path, *flags) -> list[dict]:
     out = tmp_path / "result.json"
-    cmd = [sys.executable, str(ROOT / "bench.py"), "--arch", "tiny", "--num-seqs", "4", "--max-input-len", "40",
-           "--max-output-len", "8", "--json", str(out), *mode]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
+    done = subprocess.run([sys.executable, str(ROOT / "bench.py"), *flags, "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads(out.read_text())
-    expected = {"--prefix": 4 * 64, "--latency": 256}.get(mode[0] if mode else None, None)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == rows  # the last line is the machine-readable one
+    return rows
+
+
+@pytest.mark.parametrize("mode, expected", [([], 4 * 8), (["--prefix", "--prefix-len", "48"], 4 * 64),
+                                            (["--latency"], 256), (["--cpu-profile"], 4 * 8)],
+                         ids=["standard", "prefix", "latency", "cpu-profile"])
+def test_nanoserve_modes(tmp_path, mode, expected):
+    """Guards against modes that crash or report tokens they did not generate."""
+    rows = run_bench(tmp_path, *TINY, *mode)
+    assert len(rows) == (2 if mode[:1] == ["--prefix"] else 1)
     for row in rows:
-        assert row["requests"] in (1, 4) and row["tok_per_s"] > 0
-        if expected:
-            assert row["output_tokens"] == expected
-    if mode[:1] == ["--compare"]:  # the peer generated exactly the same number of tokens
-        assert len(rows) == 2 and rows[0]["output_tokens"] == rows[1]["output_tokens"]
+        assert row["output_tokens"] == expected and row["requests"] in (1, 4) and row["tok_per_s"] > 0
+    if mode == ["--cpu-profile"]:
+        assert rows[0]["all_steps"] >= rows[0]["decode-only_steps"] > 0
+
+
+def test_compare_hf(tmp_path):
+    """transformers' continuous batching makes the same tokens, within a bounded memory on a CPU."""
+    rows = run_bench(tmp_path, *TINY, "--compare", "hf")
+    assert [r["run"] for r in rows] == ["nanoserve", "transformers continuous batching"]
+    assert rows[0]["output_tokens"] == rows[1]["output_tokens"] == 4 * 8
+    assert rows[1]["nanoserve_speedup"] > 0 and rows[1]["peak_rss_mb"] < PEER_RSS_LIMIT_MB
+
+
+def test_compare_hf_sequential_chat(tmp_path):
+    """The course-edition comparison at a tiny size: real chat prompts, the same greedy token counts, a ratio."""
+    rows = run_bench(tmp_path, *CHAT, "--compare", "hf-sequential")
+    assert [r["run"] for r in rows] == ["nanoserve", "transformers one-at-a-time"]
+    assert rows[0]["output_tokens"] == rows[1]["output_tokens"] == 2 * 8
+    low, high = bench.CHAT_PROMPT_LENS
+    assert 2 * low <= rows[0]["prompt_tokens"] <= 2 * high
+    assert rows[1]["nanoserve_speedup"] == pytest.approx(rows[0]["tok_per_s"] / rows[1]["tok_per_s"], rel=0.05)
+
+
+def sharegpt_output_tokens(num_requests, max_output_len) -> int:
+    from bench_serve import sharegpt_requests
+    from nanoserve.loader import load_tokenizer, resolve_model_dir
+    requests = sharegpt_requests(load_tokenizer(resolve_model_dir(None)), num_requests, bench.SEED, max_output_len)
+    return sum(n for _, _, n in requests)
+
+
+def test_dataset_sharegpt(tmp_path):
+    """A random-weight model takes ShareGPT's lengths (the default tokenizer's ids folded into its vocabulary), and
+    ignore_eos makes every output as long as the dataset's (clipped) answer."""
+    rows = run_bench(tmp_path, *TINY, "--dataset", "sharegpt")
+    assert rows[0]["requests"] == 4 and rows[0]["output_tokens"] == sharegpt_output_tokens(4, 8)
+
+
+def test_serve(tmp_path):
+    rows = run_bench(tmp_path, *TINY, "--serve", "--request-rate", "1000")
+    (row,) = rows
+    assert row["requests"] == 4 and row["failed"] == 0 and row["output_tokens"] == sharegpt_output_tokens(4, 8)
+    assert 0 <= row["ttft_p50_ms"] <= row["ttft_p99_ms"] and 0 <= row["itl_p50_ms"] <= row["itl_p99_ms"]
+    assert row["req_per_s"] > 0 and row["output_tok_per_s"] > 0
+
+
+def test_kv_report_mode(tmp_path):
+    (row,) = run_bench(tmp_path, *TINY, "--kv-report")
+    for key in ("kv_static_waste", "kv_paged_waste", "prefix_saved_share"):
+        assert 0 <= row[key] <= 1, key
+    assert row["kv_paged_waste"] < row["kv_static_waste"]
+    assert row["kv_peak_running"] >= 1 and row["kv_peak_blocks"] >= 4 * 3  # 48 tokens each: 3 blocks of 16
+    assert row["prefix_saved_tokens"] <= row["prompt_tokens"]
+
+
+def test_tensor_parallel(tmp_path):
+    (row,) = run_bench(tmp_path, *TINY, "--tp", "2")
+    assert row["output_tokens"] == 4 * 8
+
+
+def test_busy_and_threads(tmp_path):
+    (row,) = run_bench(tmp_path, *TINY, "--busy", "1", "--threads", "1")
+    assert row["busy"] == 1 and row["threads"] == 1 and row["output_tokens"] == 4 * 8
+
+
+@pytest.mark.skipif(not (ROOT / "nanoserve" / "plots.py").exists(), reason="nanoserve/plots.py is not there yet")
+def test_plot(tmp_path):
+    run_bench(tmp_path, *TINY, "--plot", str(tmp_path / "plots"))
+    assert list((tmp_path / "plots").glob("*.png"))
+
+
+def test_kv_report_on_a_hand_made_trace():
+    """Three steps: the peak is the step with the most blocks in use, of two with 6 the one holding more tokens."""
+    def step(i, used, running, kv_tokens, unused):
+        return dict(step=i, blocks=dict(used=used), running=running, kv_tokens=kv_tokens, kv_unused_slots=unused)
+    trace = [step(0, 4, 2, 40, 24), step(1, 6, 3, 80, 16), step(2, 6, 2, 70, 26)]
+    report = bench.kv_report([json.dumps(s) for s in trace], max_model_len=100, block_size=16)
+    assert report == {"kv_peak_step": 1, "kv_peak_running": 3, "kv_peak_blocks": 6,
+                      "kv_static_waste": round(1 - 80 / 300, 4), "kv_paged_waste": round(16 / 96, 4)}
+    assert bench.kv_report(trace, 100, 16) == report  # dicts as well as JSON lines
+
+
+def test_defaults_follow_the_device():
+    """No GPU and no model: the CPU workload (default model, 24 chat prompts x 40 tokens); on a GPU the standard one;
+    ShareGPT's count and lengths for --serve on a GPU; CPU sizes for a random-weight model without a GPU."""
+    args = bench.parse_args([])
+    assert bench.resolve_defaults(args, gpu=False)
+    assert (args.model, args.dataset, args.num_seqs, args.max_output_len) == ("default", "chat", 24, 40)
+    args = bench.parse_args([])
+    assert not bench.resolve_defaults(args, gpu=True)
+    assert (args.model, args.arch, args.dataset, args.num_seqs, args.max_output_len) == \
+        (None, "qwen3-0.6b", "random", 256, 1024)
+    args = bench.parse_args(["--serve"])
+    bench.resolve_defaults(args, gpu=True)
+    assert (args.dataset, args.num_seqs, args.max_output_len) == ("sharegpt", 1000, None)
+    args = bench.parse_args(["--arch", "tiny"])
+    assert not bench.resolve_defaults(args, gpu=False)
+    assert (args.model, args.dataset, args.num_seqs, args.max_output_len) == (None, "random", 24, 40)
+
+
+@pytest.mark.parametrize("flags", [["--serve", "--dataset", "chat"], ["--prefix", "--compare", "hf"],
+                                   ["--latency", "--kv-report"]])
+def test_conflicting_flags_are_refused(flags):
+    with pytest.raises(SystemExit):
+        bench.parse_args(flags)
