@@ -438,8 +438,8 @@ def run_engine(args, model_dir, cpu_default):
         model = "the default model" if args.model == "default" else args.model or f"{args.arch}, random weights"
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         what = workload.description if workload else "the mode's own requests"
-        print(f"bench: {device}, {model}, {what}, "
-              f"threads {torch.get_num_threads()}, tp {args.tp}, busy {args.busy}", flush=True)
+        print(f"bench: {device}, {model}, {what}, threads {torch.get_num_threads()}, tp {args.tp}, busy {args.busy}",
+              flush=True)
         llm.generate([[1, 2, 3]] * WARMUP_PROMPTS, SamplingParams(max_tokens=WARMUP_TOKENS), use_tqdm=False)
         run = run_prefix if args.prefix else run_latency if args.latency else run_cpu_profile if args.cpu_profile \
             else run_serve if args.serve else run_throughput

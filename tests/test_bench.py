@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import bench  # noqa: E402  (bench.py lives at the repository root)
 
-TINY = ["--arch", "tiny", "--num-seqs", "4", "--max-input-len", "40", "--max-output-len", "8", "--max-model-len", "1024"]
+TINY = ["--arch", "tiny", "--num-seqs", "4", "--max-input-len", "40", "--max-output-len", "8",
+        "--max-model-len", "1024"]
 CHAT = ["--model", "default", "--dataset", "chat", "--num-seqs", "2", "--max-output-len", "8", "--max-model-len", "512"]
 PEER_RSS_LIMIT_MB = 2048  # --compare hf sized its cache from free RAM (14 GB peaks in CI) before bench.py bounded it
 
