@@ -1,15 +1,13 @@
 """Paged attention: write this step's K/V into their cache slots, then attend through each sequence's block table.
 
-The KV cache of one layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]; a sequence's tokens
-live in the blocks its block table lists, in order, so physical blocks need not be contiguous (PagedAttention,
-Kwon et al. 2023). Three Triton jobs: `store_kv` scatters this step's K/V into their slots; a flash-attention
-kernel (FlashAttention-2, Dao 2023: query tiles, online softmax) serves prefill and mixed batches, causal and
-varlen; a split-KV kernel (Flash-Decoding, Dao et al. 2023) serves decode-only batches by splitting each
-sequence's keys across programs and merging their partial softmaxes in a small reduce kernel. Every key is read
-from the cache, so store_kv runs before attention. The PyTorch references at the bottom are the oracle the
-kernels are tested against, and the CPU's fast path. Words: a "block" is a KV-cache page, a "tile" a kernel's
-compute tile.
-"""
+The KV cache of one layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]; a sequence's tokens live in
+the blocks its block table lists, in order, so physical blocks need not be contiguous (PagedAttention, Kwon et al.
+2023). Three Triton jobs: `store_kv` scatters this step's K/V into their slots; a flash-attention kernel
+(FlashAttention-2, Dao 2023: query tiles, online softmax) serves prefill and mixed batches, causal and varlen; a
+split-KV kernel (Flash-Decoding, Dao et al. 2023) serves decode-only batches by splitting each sequence's keys across
+programs and merging their partial softmaxes in a small reduce kernel. Every key is read from the cache, so store_kv
+runs before attention. The PyTorch references at the bottom are the oracle the kernels are tested against, and the CPU's
+fast path. Words: a "block" is a KV-cache page, a "tile" a kernel's compute tile."""
 import functools
 from dataclasses import dataclass
 
@@ -33,8 +31,7 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # powers of two; 256 would overflow the
 
 @dataclass
 class AttentionMetadata:
-    """What attention needs to know about one step's batch: built once per step by the ModelRunner, checked once
-    here, and passed through forward to every layer."""
+    """One step's batch as attention sees it: built once per step by the runner, checked here, passed to every layer."""
     slot_mapping: torch.Tensor     # [num_tokens] int32: block_id * block_size + offset, or PAD_SLOT
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32: sequence i's queries are rows [qsl[i], qsl[i+1])
     context_lens: torch.Tensor     # [num_seqs] int32: keys per sequence after this step (cached + new)
@@ -73,8 +70,7 @@ def _store_kv_kernel(
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot == PAD:
         return
-    h = tl.arange(0, HEADS_PAD)[:, None]
-    d = tl.arange(0, HEAD_DIM)[None, :]
+    h, d = tl.arange(0, HEADS_PAD)[:, None], tl.arange(0, HEAD_DIM)[None, :]
     mask = h < NUM_KV_HEADS  # [HEADS_PAD, 1]
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
     tl.store(k_cache_ptr + dst, tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask), mask=mask)
@@ -85,7 +81,6 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, pos, kv_end, kv_hea
                   stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                   MASKED: tl.constexpr):
     """K and V at key positions pos [TILE_N] of one sequence, via its block table -> two [TILE_N, HEAD_DIM].
-
     Each position looks up its own block, so a tile may span several small blocks or part of a big one.
     MASKED: positions >= kv_end load 0, since their slots may hold garbage and 0 * garbage can be NaN;
     a tile known to lie below kv_end skips the predicates."""
@@ -105,7 +100,6 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, pos, kv_end, kv_hea
 @triton.jit
 def _online_softmax_step(acc, m, l, q, k, v, visible, qk_scale, MASKED: tl.constexpr):
     """Fold one key tile into the running softmax of each query row (flash attention).
-
     acc [M, HEAD_DIM] fp32 unnormalised output, m [M] running max score, l [M] running sum of exp2(score - m);
     q [M, HEAD_DIM], k and v [N, HEAD_DIM], visible [M, N] (or broadcastable) which keys each row may see,
     read only if MASKED. Every row must see a key by its first tile, or its max stays -inf and the rescale is NaN."""
@@ -137,8 +131,7 @@ def _prefill_kernel(
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
                 mask=(rows < q_len)[:, None], other=0.0)  # [TILE_M, HEAD_DIM]
-    m = tl.full([TILE_M], float("-inf"), tl.float32)
-    l = tl.zeros([TILE_M], tl.float32)
+    m, l = tl.full([TILE_M], float("-inf"), tl.float32), tl.zeros([TILE_M], tl.float32)  # running max, sum
     acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
     block_table_ptr = block_tables_ptr + seq * stride_bt
     # Keys up to the tile's first query are seen by all its rows: whole tiles of them need no mask. Keys after
@@ -176,8 +169,7 @@ def _decode_split_kernel(
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=(g < GROUP)[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
+    m, l = tl.full([GROUP_PAD], float("-inf"), tl.float32), tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     for n in range(start, end, TILE_N):
         pos = n + tl.arange(0, TILE_N)
@@ -199,8 +191,7 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, strid
     # program (seq, head): merge one query head's partial outputs, each weighted by its split's share of the
     # softmax mass, 2^(lse_s - max lse)
     seq, head = tl.program_id(0), tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, HEAD_DIM)
+    s, d = tl.arange(0, SPLITS_PAD), tl.arange(0, HEAD_DIM)
     row = (seq * tl.num_programs(1) + head) * num_splits + s  # [SPLITS_PAD]
     lse = tl.load(part_lse_ptr + row, mask=s < num_splits, other=float("-inf"))
     lse_max = tl.max(lse, 0)
@@ -220,12 +211,9 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], PAD=PAD_SLOT)
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    """q: [num_tokens, num_heads, head_dim] -> out, same shape: causal attention over each sequence's cached keys.
-
-    Decode-only batches take the split-KV kernels (CUDA-graph safe); others the prefill/extend kernel."""
+    """q: [num_tokens, num_heads, head_dim] -> out, same shape: causal attention over each sequence's cached keys."""
     out = torch.empty_like(q)
-    launch = _launch_decode if meta.decode_only else _launch_prefill
-    launch(q, k_cache, v_cache, out, meta, scale * LOG2E)
+    (_launch_decode if meta.decode_only else _launch_prefill)(q, k_cache, v_cache, out, meta, scale * LOG2E)
     return out
 
 def _launch_prefill(q, k_cache, v_cache, out, meta, qk_scale):
@@ -261,7 +249,6 @@ def _launch_decode(q, k_cache, v_cache, out, meta, qk_scale):
 
 def decode_splits(num_seqs, num_kv_heads, max_context_len, num_sms) -> tuple[int, int]:
     """(keys per split, number of splits) of the decode grid, from host ints only so a CUDA graph can hold it.
-
     Unsplit, the grid has num_seqs * num_kv_heads programs: a small batch with long contexts would leave most
     SMs idle, so the keys are split until about PROGRAMS_PER_SM programs per SM. A split covers whole tiles
     (not whole blocks: keys find their block one by one); splits past a sequence's context stay empty."""
@@ -272,9 +259,7 @@ def decode_splits(num_seqs, num_kv_heads, max_context_len, num_sms) -> tuple[int
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return CPU_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else CPU_NUM_SMS
 
 def store_kv_ref(k, v, k_cache, v_cache, slot_mapping):
     """k, v: [num_tokens, num_kv_heads, head_dim]; writes each token's K/V into its slot."""
@@ -285,10 +270,8 @@ def store_kv_ref(k, v, k_cache, v_cache, slot_mapping):
 
 def paged_attention_ref(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim], causal within each sequence.
-
-    Plain PyTorch, the kernels' oracle and the CPU's path: each sequence's keys are gathered from its blocks into a
-    batch padded to the longest context, its queries into one padded to the longest query, and PyTorch's SDPA
-    attends under a mask that is causal and hides the padding. Query j of n sits at position context_len - n + j."""
+    Each sequence's keys are gathered from its blocks into a batch padded to the longest context, its queries into one
+    padded to the longest query, and PyTorch's SDPA attends under a mask that is causal and hides the padding."""
     block_size, device = k_cache.shape[1], q.device
     q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]  # [num_seqs]
     key_pos = torch.arange(meta.max_context_len, device=device)    # [max_k]

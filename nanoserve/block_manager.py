@@ -1,16 +1,14 @@
-"""The block manager owns the paged KV cache's bookkeeping: which physical blocks are free, which sequence
-holds which, and which hold a reusable prefix. It never touches tensors.
+"""The block manager owns the paged KV cache's bookkeeping: which physical blocks are free, which sequence holds which,
+and which hold a reusable prefix. It never touches tensors.
 
-A block holds the K/V of `block_size` consecutive tokens. A sequence's block table lists its blocks in order,
-so any free block can serve any sequence and memory never fragments. Reference counts let sequences share
-blocks.
+A block holds the K/V of `block_size` consecutive tokens. A sequence's block table lists its blocks in order, so any
+free block can serve any sequence and memory never fragments. Reference counts let sequences share blocks.
 
-Automatic prefix caching: once a block is full and computed, it goes into one dict under the key
-(prefix id of the block before it, its own tokens). A prefix id names a whole token prefix and is never
-reused, and keys are compared exactly, not by hash alone, so a hit always holds the same tokens after the
-same prefix: wrong KV cannot be handed out, by construction. A freed block stays findable until it is needed
-again; free blocks are handed out least-recently-freed first, so a popular prefix stays cached (LRU).
-"""
+Automatic prefix caching: once a block is full and computed, it goes into one dict under the key (prefix id of the block
+before it, its own tokens). A prefix id names a whole token prefix and is never reused, and keys are compared exactly,
+not by hash alone, so a hit always holds the same tokens after the same prefix: wrong KV cannot be handed out, by
+construction. A freed block stays findable until it is needed again; free blocks are handed out least-recently-freed
+first, so a popular prefix stays cached (LRU)."""
 from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import count
@@ -28,8 +26,7 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
         self.cached: dict[PrefixKey, int] = {}  # the prefix cache: key -> block id
@@ -55,8 +52,7 @@ class BlockManager:
 
     # ---- prefix cache ---------------------------------------------------------------------------
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached prefix of seq, in order. At least the last token is left to
-        compute, since its logits are needed to sample the next token."""
+        """Block ids of seq's longest cached prefix; the last token is always left to compute, for its logits."""
         if not self.enable_prefix_caching:
             return []
         hits, parent = [], None
@@ -73,8 +69,7 @@ class BlockManager:
         and their tokens' values are known."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
-        first = num_full
+        first = num_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
         while first > 0 and self.blocks[seq.block_table[first - 1]].key is None:
             first -= 1  # keyed blocks form a prefix of the table; find where it ends
         for i in range(first, num_full):
@@ -89,8 +84,7 @@ class BlockManager:
         """Give seq the blocks it needs to hold num_new_tokens more tokens, after taking cached_blocks (a prefix
         hit, only for a sequence with nothing computed yet). False, changing nothing, if the pool is short."""
         num_computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
-        num_new_blocks = (self.blocks_needed(num_computed + num_new_tokens)
-                          - len(seq.block_table) - len(cached_blocks))
+        num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(seq.block_table) - len(cached_blocks)
         num_revived = sum(self.blocks[b].ref_count == 0 for b in cached_blocks)
         if num_new_blocks + num_revived > self.num_free_blocks:
             return False
@@ -100,12 +94,13 @@ class BlockManager:
             self.prefix_hit_tokens += seq.num_cached_tokens
         self.num_hit_blocks += len(cached_blocks)
         self.num_revived += num_revived
-        for block_id in cached_blocks:
-            self._take(block_id)
+        for block_id in cached_blocks:  # one more user; a free one is taken back from the pool
+            if self.blocks[block_id].ref_count == 0:
+                del self.free_ids[block_id]
+            self.blocks[block_id].ref_count += 1
         seq.block_table.extend(cached_blocks)
         seq.num_computed_tokens = num_computed
-        for _ in range(num_new_blocks):
-            seq.block_table.append(self._take_fresh())
+        seq.block_table.extend(self._take_fresh() for _ in range(num_new_blocks))
         return True
 
     def free(self, seq: Sequence):
@@ -120,19 +115,12 @@ class BlockManager:
         del seq.block_table[:]
         seq.num_computed_tokens = 0
 
-    def _take(self, block_id: int):
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.free_ids[block_id]
-        block.ref_count += 1
-
     def _take_fresh(self) -> int:
         block_id, _ = self.free_ids.popitem(last=False)  # least recently freed
         block = self.blocks[block_id]
         if block.key is not None and self.cached.get(block.key) == block_id:
             del self.cached[block.key]  # evict: its prefix is no longer findable
-        block.key = block.prefix_id = None
-        block.ref_count = 1
+        block.key, block.prefix_id, block.ref_count = None, None, 1
         self.num_allocated += 1
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return block_id

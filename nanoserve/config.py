@@ -28,8 +28,7 @@ class EngineConfig:
     threads: int | None = None          # CPU: torch threads; None: the cores other processes leave free
     dtype: str = "auto"                 # auto: float32 on CPU; on GPU the checkpoint's if 16-bit, else bf16
     device: str = "auto"                # auto: cuda when available
-    kernels: str = "auto"               # "triton": our kernels; "torch": their PyTorch references; auto:
-                                        # triton on cuda, torch on cpu (see kernels.py)
+    kernels: str = "auto"               # triton: our kernels; torch: their PyTorch references; auto: triton on cuda
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

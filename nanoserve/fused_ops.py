@@ -1,13 +1,11 @@
-"""A decoder layer's small elementwise work: residual add + RMSNorm, Qwen3's per-head QK-norm + RoPE, and
-SiLU(gate) * up. Each is one Triton kernel instead of 5 to 20 PyTorch kernels, with its PyTorch reference after it.
+"""A decoder layer's small elementwise work: residual add + RMSNorm, Qwen3's per-head QK-norm + RoPE, and SiLU(gate) *
+up. Each is one Triton kernel instead of 5 to 20 PyTorch kernels, with its PyTorch reference after it.
 
-Why it matters: a decode step moves little data per kernel, so each kernel costs its fixed few microseconds
-on the GPU even inside a CUDA graph; unfused, a Qwen3 layer launched about 70 kernels, fused it launches 11.
-Statistics are in fp32, and RMSNorm and SiLU round to the model dtype where transformers does. RoPE is computed
-in fp32 and rounded once, which is more accurate than transformers' bf16 products (they differ by one bf16 step
-in about a third of elements). Kernels match their references to within rounding (summation order, the GPU's
-fast square root), not bit for bit.
-"""
+Why it matters: a decode step moves little data per kernel, so each kernel costs its fixed few microseconds on the GPU
+even inside a CUDA graph; unfused, a Qwen3 layer launched about 70 kernels, fused it launches 11. Statistics are in
+fp32, and RMSNorm and SiLU round to the model dtype where transformers does. RoPE is computed in fp32 and rounded once,
+which is more accurate than transformers' bf16 products (they differ by one bf16 step in about a third of elements).
+Kernels match their references to within rounding (summation order, the GPU's fast square root), not bit for bit."""
 import torch
 import torch.nn.functional as F
 
@@ -35,8 +33,7 @@ def _norm_rope_heads(ptr, stride_h, num_heads, weight_ptr, cos, sin, eps,
                      HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
     """In place on one token's heads [num_heads, 2 * HALF] at ptr: optional per-head RMSNorm, then rotate-half
     RoPE with this position's cos and sin [HALF] (fp32)."""
-    h = tl.arange(0, HEADS_PAD)[:, None]
-    d = tl.arange(0, HALF)[None, :]
+    h, d = tl.arange(0, HEADS_PAD)[:, None], tl.arange(0, HALF)[None, :]
     mask = h < num_heads
     x1 = tl.load(ptr + h * stride_h + d, mask=mask, other=0.0)  # [HEADS_PAD, HALF] first half of each head
     x2 = tl.load(ptr + h * stride_h + HALF + d, mask=mask, other=0.0)
@@ -44,8 +41,7 @@ def _norm_rope_heads(ptr, stride_h, num_heads, weight_ptr, cos, sin, eps,
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     if HAS_NORM:
         inv_rms = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-        w1 = tl.load(weight_ptr + d).to(tl.float32)
-        w2 = tl.load(weight_ptr + HALF + d).to(tl.float32)
+        w1, w2 = tl.load(weight_ptr + d).to(tl.float32), tl.load(weight_ptr + HALF + d).to(tl.float32)
         x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)  # as RMSNorm rounds
         x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     tl.store(ptr + h * stride_h + d, (x1 * cos - x2 * sin).to(dtype), mask=mask)
@@ -60,8 +56,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight
     t = tl.program_id(0)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF)[None, :]
-    cos = tl.load(cos_ptr + pos * HALF + d)
-    sin = tl.load(sin_ptr + pos * HALF + d)
+    cos, sin = tl.load(cos_ptr + pos * HALF + d), tl.load(sin_ptr + pos * HALF + d)
     _norm_rope_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, q_weight_ptr, cos, sin, eps,
                      Q_HEADS_PAD, HALF, HAS_NORM)
     _norm_rope_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, k_weight_ptr, cos, sin, eps,
@@ -104,8 +99,7 @@ def qk_norm_rope(q, k, positions, cos, sin, q_weight=None, k_weight=None, eps: f
     """In place: q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] get, per head, RMSNorm with
     q_weight / k_weight (Qwen3; skipped when None), then RoPE at their positions. cos, sin: [max_pos, head_dim/2]."""
     tokens, num_q_heads, head_dim = q.shape
-    num_k_heads = k.shape[1]
-    has_norm = q_weight is not None
+    num_k_heads, has_norm = k.shape[1], q_weight is not None
     _qk_norm_rope_kernel[(tokens,)](
         q, k, positions, cos, sin, q_weight if has_norm else q, k_weight if has_norm else k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), num_q_heads, num_k_heads, eps,

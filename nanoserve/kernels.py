@@ -1,11 +1,10 @@
-"""Kernels are chosen once, when the model is built: two backends with the same functions and meaning, the
-Triton kernels (GPU; CPU tests run them in Triton's interpreter) or their PyTorch references (any machine).
-Each reference sits beside its kernel (attention.py, fused_ops.py, sampler.py); the model and the sampler call
-whichever backend they were given, and never branch on it.
+"""Kernels are chosen once, when the model is built: two backends with the same functions and meaning, the Triton
+kernels (GPU; CPU tests run them in Triton's interpreter) or their PyTorch references (any machine). Each reference sits
+beside its kernel (attention.py, fused_ops.py, sampler.py); the model and the sampler call whichever backend they were
+given, and never branch on it.
 
-triton has wheels for Linux only. This is the one place that imports it: without it, the kernel files still
-load (their kernels stay plain, never-called functions), so the PyTorch references run on macOS and Windows.
-"""
+triton has wheels for Linux only. This is the one place that imports it: without it, the kernel files still load (their
+kernels stay plain, never-called functions), so the PyTorch references run on macOS and Windows."""
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable
@@ -13,12 +12,11 @@ from typing import Callable
 try:
     import triton
     import triton.language as tl
+    HAVE_TRITON = True
 except ImportError:
     triton = SimpleNamespace(jit=lambda fn: fn)  # @triton.jit leaves the function as it is
     tl = SimpleNamespace(constexpr=None)         # kernel signatures annotate with tl.constexpr
     HAVE_TRITON = False
-else:
-    HAVE_TRITON = True
 
 @dataclass(frozen=True)
 class Kernels:

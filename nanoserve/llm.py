@@ -1,13 +1,12 @@
-"""The user-facing engine, vLLM-style. Offline: LLM(...).generate(prompts, sampling_params) and chat(...).
-Online: add_request / step / abort, which generate() is a short loop over and which the server drives.
+"""The user-facing engine, vLLM-style. Offline: LLM(...).generate(prompts, sampling_params) and chat(...). Online:
+add_request / step / abort, which generate() is a short loop over and which the server drives.
 
 One step() has three numbered phases:
   1) schedule step n+1: the scheduler plans and books it (lengths are known even where values are pending);
   2) launch it: the model runner queues it on the GPU, its decode inputs read from step n's samples there;
   3) finish step n: read its tokens back, apply the stop rules (stopping.py), free what finished.
-So the host's work on one step overlaps the GPU's work on the previous one. With overlap=False each step is
-finished right after it is launched: the plain synchronous loop, with the same outputs.
-"""
+So the host's work on one step overlaps the GPU's work on the previous one. With overlap=False each step is finished
+right after it is launched: the plain synchronous loop, with the same outputs."""
 import numbers
 import time
 import weakref
@@ -40,8 +39,7 @@ class LLM:
     @classmethod
     def from_runner(cls, config: EngineConfig, runner, vocab_size: int, tokenizer=None,
                     eos_token_ids: frozenset[int] = frozenset()) -> "LLM":
-        """The engine around any runner with launch() and num_kvcache_blocks: tests drive the real loop with a
-        fake model this way."""
+        """The engine around any runner with launch() and num_kvcache_blocks: how tests run the loop on a fake."""
         llm = cls.__new__(cls)
         llm._close = lambda: None
         llm._start(config, runner, tokenizer, eos_token_ids, vocab_size)
@@ -163,13 +161,10 @@ class LLM:
         return list(dict.fromkeys(changed.values()))  # each changed request once, in order
 
     def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
-        outputs = []
         for request in changed:
             if request.finished:
                 self._retire(request)
-            if request.stream or request.finished:
-                outputs.append(request.output())
-        return outputs
+        return [request.output() for request in changed if request.stream or request.finished]
 
     def _retire(self, request: Request):
         m, c = request.metrics, self.counters

@@ -14,10 +14,8 @@ from nanoserve.model import CausalLM, ModelArgs
 from nanoserve.parallel import TP
 from nanoserve.sampling_params import InvalidField
 
-PACKED_SHARDS = {  # checkpoint projection -> (our fused projection, shard index)
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
+PACKED_SHARDS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # HF -> (fused projection, shard)
 
 def resolve_model_dir(model: str | None) -> str:
     """The embedded default model (None), a local HF directory, or a hub id ("org/name", fetched when online)."""
@@ -67,8 +65,7 @@ def read_safetensors(model_dir: str):
 
 def load_weights(model: CausalLM, tensors):
     """tensors: iterable of (HF name, tensor). q/k/v and gate/up fill a shard of their fused projection."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded = set()
+    params, loaded = dict(model.named_parameters(remove_duplicate=False)), set()
     for name, tensor in tensors:
         if name.endswith("rotary_emb.inv_freq"):
             continue  # older checkpoints store RoPE frequencies; we compute them

@@ -1,12 +1,11 @@
-"""One decoder for the Llama family: Llama (SmolLM2, Llama 3), Qwen2 (bias on q/k/v) and Qwen3
-(RMSNorm on each head of q and k before RoPE). The differences are three flags in ModelArgs.
+"""One decoder for the Llama family: Llama (SmolLM2, Llama 3), Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on each head of
+q and k before RoPE). The differences are three flags in ModelArgs.
 
-The model knows nothing of scheduling: a step's tokens arrive flattened ([num_tokens]), with their
-positions, the per-layer KV caches and the AttentionMetadata that says which sequence each token is in.
-Projections that read the same input are fused (q|k|v, gate|up): fewer, larger matmuls. The work between
-them (add + RMSNorm, QK-norm + RoPE, SiLU x up, the KV store and paged attention) goes to the kernels chosen
-when the model is built (kernels.py): Triton, or the PyTorch references.
-"""
+The model knows nothing of scheduling: a step's tokens arrive flattened ([num_tokens]), with their positions, the
+per-layer KV caches and the AttentionMetadata that says which sequence each token is in. Projections that read the same
+input are fused (q|k|v, gate|up): fewer, larger matmuls. The work between them (add + RMSNorm, QK-norm + RoPE, SiLU x
+up, the KV store and paged attention) goes to the kernels chosen when the model is built (kernels.py): Triton, or the
+PyTorch references."""
 import math
 from dataclasses import dataclass
 
@@ -49,68 +48,56 @@ class ModelArgs:
             raise InvalidField("model", f"rope_type {rope_type!r} is not supported (default, llama3)")
         bias = getattr(cfg, "attention_bias", False)
         return cls(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers,
-            num_heads=cfg.num_attention_heads,
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
             rms_norm_eps=cfg.rms_norm_eps, max_position=cfg.max_position_embeddings,
             rope_theta=rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)),
             rope_scaling=rope if rope_type == "llama3" else None,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            qkv_bias=cfg.model_type == "qwen2" or bias, o_bias=cfg.model_type != "qwen2" and bias,
-            qk_norm=cfg.model_type == "qwen3",
-        )
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), qk_norm=cfg.model_type == "qwen3",
+            qkv_bias=cfg.model_type == "qwen2" or bias, o_bias=cfg.model_type != "qwen2" and bias)
 
 class RMSNorm(nn.Module):
     """Adds a sublayer's output into the residual stream and normalises the sum: (norm(x + residual), x + residual).
     The Triton kernel writes the sum into `residual` in place, so the stream is a tensor the model owns."""
     def __init__(self, dim: int, eps: float, kernels: Kernels):
         super().__init__()
-        self.eps, self.kernels = eps, kernels
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.kernels, self.weight = eps, kernels, nn.Parameter(torch.ones(dim))
 
     def forward(self, x, residual):
         return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
-
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim)
-    s = args.rope_scaling
-    if s is None:
-        return inv_freq
-    # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    old_len = s["original_max_position_embeddings"]
-    low, high = s["low_freq_factor"], s["high_freq_factor"]
-    wavelen = 2 * math.pi / inv_freq
-    blend = ((old_len / wavelen - low) / (high - low)).clamp(0, 1)
-    return (1 - blend) * inv_freq / s["factor"] + blend * inv_freq
 
 class Rotary(nn.Module):
     """RoPE's cos and sin for every position, [max_position, head_dim / 2] in fp32, shared by all layers."""
     def __init__(self, args: ModelArgs):
         super().__init__()
-        freqs = torch.outer(torch.arange(args.max_position).float(), rope_inv_freq(args))
+        inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim)
+        s = args.rope_scaling
+        if s is not None:  # Llama 3: long wavelengths are slowed by `factor`, short ones kept, those between blended
+            old_len, low, high = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"]
+            wavelen = 2 * math.pi / inv_freq
+            blend = ((old_len / wavelen - low) / (high - low)).clamp(0, 1)
+            inv_freq = (1 - blend) * inv_freq / s["factor"] + blend * inv_freq
+        freqs = torch.outer(torch.arange(args.max_position).float(), inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP):
         super().__init__()
-        self.kernels = kernels
+        self.kernels, self.head_dim, self.scale = kernels, args.head_dim, args.head_dim ** -0.5
         self.num_heads, self.num_kv_heads = args.num_heads // tp.size, args.num_kv_heads // tp.size  # this rank's
-        self.head_dim = args.head_dim
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.qkv_proj = ColumnParallelLinear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias, tp)
         self.o_proj = RowParallelLinear(q_size, args.hidden_size, args.o_bias, tp)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels) if args.qk_norm else None  # Qwen3
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels) if args.qk_norm else None
-        self.scale = args.head_dim ** -0.5
 
     def forward(self, x, positions, rotary: Rotary, kv_cache, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)     # [num_tokens, num_heads, head_dim]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        k, v = (t.view(-1, self.num_kv_heads, self.head_dim) for t in (k, v))  # [num_tokens, num_kv_heads, head_dim]
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else (None, None, 0.0)
         q, k = self.kernels.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, *norms)
         self.kernels.store_kv(k, v, *kv_cache, meta.slot_mapping)
@@ -164,10 +151,9 @@ class CausalLM(nn.Module):
     parallelism (tp.size > 1) each rank holds its share of every layer (parallel.py)."""
     def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP = TP()):
         super().__init__()
-        self.args = args
+        self.args, self.tp = args, tp
         self.model = Transformer(args, kernels, tp)
         self.lm_head = ColumnParallelLinear(args.hidden_size, [args.vocab_size], False, tp)  # split over the vocab
-        self.tp = tp
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

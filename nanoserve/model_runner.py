@@ -1,17 +1,16 @@
-"""The ModelRunner owns the model and its KV cache on the device. Each step it turns the scheduler's Step into
-flat tensors (StepInputs), runs the model (replaying a CUDA graph when the step is decode-only), samples, and
-returns an InFlightStep without waiting: the samples stay on the device as the next step's inputs while a copy
-travels to the host.
+"""The ModelRunner owns the model and its KV cache on the device. Each step it turns the scheduler's Step into flat
+tensors (StepInputs), runs the model (replaying a CUDA graph when the step is decode-only), samples, and returns an
+InFlightStep without waiting: the samples stay on the device as the next step's inputs while a copy travels to the host.
 
 KV cache size: every token keeps a K and a V vector per layer and KV head, so
     bytes per token = 2 x num_layers x num_kv_heads x head_dim x bytes per element,
-and the pool is as many blocks of `block_size` tokens as the memory left after weights and activations holds.
-"""
+and the pool is as many blocks of `block_size` tokens as the memory left after weights and activations holds."""
 import array
 import logging
 import os
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -34,8 +33,7 @@ CPU_KV_CACHE_BYTES = 1 << 30  # no GPU to profile: the KV pool gets 1 GiB of hos
 # Triton compiles a kernel variant per alignment of its pointer and integer arguments (divisible by 16 or not):
 # keeping every input view 16-byte aligned and block-table widths a multiple of 16 means one variant, compiled
 # at start-up rather than in the middle of a run.
-INTS_PER_16_BYTES = 4
-BLOCK_TABLE_WIDTH_MULTIPLE = 16
+INTS_PER_16_BYTES, BLOCK_TABLE_WIDTH_MULTIPLE = 4, 16
 NUM_PARTS = 9  # integer lists a step uploads (prepare's), in one buffer
 PROFILE_SAMPLING = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, logprobs=1)  # the sampler's costliest path
 
@@ -68,13 +66,11 @@ class InFlightStep:
     def __init__(self, step: Step, samples: list[torch.Tensor]):
         self.step, self.params = step, [seq.params for seq in step.sampling]
         self.row_of = {seq.seq_id: row for row, seq in enumerate(step.sampling)}  # seq -> row of its sample
-        self.device_tokens = samples[0] if samples else None
-        self.host, self.ready = samples, None
+        self.device_tokens, self.host, self.ready = (samples[0] if samples else None), samples, None
         if samples and samples[0].is_cuda:
             self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                          for t in samples]
-            self.ready = torch.cuda.Event()
-            self.ready.record()
+            self.ready = torch.cuda.current_stream().record_event()
 
     def wait(self) -> tuple[list[int], list[dict | None] | None]:
         """The tokens (waiting for the GPU if needed) and, per row, {token: logprob} if any row asked for them."""
@@ -94,11 +90,10 @@ class ModelRunner:
         self.device = torch.device(f"cuda:{tp.rank}" if config.device == "cuda" else "cpu")
         if self.device.type == "cpu":
             torch.set_num_threads(config.threads or max(1, free_cores() // tp.size))
-        self.block_size = config.kvcache_block_size
+        self.block_size, self.num_kv_heads = config.kvcache_block_size, args.num_kv_heads // tp.size  # this rank's
         self.max_blocks_per_seq = round_up(-(-config.max_model_len // self.block_size), BLOCK_TABLE_WIDTH_MULTIPLE)
         # 1) the model in the serving dtype, and the sampler
-        self.kernels = get_kernels(config.kernels)
-        self.dtype = config.torch_dtype(checkpoint_dtype(hf_config))
+        self.kernels, self.dtype = get_kernels(config.kernels), config.torch_dtype(checkpoint_dtype(hf_config))
         self.model = build_model(args, model_dir, self.dtype, self.device, self.kernels, tp)
         self.sampler = Sampler(self.kernels)
         # 2) the KV cache: as many blocks as the memory left after a warm-up run of 1) holds
@@ -110,8 +105,8 @@ class ModelRunner:
             dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
             self.num_kvcache_blocks = int(fewest)
         # [K or V, layer, block, slot in block, kv head (this rank's), head_dim]
-        self.kv_cache = torch.zeros(2, args.num_layers, self.num_kvcache_blocks, self.block_size,
-                                    args.num_kv_heads // tp.size, args.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(2, args.num_layers, self.num_kvcache_blocks, self.block_size, self.num_kv_heads,
+                                    args.head_dim, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(args.num_layers)]
         if self.kernels.name == "triton":
             check_kv_cache(*self.kv_caches[0], args.num_heads // tp.size)
@@ -141,14 +136,14 @@ class ModelRunner:
     # ---- the KV cache -----------------------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> int:
-        a = self.args
-        return 2 * a.num_layers * (a.num_kv_heads // self.tp.size) * a.head_dim * self.dtype.itemsize
+        return 2 * self.args.num_layers * self.num_kv_heads * self.args.head_dim * self.dtype.itemsize
 
     def kv_account(self) -> str:
         a, tokens, cfg = self.args, self.num_kvcache_blocks * self.block_size, self.config
-        why = ("num_kvcache_blocks" if cfg.num_kvcache_blocks else "1 GiB of host memory on a CPU" if
-               self.device.type == "cpu" else f"{cfg.gpu_memory_utilization:.0%} of the GPU less weights and activations")
-        return (f"KV cache: 2 (K, V) x {a.num_layers} layers x {a.num_kv_heads // self.tp.size} KV heads x {a.head_dim} "
+        why = ("num_kvcache_blocks" if cfg.num_kvcache_blocks else "1 GiB of host memory on a CPU"
+               if self.device.type == "cpu" else f"{cfg.gpu_memory_utilization:.0%} of the GPU less weights and "
+               "activations")
+        return (f"KV cache: 2 (K, V) x {a.num_layers} layers x {self.num_kv_heads} KV heads x {a.head_dim} "
                 f"x {self.dtype.itemsize} bytes ({str(self.dtype)[6:]}) = {self.kv_bytes_per_token / 1024:.1f} KiB per "
                 f"token; {self.num_kvcache_blocks} blocks x {self.block_size} = {tokens:,} tokens, "
                 f"{tokens * self.kv_bytes_per_token / 2**30:.2f} GiB ({why})")
@@ -171,10 +166,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self):
-        """Before the KV cache exists: compile a prefill kernel for every query-tile size (Triton compiles one per
-        set of constexprs on first use: no request or benchmark should wait for that), then run the biggest step the
-        scheduler can make (max_num_batched_tokens of prefill; logits and the sampler's costliest path for
-        max_num_seqs rows), so that the memory the KV cache may take can be measured."""
+        """Before the KV cache exists: compile a prefill kernel per query-tile size (Triton compiles on first use: no
+        request should wait for that), then run the biggest step the scheduler can make (max_num_batched_tokens of
+        prefill; logits and the sampler's costliest path for max_num_seqs rows) to measure the memory left."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         tile = MIN_DOT_ROWS
@@ -188,16 +182,15 @@ class ModelRunner:
         self.sampler(logits, [PROFILE_SAMPLING] * n, [1] * n, [frozenset()] * n)  # the allocator counts at launch
 
     def _dummy_prefill(self, seq_lens: list[int]) -> torch.Tensor:
-        """A prefill of sequences of these lengths whose K/V go nowhere (padded slots; reads from one zeroed
-        scratch block): for warming up without touching the real cache."""
-        a, num_tokens = self.args, sum(seq_lens)
-        scratch = torch.zeros(2, 1, self.block_size, a.num_kv_heads // self.tp.size, a.head_dim, dtype=self.dtype,
+        """A prefill whose K/V go nowhere (padded slots, one zeroed scratch block): warm-up without the real cache."""
+        num_tokens = sum(seq_lens)
+        scratch = torch.zeros(2, 1, self.block_size, self.num_kv_heads, self.args.head_dim, dtype=self.dtype,
                               device=self.device)
         no_blocks = array.array("i", bytes(4 * len(seq_lens) * self.max_blocks_per_seq))
         header, flat = self._upload([[0] * num_tokens, [0] * num_tokens, [PAD_SLOT] * num_tokens, seq_lens, seq_lens,
                                      no_blocks, [0], [], []])
         inputs = self._inputs(header, flat, None)
-        return self.model(inputs.input_ids, inputs.positions, [(scratch[0], scratch[1])] * a.num_layers, inputs.meta)
+        return self.model(inputs.input_ids, inputs.positions, [tuple(scratch)] * self.args.num_layers, inputs.meta)
 
     # ---- one step ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -223,8 +216,7 @@ class ModelRunner:
             raise
 
     def execute(self, header: list[int], flat: torch.Tensor, previous_tokens: torch.Tensor | None):
-        """Every rank: the forward pass of one step (a graph replay when it is decode-only), and the logits of its
-        sampling rows (None if it has none)."""
+        """Every rank: a step's forward pass (a graph replay if decode-only) and its sampling rows' logits (or None)."""
         inputs = self._inputs(header, flat, previous_tokens)
         if inputs.meta.decode_only and self.graphs is not None:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
@@ -283,9 +275,7 @@ class ModelRunner:
         """All of a step's integer inputs in one int32 buffer and one host-to-device copy: per-element conversion
         and per-copy overhead are most of the host's work in a decode step. The header says how to cut it up."""
         query_lens, context_lens = parts[3], parts[4]
-        parts[3] = [0]  # query lengths -> query_start_loc
-        for n in query_lens:
-            parts[3].append(parts[3][-1] + n)
+        parts[3] = [0, *accumulate(query_lens)]  # query lengths -> query_start_loc
         flat = array.array("i")
         for part in parts:
             flat += part if isinstance(part, array.array) else array.array("i", part)
@@ -297,8 +287,7 @@ class ModelRunner:
         return header, host.to(self.device, non_blocking=True)
 
     def _inputs(self, header: list[int], flat: torch.Tensor, previous_tokens: torch.Tensor | None) -> StepInputs:
-        """Views into the uploaded buffer, and the PENDING decode inputs filled in from the previous step's samples,
-        still on the device: no round trip."""
+        """Views into the uploaded buffer; PENDING decode inputs filled in on the device from the last step's tokens."""
         lengths, (max_query_len, max_context_len) = header[1:1 + NUM_PARTS], header[1 + NUM_PARTS:]
         views = flat.split([round_up(n, INTS_PER_16_BYTES) for n in lengths])
         ids, pos, slot_mapping, qsl, ctx, tables, rows, at, from_rows = (v[:n] for v, n in zip(views, lengths))

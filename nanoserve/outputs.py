@@ -46,10 +46,9 @@ class Request:
         """The request as it stands; streaming, each completion also carries what changed since the last call."""
         outputs = []
         for i, seq in enumerate(self.seqs):
-            t, token_ids = seq.text, seq.completion_token_ids
+            t, token_ids, wants_logprobs = seq.text, seq.completion_token_ids, seq.params.logprobs is not None
             delta = take_stream_delta(seq) if self.stream else ""
             new_tokens, t.num_tokens_streamed = token_ids[t.num_tokens_streamed:], len(token_ids)
-            wants_logprobs = seq.params.logprobs is not None
             outputs.append(CompletionOutput(
                 index=i, text=final_text(seq) if seq.is_finished else t.text[:t.num_streamed],
                 token_ids=token_ids, finish_reason=seq.finish_reason,

@@ -1,12 +1,11 @@
-"""Tensor parallelism (Megatron-LM style) over torch.distributed: one model split across N processes, one per GPU
-(NCCL; gloo on CPUs). Each rank holds 1/N of every projection and of the KV cache's heads, and runs every step:
+"""Tensor parallelism (Megatron-LM style) over torch.distributed: one model split across N processes, one per GPU (NCCL;
+gloo on CPUs). Each rank holds 1/N of every projection and of the KV cache's heads, and runs every step:
   - q|k|v and gate|up are column-parallel: each rank computes its share of the heads and of the MLP's width;
   - o and down are row-parallel: each rank multiplies its share, and one all-reduce sums the partial outputs;
   - the embedding and the LM head split the vocabulary: each rank embeds the ids it owns (an all-reduce joins
     them), and the logits' slices are gathered so that rank 0 can sample.
-The engine process is rank 0. It starts the other ranks, and each step broadcasts them the step's inputs (once,
-not per layer) and then the sampled tokens (their next decode inputs). With one rank nothing communicates.
-"""
+The engine process is rank 0. It starts the other ranks, and each step broadcasts them the step's inputs (once, not per
+layer) and then the sampled tokens (their next decode inputs). With one rank nothing communicates."""
 import os
 import queue
 import socket

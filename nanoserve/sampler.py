@@ -1,13 +1,12 @@
-"""Turns one step's logits into next tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds, and
-logprobs, batched on the device. Nothing here waits for the GPU: the tokens stay on the device (the next step's
-inputs) and the model runner copies them back.
+"""Turns one step's logits into next tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds, and logprobs,
+batched on the device. Nothing here waits for the GPU: the tokens stay on the device (the next step's inputs) and the
+model runner copies them back.
 
-Every row is drawn the same way: argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T) (the
-Gumbel-max trick), plain argmax when T = 0. Top-k, top-p and min-p only set the logits they drop to -inf first.
-The Triton kernel draws each row in one pass over its logits, making the noise in registers from a per-row seed;
-its PyTorch reference below writes the noise out with a seeded generator per row, so the two backends draw
-different (equally valid) samples for the same seed.
-"""
+Every row is drawn the same way: argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T) (the Gumbel-max
+trick), plain argmax when T = 0. Top-k, top-p and min-p only set the logits they drop to -inf first. The Triton kernel
+draws each row in one pass over its logits, making the noise in registers from a per-row seed; its PyTorch reference
+below writes the noise out with a seeded generator per row, so the two backends draw different (equally valid) samples
+for the same seed."""
 import random
 
 import torch
@@ -65,8 +64,7 @@ def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
 
 class Sampler:
     def __init__(self, kernels: Kernels):
-        self.kernels = kernels
-        self.fresh_seeds = random.Random()  # unseeded rows: new noise every step
+        self.kernels, self.fresh_seeds = kernels, random.Random()  # fresh_seeds: new noise every step for unseeded rows
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], lengths: list[int],
                  banned: list[frozenset[int]]) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ def check_number(field: str, value, low=None, high=None, integer=False, above_lo
 def check_token_ids(field: str, ids) -> list[int]:
     """A list of integer token ids (a numpy array or tensor of them is fine): returned as plain ints."""
     if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):
-        ids = ids.tolist()  # numpy arrays and tensors
+        ids = ids.tolist()
     if not isinstance(ids, (list, tuple)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
                                                       for t in ids):
         raise InvalidField(field, "expected a list of integer token ids")
@@ -64,10 +64,6 @@ class SamplingParams:
             raise InvalidField("stop", f"{self.stop!r} is not a non-empty string or a list of them")
         self.stop = list(stop)
         self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids or [])
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
     @property
     def filtered(self) -> bool:

@@ -1,17 +1,16 @@
-"""The scheduler plans every step: which sequences run and how many of their tokens (continuous batching at the
-level of single iterations). Plain Python over Sequences and the BlockManager.
+"""The scheduler plans every step: which sequences run and how many of their tokens (continuous batching at the level of
+single iterations). Plain Python over Sequences and the BlockManager.
 
-A step has a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs). Running sequences go
-first, oldest first: a decoding one costs one token, one still prefilling takes the next chunk of its prompt,
-so prefill chunks and decodes share one batch and a long prompt never stalls the decodes (chunked prefill).
-When the pool runs dry, the most recently admitted sequence is preempted: its blocks go back (still findable
-in the prefix cache) and it waits at the front of the queue to recompute its tokens later. Leftover budget
-admits waiting sequences, which first take whatever prefix of theirs is cached.
+A step has a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs). Running sequences go first, oldest
+first: a decoding one costs one token, one still prefilling takes the next chunk of its prompt, so prefill chunks and
+decodes share one batch and a long prompt never stalls the decodes (chunked prefill). When the pool runs dry, the most
+recently admitted sequence is preempted: its blocks go back (still findable in the prefix cache) and it waits at the
+front of the queue to recompute its tokens later. Leftover budget admits waiting sequences, which first take whatever
+prefix of theirs is cached.
 
-A planned step is booked at once: its tokens count as computed, and each sequence whose chunk reaches its end
-gets a PENDING token, whose value update() fills in when the step's results are read back. Later steps may be
-planned before that: the GPU runs steps in order, so lengths are all the scheduler needs.
-"""
+A planned step is booked at once: its tokens count as computed, and each sequence whose chunk reaches its end gets a
+PENDING token, whose value update() fills in when the step's results are read back. Later steps may be planned before
+that: the GPU runs steps in order, so lengths are all the scheduler needs."""
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -37,8 +36,7 @@ class Step:
     sampling = property(lambda self: [s.seq for s in self.scheduled if s.samples])
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
         self.block_manager, self.max_model_len = block_manager, max_model_len
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -92,8 +90,7 @@ class Scheduler:
                 self._plan(step, seq, num_new)
 
     def _make_room(self, seq: Sequence, num_new: int, step: Step) -> bool:
-        """Allocate seq's blocks, preempting the most recently admitted sequences until they fit. False when seq
-        itself had to go."""
+        """Allocate seq's blocks, preempting the latest admitted sequences until they fit; False if seq itself went."""
         while not self.block_manager.allocate(seq, num_new):
             victim = self.running[-1]
             self._preempt(victim)

@@ -33,13 +33,11 @@ class Sequence:
 
     def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int,
                  stop_token_ids: frozenset[int] = frozenset()):
-        self.seq_id = next(Sequence._ids)
+        self.seq_id, self.status = next(Sequence._ids), SequenceStatus.WAITING
         self.token_ids, self.num_prompt_tokens = list(token_ids), len(token_ids)
         self.params, self.block_size = params, block_size
         self.stop_token_ids = stop_token_ids  # the request's stop ids, plus EOS unless ignore_eos
-        self.status = SequenceStatus.WAITING
-        # physical block ids in token order, as packed int32: the runner copies it, no per-entry conversion
-        self.block_table = array("i")
+        self.block_table = array("i")      # physical block ids in token order; packed int32: the runner copies it whole
         self.num_computed_tokens = 0       # tokens whose K/V are in the cache (or being written this step)
         self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served; None until admitted
         self.num_pending = 0               # trailing PENDING tokens (at most two: steps n and n+1)

@@ -1,17 +1,16 @@
 """When a sequence stops, and what text it shows: every stop rule in one place, in plain Python.
 
-A sequence stops on its EOS or a stop id (the token is kept in token_ids, its text is not), on a stop string
-(the text is cut where it starts), or at max_tokens or max_model_len ("length"). Before min_tokens tokens exist
-the sampler may not pick EOS or a stop id, and a stop string does not count.
+A sequence stops on its EOS or a stop id (the token is kept in token_ids, its text is not), on a stop string (the text
+is cut where it starts), or at max_tokens or max_model_len ("length"). Before min_tokens tokens exist the sampler may
+not pick EOS or a stop id, and a stop string does not count.
 
-Pending tokens (sampled on the GPU, value not yet read back) follow one rule: length limits count every token,
-pending ones included, so the scheduler never plans a token past a limit; rules on values (stop ids, stop
-strings) see only tokens read back, one at a time, in order.
+Pending tokens (sampled on the GPU, value not yet read back) follow one rule: length limits count every token, pending
+ones included, so the scheduler never plans a token past a limit; rules on values (stop ids, stop strings) see only
+tokens read back, one at a time, in order.
 
-Text is decoded incrementally: a few tokens before the new ones are decoded again, so a character whose UTF-8
-bytes span several tokens appears whole, once its last byte arrives. A streamed delta never contains the start
-of what could still become a stop string, so a stop string is never streamed, even in part.
-"""
+Text is decoded incrementally: a few tokens before the new ones are decoded again, so a character whose UTF-8 bytes span
+several tokens appears whole, once its last byte arrives. A streamed delta never contains the start of what could still
+become a stop string, so a stop string is never streamed, even in part."""
 from nanoserve.sequence import Sequence
 
 DETOKENIZE_CONTEXT = 6  # tokens decoded again before the new ones (a UTF-8 character has at most 4 bytes)
@@ -27,8 +26,7 @@ def banned_token_ids(seq: Sequence) -> frozenset[int]:
 
 class StopChecker:
     def __init__(self, tokenizer, max_model_len: int):
-        self.tokenizer = tokenizer  # None for a weights-only model: no text, no stop strings
-        self.max_model_len = max_model_len
+        self.tokenizer, self.max_model_len = tokenizer, max_model_len  # tokenizer None (weights only): no text
 
     def check(self, seq: Sequence, incremental: bool) -> str | None:
         """After seq's oldest pending token is read back: "stop", "length" or None. Keeps seq.text up to date
@@ -75,10 +73,8 @@ class StopChecker:
         t = seq.text
         starts = [t.text.find(s, max(0, t.num_searched - len(s) + 1)) for s in seq.params.stop] if may_stop else []
         t.num_searched = len(t.text)
-        found = [i for i in starts if i >= 0]
-        if found:
-            t.stop_at = min(found)
-        return bool(found)
+        t.stop_at = min((i for i in starts if i >= 0), default=None)
+        return t.stop_at is not None
 
 def final_text(seq: Sequence) -> str:
     return seq.text.text if seq.text.stop_at is None else seq.text.text[:seq.text.stop_at]

@@ -12,8 +12,7 @@ class StepTrace:
     def __init__(self, path: str, scheduler: Scheduler):
         self.file = open(path, "w", buffering=1)  # line-buffered: a trace is readable while the engine runs
         self.scheduler, self.bm = scheduler, scheduler.block_manager
-        self.num_steps, self.last = 0, self.counters(self.bm)
-        self.start = time.perf_counter()
+        self.num_steps, self.last, self.start = 0, self.counters(self.bm), time.perf_counter()
 
     @staticmethod
     def counters(bm: BlockManager) -> dict:
