@@ -54,8 +54,6 @@ def main(argv=None):
         Path(args.plot).mkdir(parents=True, exist_ok=True)
     llm = LLM(args.model, **engine_kwargs(args))
     system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-    if system:  # computed once, as by a server's earlier requests: the batch below finds it in the prefix cache
-        llm.chat(system, SamplingParams(max_tokens=1), use_tqdm=False)
     conversations = [system + [{"role": "user", "content": q}] for q in QUESTIONS]
     start, computed = time.perf_counter(), llm.stats()["computed_tokens"]
     outputs = llm.chat(conversations, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))

@@ -101,8 +101,6 @@ class LLM:
         seqs = [Sequence(ids, params if i == 0 or params.seed is None else replace(params, seed=hash((params.seed, i))),
                          self.config.kvcache_block_size, stop_ids) for i in range(params.n)]
         self.scheduler.check_fits(seqs[0])
-        for seq in seqs[1:]:  # the first computes the prompt; the others then find it in the prefix cache
-            seq.shares_prompt_with = seqs[0]
         return Request(request_id, prompt if isinstance(prompt, str) else None, seqs, stream)
 
     def _queue(self, request: Request) -> str:

@@ -100,8 +100,8 @@ class Attention(nn.Module):
         k, v = (t.view(-1, self.num_kv_heads, self.head_dim) for t in (k, v))  # [num_tokens, num_kv_heads, head_dim]
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else (None, None, 0.0)
         q, k = self.kernels.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, *norms)
-        self.kernels.store_kv(k, v, *kv_cache, meta.slot_mapping)
-        o = self.kernels.paged_attention(q, *kv_cache, meta, self.scale)
+        self.kernels.store_kv(k, v, *kv_cache, meta.slot_mapping)  # all of the step's K/V first: a sequence may read
+        o = self.kernels.paged_attention(q, *kv_cache, meta, self.scale)  # blocks another computes in this step
         return self.o_proj(o.flatten(1))
 
 class MLP(nn.Module):

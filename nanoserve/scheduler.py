@@ -8,9 +8,11 @@ recently admitted sequence is preempted: its blocks go back (still findable in t
 front of the queue to recompute its tokens later. Leftover budget admits waiting sequences, which first take whatever
 prefix of theirs is cached.
 
-A planned step is booked at once: its tokens count as computed, and each sequence whose chunk reaches its end gets a
-PENDING token, whose value update() fills in when the step's results are read back. Later steps may be planned before
-that: the GPU runs steps in order, so lengths are all the scheduler needs."""
+Each sequence's share of a step is booked as it is planned: its tokens count as computed, the full blocks they complete
+become findable at once (a request admitted later in the same step takes them: each layer writes all of a step's K/V
+before any of it is read), and a sequence whose chunk reaches its end gets a PENDING token, whose value update() fills
+in when the step is read back. Later steps may be planned before that: the GPU runs steps in order, so lengths are all
+the scheduler needs."""
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -65,19 +67,18 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted:  # admitting while others were just preempted would only make the pool thrash
             self._admit_waiting(step)
-        for s in step.scheduled:  # book it
-            s.seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(s.seq)  # findable from now on by later steps' admissions
-            if s.samples:
-                s.seq.append_pending()
         return step
 
     def _budget(self, step: Step) -> int:
         return self.max_num_batched_tokens - step.num_tokens
 
     def _plan(self, step: Step, seq: Sequence, num_new: int):
-        start = seq.num_computed_tokens
+        """Add seq's next num_new tokens to the step, and book them."""
+        start, seq.num_computed_tokens = seq.num_computed_tokens, seq.num_computed_tokens + num_new
         step.scheduled.append(ScheduledSeq(seq, start, num_new, samples=start + num_new == seq.num_tokens))
+        self.block_manager.cache_full_blocks(seq)
+        if step.scheduled[-1].samples:
+            seq.append_pending()
 
     def _schedule_running(self, step: Step):
         for seq in list(self.running):
@@ -110,7 +111,7 @@ class Scheduler:
     def _admit_waiting(self, step: Step):
         while self.waiting and len(self.running) < self.max_num_seqs and self._budget(step) > 0:
             seq = self.waiting[0]
-            if seq.num_pending or self._waits_for_sibling(seq):  # a preempted one waits for its tokens' values
+            if seq.num_pending:  # a preempted sequence waits for its tokens' values
                 return
             cached = self.block_manager.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, self._budget(step))
@@ -119,13 +120,6 @@ class Scheduler:
             self.running.append(self.waiting.popleft())
             seq.status = SequenceStatus.RUNNING
             self._plan(step, seq, num_new)
-
-    @staticmethod
-    def _waits_for_sibling(seq: Sequence) -> bool:
-        """With n > 1, the first completion computes the prompt and the others then take it from the prefix cache."""
-        first = seq.shares_prompt_with
-        return (first is not None and first.status == SequenceStatus.RUNNING
-                and first.num_computed_tokens < first.num_prompt_tokens)
 
     # ---- after a step -----------------------------------------------------------------------------
     def update(self, step: Step, tokens: list[int], logprobs: list[dict | None] | None) -> list[Sequence]:

@@ -44,7 +44,6 @@ class Sequence:
         self.finish_reason: str | None = None
         self.logprobs: list[dict] = []     # per generated token, when params.logprobs is set
         self.cumulative_logprob, self.text = 0.0, DecodedText()
-        self.shares_prompt_with: Sequence | None = None  # n > 1: admitted once this sibling cached the prompt
 
     # lengths: every token counts, pending ones included; only their values are unknown
     num_tokens = property(lambda self: len(self.token_ids))

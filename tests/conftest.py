@@ -82,9 +82,9 @@ class FakeInFlight:
 
 class FakeRunner:
     """The ModelRunner's contract (num_kvcache_blocks, launch) with a fake model and a fake KV cache that maps each
-    physical slot to the token prefix whose K/V it holds. Before a step writes, every earlier position of each of
-    its sequences must read back its own prefix: a wrong prefix hit, a write into a shared block, a stale block
-    table or a block handed out twice all fail there. PENDING decode inputs take their values from the previous
+    physical slot to the token prefix whose K/V it holds. As in each layer of the model, a step first writes its
+    new K/V, then every earlier position of each of its sequences must read back its own prefix: a wrong prefix
+    hit, an overwritten shared block, a stale block table or a block handed out twice all fail there. PENDING decode inputs take their values from the previous
     in-flight step, as the real runner does on the device, so any mix-up of rows shows up as wrong tokens."""
 
     def __init__(self, num_blocks: int):
@@ -112,23 +112,22 @@ class FakeRunner:
         assert step.num_tokens <= sched.max_num_batched_tokens and len(step.scheduled) <= sched.max_num_seqs
         assert len({s.seq.seq_id for s in step.scheduled}) == len(step.scheduled)
         tokens = {s.seq.seq_id: self.device_tokens_of(s, previous) for s in step.scheduled}
-        for s in step.scheduled:  # one forward: every read of earlier K/V, then every write
+        written = set()
+        for s in step.scheduled:  # as each layer does: every write of the step's K/V, then every read
             assert s.num_new_tokens >= 1 and s.seq in sched.running
             assert len(s.seq.block_table) == bm.blocks_needed(s.start + s.num_new_tokens)
-            for p in range(s.start):
+            for p in range(s.start, s.start + s.num_new_tokens):
+                slot = self.slot(s.seq, p)
+                assert slot not in written, "two sequences write one slot in one step"
+                written.add(slot)
+                self.kv[slot] = tuple(tokens[s.seq.seq_id][:p + 1])
+        for s in step.scheduled:
+            for p in range(s.start):  # a block shared within the step reads back what its computer just wrote
                 got = self.kv.get(self.slot(s.seq, p))
                 assert got == tuple(tokens[s.seq.seq_id][:p + 1]), f"seq {s.seq.seq_id} pos {p} reads {got}"
             if s.seq.seq_id in self.was_waiting:
                 hit = s.start // bm.block_size
                 self.admissions.append((s.seq, s.start, list(s.seq.block_table[:hit])))
-        written = set()
-        for s in step.scheduled:
-            for p in range(s.start, s.start + s.num_new_tokens):
-                slot = self.slot(s.seq, p)
-                assert bm.blocks[slot // bm.block_size].ref_count == 1, "write into a shared block"
-                assert slot not in written, "two sequences write one slot in one step"
-                written.add(slot)
-                self.kv[slot] = tuple(tokens[s.seq.seq_id][:p + 1])
         self.steps.append([(s.seq, s.start, s.num_new_tokens) for s in step.scheduled])
         return FakeInFlight(step, [fake_next_token(tokens[seq.seq_id]) for seq in step.sampling])
 
