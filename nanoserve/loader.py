@@ -34,10 +34,9 @@ def resolve_model_dir(model: str | None) -> str:
     raise InvalidField("model", f"no such model directory: {model!r}") from error
 
 def load_tokenizer(model_dir: str):
-    try:
-        return AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError, TypeError):
-        return None  # a weights-only directory: prompts must be token ids
+    """None for a weights-only directory (prompts must then be token ids): transformers would make an empty one."""
+    files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    return AutoTokenizer.from_pretrained(model_dir) if any(os.path.exists(f"{model_dir}/{f}") for f in files) else None
 
 def eos_ids_of(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
     """EOS ids from the generation config and the model config (several allowed), then the tokenizer."""

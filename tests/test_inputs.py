@@ -105,3 +105,16 @@ def test_bad_engine_config_names_the_field(tiny_model, tmp_path):
         with pytest.raises(InvalidField) as info:
             LLM(**kwargs)
         assert info.value.field == field and field in str(info.value), (kwargs, info.value)
+
+
+def test_weights_only_model_asks_for_token_ids(tiny_model):
+    """Guards against a directory without a tokenizer getting an empty one (every text prompt then 'is empty'):
+    there is no tokenizer, a text prompt is refused with that reason, and token ids work."""
+    path, hf = tiny_model("qwen2")
+    llm = LLM(path, device="cpu", max_model_len=64, num_kvcache_blocks=8)
+    assert llm.tokenizer is None
+    with pytest.raises(InvalidField, match="no tokenizer") as info:
+        llm.generate("Hello", GREEDY, use_tqdm=False)
+    assert info.value.field == "prompt"
+    prompt = random_prompts([6])[0]
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 6)
