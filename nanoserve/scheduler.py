@@ -32,8 +32,7 @@ class ScheduledSeq:
 class Step:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-
-    num_tokens = property(lambda self: sum(s.num_new_tokens for s in self.scheduled))
+    num_tokens: int = 0  # tokens computed in the step, counted as they are planned
     # the sequences that get a token from this step, in batch order: the rows of its samples
     sampling = property(lambda self: [s.seq for s in self.scheduled if s.samples])
 
@@ -76,6 +75,7 @@ class Scheduler:
         """Add seq's next num_new tokens to the step, and book them."""
         start, seq.num_computed_tokens = seq.num_computed_tokens, seq.num_computed_tokens + num_new
         step.scheduled.append(ScheduledSeq(seq, start, num_new, samples=start + num_new == seq.num_tokens))
+        step.num_tokens += num_new
         self.block_manager.cache_full_blocks(seq)
         if step.scheduled[-1].samples:
             seq.append_pending()
