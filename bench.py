@@ -526,6 +526,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the engine's KV-cache account
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # --serve: not a line per request
     if args.attention:
         from bench_attention import run_attention_bench
         rows = run_attention_bench()
