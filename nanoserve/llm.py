@@ -22,7 +22,6 @@ from nanoserve.sampling_params import InvalidField, SamplingParams, check_token_
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
 from nanoserve.stopping import StopChecker
-from nanoserve.trace import StepTrace
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
@@ -56,7 +55,10 @@ class LLM:
         self.requests: dict[str, Request] = {}
         self.request_of: dict[int, Request] = {}  # seq_id -> its request
         self.in_flight = None                      # the launched step not yet read back (overlap)
-        self.trace = StepTrace(config.trace, self.scheduler) if config.trace is not None else None
+        self.trace = None
+        if config.trace is not None:  # opt-in: the trace writer lives with its pictures, in the optional plots.py
+            from nanoserve.plots import StepTrace
+            self.trace = StepTrace(config.trace, self.scheduler)
         self._request_ids = count()
         self.counters = dict(computed_tokens=0, generated_tokens=0, finished_requests=0, ttft_s=0.0, itl_s=0.0)
 

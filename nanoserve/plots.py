@@ -1,30 +1,64 @@
-"""Pictures of a step trace (trace.py), as PNG files: plot_trace(trace_path, out_dir). Needs matplotlib.
+"""The engine's inner life, for the course: the step trace it writes with LLM(..., trace=PATH), one JSON line per step
+(the sequences in it, a prefill chunk or a decode, with their block tables; blocks allocated, freed, hit in the prefix
+cache and revived; used, cached and free after the step; preemptions, queues, time), and pictures of a trace as PNG
+files: plot_trace(trace_path, out_dir), which needs matplotlib. Off by default: the engine then never imports this file.
 
-kv_blocks.png: the block pool after each step: used (held by running sequences), cached (free, still holding a
-findable prefix) and free. Used climbs with prefills and decodes and falls as requests finish; red dashed lines
-mark preemptions (the pool ran dry and the youngest sequence gave its blocks back).
+kv_blocks.png: the block pool after each step: used (held by running sequences), cached (free, still holding a findable
+prefix) and free. Used climbs with prefills and decodes and falls as requests finish; red dashed lines mark preemptions.
 batches.png: top, each step's prefill (prompt chunk) tokens under its decodes (one token each): with a small
 max_num_batched_tokens a long prompt is cut into chunks that ride beside decodes; bottom, the running and waiting
-queues. block_tables.png: the first sequences' block tables, one cell per physical block labelled with its id;
-orange cells are blocks shared through the prefix cache (one copy of a common prefix, computed once).
-"""
+queues. block_tables.png: the first sequences' block tables, one cell per physical block labelled with its id; orange
+cells are blocks shared through the prefix cache (one copy of a common prefix, computed once)."""
 import json
+import time
 from pathlib import Path
 
-try:
-    import matplotlib
-    matplotlib.use("Agg")  # files only, no window
-    import matplotlib.pyplot as plt
-    import numpy as np
-except ImportError as error:
-    raise ImportError("nanoserve.plots needs matplotlib: pip install matplotlib") from error
+import numpy as np
+from nanoserve.scheduler import Scheduler, Step
 
 MAX_ROWS, MAX_CELLS = 6, 32  # block_tables.png: sequences shown, blocks shown per sequence
 
+class StepTrace:
+    def __init__(self, path: str, scheduler: Scheduler):
+        self.file = open(path, "w", buffering=1)  # line-buffered: a trace is readable while the engine runs
+        self.scheduler, self.bm = scheduler, scheduler.block_manager
+        self.num_steps, self.last, self.start = 0, self.counters(), time.perf_counter()
 
-def load_trace(path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    def counters(self) -> dict:
+        bm = self.bm
+        return dict(allocated=bm.num_allocated, freed=bm.num_freed, hit=bm.num_hit_blocks, revived=bm.num_revived)
 
+    def begin(self, step: Step):
+        """The step as launched (before finishing the previous one may free blocks)."""
+        self.seqs = [dict(id=s.seq.seq_id, start=s.start, tokens=s.num_new_tokens, block_table=list(s.seq.block_table),
+                          kind="decode" if s.num_new_tokens == 1 and s.start >= s.seq.num_prompt_tokens else "prefill")
+                     for s in step.scheduled]
+        self.preempted = [seq.seq_id for seq in step.preempted]
+
+    def end(self, started: float):
+        """The pool and queues after the step, and its time."""
+        now, sched, bm, counters = time.perf_counter(), self.scheduler, self.bm, self.counters()
+        self.file.write(json.dumps(dict(
+            step=self.num_steps, time=round(now - self.start, 6), step_ms=round(1000 * (now - started), 3),
+            seqs=self.seqs, preempted=self.preempted, running=len(sched.running), waiting=len(sched.waiting),
+            blocks=dict(used=bm.num_used_blocks, cached=bm.num_cached_blocks, free=bm.num_free_blocks,
+                        **{k: counters[k] - self.last[k] for k in counters}),
+            kv_tokens=sum(seq.num_computed_tokens for seq in sched.running),  # a shared block counts per user
+            kv_unused_slots=sum(len(seq.block_table) * bm.block_size - seq.num_computed_tokens
+                                for seq in sched.running))) + "\n")
+        self.num_steps, self.last = self.num_steps + 1, counters
+
+    def close(self):
+        self.file.close()
+
+def pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # files only, no window
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ImportError("nanoserve.plots needs matplotlib to draw: pip install matplotlib") from error
+    return plt
 
 def plot_kv_blocks(steps: list[dict], ax):
     x, b = [s["step"] for s in steps], [s["blocks"] for s in steps]  # "free" counts the cached blocks too
@@ -37,7 +71,6 @@ def plot_kv_blocks(steps: list[dict], ax):
     ax.set(xlabel="step", ylabel="KV blocks", title=f"KV block pool after each step (of {total} blocks)")
     ax.legend(loc="upper right", fontsize=8)
 
-
 def plot_batches(steps: list[dict], top, bottom):
     x = [s["step"] for s in steps]
     prefill = [sum(q["tokens"] for q in s["seqs"] if q["kind"] == "prefill") for s in steps]
@@ -49,7 +82,6 @@ def plot_batches(steps: list[dict], top, bottom):
     bottom.plot(x, [(s["running"], s["waiting"]) for s in steps], drawstyle="steps-post", label=["running", "waiting"])
     bottom.set(xlabel="step", ylabel="sequences")
     bottom.legend(loc="upper right", fontsize=8)
-
 
 def plot_block_tables(steps: list[dict], ax):
     seqs = [q for s in steps for q in s["seqs"]]
@@ -66,8 +98,8 @@ def plot_block_tables(steps: list[dict], ax):
     for i, j in ((i, j) for i in range(len(rows)) for j in range(len(rows)) if i != j):
         n = next((k for k, (u, v) in enumerate(zip(rows[i], rows[j])) if u != v), min(len(rows[i]), len(rows[j])))
         grid[i, :min(n, max(hits[ids[i]], hits[ids[j]]))] = 1  # same blocks, found in the cache
-    ax.pcolormesh(np.ma.masked_invalid(grid), cmap=matplotlib.colors.ListedColormap(["lightsteelblue", "orange"]),
-                  vmin=0, vmax=1, edgecolors="white", linewidth=3)
+    colors = pyplot().matplotlib.colors.ListedColormap(["lightsteelblue", "orange"])  # private, shared
+    ax.pcolormesh(np.ma.masked_invalid(grid), cmap=colors, vmin=0, vmax=1, edgecolors="white", linewidth=3)
     for i, j in np.argwhere(~np.isnan(grid)):
         ax.text(j + 0.5, i + 0.5, str(rows[i][j]), ha="center", va="center", fontsize=9 if width <= 16 else 6)
     ax.set_xticks(np.arange(width) + 0.5, range(width))
@@ -75,10 +107,10 @@ def plot_block_tables(steps: list[dict], ax):
     ax.set(ylim=(len(rows), 0), xlabel=f"position in the block table (at most {MAX_CELLS} shown)",
            title="Block tables (physical block ids); orange: shared through the prefix cache")
 
-
 def plot_trace(trace_path, out_dir) -> list[Path]:
     """Write kv_blocks.png, batches.png and block_tables.png for the trace into out_dir; returns their paths."""
-    steps, out_dir, paths = load_trace(trace_path), Path(out_dir), []
+    steps = [json.loads(line) for line in Path(trace_path).read_text().splitlines() if line.strip()]
+    plt, out_dir, paths = pyplot(), Path(out_dir), []
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, draw, panels in (("kv_blocks", plot_kv_blocks, 1), ("batches", plot_batches, 2),
                                ("block_tables", plot_block_tables, 1)):

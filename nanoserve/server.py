@@ -1,11 +1,9 @@
 """An OpenAI-compatible HTTP server (`python -m nanoserve.server --model DIR --port 8000`, and every EngineConfig
 field as a flag): /v1/completions and /v1/chat/completions, whole or streamed as server-sent events, /v1/models,
-/health, and Prometheus /metrics.
-
-The engine is not thread-safe, so one thread owns it (EngineLoop). Handlers on uvicorn's event loop send it commands
-through a queue.Queue and await the replies as futures; each HTTP request's outputs come back on its own
-asyncio.Queue. A client that goes away has its requests aborted, which returns their KV blocks at once.
-"""
+/health, and Prometheus /metrics. The engine is not thread-safe, so one thread owns it (EngineLoop). Handlers on
+uvicorn's event loop send it commands through a queue.Queue and await the replies as futures; each HTTP request's
+outputs come back on its own asyncio.Queue. A client that goes away has its requests aborted, which returns their KV
+blocks at once."""
 import argparse
 import asyncio
 import concurrent.futures
@@ -32,7 +30,6 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "min_tokens", 
                    "stop_token_ids", "seed")  # named alike in OpenAI's body (with vLLM's extras) and SamplingParams
 GAUGES = ("running", "waiting", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_total", "prefix_hit_rate")
 COUNTERS = ("preemptions", "generated_tokens", "finished_requests", "prefix_hit_tokens", "prefix_queried_tokens")
-
 
 class EngineLoop:
     """The one thread that calls the engine: it runs queued commands, steps while any request is unfinished, and
@@ -107,24 +104,20 @@ class EngineLoop:
             self.llm.abort(request_id)
             self.sinks.pop(request_id, None)
 
-
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     error = {"message": message, "type": "invalid_request_error", "param": param, "code": code}
     return JSONResponse({"error": error}, status)
-
 
 def field(body: dict, name: str, kind: type, default):
     if body.get(name) is not None and not isinstance(body[name], kind):
         raise InvalidField(name, f"{body[name]!r} is not a {kind.__name__}")
     return default if body.get(name) is None else body[name]
 
-
 def client_named(error: InvalidField, body: dict, chat: bool) -> InvalidField:
     """The error under the client's name for the field: chat calls three engine fields differently."""
     max_tokens = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     names = {"max_tokens": max_tokens, "logprobs": "top_logprobs", "prompt": "messages"} if chat else {}
     return InvalidField(names.get(error.field, error.field), error.problem)
-
 
 def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParams:
     """SamplingParams from an OpenAI body. SamplingParams checks every type and range, so the server refuses a
@@ -141,7 +134,6 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
     except InvalidField as e:
         raise client_named(e, body, chat) from None
 
-
 def logprobs_json(tokenizer, chat: bool, token_ids: list[int], logprobs: list[dict] | None, num_top: int | None):
     """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: the legacy parallel lists."""
     if logprobs is None:
@@ -155,7 +147,6 @@ def logprobs_json(tokenizer, chat: bool, token_ids: list[int], logprobs: list[di
     return {"content": [{**entry(s, lp[t]), "top_logprobs": [entry(tokenizer.decode([i]), v) for i, v in tp]}
                         for s, t, lp, tp in zip(text, token_ids, logprobs, top)]}
 
-
 def choice_json(tokenizer, chat: bool, stream: bool, index: int, c, num_top: int | None) -> dict:
     """A choice: the whole completion, or in a stream its new text and tokens (a chat stream names the role first)."""
     text, ids = (c.text_delta, c.token_ids_delta) if stream else (c.text, c.token_ids)
@@ -164,13 +155,11 @@ def choice_json(tokenizer, chat: bool, stream: bool, index: int, c, num_top: int
     body = {"delta" if stream else "message": message} if chat else {"text": text}
     return {"index": index, **body, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
-
 def usage_json(finals) -> dict:
     prompt = sum(len(out.prompt_token_ids) for out in finals)
     completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(out.num_cached_tokens for out in finals)}}
-
 
 def build_app(llm, model_name: str | None = None) -> FastAPI:
     """The FastAPI app serving llm; its engine thread runs while the app does (lifespan)."""
@@ -239,8 +228,7 @@ def build_app(llm, model_name: str | None = None) -> FastAPI:
         return {**head, "choices": choices, "usage": usage_json(finals.values())}
 
     async def stream_chunks(results, head: dict, chat: bool, params: SamplingParams, num_prompts: int, usage: bool):
-        """A chunk per choice with new tokens. A choice's last tokens come with its finish_reason, so that is on its
-        last chunk only. Then the usage if asked, and [DONE]."""
+        """A chunk per choice with new tokens (finish_reason rides on a choice's last), the usage if asked, [DONE]."""
         finals = {}
         async for i, out in results:
             finals.update({i: out} if out.finished else {})
@@ -255,7 +243,6 @@ def build_app(llm, model_name: str | None = None) -> FastAPI:
         yield "data: [DONE]\n\n"
 
     return app
-
 
 @contextlib.contextmanager
 def serve_in_background(llm, host: str = "127.0.0.1", port: int = 0, model_name: str | None = None):
@@ -273,7 +260,6 @@ def serve_in_background(llm, host: str = "127.0.0.1", port: int = 0, model_name:
         server.should_exit = True
         thread.join()
 
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description="nanoserve's OpenAI-compatible server")
     ap.add_argument("--model", help="HF model directory or hub id (default: the embedded SmolLM2-135M-Instruct)")
@@ -288,10 +274,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from nanoserve.llm import LLM
-    engine_args = {f.name: getattr(args, f.name) for f in engine_fields if getattr(args, f.name) is not None}
-    llm = LLM(args.model, **engine_args)
+    llm = LLM(args.model, **{f.name: getattr(args, f.name) for f in engine_fields if getattr(args, f.name) is not None})
     uvicorn.run(build_app(llm, args.served_model_name), host=args.host, port=args.port)
-
 
 if __name__ == "__main__":
     main()

@@ -102,17 +102,19 @@ def test_block_tables_picture_marks_exactly_the_shared_prefix(traced):
 
 
 def test_trace_off_writes_nothing(tiny_model, tmp_path, monkeypatch):
-    """Guards against a trace that costs something when off: the engine must not even import trace.py."""
+    """Guards against a trace that costs something when off: the engine must not even import plots.py."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setitem(sys.modules, "nanoserve.trace", None)  # importing it now raises
+    monkeypatch.setitem(sys.modules, "nanoserve.plots", None)  # importing it now raises
     llm = LLM(tiny_model("llama")[0], num_kvcache_blocks=NUM_BLOCKS)
     llm.generate(random_prompts([20, 30]), GREEDY, use_tqdm=False)
     assert llm.trace is None and llm.config.trace is None and list(tmp_path.iterdir()) == []
 
 
-def test_plots_without_matplotlib_name_the_install(monkeypatch):
-    """Guards against a bare ModuleNotFoundError when the optional extra is missing."""
+def test_plots_without_matplotlib_name_the_install(monkeypatch, traced, tmp_path):
+    """Guards against a bare ModuleNotFoundError when the optional extra is missing, and against the trace itself
+    needing matplotlib (only drawing does)."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.delitem(sys.modules, "nanoserve.plots", raising=False)
+    plots = importlib.import_module("nanoserve.plots")  # the trace writer loads without matplotlib
     with pytest.raises(ImportError, match="pip install matplotlib"):
-        importlib.import_module("nanoserve.plots")
+        plots.plot_trace(traced[3], tmp_path)
