@@ -5,7 +5,6 @@ The engine's bookkeeping (sequence, block_manager, scheduler, stopping) is plain
 torch. LLM is imported on first use, so `import nanoserve.scheduler` stays light. The library adds no logging
 handler; example.py and bench.py show its start-up lines (the KV cache account) by configuring logging."""
 import importlib
-
 from nanoserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

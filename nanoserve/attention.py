@@ -10,10 +10,8 @@ runs before attention. The PyTorch references at the bottom are the oracle the k
 fast path. Words: a "block" is a KV-cache page, a "tile" a kernel's compute tile."""
 import functools
 from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
-
 from nanoserve.kernels import tl, triton
 
 PAD_SLOT = -1  # slot_mapping value of a padded token: the KV store skips it
@@ -26,7 +24,6 @@ DECODE_NUM_WARPS = 4
 PROGRAMS_PER_SM = 4  # decode splits the keys until the grid has about this many programs per SM
 MAX_SPLITS = 64  # the reduce kernel holds all partials of a head, [splits, head_dim] fp32, in registers
 CPU_NUM_SMS = 4  # SM count assumed under TRITON_INTERPRET: small, yet CPU tests still see several splits
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # fp32 dots run in full fp32 (ieee), not tf32
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # powers of two; 256 would overflow the registers of a 128-row tile
 
 @dataclass
@@ -47,15 +44,6 @@ class AttentionMetadata:
         assert self.query_start_loc.shape == (num_seqs + 1,) and self.block_tables.shape[0] == num_seqs
         assert self.block_tables.stride(1) == 1
         assert not self.decode_only or self.slot_mapping.shape[0] == num_seqs, "decode: one query per sequence"
-
-def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int):
-    """The layout every kernel here assumes; checked once, when the cache is made."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), "K and V caches share a layout"
-    assert k_cache.stride(-1) == 1, "head_dim must be contiguous"
-    assert k_cache.dtype in SUPPORTED_DTYPES and num_heads % num_kv_heads == 0
-    assert head_dim in SUPPORTED_HEAD_DIMS, f"head_dim {head_dim} not in {SUPPORTED_HEAD_DIMS}"
-    assert block_size & (block_size - 1) == 0, "block_size: a power of two"
 
 @triton.jit
 def _store_kv_kernel(

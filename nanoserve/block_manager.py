@@ -12,7 +12,6 @@ first, so a popular prefix stays cached (LRU)."""
 from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import count
-
 from nanoserve.sequence import Sequence
 
 PrefixKey = tuple[int | None, tuple[int, ...]]  # (parent block's prefix id, this block's tokens)
@@ -37,7 +36,6 @@ class BlockManager:
         self.prefix_hit_tokens = self.prefix_queried_tokens = self.peak_used_blocks = 0
         self.num_allocated = self.num_freed = self.num_hit_blocks = self.num_revived = 0
 
-    # ---- counters -------------------------------------------------------------------------------
     num_blocks = property(lambda self: len(self.blocks))
     num_free_blocks = property(lambda self: len(self.free_ids))
     num_used_blocks = property(lambda self: len(self.blocks) - len(self.free_ids))
@@ -50,7 +48,6 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    # ---- prefix cache ---------------------------------------------------------------------------
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of seq's longest cached prefix; the last token is always left to compute, for its logits."""
         if not self.enable_prefix_caching:
@@ -79,7 +76,6 @@ class BlockManager:
             # the same prefix computed twice (two sequences admitted together): one entry, one name
             block.prefix_id = next(self._prefix_ids) if owner == block.block_id else self.blocks[owner].prefix_id
 
-    # ---- allocation -----------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Give seq the blocks it needs to hold num_new_tokens more tokens, after taking cached_blocks (a prefix
         hit, only for a sequence with nothing computed yet). False, changing nothing, if the pool is short."""

@@ -1,8 +1,6 @@
 """Engine settings: one dataclass that checks every field's type and value before any work starts."""
 from dataclasses import dataclass, fields
-
 import torch
-
 from nanoserve.kernels import HAVE_TRITON
 from nanoserve.sampling_params import InvalidField, check_number
 
@@ -70,6 +68,5 @@ class EngineConfig:
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         if self.dtype != "auto":
             return DTYPES[self.dtype]
-        if self.device == "cpu":
-            return torch.float32
-        return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        half = checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        return torch.float32 if self.device == "cpu" else half

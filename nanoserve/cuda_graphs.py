@@ -4,7 +4,6 @@ max_num_seqs) into graphs that share one memory pool and read their inputs from 
 copies its inputs into those buffers and replays the smallest graph that fits: padded rows write no KV (PAD_SLOT) and
 read none (context length 0)."""
 import torch
-
 from nanoserve.attention import PAD_SLOT, AttentionMetadata
 
 class DecodeGraphs:

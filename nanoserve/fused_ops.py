@@ -8,7 +8,6 @@ which is more accurate than transformers' bf16 products (they differ by one bf16
 Kernels match their references to within rounding (summation order, the GPU's fast square root), not bit for bit."""
 import torch
 import torch.nn.functional as F
-
 from nanoserve.kernels import tl, triton
 
 @triton.jit

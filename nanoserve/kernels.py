@@ -1,9 +1,7 @@
 """Kernels are chosen once, when the model is built: two backends with the same functions and meaning, the Triton
-kernels (GPU; CPU tests run them in Triton's interpreter) or their PyTorch references (any machine). Each reference sits
-beside its kernel (attention.py, fused_ops.py, sampler.py); the model and the sampler call whichever backend they were
-given, and never branch on it.
-
-triton has wheels for Linux only. This is the one place that imports it: without it, the kernel files still load (their
+kernels (GPU; CPU tests run them in Triton's interpreter) or their PyTorch references (any machine), each reference
+beside its kernel (attention.py, fused_ops.py, sampler.py). The model and the sampler never branch on the choice.
+triton has Linux wheels only, and this is the one place that imports it: without it the kernel files still load (their
 kernels stay plain, never-called functions), so the PyTorch references run on macOS and Windows."""
 from dataclasses import dataclass
 from types import SimpleNamespace

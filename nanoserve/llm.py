@@ -12,9 +12,7 @@ import time
 import weakref
 from dataclasses import replace
 from itertools import count
-
 from tqdm.auto import tqdm
-
 from nanoserve.block_manager import BlockManager
 from nanoserve.config import EngineConfig
 from nanoserve.outputs import Request, RequestOutput
@@ -226,7 +224,6 @@ class LLM:
         return [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
                                       add_special_tokens=False) for c in conversations]
 
-    # ---- counters ---------------------------------------------------------------------------------
     def stats(self) -> dict:
         bm, c, done = self.block_manager, self.counters, max(self.counters["finished_requests"], 1)
         return dict(kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,

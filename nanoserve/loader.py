@@ -3,11 +3,10 @@ the serving dtype with its weights from safetensors. Each parameter loads its ow
 (its `weight_loader`), so a layer that stores a slice or a fused shard says how, where it is defined."""
 import glob
 import os
-
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
+from nanoserve.attention import SUPPORTED_HEAD_DIMS
 from nanoserve.config import EngineConfig
 from nanoserve.kernels import Kernels
 from nanoserve.model import CausalLM, ModelArgs
@@ -103,6 +102,8 @@ def load_hf_config(model_dir: str, config: EngineConfig):
     if config.max_model_len > args.max_position:
         raise InvalidField("max_model_len", f"{config.max_model_len} exceeds the model's "
                            f"max_position_embeddings={args.max_position}")
+    if config.kernels == "triton" and args.head_dim not in SUPPORTED_HEAD_DIMS:
+        raise InvalidField("kernels", f"'triton' tiles head_dim {SUPPORTED_HEAD_DIMS}, not {args.head_dim}: 'torch'")
     for name in ("num_heads", "num_kv_heads", "vocab_size", "intermediate_size"):  # an equal share for each rank
         if getattr(args, name) % config.tensor_parallel_size:  # (fewer KV heads than ranks: refused, too)
             raise InvalidField("tensor_parallel_size", f"does not divide the model's {name}={getattr(args, name)}")

@@ -8,10 +8,8 @@ up, the KV store and paged attention) goes to the kernels chosen when the model 
 PyTorch references."""
 import math
 from dataclasses import dataclass
-
 import torch
 from torch import nn
-
 from nanoserve.attention import AttentionMetadata
 from nanoserve.kernels import Kernels
 from nanoserve.parallel import TP, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_vocab

@@ -11,11 +11,9 @@ import os
 import time
 from dataclasses import dataclass
 from itertools import accumulate
-
 import torch
 import torch.distributed as dist
-
-from nanoserve.attention import MIN_DOT_ROWS, PAD_SLOT, PREFILL_TILE_M, AttentionMetadata, check_kv_cache
+from nanoserve.attention import MIN_DOT_ROWS, PAD_SLOT, PREFILL_TILE_M, AttentionMetadata
 from nanoserve.config import EngineConfig
 from nanoserve.cuda_graphs import DecodeGraphs
 from nanoserve.kernels import get_kernels
@@ -104,12 +102,11 @@ class ModelRunner:
             fewest = torch.tensor([self.num_kvcache_blocks], device=self.device)
             dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
             self.num_kvcache_blocks = int(fewest)
-        # [K or V, layer, block, slot in block, kv head (this rank's), head_dim]
-        self.kv_cache = torch.zeros(2, args.num_layers, self.num_kvcache_blocks, self.block_size, self.num_kv_heads,
+        # [K or V, layer, block, slot, kv head (this rank's), head_dim], not zeroed: every slot is written before it is
+        # read, and on a CPU memory pages are only taken as the cache fills
+        self.kv_cache = torch.empty(2, args.num_layers, self.num_kvcache_blocks, self.block_size, self.num_kv_heads,
                                     args.head_dim, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(args.num_layers)]
-        if self.kernels.name == "triton":
-            check_kv_cache(*self.kv_caches[0], args.num_heads // tp.size)
         logger.info(self.kv_account())
         # 3) the decode graphs, captured over that cache
         self.graphs = None

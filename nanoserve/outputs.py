@@ -2,9 +2,8 @@
 Request record the engine keeps while it runs: its sequences, its timings, and whether it streams."""
 import time
 from dataclasses import dataclass, field
-
 from nanoserve.sequence import Sequence
-from nanoserve.stopping import final_text, take_stream_delta
+from nanoserve.stopping import take_stream_delta
 
 @dataclass
 class CompletionOutput:
@@ -50,7 +49,7 @@ class Request:
             delta = take_stream_delta(seq) if self.stream else ""
             new_tokens, t.num_tokens_streamed = token_ids[t.num_tokens_streamed:], len(token_ids)
             outputs.append(CompletionOutput(
-                index=i, text=final_text(seq) if seq.is_finished else t.text[:t.num_streamed],
+                index=i, text=seq.text.final if seq.is_finished else t.text[:t.num_streamed],
                 token_ids=token_ids, finish_reason=seq.finish_reason,
                 logprobs=list(seq.logprobs) if wants_logprobs else None,
                 cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,

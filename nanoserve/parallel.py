@@ -12,7 +12,6 @@ import socket
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

@@ -5,12 +5,9 @@ model runner copies them back.
 Every row is drawn the same way: argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T) (the Gumbel-max
 trick), plain argmax when T = 0. Top-k, top-p and min-p only set the logits they drop to -inf first. The Triton kernel
 draws each row in one pass over its logits, making the noise in registers from a per-row seed; its PyTorch reference
-below writes the noise out with a seeded generator per row, so the two backends draw different (equally valid) samples
-for the same seed."""
+writes the noise out with a seeded generator per row: the backends draw different (equally valid) samples for a seed."""
 import random
-
 import torch
-
 from nanoserve.kernels import Kernels, tl, triton
 from nanoserve.sampling_params import SamplingParams
 

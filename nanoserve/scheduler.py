@@ -15,7 +15,6 @@ in when the step is read back. Later steps may be planned before that: the GPU r
 the scheduler needs."""
 from collections import deque
 from dataclasses import dataclass, field
-
 from nanoserve.block_manager import BlockManager
 from nanoserve.sampling_params import InvalidField
 from nanoserve.sequence import Sequence, SequenceStatus
@@ -60,7 +59,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # ---- planning a step --------------------------------------------------------------------------
     def schedule(self) -> Step:
         step = Step()
         self._schedule_running(step)
@@ -121,7 +119,6 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self._plan(step, seq, num_new)
 
-    # ---- after a step -----------------------------------------------------------------------------
     def update(self, step: Step, tokens: list[int], logprobs: list[dict | None] | None) -> list[Sequence]:
         """A launched step's samples are back, one per sequence of step.sampling: fill in their oldest pending
         tokens. Returns the sequences that got one (those finished meanwhile drop it)."""

@@ -8,7 +8,6 @@ from array import array
 from dataclasses import dataclass
 from enum import Enum, auto
 from itertools import count
-
 from nanoserve.sampling_params import SamplingParams
 
 PENDING = -1  # a token id sampled on the GPU and not yet read back
@@ -27,6 +26,7 @@ class DecodedText:
     stop_at: int | None = None       # a stop string starts here: the output text ends here
     num_streamed: int = 0            # characters already handed out as deltas
     num_tokens_streamed: int = 0     # completion tokens already handed out
+    final = property(lambda self: self.text if self.stop_at is None else self.text[:self.stop_at])  # what is shown
 
 class Sequence:
     _ids = count()

@@ -76,17 +76,12 @@ class StopChecker:
         t.stop_at = min((i for i in starts if i >= 0), default=None)
         return t.stop_at is not None
 
-def final_text(seq: Sequence) -> str:
-    return seq.text.text if seq.text.stop_at is None else seq.text.text[:seq.text.stop_at]
-
 def take_stream_delta(seq: Sequence) -> str:
     """The text not yet streamed, less any tail that could still become a stop string (until the end)."""
     t = seq.text
-    if seq.is_finished:
-        end = len(final_text(seq))
-    else:
-        end = len(t.text) - max((k for s in seq.params.stop for k in range(min(len(s) - 1, len(t.text)), 0, -1)
-                                 if t.text.endswith(s[:k])), default=0)
+    held = max((k for s in seq.params.stop for k in range(min(len(s) - 1, len(t.text)), 0, -1)
+                if t.text.endswith(s[:k])), default=0)  # the longest tail that begins a stop string
+    end = len(t.final) if seq.is_finished else len(t.text) - held
     delta = t.text[t.num_streamed:max(end, t.num_streamed)]
     t.num_streamed += len(delta)
     return delta

@@ -4,7 +4,7 @@ Inputs are random and fresh each run (the seed is printed, so pytest shows it wi
 NaN and block tables are padded with a NaN block, so a kernel that reads past a context fails. On CPU the
 kernels run in Triton's interpreter: shapes stay tiny and dtypes are fp32/fp16 (it computes bf16 dots wrongly);
 tests marked gpu run bf16 at Qwen3-0.6B's head shapes and capture decode in a CUDA graph. The launchers check
-nothing per call: AttentionMetadata and check_kv_cache validate their inputs once, and are tested here too.
+nothing per call: AttentionMetadata validates its inputs once, when made, and is tested here too.
 """
 import itertools
 import os
@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 import pytest
 
 from nanoserve.attention import (DECODE_TILE_N, MAX_SPLITS, PAD_SLOT, PREFILL_TILE_M, PROGRAMS_PER_SM,
-                                 AttentionMetadata, _num_sms, check_kv_cache, decode_splits, paged_attention,
+                                 AttentionMetadata, _num_sms, decode_splits, paged_attention,
                                  paged_attention_ref, store_kv, store_kv_ref)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -139,24 +139,21 @@ def test_bad_metadata_fails_at_construction(bad):
         AttentionMetadata(**{**fields, **BAD_METADATA[bad](fields)})
 
 
-def test_check_kv_cache_rejects_layouts_the_kernels_cannot_read():
-    """check_kv_cache (run once, when the cache is made) passes the runner's layout and rejects the rest."""
-    def cache(block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float16):
-        return torch.zeros(2, 3, block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
-    kv = cache()
-    check_kv_cache(kv[0], kv[1], num_heads=4)  # the runner's [K or V, ...] slices
-    with pytest.raises(AssertionError):
-        check_kv_cache(kv[0], kv[1], num_heads=3)  # not a whole GQA group per KV head
-    v_heads_outer = torch.zeros(3, 2, 16, 64, dtype=torch.float16, device=DEVICE).transpose(1, 2)
-    assert v_heads_outer.shape == kv[0].shape and v_heads_outer.stride(-1) == 1
-    with pytest.raises(AssertionError):
-        check_kv_cache(kv[0], v_heads_outer, num_heads=4)  # same shape, other strides: K and V share one layout
-    for bad in (cache(head_dim=48), cache(head_dim=256), cache(block_size=24), cache(dtype=torch.float64)):
-        with pytest.raises(AssertionError):
-            check_kv_cache(bad[0], bad[1], num_heads=4)
-    noncontig = cache().transpose(-1, -2).contiguous().transpose(-1, -2)  # head_dim not contiguous, both alike
-    with pytest.raises(AssertionError):
-        check_kv_cache(noncontig[0], noncontig[1], num_heads=4)
+def test_unsupported_head_dim_is_refused_before_any_work(tmp_path):
+    """Guards against a model whose head_dim the Triton kernels cannot tile (not a power of two, or over 128) failing
+    deep inside a kernel compile: LLM(kernels="triton") refuses it up front, naming the field; the torch path runs it."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from nanoserve import LLM
+    from nanoserve.sampling_params import InvalidField
+    config = LlamaConfig(vocab_size=64, hidden_size=96, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=48, max_position_embeddings=64)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(InvalidField) as info:
+        LLM(str(tmp_path), kernels="triton", device=DEVICE, dtype="float32", max_model_len=32)
+    assert info.value.field == "kernels" and "48" in str(info.value)
+    llm = LLM(str(tmp_path), kernels="torch", device="cpu", max_model_len=32, num_kvcache_blocks=4)
+    assert len(llm.generate([[1, 2, 3]], None, use_tqdm=False)[0].outputs[0].token_ids) > 0
 
 
 @pytest.mark.parametrize("dtype,num_kv_heads,head_dim,block_size",

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("gguf")
 from nanoserve import SamplingParams  # noqa: E402
 from nanoserve.sequence import Sequence, SequenceStatus  # noqa: E402
-from nanoserve.stopping import StopChecker, final_text, take_stream_delta  # noqa: E402
+from nanoserve.stopping import StopChecker, take_stream_delta  # noqa: E402
 
 PROMPT = [1]  # any prompt: only completion tokens are decoded
 IM_END = 2    # SmolLM2's end-of-turn token
@@ -51,7 +51,7 @@ def test_streamed_text_is_whole_characters_and_adds_up(tokenizer):
     ids = tokenizer.encode(MIXED)
     assert len(ids) > len(MIXED) // 2 + 8, "the text should have many multi-token characters"
     reason, deltas, _, seq = feed(tokenizer, ids)
-    assert reason == "length" and "".join(deltas) == final_text(seq) == tokenizer.decode(ids) == MIXED
+    assert reason == "length" and "".join(deltas) == seq.text.final == tokenizer.decode(ids) == MIXED
     assert all("\ufffd" not in d for d in deltas) and sum(bool(d) for d in deltas) > 10
 
 
@@ -64,7 +64,7 @@ def test_long_stop_string_in_multi_token_characters(tokenizer):
     ids = tokenizer.encode(text)
     reason, deltas, consumed, seq = feed(tokenizer, ids, stop=[stop])
     assert len(tokenizer.encode(stop)) > 2 * len(stop) - 4
-    assert reason == "stop" and final_text(seq) == text[:6] == "".join(deltas)
+    assert reason == "stop" and seq.text.final == text[:6] == "".join(deltas)
     assert stop in tokenizer.decode(ids[:consumed]) and stop not in tokenizer.decode(ids[:consumed - 1])
 
 
@@ -75,7 +75,7 @@ def test_stop_string_before_min_tokens_does_not_cut_later(tokenizer):
     ids = tokenizer.encode(text)
     first_end = next(n for n in range(len(ids)) if "answer" in tokenizer.decode(ids[:n]))
     reason, deltas, _, seq = feed(tokenizer, ids, stop=["answer"], min_tokens=first_end + 1)
-    assert reason == "stop" and final_text(seq) == "The answer is here. We looked for the " == "".join(deltas)
+    assert reason == "stop" and seq.text.final == "The answer is here. We looked for the " == "".join(deltas)
 
 
 def test_partial_stop_string_is_held_back_then_released(tokenizer):
@@ -96,9 +96,9 @@ def test_stop_id_text_is_not_shown_and_min_tokens_defers_it(tokenizer):
     id before min_tokens tokens exist."""
     ids = tokenizer.encode("Hello there, friend")
     reason, deltas, consumed, seq = feed(tokenizer, ids + [IM_END] + ids)
-    assert reason == "stop" and consumed == len(ids) + 1 and final_text(seq) == "Hello there, friend"
+    assert reason == "stop" and consumed == len(ids) + 1 and seq.text.final == "Hello there, friend"
     reason, _, consumed, seq = feed(tokenizer, ids + [IM_END] + ids, stream=False, min_tokens=len(ids) + 3)
-    assert reason == "length" and final_text(seq) == tokenizer.decode(ids + [IM_END] + ids, skip_special_tokens=True)
+    assert reason == "length" and seq.text.final == tokenizer.decode(ids + [IM_END] + ids, skip_special_tokens=True)
 
 
 def test_engine_stops_on_a_long_cjk_stop_string():
