@@ -40,10 +40,8 @@ class BlockManager:
     num_free_blocks = property(lambda self: len(self.free_ids))
     num_used_blocks = property(lambda self: len(self.blocks) - len(self.free_ids))
 
-    @property
-    def num_cached_blocks(self) -> int:
-        """Free blocks that still hold a findable prefix (evicted only when a block is needed)."""
-        return sum(self.cached.get(self.blocks[b].key) == b for b in self.free_ids)
+    # free blocks that still hold a findable prefix (evicted only when a block is needed)
+    num_cached_blocks = property(lambda self: sum(self.cached.get(self.blocks[b].key) == b for b in self.free_ids))
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -1,4 +1,5 @@
 """Engine settings: one dataclass that checks every field's type and value before any work starts."""
+import os
 from dataclasses import dataclass, fields
 import torch
 from nanoserve.kernels import HAVE_TRITON
@@ -30,8 +31,7 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
-        unknown = sorted(set(kwargs) - {f.name for f in fields(cls)})
-        if unknown:
+        if unknown := sorted(set(kwargs) - {f.name for f in fields(cls)}):
             raise InvalidField(unknown[0], f"unknown config keys: {', '.join(unknown)}")
         return cls(**kwargs)
 
@@ -61,7 +61,9 @@ class EngineConfig:
             raise InvalidField("tensor_parallel_size", f"{self.tensor_parallel_size} exceeds the "
                                f"{torch.cuda.device_count()} GPUs present")
         if self.kernels == "auto":
-            self.kernels = "triton" if self.device == "cuda" else "torch"
+            self.kernels = "triton" if self.device == "cuda" and HAVE_TRITON else "torch"
+        if self.kernels == "triton" and self.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise InvalidField("kernels", "'triton' on a CPU needs TRITON_INTERPRET=1 set before Python starts")
         if self.device == "cpu" or self.kernels == "torch":
             self.enforce_eager = True  # CUDA graphs need a GPU and the sync-free Triton kernels
 

@@ -35,8 +35,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
                 self.forward(size)
-            pool = graph.pool()
-            self.graphs[size] = graph
+            pool, self.graphs[size] = graph.pool(), graph
         torch.cuda.synchronize()
 
     def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:

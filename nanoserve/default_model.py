@@ -2,7 +2,6 @@
 Q4_1 GGUF file; nanoserve loads ordinary Hugging Face folders, so on first use transformers dequantizes the GGUF and we
 save a normal folder (config, generation config, tokenizer with its chat template, model.safetensors) into a cache;
 every later call only finds that folder. This file converts and caches; it never runs the model."""
-import copy
 import importlib.util
 import os
 import shutil
@@ -45,8 +44,7 @@ def default_model_dir() -> str:
 
 def find_gguf() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
-    folders = spec.submodule_search_locations if spec and spec.submodule_search_locations else []
-    for folder in folders:
+    for folder in (spec.submodule_search_locations or []) if spec else []:
         if (Path(folder) / GGUF_FILE).is_file():
             return Path(folder) / GGUF_FILE
     raise FileNotFoundError(f"the default model {DEFAULT_MODEL} needs its weights: run `{INSTALL_HINT}`")
@@ -70,7 +68,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # transformers marks a GGUF-loaded model as quantized and refuses to save it, so its dequantized
     # weights move into a plain model built from the same config, minus the quantization entry.
-    config = copy.deepcopy(gguf_model.config)
+    config = gguf_model.config  # the GGUF model is dropped after its weights are copied: no need to copy it
     del config.quantization_config
     # The GGUF has no output.weight when lm_head reuses the embedding, as SmolLM2's does.
     config.tie_word_embeddings = "output.weight" not in {tensor.name for tensor in reader.tensors}
@@ -91,6 +89,5 @@ def fix_tokenizer(tokenizer, reader):
         raise ValueError(f"unexpected special tokens {found} in {GGUF_FILE}; expected {SPECIAL_TOKENS}")
     tokenizer.bos_token, tokenizer.eos_token = SPECIAL_TOKENS[BOS_TOKEN_ID], SPECIAL_TOKENS[EOS_TOKEN_ID]
     tokenizer.pad_token, tokenizer.unk_token = SPECIAL_TOKENS[PAD_TOKEN_ID], SPECIAL_TOKENS[UNK_TOKEN_ID]
-    if not tokenizer.chat_template:
-        tokenizer.chat_template = reader.fields["tokenizer.chat_template"].contents()
+    tokenizer.chat_template = tokenizer.chat_template or reader.fields["tokenizer.chat_template"].contents()
     return tokenizer

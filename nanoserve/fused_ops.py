@@ -14,8 +14,7 @@ from nanoserve.kernels import tl, triton
 def _add_rms_norm_kernel(x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, stride_r, stride_o, n, eps,
                          BLOCK: tl.constexpr):
     # program r: row r's residual stream becomes x + residual (written back in place), then is normalised
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
+    row, cols = tl.program_id(0), tl.arange(0, BLOCK)
     mask = cols < n
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
@@ -91,8 +90,7 @@ def rms_norm_ref(x, weight, eps: float):
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 def add_rms_norm_ref(x, residual, weight, eps: float):
-    stream = x + residual
-    return rms_norm_ref(stream, weight, eps), stream
+    return rms_norm_ref(stream := x + residual, weight, eps), stream
 
 def qk_norm_rope(q, k, positions, cos, sin, q_weight=None, k_weight=None, eps: float = 0.0):
     """In place: q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] get, per head, RMSNorm with

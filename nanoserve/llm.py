@@ -133,15 +133,21 @@ class LLM:
         # 1) schedule step n+1
         step = self.scheduler.schedule()
         self.counters["computed_tokens"] += step.num_tokens
-        # 2) launch it: the GPU queues it behind step n, whose samples it takes as inputs on the device
-        launched = self.runner.launch(step, self.in_flight) if step.scheduled else None
-        if self.trace is not None:
-            self.trace.begin(step)
-        # 3) finish step n (without overlap: this one): read its tokens back, apply the stop rules
-        done, self.in_flight = (self.in_flight, launched) if self.config.overlap else (launched, None)
-        if done is None and launched is None and self.scheduler.has_unfinished():
-            raise RuntimeError("the scheduler found nothing to run")  # a bug, never a state
-        changed = self._finish(done) if done else []
+        try:  # 2) launch it: the GPU queues it behind step n, whose samples it takes as inputs on the device
+            launched = self.runner.launch(step, self.in_flight) if step.scheduled else None
+            if self.trace is not None:
+                self.trace.begin(step)
+            # 3) finish step n (without overlap: this one): read its tokens back, apply the stop rules
+            done, self.in_flight = (self.in_flight, launched) if self.config.overlap else (launched, None)
+            if done is None and launched is None and self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler found nothing to run")  # a bug, never a state
+            changed = self._finish(done) if done else []
+        except BaseException:  # a failed or interrupted step: its blocks were findable before their K/V were written
+            self.block_manager.cached.clear()
+            self.in_flight = None  # the requests it started are aborted; those not admitted yet stay queued
+            for request in [r for r in self.requests.values() if any(s.block_table or s.num_pending for s in r.seqs)]:
+                self.abort(request.request_id)
+            raise
         if self.trace is not None:
             self.trace.end(started)
         return self._outputs(changed)

@@ -80,8 +80,7 @@ def load_weights(model: CausalLM, tensors):
         loaded.add(name)
     if model.args.tie_word_embeddings:
         loaded.add("lm_head.weight")
-    missing = set(params) - loaded
-    if missing:
+    if missing := set(params) - loaded:
         raise ValueError(f"model: checkpoint lacks {sorted(missing)[:5]}")
 
 def build_model(args: ModelArgs, model_dir: str, dtype: torch.dtype, device: torch.device, kernels: Kernels,

@@ -19,7 +19,7 @@ from nanoserve.cuda_graphs import DecodeGraphs
 from nanoserve.kernels import get_kernels
 from nanoserve.loader import build_model, checkpoint_dtype
 from nanoserve.model import ModelArgs
-from nanoserve.parallel import HEADER_LEN, STEP, STOP, TP, Workers
+from nanoserve.parallel import HEADER_LEN, TP, Workers
 from nanoserve.sampler import Sampler
 from nanoserve.sampling_params import InvalidField, SamplingParams
 from nanoserve.scheduler import Step
@@ -37,10 +37,10 @@ PROFILE_SAMPLING = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, logprobs=1)  
 
 def free_cores() -> int:
     """Cores this process may use that other processes are not busy on. On a CPU, more torch threads than free
-    cores is ruinous: each parallel region waits for a thread that is not running (38 -> 2.6 tok/s measured)."""
+    cores is ruinous: each parallel region waits for a thread that is not running (60 -> 1.4 tok/s measured)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if not os.path.exists("/proc/loadavg"):
-        return max(1, cores - round(os.getloadavg()[0]))  # the last minute's average number of busy cores
+    if not os.path.exists("/proc/loadavg"):  # macOS: the last minute's average number of busy cores; Windows: none
+        return max(1, cores - round(os.getloadavg()[0] if hasattr(os, "getloadavg") else 0))
     running = []
     for _ in range(5):  # Linux: processes running right now ("running/total"; less this one), fewest of 5 looks
         with open("/proc/loadavg") as f:
@@ -121,7 +121,7 @@ class ModelRunner:
         workers = Workers(config, model_dir) if config.tensor_parallel_size > 1 else None
         try:
             return cls(config, model_dir, hf_config, args, TP(0, config.tensor_parallel_size), workers)
-        except RuntimeError as error:
+        except Exception as error:
             if workers is not None:
                 workers.failed(error)  # raises, naming the rank at fault
             raise
@@ -207,7 +207,7 @@ class ModelRunner:
             if self.workers is not None:
                 dist.broadcast(samples[0], 0)  # the workers' next decode inputs
             return InFlightStep(step, samples)
-        except RuntimeError as error:
+        except Exception as error:
             if self.workers is not None:
                 self.workers.failed(error)  # raises, naming the rank at fault
             raise
@@ -222,16 +222,14 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.sample_rows]) if len(inputs.sample_rows) else None
 
     @torch.inference_mode()
-    def serve_steps(self):
-        """A worker rank's loop: receive each step's inputs from rank 0 and run it, until told to stop."""
+    def serve_steps(self, wake):
+        """A worker rank's loop: woken by rank 0 for each step (parallel.Workers), receive its inputs and run it."""
         tokens = None  # the last step's samples, broadcast by rank 0: the next step's PENDING inputs
-        while True:
+        while wake.recv_bytes() == b"s":
             header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
             dist.broadcast(header, 0)
             header = header.tolist()
-            if header[0] == STOP:
-                return
-            flat = torch.empty(sum(round_up(n, INTS_PER_16_BYTES) for n in header[1:1 + NUM_PARTS]),
+            flat = torch.empty(sum(round_up(n, INTS_PER_16_BYTES) for n in header[:NUM_PARTS]),
                                dtype=torch.int32, device=self.device)
             dist.broadcast(flat, 0)
             logits = self.execute(header, flat, tokens)
@@ -280,12 +278,12 @@ class ModelRunner:
         host = torch.frombuffer(flat, dtype=torch.int32)
         if self.device.type == "cuda":
             host = host.pin_memory()  # a pinned source lets the copy run asynchronously
-        header = [STEP, *map(len, parts), max(query_lens), max(context_lens)]
+        header = [*map(len, parts), max(query_lens), max(context_lens)]
         return header, host.to(self.device, non_blocking=True)
 
     def _inputs(self, header: list[int], flat: torch.Tensor, previous_tokens: torch.Tensor | None) -> StepInputs:
         """Views into the uploaded buffer; PENDING decode inputs filled in on the device from the last step's tokens."""
-        lengths, (max_query_len, max_context_len) = header[1:1 + NUM_PARTS], header[1 + NUM_PARTS:]
+        lengths, (max_query_len, max_context_len) = header[:NUM_PARTS], header[NUM_PARTS:]
         views = flat.split([round_up(n, INTS_PER_16_BYTES) for n in lengths])
         ids, pos, slot_mapping, qsl, ctx, tables, rows, at, from_rows = (v[:n] for v, n in zip(views, lengths))
         if len(at):

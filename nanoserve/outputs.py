@@ -37,9 +37,7 @@ class Request:
         self.request_id, self.prompt, self.seqs, self.stream = request_id, prompt, seqs, stream
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
 
-    @property
-    def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
+    finished = property(lambda self: all(seq.is_finished for seq in self.seqs))
 
     def output(self) -> RequestOutput:
         """The request as it stands; streaming, each completion also carries what changed since the last call."""

@@ -6,6 +6,7 @@ gloo on CPUs). Each rank holds 1/N of every projection and of the KV cache's hea
     them), and the logits' slices are gathered so that rank 0 can sample.
 The engine process is rank 0. It starts the other ranks, and each step broadcasts them the step's inputs (once, not per
 layer) and then the sampled tokens (their next decode inputs). With one rank nothing communicates."""
+import contextlib
 import os
 import queue
 import socket
@@ -18,9 +19,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-STOP, STEP = 0, 1        # what rank 0 sends the workers first in each message...
-HEADER_LEN = 12          # ...a header: [STOP or STEP, 9 part lengths, max query length, max context length]
-TIMEOUT_S = 300          # a collective waiting longer than this fails (a rank that hangs, not one that died)
+HEADER_LEN = 11  # a step's header: [9 part lengths, max query length, max context length]
+TIMEOUT_S = int(os.environ.get("NANOSERVE_TP_TIMEOUT_S", 300))  # a collective waiting longer fails: a rank hangs
 
 @dataclass(frozen=True)
 class TP:
@@ -88,13 +88,13 @@ def init_group(tp: TP, port: int, device: str):
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=tp.rank, world_size=tp.size, timeout=timedelta(seconds=TIMEOUT_S))
 
-def run_worker(config, model_dir: str, tp: TP, port: int, errors):
+def run_worker(config, model_dir: str, tp: TP, port: int, wake, errors):
     """A worker rank: build the same runner on its shard, then run every step rank 0 sends until told to stop."""
     try:
         from nanoserve.loader import load_hf_config
         from nanoserve.model_runner import ModelRunner
         init_group(tp, port, config.device)
-        ModelRunner(config, model_dir, *load_hf_config(model_dir, config), tp=tp).serve_steps()
+        ModelRunner(config, model_dir, *load_hf_config(model_dir, config), tp=tp).serve_steps(wake)
         dist.destroy_process_group()
     except Exception:
         errors.put((tp.rank, traceback.format_exc()))
@@ -110,8 +110,11 @@ class Workers:
             port = s.getsockname()[1]
         spawn, n = mp.get_context("spawn"), config.tensor_parallel_size
         self.errors = spawn.Queue()
-        self.procs = [spawn.Process(target=run_worker, args=(config, model_dir, TP(rank, n), port, self.errors),
-                                    daemon=True) for rank in range(1, n)]
+        # idle workers wait on a pipe, not in a collective (those time out): b"s" starts a step, b"x" or EOF stops
+        receive_ends, self.wakes = zip(*[spawn.Pipe(duplex=False) for _ in range(1, n)])
+        self.procs = [spawn.Process(target=run_worker, args=(config, model_dir, TP(rank, n), port,
+                                                             receive_ends[rank - 1], self.errors), daemon=True)
+                      for rank in range(1, n)]
         for proc in self.procs:
             proc.start()
         try:
@@ -120,31 +123,35 @@ class Workers:
             self.failed(error)
 
     def send_step(self, header: torch.Tensor, flat: torch.Tensor):
+        for wake in self.wakes:
+            wake.send_bytes(b"s")
         dist.broadcast(header, 0)
         dist.broadcast(flat, 0)
 
     def failed(self, error: Exception):
-        """A collective failed: name the rank that caused it, stop the others, and raise."""
-        try:
-            rank, trace = self.errors.get(timeout=2)
-            cause = f"tensor-parallel rank {rank} failed:\n{trace}"
-        except queue.Empty:
-            dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs, 1) if not p.is_alive()]
-            cause = f"tensor-parallel worker {', '.join(dead) or 'unknown'} died: {error}"
+        """Rank 0 failed: stop the workers and raise; if a collective failed, name the rank that caused it."""
+        cause = None
+        if isinstance(error, (RuntimeError, OSError)):  # a collective or a pipe failed: find the rank at fault
+            try:
+                rank, trace = self.errors.get(timeout=2)
+                cause = f"tensor-parallel rank {rank} failed:\n{trace}"
+            except queue.Empty:
+                dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs, 1) if not p.is_alive()]
+                cause = f"tensor-parallel worker {', '.join(dead)} died: {error}" if dead else None
         self.close(graceful=False)
+        if cause is None:
+            raise error  # rank 0's own error (bad input, a bug): the workers were fine
         raise RuntimeError(cause) from error
 
     def close(self, graceful: bool = True):
-        try:
-            if graceful and self.procs:
-                device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-                dist.broadcast(torch.zeros(HEADER_LEN, dtype=torch.int64, device=device), 0)  # STOP
-        except Exception:
-            pass  # a worker already gone: killed below
+        for wake in self.wakes:
+            with contextlib.suppress(OSError):  # a worker already gone: killed below
+                wake.send_bytes(b"x")
+            wake.close()
         for proc in self.procs:
             proc.join(timeout=10 if graceful else 0)
             if proc.is_alive():
                 proc.kill()
         if dist.is_initialized():
             dist.destroy_process_group()
-        self.procs = []
+        self.procs, self.wakes = [], ()

@@ -4,15 +4,13 @@ cache and revived; used, cached and free after the step; preemptions, queues, ti
 files: plot_trace(trace_path, out_dir), which needs matplotlib. Off by default: the engine then never imports this file.
 
 kv_blocks.png: the block pool after each step: used (held by running sequences), cached (free, still holding a findable
-prefix) and free. Used climbs with prefills and decodes and falls as requests finish; red dashed lines mark preemptions.
-batches.png: top, each step's prefill (prompt chunk) tokens under its decodes (one token each): with a small
-max_num_batched_tokens a long prompt is cut into chunks that ride beside decodes; bottom, the running and waiting
-queues. block_tables.png: the first sequences' block tables, one cell per physical block labelled with its id; orange
-cells are blocks shared through the prefix cache (one copy of a common prefix, computed once)."""
+prefix) and free; red dashed lines mark preemptions. batches.png: top, each step's prefill tokens under its decodes (one
+token each): a small max_num_batched_tokens cuts a long prompt into chunks that ride beside decodes; bottom, the running
+and waiting queues. block_tables.png: the first sequences' block tables, one cell per physical block labelled with its
+id; orange cells are shared through the prefix cache (one copy of a common prefix, computed once)."""
 import json
 import time
 from pathlib import Path
-
 import numpy as np
 from nanoserve.scheduler import Scheduler, Step
 
@@ -69,7 +67,6 @@ def plot_kv_blocks(steps: list[dict], ax):
     total, top = b[0]["used"] + b[0]["free"], max(c["used"] + c["cached"] for c in b)
     ax.set_ylim(0, min(total, 2 * top + 4))  # in a big pool, the free blocks above this are cut off
     ax.set(xlabel="step", ylabel="KV blocks", title=f"KV block pool after each step (of {total} blocks)")
-    ax.legend(loc="upper right", fontsize=8)
 
 def plot_batches(steps: list[dict], top, bottom):
     x = [s["step"] for s in steps]
@@ -78,10 +75,8 @@ def plot_batches(steps: list[dict], top, bottom):
     top.bar(x, prefill, width=1.0, color="tab:purple", label="prefill tokens (prompt chunks)")
     top.bar(x, decodes, width=1.0, bottom=prefill, color="tab:green", label="decodes (1 token each)")
     top.set(ylabel="tokens in the step", title="Batch composition per step")
-    top.legend(loc="upper right", fontsize=8)
     bottom.plot(x, [(s["running"], s["waiting"]) for s in steps], drawstyle="steps-post", label=["running", "waiting"])
     bottom.set(xlabel="step", ylabel="sequences")
-    bottom.legend(loc="upper right", fontsize=8)
 
 def plot_block_tables(steps: list[dict], ax):
     seqs = [q for s in steps for q in s["seqs"]]
@@ -116,6 +111,8 @@ def plot_trace(trace_path, out_dir) -> list[Path]:
                                ("block_tables", plot_block_tables, 1)):
         fig, axes = plt.subplots(panels, 1, figsize=(9, 1 + 3 * panels), sharex=True, squeeze=False, layout="tight")
         draw(steps, *axes[:, 0])
+        for ax in axes[:, 0] if name != "block_tables" else []:  # the block tables' colours are in their title
+            ax.legend(loc="upper right", fontsize=8)
         fig.savefig(out_dir / f"{name}.png", dpi=100)
         plt.close(fig)
         paths.append(out_dir / f"{name}.png")

@@ -22,10 +22,8 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, out_ptr
     # program r: row r's token, argmax(logits / T - log(E)) with E ~ Exp(1), a draw from softmax(logits / T);
     # plain argmax when T = 0. Column c's noise depends only on (seed, c): the tile size cannot change a draw.
     row = tl.program_id(0)
-    temperature = tl.load(temperature_ptr + row)
-    seed = tl.load(seed_ptr + row)
-    best = tl.full([], float("-inf"), tl.float32)
-    best_id = tl.full([], 0, tl.int32)
+    temperature, seed = tl.load(temperature_ptr + row), tl.load(seed_ptr + row)
+    best, best_id = tl.full([], float("-inf"), tl.float32), tl.full([], 0, tl.int32)
     for start in range(0, vocab_size, TILE):
         cols = start + tl.arange(0, TILE)
         x = tl.load(logits_ptr + row * stride + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)

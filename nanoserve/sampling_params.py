@@ -65,7 +65,5 @@ class SamplingParams:
         self.stop = list(stop)
         self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids or [])
 
-    @property
-    def filtered(self) -> bool:
-        """Top-k, top-p or min-p trims the distribution before the draw."""
-        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+    # top-k, top-p or min-p trims the distribution before the draw
+    filtered = property(lambda self: self.top_k > 0 or self.top_p < 1 or self.min_p > 0)

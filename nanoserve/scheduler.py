@@ -47,8 +47,7 @@ class Scheduler:
         """Refuse a request that could not fit in the whole pool even alone: it would never finish."""
         final_len = min(seq.num_tokens + seq.params.max_tokens, self.max_model_len)
         kv_tokens = max(seq.num_tokens, final_len - 1)  # the last sampled token never needs KV
-        needed = self.block_manager.blocks_needed(kv_tokens)
-        if needed > self.block_manager.num_blocks:
+        if (needed := self.block_manager.blocks_needed(kv_tokens)) > self.block_manager.num_blocks:
             raise InvalidField("max_tokens", f"the request needs {needed} KV blocks ({kv_tokens} tokens) but the pool "
                                f"has {self.block_manager.num_blocks}: lower max_tokens or add KV memory")
 

@@ -15,11 +15,9 @@ import threading
 import time
 import uuid
 from dataclasses import fields
-
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-
 from nanoserve.config import EngineConfig
 from nanoserve.default_model import DEFAULT_MODEL
 from nanoserve.sampling_params import InvalidField, SamplingParams
@@ -65,6 +63,8 @@ class EngineLoop:
                     if await http.is_disconnected():
                         return
                     continue
+                if isinstance(out, Exception):
+                    raise RuntimeError("the engine failed this request") from out
                 unfinished.difference_update([out.request_id] if out.finished else [])
                 yield ids.index(out.request_id), out
         finally:
@@ -76,9 +76,7 @@ class EngineLoop:
             try:  # idle: sleep until a command comes; busy: run the queued commands, then step
                 command = self.commands.get(block=not self.llm.has_unfinished_requests())
             except queue.Empty:
-                for out in self.llm.step():  # each to its handler; a finished request's sink is dropped
-                    sink = self.sinks.pop(out.request_id) if out.finished else self.sinks[out.request_id]
-                    sink(out)
+                self._step()
                 continue
             if command is None:
                 return
@@ -88,6 +86,15 @@ class EngineLoop:
                     future.set_result(fn(*args))
                 except Exception as e:  # bad input (InvalidField) goes back to the handler, which answers 400
                     future.set_exception(e)
+
+    def _step(self):
+        try:
+            for out in self.llm.step():  # each to its handler; a finished request's sink is dropped
+                (self.sinks.pop(out.request_id) if out.finished else self.sinks[out.request_id])(out)
+        except Exception as error:  # a bug or a device error: the engine dropped what was running (LLM.step)
+            logging.getLogger(__name__).exception("an engine step failed; failing the requests in flight")
+            for request_id in [r for r in self.sinks if r not in self.llm.requests]:
+                self.sinks.pop(request_id)(error)
 
     def _add(self, prompts, params, request_ids, stream, sink):
         """All prompts are queued or none: one bad prompt in a list refuses the whole HTTP request."""
@@ -182,7 +189,7 @@ def build_app(llm, model_name: str | None = None) -> FastAPI:
     async def metrics():
         stats = await engine.call(llm.stats)  # the engine's structures may only be read on its thread
         lines = [f"# TYPE nanoserve_{key} gauge\nnanoserve_{key} {stats[key]}" for key in GAUGES]
-        lines += [f"# TYPE nanoserve_{key} counter\nnanoserve_{key}_total {stats[key]}" for key in COUNTERS]
+        lines += [f"# TYPE nanoserve_{key}_total counter\nnanoserve_{key}_total {stats[key]}" for key in COUNTERS]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")

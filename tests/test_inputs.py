@@ -107,6 +107,24 @@ def test_bad_engine_config_names_the_field(tiny_model, tmp_path):
         assert info.value.field == field and field in str(info.value), (kwargs, info.value)
 
 
+def test_kernel_choice_fits_the_machine(monkeypatch):
+    """Guards against choosing kernels that cannot run: Triton on a CPU outside its interpreter (a cryptic pointer
+    error at the first launch) is refused as "kernels"; on a GPU without triton installed, "auto" picks the
+    PyTorch references instead of failing."""
+    import nanoserve.config
+    from nanoserve.config import EngineConfig
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(InvalidField, match="TRITON_INTERPRET") as info:
+        EngineConfig(device="cpu", kernels="triton")
+    assert info.value.field == "kernels" and EngineConfig(device="cpu").kernels == "torch"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the choice only: nothing touches a GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(nanoserve.config, "HAVE_TRITON", False)
+    assert EngineConfig(device="cuda").kernels == "torch"
+    monkeypatch.setattr(nanoserve.config, "HAVE_TRITON", True)
+    assert EngineConfig(device="cuda").kernels == "triton"
+
+
 def test_weights_only_model_asks_for_token_ids(tiny_model):
     """Guards against a directory without a tokenizer getting an empty one (every text prompt then 'is empty'):
     there is no tokenizer, a text prompt is refused with that reason, and token ids work."""

@@ -102,3 +102,31 @@ def test_overlap_on_and_off_agree(seed):
         engine.run()
         outputs[overlap] = [s.completion_token_ids for s in seqs]
     assert outputs[False] == outputs[True] == [reference_completion(*r) for r in requests]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_failed_step_leaves_no_stale_prefix_and_the_engine_serves_on(overlap):
+    """Guards against a launch that raises (a kernel error, Ctrl-C) leaving behind what planning it booked: its
+    prompt's blocks were made findable before their K/V were written, so the same prompt sent again would read
+    garbage (the fake KV cache catches that), and its started requests would hold blocks for ever. A request
+    still waiting is kept and finishes correctly."""
+    engine = FakeEngine(block_size=4, max_num_batched_tokens=64, max_num_seqs=2, overlap=overlap)
+    prompt = list(range(3, 16))
+    running_id, _ = add(engine, [7, 8, 9], 30)
+    engine.step()
+    failed_id, _ = add(engine, prompt, 6)
+    waiting_id, (waiting,) = add(engine, [4, 5, 6, 7, 8], 6)  # max_num_seqs=2: not admitted before the failure
+
+    def interrupted(step, previous):
+        del engine.runner.launch  # fails once, before writing any K/V
+        raise KeyboardInterrupt
+    engine.runner.launch = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        while True:
+            engine.llm.step()
+    assert set(engine.llm.requests) == {waiting_id} and waiting.num_computed_tokens == 0
+    assert engine.bm.num_used_blocks == 0 and running_id not in engine.llm.requests and failed_id
+    _, (again,) = add(engine, prompt, 6)
+    engine.run()
+    assert again.completion_token_ids == reference_completion(prompt, 6)
+    assert waiting.completion_token_ids == reference_completion([4, 5, 6, 7, 8], 6)

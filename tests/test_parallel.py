@@ -11,7 +11,7 @@ import torch
 from conftest import hf_greedy, random_prompts
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.parallel import HEADER_LEN, STEP
+from nanoserve.parallel import HEADER_LEN
 from nanoserve.sampling_params import InvalidField
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -70,6 +70,25 @@ def test_killed_worker_makes_generate_raise_not_hang(tiny_model):
     assert wait_for_no_children() == []
 
 
+def test_idle_workers_outlive_the_collective_timeout(tiny_model, monkeypatch):
+    """Guards against a server's workers dying of idleness: a collective that waits longer than its timeout fails,
+    so workers must wait for the next step elsewhere. With a 2 s timeout, an engine idle for 5 s still answers."""
+    import nanoserve.parallel
+    monkeypatch.setenv("NANOSERVE_TP_TIMEOUT_S", "2")  # read by the spawned worker when it imports parallel.py
+    monkeypatch.setattr(nanoserve.parallel, "TIMEOUT_S", 2)
+    path, hf = tiny_model("qwen2")
+    llm = LLM(path, tensor_parallel_size=2, num_kvcache_blocks=16, **ENGINE)
+    prompts = random_prompts([7, 3])
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    time.sleep(5)
+    assert all(p.is_alive() for p in llm.runner.workers.procs), "a worker died while idle"
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first] == \
+        [hf_greedy(hf, p, 10) for p in prompts]
+    llm.close()
+    assert wait_for_no_children() == []
+
+
 def test_error_inside_a_worker_names_the_rank(tiny_model):
     """Guards against a worker's exception being lost (the engine would see only a broken connection): a step of 2
     sequences with 5 block-table entries cannot be cut into rows, which fails inside the worker, and the engine's
@@ -77,7 +96,7 @@ def test_error_inside_a_worker_names_the_rank(tiny_model):
     path, _ = tiny_model("qwen3")
     llm = LLM(path, tensor_parallel_size=2, num_kvcache_blocks=16, **ENGINE)
     lengths = [3, 3, 3, 3, 2, 5, 1, 0, 0]  # ids, positions, slots, query_start_loc, context_lens, block tables...
-    bad_header = torch.tensor([STEP, *lengths, 3, 3])
+    bad_header = torch.tensor([*lengths, 3, 3])
     assert len(bad_header) == HEADER_LEN
     llm.runner.workers.send_step(bad_header, torch.zeros(sum(-(-n // 4) * 4 for n in lengths), dtype=torch.int32))
     with pytest.raises(RuntimeError, match=r"(?s)rank 1 failed.*Traceback"):

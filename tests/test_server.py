@@ -21,8 +21,8 @@ WAIT_S = 15  # the longest any poll below waits for the server to settle
 
 
 class Served:
-    def __init__(self, base_url, tokenizer):
-        self.base_url = base_url
+    def __init__(self, base_url, tokenizer, llm):
+        self.base_url, self.llm = base_url, llm  # llm: only to inject faults
         self.tokenizer = tokenizer  # the test's own: the engine's belongs to the engine thread
         self.root = base_url.removesuffix("/v1")
         self.client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=120)
@@ -59,7 +59,7 @@ def served():
         pytest.skip(str(e))
     llm = LLM(max_model_len=512, num_kvcache_blocks=256)
     with serve_in_background(llm) as base_url:
-        yield Served(base_url, AutoTokenizer.from_pretrained(default_model_dir()))
+        yield Served(base_url, AutoTokenizer.from_pretrained(default_model_dir()), llm)
     engine_threads = [t for t in threading.enumerate() if t.name == "nanoserve-engine"]
     assert not engine_threads, "the engine thread outlived the server"
 
@@ -296,3 +296,21 @@ def test_models_health_and_metrics(served):
     for name in ("kv_blocks_cached", "preemptions_total", "generated_tokens_total", "finished_requests_total",
                  "prefix_hit_tokens_total", "prefix_queried_tokens_total"):
         assert f"nanoserve_{name}" in m
+
+
+def test_a_failing_step_fails_its_request_and_the_server_serves_on(served):
+    """Guards against an engine error hanging every client or killing the server: a launch that raises once must
+    answer that request with a 500, leave no block held or stale prefix cached, and the same request sent again
+    must get the same completion as before."""
+    before = served.client.completions.create(prompt=PROMPT, **GREEDY).choices[0].text
+    runner = served.llm.runner
+
+    def broken(step, previous):
+        del runner.launch  # fails once
+        raise RuntimeError("injected device error")
+    runner.launch = broken
+    with pytest.raises(openai.InternalServerError):
+        served.client.completions.create(prompt=PROMPT, **GREEDY)
+    assert served.wait_idle()["nanoserve_kv_blocks_cached"] == 0  # the failed step's prefix is forgotten
+    assert served.client.completions.create(prompt=PROMPT, **GREEDY).choices[0].text == before
+    assert httpx.get(f"{served.root}/health", timeout=30).status_code == 200
