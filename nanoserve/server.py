@@ -58,13 +58,11 @@ class EngineLoop:
                 try:
                     out = await asyncio.wait_for(outputs.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
-                    if not self.thread.is_alive():  # an engine bug killed it (threading logged why)
-                        raise RuntimeError("the engine has stopped") from None
                     if await http.is_disconnected():
                         return
                     continue
                 if isinstance(out, Exception):
-                    raise RuntimeError("the engine failed this request") from out
+                    raise RuntimeError(f"the engine failed this request: {out}") from out
                 unfinished.difference_update([out.request_id] if out.finished else [])
                 yield ids.index(out.request_id), out
         finally:
@@ -91,10 +89,11 @@ class EngineLoop:
         try:
             for out in self.llm.step():  # each to its handler; a finished request's sink is dropped
                 (self.sinks.pop(out.request_id) if out.finished else self.sinks[out.request_id])(out)
-        except Exception as error:  # a bug or a device error: the engine dropped what was running (LLM.step)
+        except Exception as error:  # a bug or a device error: every request in flight fails; the server serves on
             logging.getLogger(__name__).exception("an engine step failed; failing the requests in flight")
-            for request_id in [r for r in self.sinks if r not in self.llm.requests]:
-                self.sinks.pop(request_id)(error)
+            for request_id, sink in list(self.sinks.items()):
+                self._abort([request_id])
+                sink(error)
 
     def _add(self, prompts, params, request_ids, stream, sink):
         """All prompts are queued or none: one bad prompt in a list refuses the whole HTTP request."""
@@ -112,8 +111,8 @@ class EngineLoop:
             self.sinks.pop(request_id, None)
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    error = {"message": message, "type": "invalid_request_error", "param": param, "code": code}
-    return JSONResponse({"error": error}, status)
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 def field(body: dict, name: str, kind: type, default):
     if body.get(name) is not None and not isinstance(body[name], kind):
@@ -181,6 +180,7 @@ def build_app(llm, model_name: str | None = None) -> FastAPI:
 
     app = FastAPI(title="nanoserve", lifespan=lifespan)
     app.exception_handler(ValueError)(lambda request, e: error_response(400, str(e), getattr(e, "field", None)))
+    app.exception_handler(RuntimeError)(lambda request, e: error_response(500, str(e)))  # the engine failed it
     app.get("/health")(lambda: Response(status_code=200 if engine.thread.is_alive() else 503))
     app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": model_name, "object": "model",
                                    "owned_by": "nanoserve", "max_model_len": llm.config.max_model_len}]})
@@ -237,12 +237,16 @@ def build_app(llm, model_name: str | None = None) -> FastAPI:
     async def stream_chunks(results, head: dict, chat: bool, params: SamplingParams, num_prompts: int, usage: bool):
         """A chunk per choice with new tokens (finish_reason rides on a choice's last), the usage if asked, [DONE]."""
         finals = {}
-        async for i, out in results:
-            finals.update({i: out} if out.finished else {})
-            for c in out.outputs:
-                if c.token_ids_delta:
-                    choice = choice_json(llm.tokenizer, chat, True, i * params.n + c.index, c, params.logprobs)
-                    yield f"data: {json.dumps({**head, 'choices': [choice]}, ensure_ascii=False)}\n\n"
+        try:
+            async for i, out in results:
+                finals.update({i: out} if out.finished else {})
+                for c in out.outputs:
+                    if c.token_ids_delta:
+                        choice = choice_json(llm.tokenizer, chat, True, i * params.n + c.index, c, params.logprobs)
+                        yield f"data: {json.dumps({**head, 'choices': [choice]}, ensure_ascii=False)}\n\n"
+        except RuntimeError as e:  # the engine failed mid-stream, after the 200: say so in the stream, as OpenAI does
+            yield f"data: {error_response(500, str(e)).body.decode()}\n\n"
+            return
         if len(finals) < num_prompts:
             return  # the client went away
         if usage:

@@ -104,28 +104,46 @@ def test_overlap_on_and_off_agree(seed):
     assert outputs[False] == outputs[True] == [reference_completion(*r) for r in requests]
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_a_failed_step_leaves_no_stale_prefix_and_the_engine_serves_on(overlap):
-    """Guards against a launch that raises (a kernel error, Ctrl-C) leaving behind what planning it booked: its
-    prompt's blocks were made findable before their K/V were written, so the same prompt sent again would read
-    garbage (the fake KV cache catches that), and its started requests would hold blocks for ever. A request
-    still waiting is kept and finishes correctly."""
-    engine = FakeEngine(block_size=4, max_num_batched_tokens=64, max_num_seqs=2, overlap=overlap)
-    prompt = list(range(3, 16))
-    running_id, _ = add(engine, [7, 8, 9], 30)
-    engine.step()
-    failed_id, _ = add(engine, prompt, 6)
-    waiting_id, (waiting,) = add(engine, [4, 5, 6, 7, 8], 6)  # max_num_seqs=2: not admitted before the failure
+def interrupt_once(obj, name: str, on_call: int, run_first: bool):
+    """Make obj.name raise KeyboardInterrupt on its on_call-th call from now (after doing its work, if run_first)."""
+    original, calls = getattr(obj, name), []
 
-    def interrupted(step, previous):
-        del engine.runner.launch  # fails once, before writing any K/V
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) < on_call:
+            return original(*args)
+        delattr(obj, name)  # once
+        if run_first:
+            original(*args)
         raise KeyboardInterrupt
-    engine.runner.launch = interrupted
+    setattr(obj, name, interrupted)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("where", ["schedule", "launch", "finish"])
+def test_a_failed_step_leaves_nothing_stale_and_the_engine_serves_on(overlap, where):
+    """Guards against a step that raises (a kernel error, Ctrl-C) leaving behind what it had done: blocks booked
+    while planning are findable before their K/V exist, so the same prompt sent again would read garbage (the fake
+    KV cache catches that); a request finished just before the failure would never be retired; started requests
+    would hold blocks for ever. The failure comes while planning (after an admission booked its prompt), before the
+    launch, or while finishing (right after a request finished). A request still waiting is kept and finishes
+    correctly."""
+    engine = FakeEngine(block_size=4, max_num_batched_tokens=64, max_num_seqs=3, overlap=overlap)
+    prompt = list(range(3, 16))
+    started = [add(engine, [7, 8, 9], 30)[0]]
+    engine.step()
+    started.append(add(engine, prompt, 6)[0])  # admitted by the failing step or before it
+    add(engine, [9, 9, 9], 2)
+    waiting_id, (waiting,) = add(engine, [4, 5, 6, 7, 8], 6)  # max_num_seqs=3: not admitted before the failure
+    target = {"schedule": (engine.scheduler, "_plan", 2, True), "launch": (engine.runner, "launch", 1, False),
+              "finish": (engine.scheduler, "finish", 1, True)}[where]
+    interrupt_once(*target)
     with pytest.raises(KeyboardInterrupt):
-        while True:
+        for _ in range(100):
             engine.llm.step()
-    assert set(engine.llm.requests) == {waiting_id} and waiting.num_computed_tokens == 0
-    assert engine.bm.num_used_blocks == 0 and running_id not in engine.llm.requests and failed_id
+    assert not set(started) & set(engine.llm.requests) and waiting_id in engine.llm.requests
+    assert all(seq.is_queued for r in engine.llm.requests.values() for seq in r.seqs)
+    assert engine.bm.num_used_blocks == 0 and not engine.scheduler.running
     _, (again,) = add(engine, prompt, 6)
     engine.run()
     assert again.completion_token_ids == reference_completion(prompt, 6)

@@ -89,6 +89,28 @@ def test_idle_workers_outlive_the_collective_timeout(tiny_model, monkeypatch):
     assert wait_for_no_children() == []
 
 
+def test_interrupted_step_stops_the_workers_and_says_so(tiny_model):
+    """Guards against Ctrl-C in the middle of a tensor-parallel step leaving the worker waiting inside the step's
+    collectives (the next generate would hang until their timeout): the interrupt reaches the caller, the worker is
+    stopped at once, and the next call raises an error saying why instead of hanging."""
+    path, _ = tiny_model("llama")
+    llm = LLM(path, tensor_parallel_size=2, num_kvcache_blocks=16, **ENGINE)
+    runner = llm.runner
+
+    def interrupted(*args):  # rank 0 stops after waking the worker and broadcasting the step's inputs
+        del runner.execute
+        raise KeyboardInterrupt
+    runner.execute = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(random_prompts([5]), GREEDY, use_tqdm=False)
+    assert wait_for_no_children(timeout_s=5) == []
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="stopped by an earlier failure"):
+        llm.generate(random_prompts([5]), GREEDY, use_tqdm=False)
+    assert time.monotonic() - started < 5 and llm.stats()["kv_blocks_used"] == 0
+    llm.close()
+
+
 def test_error_inside_a_worker_names_the_rank(tiny_model):
     """Guards against a worker's exception being lost (the engine would see only a broken connection): a step of 2
     sequences with 5 block-table entries cannot be cut into rows, which fails inside the worker, and the engine's

@@ -298,19 +298,31 @@ def test_models_health_and_metrics(served):
         assert f"nanoserve_{name}" in m
 
 
-def test_a_failing_step_fails_its_request_and_the_server_serves_on(served):
-    """Guards against an engine error hanging every client or killing the server: a launch that raises once must
-    answer that request with a 500, leave no block held or stale prefix cached, and the same request sent again
-    must get the same completion as before."""
-    before = served.client.completions.create(prompt=PROMPT, **GREEDY).choices[0].text
+def break_next_launch(served):
     runner = served.llm.runner
 
     def broken(step, previous):
         del runner.launch  # fails once
         raise RuntimeError("injected device error")
     runner.launch = broken
-    with pytest.raises(openai.InternalServerError):
+
+
+def test_a_failing_step_fails_its_request_and_the_server_serves_on(served):
+    """Guards against an engine error hanging clients or killing the server: a launch that raises once must answer
+    the request with OpenAI's error shape (500 whole; an error event in a stream, whose 200 is already sent), leave
+    no block held or stale prefix cached, and the same request sent again must get the same completion as before."""
+    before = served.client.completions.create(prompt=PROMPT, **GREEDY).choices[0].text
+    break_next_launch(served)
+    with pytest.raises(openai.InternalServerError, match="injected device error"):
         served.client.completions.create(prompt=PROMPT, **GREEDY)
     assert served.wait_idle()["nanoserve_kv_blocks_cached"] == 0  # the failed step's prefix is forgotten
+    stream = served.client.chat.completions.create(messages=MESSAGES, stream=True, **{**GREEDY, "max_tokens": 400},
+                                                   extra_body={"ignore_eos": True})
+    first = next(iter(stream))  # the role and first token: the stream is under way, far from its end
+    break_next_launch(served)
+    with pytest.raises(openai.APIError, match="injected device error"):
+        for _ in stream:
+            pass
+    assert first.choices[0].delta.role == "assistant"
     assert served.client.completions.create(prompt=PROMPT, **GREEDY).choices[0].text == before
     assert httpx.get(f"{served.root}/health", timeout=30).status_code == 200
