@@ -17,6 +17,7 @@ FILE also writes them). Without a GPU the flags left out take CPU sizes, and a l
     python bench.py --attention              # the paged attention kernels beside SDPA (CUDA)
     python bench.py --tp 2 --threads 4       # tensor parallelism; CPU torch threads
 """
+
 import argparse
 import importlib.util
 import json
@@ -37,30 +38,49 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.model_runner import InFlightStep
 
-STANDARD_NUM_SEQS, STANDARD_MAX_LEN = 256, 1024   # the standard workload: requests, longest prompt and output
-SHAREGPT_NUM_SEQS = 1000         # --dataset sharegpt on a GPU (vLLM's benchmark default)
-CPU_NUM_SEQS, CPU_NEW_TOKENS = 24, 40   # no GPU: requests and tokens each (the "course edition" issue's case)
-CHAT_PROMPT_LENS = (16, 200)     # --dataset chat: the templated first human turns kept are this long
-MAX_NUM_SEQS = 256               # the engine's batch limit
+STANDARD_NUM_SEQS, STANDARD_MAX_LEN = 256, 1024  # the standard workload: requests, longest prompt and output
+SHAREGPT_NUM_SEQS = 1000  # --dataset sharegpt on a GPU (vLLM's benchmark default)
+CPU_NUM_SEQS, CPU_NEW_TOKENS = 24, 40  # no GPU: requests and tokens each (the "course edition" issue's case)
+CHAT_PROMPT_LENS = (16, 200)  # --dataset chat: the templated first human turns kept are this long
+MAX_NUM_SEQS = 256  # the engine's batch limit
 SEED = 0
-PROMPT_ID_RANGE = 10000          # random prompt ids are uniform in [0, PROMPT_ID_RANGE] (nano-vllm's bench)
-MIN_LEN = 100                    # random prompt and output lengths are uniform in [MIN_LEN, --max-*-len]
-RANDOM_TEMPERATURE = 0.6         # the random workload samples; the ShareGPT ones are greedy
-PREFIX_QUESTION_LEN, PREFIX_ANSWER_LEN = 64, 64   # --prefix: per request, after the shared system prompt
+PROMPT_ID_RANGE = 10000  # random prompt ids are uniform in [0, PROMPT_ID_RANGE] (nano-vllm's bench)
+MIN_LEN = 100  # random prompt and output lengths are uniform in [MIN_LEN, --max-*-len]
+RANDOM_TEMPERATURE = 0.6  # the random workload samples; the ShareGPT ones are greedy
+PREFIX_QUESTION_LEN, PREFIX_ANSWER_LEN = 64, 64  # --prefix: per request, after the shared system prompt
 LATENCY_PROMPT_LEN, LATENCY_NEW_TOKENS = 512, 256
 WARMUP_PROMPTS, WARMUP_TOKENS = 4, 16
-HF_RESULT_TIMEOUT_S = 600        # --compare hf: longest wait for one finished request
-HF_MAX_BATCH_TOKENS, HF_PAGE_SIZE = 8192, 256     # ...transformers' defaults (our batch budget is 8192 too)
-BUSY_START_S = 0.5               # --busy: the burners spin before the engine counts free cores
+HF_RESULT_TIMEOUT_S = 600  # --compare hf: longest wait for one finished request
+HF_MAX_BATCH_TOKENS, HF_PAGE_SIZE = 8192, 256  # ...transformers' defaults (our batch budget is 8192 too)
+BUSY_START_S = 0.5  # --busy: the burners spin before the engine counts free cores
 VLLM_CLAIMS = "vLLM's announcement: 60-80% wasted by contiguous reservation, under 4% with paging"
-DEFAULT_THREADS = torch.get_num_threads()   # torch's own choice, before the engine sets its count
+DEFAULT_THREADS = torch.get_num_threads()  # torch's own choice, before the engine sets its count
 
 ARCHS = {  # public configs; the weights are random, which with ignore_eos does not change throughput
-    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True),
-    "tiny": dict(vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, max_position_embeddings=8192, tie_word_embeddings=True),
+    "qwen3-0.6b": {
+        "vocab_size": 151936,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
+    "tiny": {
+        "vocab_size": 10240,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+    },
 }
 
 
@@ -68,7 +88,7 @@ ARCHS = {  # public configs; the weights are random, which with ignore_eos does 
 class Workload:
     prompts: list[list[int]]  # token ids
     params: list[SamplingParams]
-    kind: str                 # what the requests are, for the header line
+    kind: str  # what the requests are, for the header line
 
     @property
     def prompt_tokens(self) -> int:
@@ -90,20 +110,28 @@ def resolve_defaults(args, gpu: bool) -> bool:
     if args.dataset is None:
         args.dataset = "sharegpt" if args.serve else "chat" if cpu_default else "random"
     if args.num_seqs is None:
-        args.num_seqs = CPU_NUM_SEQS if not gpu else SHAREGPT_NUM_SEQS if args.dataset == "sharegpt" \
-            else STANDARD_NUM_SEQS
+        args.num_seqs = (
+            CPU_NUM_SEQS if not gpu else SHAREGPT_NUM_SEQS if args.dataset == "sharegpt" else STANDARD_NUM_SEQS
+        )
     if args.max_output_len is None:  # sharegpt on a GPU: the dataset's lengths
-        args.max_output_len = CPU_NEW_TOKENS if not gpu or args.dataset == "chat" else \
-            STANDARD_MAX_LEN if args.dataset == "random" else None
+        args.max_output_len = (
+            CPU_NEW_TOKENS
+            if not gpu or args.dataset == "chat"
+            else STANDARD_MAX_LEN
+            if args.dataset == "random"
+            else None
+        )
     return cpu_default
 
 
 def model_dir_of(args) -> tuple[str, bool]:
     """(directory, temporary): the embedded default model, an HF directory, or --arch with random weights."""
     from nanoserve.loader import resolve_model_dir
+
     if args.model is not None:
         return resolve_model_dir(None if args.model == "default" else args.model), False
     from transformers import AutoModelForCausalLM, Qwen3Config
+
     path = tempfile.mkdtemp(prefix=f"nanoserve-{args.arch}-")
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     AutoModelForCausalLM.from_config(Qwen3Config(**ARCHS[args.arch]), dtype=dtype).save_pretrained(path)
@@ -118,16 +146,22 @@ def random_workload(num_seqs, max_input_len, max_output_len) -> Workload:
     random.seed(SEED)
     drawn = max(num_seqs, STANDARD_NUM_SEQS)
     low_in, low_out = min(MIN_LEN, max_input_len), min(MIN_LEN, max_output_len)  # smoke-test sizes allowed
-    prompts = [[random.randint(0, PROMPT_ID_RANGE) for _ in range(random.randint(low_in, max_input_len))]
-               for _ in range(drawn)]
-    params = [SamplingParams(temperature=RANDOM_TEMPERATURE, ignore_eos=True,
-                             max_tokens=random.randint(low_out, max_output_len)) for _ in range(drawn)]
+    prompts = [
+        [random.randint(0, PROMPT_ID_RANGE) for _ in range(random.randint(low_in, max_input_len))] for _ in range(drawn)
+    ]
+    params = [
+        SamplingParams(
+            temperature=RANDOM_TEMPERATURE, ignore_eos=True, max_tokens=random.randint(low_out, max_output_len)
+        )
+        for _ in range(drawn)
+    ]
     return Workload(prompts[:num_seqs], params[:num_seqs], f"random requests, outputs {low_out}..{max_output_len}")
 
 
 def sharegpt_workload(tokenizer, num_seqs, max_output_len) -> Workload:
     """vLLM's ShareGPT requests (bench_serve.py), greedy with ignore_eos so outputs have the dataset's lengths."""
     from bench_serve import sharegpt_requests
+
     requests = sharegpt_requests(tokenizer, num_seqs, SEED, max_output_len, token_ids=True)
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for _, _, n in requests]
     clip = f", outputs clipped to {max_output_len}" if max_output_len else ""
@@ -138,14 +172,16 @@ def chat_workload(tokenizer, num_seqs, new_tokens) -> Workload:
     """ShareGPT's first human turns in a seeded shuffle, through the chat template as LLM.chat applies it: the first
     num_seqs whose templated length lies in CHAT_PROMPT_LENS, new_tokens greedy tokens each."""
     from bench_serve import first_exchange, sharegpt_conversations
+
     if not getattr(tokenizer, "chat_template", None):
         raise SystemExit("--dataset chat needs a model with a chat template (--model default, or an HF directory)")
     exchanges = [e for e in map(first_exchange, sharegpt_conversations()) if e is not None]
     random.Random(SEED).shuffle(exchanges)
     prompts = []
     for question, _ in exchanges:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
         ids = tokenizer.encode(text, add_special_tokens=False)
         if CHAT_PROMPT_LENS[0] <= len(ids) <= CHAT_PROMPT_LENS[1]:
             prompts.append(ids)
@@ -161,6 +197,7 @@ def build_workload(args, llm) -> Workload:
     tokenizer = llm.tokenizer
     if args.model is None:  # random weights: the default model's tokenizer measures the lengths (the loader gives
         from nanoserve.loader import load_tokenizer, resolve_model_dir  # a weights-only directory an empty one)
+
         tokenizer = load_tokenizer(resolve_model_dir(None))
     make = chat_workload if args.dataset == "chat" else sharegpt_workload
     workload = make(tokenizer, args.num_seqs, args.max_output_len)
@@ -182,11 +219,19 @@ def timed_generate(llm, prompts, params):
 def result_row(name, llm, outs, seconds):
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     s = llm.stats()
-    return {"run": name, "requests": len(outs), "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
-            "output_tokens": tokens, "seconds": round(seconds, 2), "tok_per_s": round(tokens / seconds, 1),
-            "threads": torch.get_num_threads(), "kv_blocks": s["kv_blocks_total"],
-            "peak_kv_use": f"{s['kv_blocks_peak'] / s['kv_blocks_total']:.0%}",
-            "prefix_hit_rate": f"{s['prefix_hit_rate']:.0%}", "preemptions": s["preemptions"]}
+    return {
+        "run": name,
+        "requests": len(outs),
+        "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+        "output_tokens": tokens,
+        "seconds": round(seconds, 2),
+        "tok_per_s": round(tokens / seconds, 1),
+        "threads": torch.get_num_threads(),
+        "kv_blocks": s["kv_blocks_total"],
+        "peak_kv_use": f"{s['kv_blocks_peak'] / s['kv_blocks_total']:.0%}",
+        "prefix_hit_rate": f"{s['prefix_hit_rate']:.0%}",
+        "preemptions": s["preemptions"],
+    }
 
 
 def reset_counters(llm):
@@ -206,8 +251,9 @@ def run_prefix(llm, workload, args):
     """One 2,048-token system prompt shared by every request, a 64-token question, 64 tokens of answer."""
     random.seed(SEED)
     system = [random.randint(0, PROMPT_ID_RANGE) for _ in range(args.prefix_len)]
-    prompts = [system + [random.randint(0, PROMPT_ID_RANGE) for _ in range(PREFIX_QUESTION_LEN)]
-               for _ in range(args.num_seqs)]
+    prompts = [
+        system + [random.randint(0, PROMPT_ID_RANGE) for _ in range(PREFIX_QUESTION_LEN)] for _ in range(args.num_seqs)
+    ]
     params = SamplingParams(temperature=RANDOM_TEMPERATURE, ignore_eos=True, max_tokens=PREFIX_ANSWER_LEN)
     rows = []
     for caching in ("off", "on"):
@@ -225,7 +271,7 @@ def run_latency(llm, workload, args):
     print(f"running nanoserve: 1 request, {LATENCY_PROMPT_LEN} prompt + {LATENCY_NEW_TOKENS} tokens", flush=True)
     random.seed(SEED)
     prompt = [[random.randint(0, PROMPT_ID_RANGE) for _ in range(LATENCY_PROMPT_LEN)]]
-    greedy = dict(temperature=0, ignore_eos=True)
+    greedy = {"temperature": 0, "ignore_eos": True}
     llm.block_manager.enable_prefix_caching = False  # both runs compute the prompt, no cache hit
     _, t_first = timed_generate(llm, prompt, SamplingParams(max_tokens=1, **greedy))
     reset_counters(llm)
@@ -254,9 +300,15 @@ def run_cpu_profile(llm, workload, args):
             if steps:
                 steps[-1][stage] = steps[-1].get(stage, 0.0) + time.perf_counter() - start
             return result
+
         return wrapper
-    for obj, stage, name in ((sched, "schedule", "schedule"), (runner, "prepare", "prepare"),
-                             (runner, "launch", "launch"), (llm, "finish", "_finish")):
+
+    for obj, stage, name in (
+        (sched, "schedule", "schedule"),
+        (runner, "prepare", "prepare"),
+        (runner, "launch", "launch"),
+        (llm, "finish", "_finish"),
+    ):
         setattr(obj, name, timed(stage, getattr(obj, name)))
     wait = InFlightStep.wait
     InFlightStep.wait = lambda self: timed("wait", wait)(self)
@@ -266,7 +318,7 @@ def run_cpu_profile(llm, workload, args):
         InFlightStep.wait = wait
     for step in steps:
         step["launch"] = step.get("launch", 0.0) - step.get("prepare", 0.0)  # launch calls prepare
-        step["finish"] = step.get("finish", 0.0) - step.get("wait", 0.0)    # _finish calls wait
+        step["finish"] = step.get("finish", 0.0) - step.get("wait", 0.0)  # _finish calls wait
     for name, chosen in (("all", steps), ("decode-only", [s for s in steps if s["decode_only"]])):
         rows[0][f"{name}_steps"] = len(chosen)
         for stage in stages:
@@ -278,10 +330,12 @@ def run_cpu_profile(llm, workload, args):
 def run_serve(llm, workload, args):
     """The workload's requests sent to the OpenAI-compatible server in this process at Poisson arrival times."""
     import httpx
+
     from bench_serve import run_serve_bench
     from nanoserve.server import serve_in_background
+
     print(f"running nanoserve's server: {workload.description}, {args.request_rate:g} requests/s", flush=True)
-    requests = [(ids, len(ids), p.max_tokens) for ids, p in zip(workload.prompts, workload.params)]
+    requests = [(ids, len(ids), p.max_tokens) for ids, p in zip(workload.prompts, workload.params, strict=False)]
     with serve_in_background(llm) as base_url:
         model_name = httpx.get(f"{base_url}/models").json()["data"][0]["id"]
         row = run_serve_bench(base_url, requests, args.request_rate, model_name, SEED)
@@ -295,9 +349,13 @@ def kv_report(trace_lines, max_model_len: int, block_size: int) -> dict:
     unused slots of each sequence's last block)."""
     steps = [json.loads(line) if isinstance(line, str) else line for line in trace_lines]
     peak = max(steps, key=lambda s: (s["blocks"]["used"], s["kv_tokens"]))
-    return {"kv_peak_step": peak["step"], "kv_peak_running": peak["running"], "kv_peak_blocks": peak["blocks"]["used"],
-            "kv_static_waste": round(1 - peak["kv_tokens"] / (max(peak["running"], 1) * max_model_len), 4),
-            "kv_paged_waste": round(peak["kv_unused_slots"] / (max(peak["blocks"]["used"], 1) * block_size), 4)}
+    return {
+        "kv_peak_step": peak["step"],
+        "kv_peak_running": peak["running"],
+        "kv_peak_blocks": peak["blocks"]["used"],
+        "kv_static_waste": round(1 - peak["kv_tokens"] / (max(peak["running"], 1) * max_model_len), 4),
+        "kv_paged_waste": round(peak["kv_unused_slots"] / (max(peak["blocks"]["used"], 1) * block_size), 4),
+    }
 
 
 def report_kv(row, trace_path, llm, workload):
@@ -306,17 +364,22 @@ def report_kv(row, trace_path, llm, workload):
     saved = llm.stats()["prefix_hit_tokens"]
     report.update(prefix_saved_tokens=saved, prefix_saved_share=round(saved / max(workload.prompt_tokens, 1), 4))
     row.update(report)
-    print(f"KV memory wasted at the peak step ({report['kv_peak_running']} running, {report['kv_peak_blocks']} blocks "
-          f"of {llm.config.kvcache_block_size}): {report['kv_static_waste']:.1%} if each had reserved max_model_len="
-          f"{llm.config.max_model_len} contiguously, {report['kv_paged_waste']:.1%} paged ({VLLM_CLAIMS})")
-    print(f"prefill saved by the prefix cache: {saved:,} of {workload.prompt_tokens:,} prompt tokens "
-          f"({report['prefix_saved_share']:.1%})")
+    print(
+        f"KV memory wasted at the peak step ({report['kv_peak_running']} running, {report['kv_peak_blocks']} blocks "
+        f"of {llm.config.kvcache_block_size}): {report['kv_static_waste']:.1%} if each had reserved max_model_len="
+        f"{llm.config.max_model_len} contiguously, {report['kv_paged_waste']:.1%} paged ({VLLM_CLAIMS})"
+    )
+    print(
+        f"prefill saved by the prefix cache: {saved:,} of {workload.prompt_tokens:,} prompt tokens "
+        f"({report['prefix_saved_share']:.1%})"
+    )
 
 
 def run_traced(llm, run, workload, args):
     """run under the engine's step trace (trace.py), attached after the warm-up so that its steps stay out; then the
     KV report and the plots from that trace."""
     from nanoserve.plots import StepTrace
+
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.jsonl")
         llm.trace = StepTrace(path, llm.scheduler)
@@ -329,6 +392,7 @@ def run_traced(llm, run, workload, args):
             report_kv(rows[0], path, llm, workload)
         if args.plot:
             from nanoserve.plots import plot_trace  # main checked that it exists
+
             for png in plot_trace(path, args.plot):
                 print(f"plot: {png}")
     return rows
@@ -337,18 +401,25 @@ def run_traced(llm, run, workload, args):
 # ---- transformers, the peer ------------------------------------------------------------------------------------
 def hf_model(model_dir, **kwargs):
     from transformers import AutoModelForCausalLM
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs).to(device).eval(), device
 
 
 def hf_sampling(p: SamplingParams) -> dict:
-    return dict(do_sample=True, temperature=p.temperature, top_k=0) if p.temperature > 0 else dict(do_sample=False)
+    return {"do_sample": True, "temperature": p.temperature, "top_k": 0} if p.temperature > 0 else {"do_sample": False}
 
 
 def peer_row(name, requests, tokens, seconds) -> dict:
-    return {"run": name, "requests": requests, "output_tokens": tokens, "seconds": round(seconds, 2),
-            "tok_per_s": round(tokens / seconds, 1), "threads": torch.get_num_threads()}
+    return {
+        "run": name,
+        "requests": requests,
+        "output_tokens": tokens,
+        "seconds": round(seconds, 2),
+        "tok_per_s": round(tokens / seconds, 1),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def run_compare_hf(model_dir, workload):
@@ -358,22 +429,28 @@ def run_compare_hf(model_dir, workload):
     requests): there it gets the pages the workload needs and a batch of all its prompts instead."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
+
     model, device = hf_model(model_dir, attn_implementation="paged|sdpa")
     prompts, params = workload.prompts, workload.params
-    config = GenerationConfig(**hf_sampling(params[0]), max_new_tokens=max(p.max_tokens for p in params),
-                              eos_token_id=-1)
-    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=config.max_new_tokens,
-                          num_requests=len(prompts))  # what generate_batch sizes its cache from
+    config = GenerationConfig(
+        **hf_sampling(params[0]), max_new_tokens=max(p.max_tokens for p in params), eos_token_id=-1
+    )
+    hints = WorkloadHints(
+        max_prompt_length=max(map(len, prompts)), max_generated_length=config.max_new_tokens, num_requests=len(prompts)
+    )  # what generate_batch sizes its cache from
     sizes = {}
     if device == "cpu":
-        pages = sum(-(-(len(ids) + p.max_tokens) // HF_PAGE_SIZE) for ids, p in zip(prompts, params))
-        sizes = dict(num_blocks=pages, max_batch_tokens=min(HF_MAX_BATCH_TOKENS, workload.prompt_tokens))
-    manager = model.init_continuous_batching(generation_config=config, workload_hints=hints, continuous_batching_config=
-                                             ContinuousBatchingConfig(allow_block_sharing=False, **sizes))
+        pages = sum(-(-(len(ids) + p.max_tokens) // HF_PAGE_SIZE) for ids, p in zip(prompts, params, strict=False))
+        sizes = {"num_blocks": pages, "max_batch_tokens": min(HF_MAX_BATCH_TOKENS, workload.prompt_tokens)}
+    manager = model.init_continuous_batching(
+        generation_config=config,
+        workload_hints=hints,
+        continuous_batching_config=ContinuousBatchingConfig(allow_block_sharing=False, **sizes),
+    )
     manager.warmup()  # its CUDA-graph capture, outside the timed run as ours is
     manager.start()
     start = time.perf_counter()
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=False)):
         manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=p.max_tokens)
     tokens, done = 0, 0
     while done < len(prompts):
@@ -391,25 +468,36 @@ def run_compare_hf_sequential(model_dir, workload):
     """The same requests through transformers' generate one prompt at a time (batch 1, no padding), greedy or at the
     workload's temperature, with min_new_tokens = max_new_tokens so that it makes as many tokens as nanoserve."""
     from transformers import GenerationConfig
+
     model, device = hf_model(model_dir)
     eos = model.generation_config.eos_token_id
     pad = (eos[0] if isinstance(eos, list) else eos) or 0
 
     def generate(prompt, p):
         ids = torch.tensor([prompt], device=device)
-        config = GenerationConfig(**hf_sampling(p), max_new_tokens=p.max_tokens, min_new_tokens=p.max_tokens,
-                                  eos_token_id=eos, pad_token_id=pad)
+        config = GenerationConfig(
+            **hf_sampling(p),
+            max_new_tokens=p.max_tokens,
+            min_new_tokens=p.max_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
         with torch.inference_mode():
-            return model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config).shape[1] \
+            return (
+                model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config).shape[1]
                 - ids.shape[1]
+            )
+
     generate(workload.prompts[0], replace(workload.params[0], max_tokens=WARMUP_TOKENS))  # warm-up
     start = time.perf_counter()
-    tokens = sum(generate(prompt, p) for prompt, p in zip(workload.prompts, workload.params))
+    tokens = sum(generate(prompt, p) for prompt, p in zip(workload.prompts, workload.params, strict=False))
     return peer_row("transformers one-at-a-time", len(workload.prompts), tokens, time.perf_counter() - start)
 
 
-COMPARE = {"hf": (run_compare_hf, "transformers"),
-           "hf-sequential": (run_compare_hf_sequential, "transformers one-at-a-time")}
+COMPARE = {
+    "hf": (run_compare_hf, "transformers"),
+    "hf-sequential": (run_compare_hf_sequential, "transformers one-at-a-time"),
+}
 
 
 # ---- the command line ------------------------------------------------------------------------------------------
@@ -428,21 +516,40 @@ def busy_processes(count: int):
 
 def run_engine(args, model_dir, cpu_default):
     """nanoserve's run of the chosen mode: (rows, the workload for a peer)."""
-    llm = LLM(model_dir, max_model_len=args.max_model_len, max_num_seqs=min(args.num_seqs, MAX_NUM_SEQS),
-              enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp, threads=args.threads)
+    llm = LLM(
+        model_dir,
+        max_model_len=args.max_model_len,
+        max_num_seqs=min(args.num_seqs, MAX_NUM_SEQS),
+        enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tp,
+        threads=args.threads,
+    )
     try:
         workload = None if args.prefix or args.latency else build_workload(args, llm)
         if cpu_default:
-            print(f"no GPU: the CPU workload, {workload.description} on the default model; --arch qwen3-0.6b "
-                  f"--num-seqs {STANDARD_NUM_SEQS} --max-output-len {STANDARD_MAX_LEN} for the standard GPU workload")
+            print(
+                f"no GPU: the CPU workload, {workload.description} on the default model; --arch qwen3-0.6b "
+                f"--num-seqs {STANDARD_NUM_SEQS} --max-output-len {STANDARD_MAX_LEN} for the standard GPU workload"
+            )
         model = "the default model" if args.model == "default" else args.model or f"{args.arch}, random weights"
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         what = workload.description if workload else "the mode's own requests"
-        print(f"bench: {device}, {model}, {what}, threads {torch.get_num_threads()}, tp {args.tp}, busy {args.busy}",
-              flush=True)
+        print(
+            f"bench: {device}, {model}, {what}, threads {torch.get_num_threads()}, tp {args.tp}, busy {args.busy}",
+            flush=True,
+        )
         llm.generate([[1, 2, 3]] * WARMUP_PROMPTS, SamplingParams(max_tokens=WARMUP_TOKENS), use_tqdm=False)
-        run = run_prefix if args.prefix else run_latency if args.latency else run_cpu_profile if args.cpu_profile \
-            else run_serve if args.serve else run_throughput
+        run = (
+            run_prefix
+            if args.prefix
+            else run_latency
+            if args.latency
+            else run_cpu_profile
+            if args.cpu_profile
+            else run_serve
+            if args.serve
+            else run_throughput
+        )
         rows = run_traced(llm, run, workload, args) if args.kv_report or args.plot else run(llm, workload, args)
         return [row | {"device": device, "busy": args.busy, "peak_rss_mb": peak_rss_mb()} for row in rows], workload
     finally:
@@ -472,6 +579,7 @@ def run_all(args, cpu_default):
 def peak_rss_mb() -> int:
     """This process's peak resident memory so far (Linux counts KiB, macOS bytes); TP workers are not in it."""
     import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> (20 if sys.platform == "darwin" else 10)
 
 
@@ -485,16 +593,28 @@ def print_table(rows):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="'default' (the embedded SmolLM2-135M-Instruct) or an HF directory "
-                                    "(default: --arch with random weights; no GPU: 'default')")
+    ap.add_argument(
+        "--model",
+        help="'default' (the embedded SmolLM2-135M-Instruct) or an HF directory "
+        "(default: --arch with random weights; no GPU: 'default')",
+    )
     ap.add_argument("--arch", choices=sorted(ARCHS), help="random-weight architecture (default qwen3-0.6b)")
-    ap.add_argument("--dataset", choices=["random", "sharegpt", "chat"], help="random ids (the standard "
-                    "workload), ShareGPT's lengths, or ShareGPT chat prompts (the CPU workload)")
-    ap.add_argument("--num-seqs", type=int, help=f"requests ({STANDARD_NUM_SEQS}; sharegpt {SHAREGPT_NUM_SEQS}; "
-                                                 f"no GPU {CPU_NUM_SEQS})")
+    ap.add_argument(
+        "--dataset",
+        choices=["random", "sharegpt", "chat"],
+        help="random ids (the standard workload), ShareGPT's lengths, or ShareGPT chat prompts (the CPU workload)",
+    )
+    ap.add_argument(
+        "--num-seqs",
+        type=int,
+        help=f"requests ({STANDARD_NUM_SEQS}; sharegpt {SHAREGPT_NUM_SEQS}; no GPU {CPU_NUM_SEQS})",
+    )
     ap.add_argument("--max-input-len", type=int, default=STANDARD_MAX_LEN)
-    ap.add_argument("--max-output-len", type=int, help=f"({STANDARD_MAX_LEN}; sharegpt: the dataset's; chat or no "
-                                                       f"GPU: {CPU_NEW_TOKENS})")
+    ap.add_argument(
+        "--max-output-len",
+        type=int,
+        help=f"({STANDARD_MAX_LEN}; sharegpt: the dataset's; chat or no GPU: {CPU_NEW_TOKENS})",
+    )
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--prefix-len", type=int, default=2048, help="shared prompt length for --prefix")
     ap.add_argument("--enforce-eager", action="store_true")
@@ -514,8 +634,9 @@ def parse_args(argv=None):
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     if (args.compare or args.kv_report or args.plot) and (args.prefix or args.latency or args.attention or args.serve):
-        ap.error("--compare, --kv-report and --plot go with the throughput modes, not --prefix/--latency/--attention/"
-                 "--serve")
+        ap.error(
+            "--compare, --kv-report and --plot go with the throughput modes, not --prefix/--latency/--attention/--serve"
+        )
     if args.serve and args.dataset not in (None, "sharegpt"):
         ap.error("--serve sends ShareGPT requests")
     if args.plot and importlib.util.find_spec("nanoserve.plots") is None:
@@ -529,6 +650,7 @@ def main(argv=None):
     logging.getLogger("httpx").setLevel(logging.WARNING)  # --serve: not a line per request
     if args.attention:
         from bench_attention import run_attention_bench
+
         rows = run_attention_bench()
     else:
         cpu_default = resolve_defaults(args, torch.cuda.is_available())

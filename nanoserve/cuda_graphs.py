@@ -3,15 +3,18 @@ more than running them. So the decode forward is recorded once per batch size (1
 max_num_seqs) into graphs that share one memory pool and read their inputs from the same static buffers. A decode step
 copies its inputs into those buffers and replays the smallest graph that fits: padded rows write no KV (PAD_SLOT) and
 read none (context length 0)."""
+
 import torch
+
 from nanoserve.attention import PAD_SLOT, AttentionMetadata
+
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int):
         self.model, self.kv_caches, self.max_model_len = model, kv_caches, max_model_len
         n, param = max_num_seqs, next(model.parameters())
         self.sizes = [s for s in (1, 2, 4, 8) if s < n] + list(range(16, n, 16)) + [n]  # batch sizes with a graph
-        ints = dict(dtype=torch.int32, device=param.device)
+        ints = {"dtype": torch.int32, "device": param.device}
         self.input_ids, self.positions = torch.zeros(n, **ints), torch.zeros(n, **ints)
         self.slot_mapping, self.context_lens = torch.full((n,), PAD_SLOT, **ints), torch.zeros(n, **ints)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, **ints)
@@ -22,9 +25,15 @@ class DecodeGraphs:
     def forward(self, size: int):
         """The decode forward on the first `size` rows of the static buffers; a replay cannot change its grid, so
         attention is sized for max_model_len."""
-        meta = AttentionMetadata(slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
-                                 context_lens=self.context_lens[:size], block_tables=self.block_tables[:size],
-                                 max_query_len=1, max_context_len=self.max_model_len, decode_only=True)
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            context_lens=self.context_lens[:size],
+            block_tables=self.block_tables[:size],
+            max_query_len=1,
+            max_context_len=self.max_model_len,
+            decode_only=True,
+        )
         self.hidden[:size] = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
 
     @torch.inference_mode()
@@ -46,7 +55,7 @@ class DecodeGraphs:
         self.slot_mapping[:b] = meta.slot_mapping
         self.slot_mapping[b:size] = PAD_SLOT  # padded rows write nothing...
         self.context_lens[:b] = meta.context_lens
-        self.context_lens[b:size] = 0         # ...and read nothing
-        self.block_tables[:b, :meta.block_tables.shape[1]] = meta.block_tables
+        self.context_lens[b:size] = 0  # ...and read nothing
+        self.block_tables[:b, : meta.block_tables.shape[1]] = meta.block_tables
         self.graphs[size].replay()
         return self.hidden[:b]

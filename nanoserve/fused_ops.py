@@ -6,19 +6,24 @@ even inside a CUDA graph; unfused, a Qwen3 layer launched about 70 kernels, fuse
 fp32, and RMSNorm and SiLU round to the model dtype where transformers does. RoPE is computed in fp32 and rounded once,
 which is more accurate than transformers' bf16 products (they differ by one bf16 step in about a third of elements).
 Kernels match their references to within rounding (summation order, the GPU's fast square root), not bit for bit."""
+
 import torch
 import torch.nn.functional as F
+
 from nanoserve.kernels import tl, triton
 
+
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, stride_r, stride_o, n, eps,
-                         BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(
+    x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, stride_r, stride_o, n, eps, BLOCK: tl.constexpr
+):
     # program r: row r's residual stream becomes x + residual (written back in place), then is normalised
     row, cols = tl.program_id(0), tl.arange(0, BLOCK)
     mask = cols < n
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
-         .to(tl.float32)).to(x.dtype)  # rounded like a plain add in the model dtype
+    x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)).to(
+        x.dtype
+    )  # rounded like a plain add in the model dtype
     tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
@@ -26,9 +31,20 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, str
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (normed * w).to(x.dtype), mask=mask)
 
+
 @triton.jit
-def _norm_rope_heads(ptr, stride_h, num_heads, weight_ptr, cos, sin, eps,
-                     HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+def _norm_rope_heads(
+    ptr,
+    stride_h,
+    num_heads,
+    weight_ptr,
+    cos,
+    sin,
+    eps,
+    HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
     """In place on one token's heads [num_heads, 2 * HALF] at ptr: optional per-head RMSNorm, then rotate-half
     RoPE with this position's cos and sin [HALF] (fp32)."""
     h, d = tl.arange(0, HEADS_PAD)[:, None], tl.arange(0, HALF)[None, :]
@@ -45,20 +61,40 @@ def _norm_rope_heads(ptr, stride_h, num_heads, weight_ptr, cos, sin, eps,
     tl.store(ptr + h * stride_h + d, (x1 * cos - x2 * sin).to(dtype), mask=mask)
     tl.store(ptr + h * stride_h + HALF + d, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
+
 @triton.jit
-def _qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
-                         stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads, eps,
-                         Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
-                         HAS_NORM: tl.constexpr):
+def _qk_norm_rope_kernel(
+    q_ptr,
+    k_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    num_q_heads,
+    num_k_heads,
+    eps,
+    Q_HEADS_PAD: tl.constexpr,
+    K_HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
     # program t: every q and k head of token t, which share its position's cos and sin
     t = tl.program_id(0)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF)[None, :]
     cos, sin = tl.load(cos_ptr + pos * HALF + d), tl.load(sin_ptr + pos * HALF + d)
-    _norm_rope_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, q_weight_ptr, cos, sin, eps,
-                     Q_HEADS_PAD, HALF, HAS_NORM)
-    _norm_rope_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, k_weight_ptr, cos, sin, eps,
-                     K_HEADS_PAD, HALF, HAS_NORM)
+    _norm_rope_heads(
+        q_ptr + t * stride_qt, stride_qh, num_q_heads, q_weight_ptr, cos, sin, eps, Q_HEADS_PAD, HALF, HAS_NORM
+    )
+    _norm_rope_heads(
+        k_ptr + t * stride_kt, stride_kh, num_k_heads, k_weight_ptr, cos, sin, eps, K_HEADS_PAD, HALF, HAS_NORM
+    )
+
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
@@ -72,8 +108,10 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # silu, rounded as F.silu's output is
     tl.store(out_ptr + row * stride_o + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
+
 def rms_norm_num_warps(block: int) -> int:
     return min(16, max(1, block // 256))  # 8 elements a thread (one 16-byte bf16 load) up to 4k columns
+
 
 def add_rms_norm(x, residual, weight, eps: float):
     """x, residual: [rows, n] -> (RMSNorm(x + residual) * weight, x + residual). The sum OVERWRITES `residual` in
@@ -81,16 +119,30 @@ def add_rms_norm(x, residual, weight, eps: float):
     rows, n = x.shape
     out = torch.empty_like(x)
     block = triton.next_power_of_2(n)
-    _add_rms_norm_kernel[(rows,)](x, residual, out, weight, x.stride(0), residual.stride(0), out.stride(0), n, eps,
-                                  BLOCK=block, num_warps=rms_norm_num_warps(block))
+    _add_rms_norm_kernel[(rows,)](
+        x,
+        residual,
+        out,
+        weight,
+        x.stride(0),
+        residual.stride(0),
+        out.stride(0),
+        n,
+        eps,
+        BLOCK=block,
+        num_warps=rms_norm_num_warps(block),
+    )
     return out, residual
+
 
 def rms_norm_ref(x, weight, eps: float):
     xf = x.float()  # the mean of squares in fp32, whatever the model dtype; rounded before the weight, as HF does
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
+
 def add_rms_norm_ref(x, residual, weight, eps: float):
     return rms_norm_ref(stream := x + residual, weight, eps), stream
+
 
 def qk_norm_rope(q, k, positions, cos, sin, q_weight=None, k_weight=None, eps: float = 0.0):
     """In place: q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] get, per head, RMSNorm with
@@ -98,11 +150,27 @@ def qk_norm_rope(q, k, positions, cos, sin, q_weight=None, k_weight=None, eps: f
     tokens, num_q_heads, head_dim = q.shape
     num_k_heads, has_norm = k.shape[1], q_weight is not None
     _qk_norm_rope_kernel[(tokens,)](
-        q, k, positions, cos, sin, q_weight if has_norm else q, k_weight if has_norm else k,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), num_q_heads, num_k_heads, eps,
-        Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
-        HALF=head_dim // 2, HAS_NORM=has_norm)
+        q,
+        k,
+        positions,
+        cos,
+        sin,
+        q_weight if has_norm else q,
+        k_weight if has_norm else k,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        num_q_heads,
+        num_k_heads,
+        eps,
+        Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
+        K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
+        HALF=head_dim // 2,
+        HAS_NORM=has_norm,
+    )
     return q, k
+
 
 def rope_ref(x, positions, cos, sin):
     """x: [tokens, heads, head_dim] in the rotate-half layout; cos, sin: [max_pos, head_dim / 2] fp32."""
@@ -110,12 +178,15 @@ def rope_ref(x, positions, cos, sin):
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
+
 def qk_norm_rope_ref(q, k, positions, cos, sin, q_weight=None, k_weight=None, eps: float = 0.0):
     if q_weight is not None:
         q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     return rope_ref(q, positions, cos, sin), rope_ref(k, positions, cos, sin)
 
+
 SILU_BLOCK = 1024  # columns per program
+
 
 def silu_and_mul(x):
     """x: [rows, 2n] = [gate | up] -> silu(gate) * up, [rows, n]."""
@@ -124,6 +195,7 @@ def silu_and_mul(x):
     block = min(SILU_BLOCK, triton.next_power_of_2(n))
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
     return out
+
 
 def silu_and_mul_ref(x):
     gate, up = x.chunk(2, dim=-1)

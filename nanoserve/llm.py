@@ -7,12 +7,15 @@ One step() has three numbered phases:
   3) finish step n: read its tokens back, apply the stop rules (stopping.py), free what finished.
 So the host's work on one step overlaps the GPU's work on the previous one. With overlap=False each step is finished
 right after it is launched: the plain synchronous loop, with the same outputs."""
+
 import numbers
 import time
 import weakref
 from dataclasses import replace
 from itertools import count
+
 from tqdm.auto import tqdm
+
 from nanoserve.block_manager import BlockManager
 from nanoserve.config import EngineConfig
 from nanoserve.outputs import Request, RequestOutput
@@ -21,10 +24,12 @@ from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
 from nanoserve.stopping import StopChecker
 
+
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
         from nanoserve import loader
         from nanoserve.model_runner import ModelRunner
+
         config = EngineConfig.from_kwargs(model=model, **kwargs)
         model_dir = loader.resolve_model_dir(model)
         hf_config, args = loader.load_hf_config(model_dir, config)
@@ -34,8 +39,9 @@ class LLM:
         self._start(config, runner, tokenizer, loader.eos_ids_of(model_dir, hf_config, tokenizer), args.vocab_size)
 
     @classmethod
-    def from_runner(cls, config: EngineConfig, runner, vocab_size: int, tokenizer=None,
-                    eos_token_ids: frozenset[int] = frozenset()) -> "LLM":
+    def from_runner(
+        cls, config: EngineConfig, runner, vocab_size: int, tokenizer=None, eos_token_ids: frozenset[int] = frozenset()
+    ) -> "LLM":
         """The engine around any runner with launch() and num_kvcache_blocks: how tests run the loop on a fake."""
         llm = cls.__new__(cls)
         llm._close = lambda: None
@@ -45,24 +51,34 @@ class LLM:
     def _start(self, config: EngineConfig, runner, tokenizer, eos_token_ids: frozenset[int], vocab_size: int):
         self.config, self.runner, self.tokenizer = config, runner, tokenizer
         self.eos_token_ids, self.vocab_size = frozenset(eos_token_ids), vocab_size
-        self.block_manager = BlockManager(runner.num_kvcache_blocks, config.kvcache_block_size,
-                                          config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len)
+        self.block_manager = BlockManager(
+            runner.num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
+        )
         self.stop_checker = StopChecker(tokenizer, config.max_model_len)
         self.requests: dict[str, Request] = {}
         self.request_of: dict[int, Request] = {}  # seq_id -> its request
-        self.in_flight = None                      # the launched step not yet read back (overlap)
+        self.in_flight = None  # the launched step not yet read back (overlap)
         self.trace = None
         if config.trace is not None:  # opt-in: the trace writer lives with its pictures, in the optional plots.py
             from nanoserve.plots import StepTrace
+
             self.trace = StepTrace(config.trace, self.scheduler)
         self._request_ids = count()
-        self.counters = dict(computed_tokens=0, generated_tokens=0, finished_requests=0, ttft_s=0.0, itl_s=0.0)
+        self.counters = {
+            "computed_tokens": 0,
+            "generated_tokens": 0,
+            "finished_requests": 0,
+            "ttft_s": 0.0,
+            "itl_s": 0.0,
+        }
 
     # ---- requests ---------------------------------------------------------------------------------
-    def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
-                    stream: bool = True) -> str:
+    def add_request(
+        self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None, stream: bool = True
+    ) -> str:
         """Queue one request (its n samples) after checking everything about it. With stream, step() returns its
         output every time it changes, with the new text in text_delta; without, only when it has finished."""
         return self._queue(self._make_request(prompt, sampling_params, request_id, stream))
@@ -98,8 +114,15 @@ class LLM:
             raise InvalidField("request_id", f"{request_id!r} is not a new string id")
         ids = self._prompt_ids(prompt)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        seqs = [Sequence(ids, params if i == 0 or params.seed is None else replace(params, seed=hash((params.seed, i))),
-                         self.config.kvcache_block_size, stop_ids) for i in range(params.n)]
+        seqs = [
+            Sequence(
+                ids,
+                params if i == 0 or params.seed is None else replace(params, seed=hash((params.seed, i))),
+                self.config.kvcache_block_size,
+                stop_ids,
+            )
+            for i in range(params.n)
+        ]
         self.scheduler.check_fits(seqs[0])
         return Request(request_id, prompt if isinstance(prompt, str) else None, seqs, stream)
 
@@ -122,8 +145,9 @@ class LLM:
         if not all(0 <= t < self.vocab_size for t in ids):
             raise InvalidField("prompt", f"token ids must lie in [0, {self.vocab_size})")
         if len(ids) >= self.config.max_model_len:
-            raise InvalidField("prompt", f"has {len(ids)} tokens; max_model_len={self.config.max_model_len} "
-                               "leaves no room to generate")
+            raise InvalidField(
+                "prompt", f"has {len(ids)} tokens; max_model_len={self.config.max_model_len} leaves no room to generate"
+            )
         return ids
 
     # ---- one step ---------------------------------------------------------------------------------
@@ -183,21 +207,29 @@ class LLM:
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either; sampling_params: one for all, or one per
         prompt. Every prompt is checked before any is queued; the outputs come back in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], numbers.Integral)) or hasattr(prompts, "ndim"):
+        if (
+            isinstance(prompts, str)
+            or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], numbers.Integral))
+            or hasattr(prompts, "ndim")
+        ):
             prompts = [prompts]  # one prompt
         if not isinstance(prompts, (list, tuple)):
             raise InvalidField("prompts", "expected a string, token ids, or a list of them")
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidField("sampling_params", f"{len(params)} given for {len(prompts)} prompts")
-        requests = [self._make_request(p, sp, None, stream=False) for p, sp in zip(prompts, params)]
+        requests = [self._make_request(p, sp, None, stream=False) for p, sp in zip(prompts, params, strict=False)]
         return self._run(requests, use_tqdm)
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         finished, generated = {}, self.counters["generated_tokens"]
-        bar = tqdm(total=sum(len(r.seqs) * r.seqs[0].params.max_tokens for r in requests), unit="tok",
-                   desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        bar = tqdm(
+            total=sum(len(r.seqs) * r.seqs[0].params.max_tokens for r in requests),
+            unit="tok",
+            desc="Generating",
+            disable=not use_tqdm,
+            dynamic_ncols=True,
+        )
         try:
             for request in requests:
                 self._queue(request)
@@ -222,21 +254,45 @@ class LLM:
             raise InvalidField("model", "this model has no chat template")
         one = isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict)
         conversations = [messages] if one else messages
-        if not isinstance(conversations, (list, tuple)) or not conversations or not all(
-                isinstance(c, (list, tuple)) and c and all(
+        if (
+            not isinstance(conversations, (list, tuple))
+            or not conversations
+            or not all(
+                isinstance(c, (list, tuple))
+                and c
+                and all(
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in c) for c in conversations):
+                    for m in c
+                )
+                for c in conversations
+            )
+        ):
             raise InvalidField("messages", "expected a non-empty list of {'role': str, 'content': str} dicts")
-        return [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
-                                      add_special_tokens=False) for c in conversations]
+        return [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                add_special_tokens=False,
+            )
+            for c in conversations
+        ]
 
     def stats(self) -> dict:
         bm, c, done = self.block_manager, self.counters, max(self.counters["finished_requests"], 1)
-        return dict(kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
-                    kv_blocks_peak=bm.peak_used_blocks, kv_blocks_cached=bm.num_cached_blocks,
-                    prefix_hit_tokens=bm.prefix_hit_tokens, prefix_queried_tokens=bm.prefix_queried_tokens,
-                    prefix_hit_rate=bm.prefix_hit_tokens / max(bm.prefix_queried_tokens, 1),
-                    preemptions=self.scheduler.num_preemptions, running=len(self.scheduler.running),
-                    waiting=len(self.scheduler.waiting), computed_tokens=c["computed_tokens"],
-                    generated_tokens=c["generated_tokens"], finished_requests=c["finished_requests"],
-                    mean_ttft_s=c["ttft_s"] / done, mean_itl_s=c["itl_s"] / done)
+        return {
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "kv_blocks_peak": bm.peak_used_blocks,
+            "kv_blocks_cached": bm.num_cached_blocks,
+            "prefix_hit_tokens": bm.prefix_hit_tokens,
+            "prefix_queried_tokens": bm.prefix_queried_tokens,
+            "prefix_hit_rate": bm.prefix_hit_tokens / max(bm.prefix_queried_tokens, 1),
+            "preemptions": self.scheduler.num_preemptions,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "computed_tokens": c["computed_tokens"],
+            "generated_tokens": c["generated_tokens"],
+            "finished_requests": c["finished_requests"],
+            "mean_ttft_s": c["ttft_s"] / done,
+            "mean_itl_s": c["itl_s"] / done,
+        }

@@ -1,11 +1,14 @@
 """Loading a model: finding its folder, reading its config, tokenizer and EOS ids, and building the model in
 the serving dtype with its weights from safetensors. Each parameter loads its own part of a checkpoint tensor
 (its `weight_loader`), so a layer that stores a slice or a fused shard says how, where it is defined."""
+
 import glob
 import os
+
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
 from nanoserve.attention import SUPPORTED_HEAD_DIMS
 from nanoserve.config import EngineConfig
 from nanoserve.kernels import Kernels
@@ -13,13 +16,20 @@ from nanoserve.model import CausalLM, ModelArgs
 from nanoserve.parallel import TP
 from nanoserve.sampling_params import InvalidField
 
-PACKED_SHARDS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # HF -> (fused projection, shard)
+PACKED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}  # HF -> (fused projection, shard)
+
 
 def resolve_model_dir(model: str | None) -> str:
     """The embedded default model (None), a local HF directory, or a hub id ("org/name", fetched when online)."""
     if model is None:
         from nanoserve.default_model import default_model_dir
+
         return default_model_dir()
     if os.path.isdir(model):
         return model
@@ -27,15 +37,18 @@ def resolve_model_dir(model: str | None) -> str:
     if model.count("/") == 1 and not os.path.exists(model) and not model.startswith((".", "/", "~")):
         try:
             from huggingface_hub import snapshot_download
+
             return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
         except Exception as e:  # offline, or no such repository
             error = e
     raise InvalidField("model", f"no such model directory: {model!r}") from error
 
+
 def load_tokenizer(model_dir: str):
     """None for a weights-only directory (prompts must then be token ids): transformers would make an empty one."""
     files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
     return AutoTokenizer.from_pretrained(model_dir) if any(os.path.exists(f"{model_dir}/{f}") for f in files) else None
+
 
 def eos_ids_of(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
     """EOS ids from the generation config and the model config (several allowed), then the tokenizer."""
@@ -48,9 +61,11 @@ def eos_ids_of(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
         sources.append(tokenizer.eos_token_id)
     return frozenset(i for s in sources for i in ([s] if isinstance(s, int) else (s or [])))
 
+
 def checkpoint_dtype(hf_config) -> torch.dtype | None:
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     return getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+
 
 def read_safetensors(model_dir: str):
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
@@ -60,6 +75,7 @@ def read_safetensors(model_dir: str):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
 
 def load_weights(model: CausalLM, tensors):
     """tensors: iterable of (HF name, tensor). q/k/v and gate/up fill a shard of their fused projection."""
@@ -83,8 +99,10 @@ def load_weights(model: CausalLM, tensors):
     if missing := set(params) - loaded:
         raise ValueError(f"model: checkpoint lacks {sorted(missing)[:5]}")
 
-def build_model(args: ModelArgs, model_dir: str, dtype: torch.dtype, device: torch.device, kernels: Kernels,
-                tp: TP) -> CausalLM:
+
+def build_model(
+    args: ModelArgs, model_dir: str, dtype: torch.dtype, device: torch.device, kernels: Kernels, tp: TP
+) -> CausalLM:
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are made in the serving dtype; RoPE tables stay fp32
     try:
@@ -95,12 +113,14 @@ def build_model(args: ModelArgs, model_dir: str, dtype: torch.dtype, device: tor
     load_weights(model, read_safetensors(model_dir))
     return model.eval()
 
+
 def load_hf_config(model_dir: str, config: EngineConfig):
     hf_config = AutoConfig.from_pretrained(model_dir)
     args = ModelArgs.from_hf(hf_config)
     if config.max_model_len > args.max_position:
-        raise InvalidField("max_model_len", f"{config.max_model_len} exceeds the model's "
-                           f"max_position_embeddings={args.max_position}")
+        raise InvalidField(
+            "max_model_len", f"{config.max_model_len} exceeds the model's max_position_embeddings={args.max_position}"
+        )
     if config.kernels == "triton" and args.head_dim not in SUPPORTED_HEAD_DIMS:
         raise InvalidField("kernels", f"'triton' tiles head_dim {SUPPORTED_HEAD_DIMS}, not {args.head_dim}: 'torch'")
     for name in ("num_heads", "num_kv_heads", "vocab_size", "intermediate_size"):  # an equal share for each rank

@@ -6,16 +6,20 @@ per-layer KV caches and the AttentionMetadata that says which sequence each toke
 input are fused (q|k|v, gate|up): fewer, larger matmuls. The work between them (add + RMSNorm, QK-norm + RoPE, SiLU x
 up, the KV store and paged attention) goes to the kernels chosen when the model is built (kernels.py): Triton, or the
 PyTorch references."""
+
 import math
 from dataclasses import dataclass
+
 import torch
 from torch import nn
+
 from nanoserve.attention import AttentionMetadata
 from nanoserve.kernels import Kernels
 from nanoserve.parallel import TP, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_vocab
 from nanoserve.sampling_params import InvalidField
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
+
 
 @dataclass
 class ModelArgs:
@@ -29,11 +33,11 @@ class ModelArgs:
     rms_norm_eps: float
     max_position: int
     rope_theta: float
-    rope_scaling: dict | None       # Llama 3's frequency rescaling, when the config has it
+    rope_scaling: dict | None  # Llama 3's frequency rescaling, when the config has it
     tie_word_embeddings: bool
-    qkv_bias: bool                  # Qwen2
+    qkv_bias: bool  # Qwen2
     o_bias: bool
-    qk_norm: bool                   # Qwen3
+    qk_norm: bool  # Qwen3
 
     @classmethod
     def from_hf(cls, cfg) -> "ModelArgs":
@@ -46,19 +50,28 @@ class ModelArgs:
             raise InvalidField("model", f"rope_type {rope_type!r} is not supported (default, llama3)")
         bias = getattr(cfg, "attention_bias", False)
         return cls(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-            num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-            rms_norm_eps=cfg.rms_norm_eps, max_position=cfg.max_position_embeddings,
+            rms_norm_eps=cfg.rms_norm_eps,
+            max_position=cfg.max_position_embeddings,
             rope_theta=rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)),
             rope_scaling=rope if rope_type == "llama3" else None,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), qk_norm=cfg.model_type == "qwen3",
-            qkv_bias=cfg.model_type == "qwen2" or bias, o_bias=cfg.model_type != "qwen2" and bias)
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qk_norm=cfg.model_type == "qwen3",
+            qkv_bias=cfg.model_type == "qwen2" or bias,
+            o_bias=cfg.model_type != "qwen2" and bias,
+        )
+
 
 class RMSNorm(nn.Module):
     """Adds a sublayer's output into the residual stream and normalises the sum: (norm(x + residual), x + residual).
     The Triton kernel writes the sum into `residual` in place, so the stream is a tensor the model owns."""
+
     def __init__(self, dim: int, eps: float, kernels: Kernels):
         super().__init__()
         self.eps, self.kernels, self.weight = eps, kernels, nn.Parameter(torch.ones(dim))
@@ -66,8 +79,10 @@ class RMSNorm(nn.Module):
     def forward(self, x, residual):
         return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
+
 class Rotary(nn.Module):
     """RoPE's cos and sin for every position, [max_position, head_dim / 2] in fp32, shared by all layers."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim)
@@ -80,10 +95,11 @@ class Rotary(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP):
         super().__init__()
-        self.kernels, self.head_dim, self.scale = kernels, args.head_dim, args.head_dim ** -0.5
+        self.kernels, self.head_dim, self.scale = kernels, args.head_dim, args.head_dim**-0.5
         self.num_heads, self.num_kv_heads = args.num_heads // tp.size, args.num_kv_heads // tp.size  # this rank's
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.qkv_proj = ColumnParallelLinear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias, tp)
@@ -93,13 +109,14 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rotary: Rotary, kv_cache, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)     # [num_tokens, num_heads, head_dim]
+        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k, v = (t.view(-1, self.num_kv_heads, self.head_dim) for t in (k, v))  # [num_tokens, num_kv_heads, head_dim]
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else (None, None, 0.0)
         q, k = self.kernels.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, *norms)
         self.kernels.store_kv(k, v, *kv_cache, meta.slot_mapping)  # all of the step's K/V first: a sequence may read
         o = self.kernels.paged_attention(q, *kv_cache, meta, self.scale)  # blocks another computes in this step
         return self.o_proj(o.flatten(1))
+
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP):
@@ -110,6 +127,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP):
@@ -127,6 +145,7 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(h), residual
 
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP):
         super().__init__()
@@ -139,13 +158,15 @@ class Transformer(nn.Module):
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
         x = self.embed_tokens(input_ids)
         residual = torch.zeros_like(x)  # the residual stream starts empty: layer 0's add gives the embeddings
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=False):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
         return self.norm(x, residual)[0]
+
 
 class CausalLM(nn.Module):
     """Module names follow the HF checkpoints (model.layers.0.self_attn...), so weights load by name. With tensor
     parallelism (tp.size > 1) each rank holds its share of every layer (parallel.py)."""
+
     def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP = TP()):
         super().__init__()
         self.args, self.tp = args, tp

@@ -5,14 +5,17 @@ InFlightStep without waiting: the samples stay on the device as the next step's 
 KV cache size: every token keeps a K and a V vector per layer and KV head, so
     bytes per token = 2 x num_layers x num_kv_heads x head_dim x bytes per element,
 and the pool is as many blocks of `block_size` tokens as the memory left after weights and activations holds."""
+
 import array
 import logging
 import os
 import time
 from dataclasses import dataclass
 from itertools import accumulate
+
 import torch
 import torch.distributed as dist
+
 from nanoserve.attention import MIN_DOT_ROWS, PAD_SLOT, PREFILL_TILE_M, AttentionMetadata
 from nanoserve.config import EngineConfig
 from nanoserve.cuda_graphs import DecodeGraphs
@@ -35,6 +38,7 @@ INTS_PER_16_BYTES, BLOCK_TABLE_WIDTH_MULTIPLE = 4, 16
 NUM_PARTS = 9  # integer lists a step uploads (prepare's), in one buffer
 PROFILE_SAMPLING = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, logprobs=1)  # the sampler's costliest path
 
+
 def free_cores() -> int:
     """Cores this process may use that other processes are not busy on. On a CPU, more torch threads than free
     cores is ruinous: each parallel region waits for a thread that is not running (60 -> 1.4 tok/s measured)."""
@@ -48,26 +52,31 @@ def free_cores() -> int:
         time.sleep(0.01)
     return max(1, cores - min(running))
 
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
+
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor    # [num_tokens] int32
-    positions: torch.Tensor    # [num_tokens] int32
+    input_ids: torch.Tensor  # [num_tokens] int32
+    positions: torch.Tensor  # [num_tokens] int32
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [num_sampling] int32: rows of the hidden states whose logits pick a token
+
 
 class InFlightStep:
     """A launched step. Its samples stay on the device (the next step reads its decode inputs there), and their
     copy to the host is queued behind the step's kernels, so launching the next step need not wait for it."""
+
     def __init__(self, step: Step, samples: list[torch.Tensor]):
         self.step, self.params = step, [seq.params for seq in step.sampling]
         self.row_of = {seq.seq_id: row for row, seq in enumerate(step.sampling)}  # seq -> row of its sample
         self.device_tokens, self.host, self.ready = (samples[0] if samples else None), samples, None
         if samples and samples[0].is_cuda:
-            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                         for t in samples]
+            self.host = [
+                torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in samples
+            ]
             self.ready = torch.cuda.current_stream().record_event()
 
     def wait(self) -> tuple[list[int], list[dict | None] | None]:
@@ -78,12 +87,24 @@ class InFlightStep:
         if len(self.host) < 2:
             return tokens, None
         chosen, top_lp, top_ids = (t.tolist() for t in self.host[1:])
-        return tokens, [None if p.logprobs is None else {**dict(zip(top_ids[r][:p.logprobs], top_lp[r][:p.logprobs])),
-                                                         tokens[r]: chosen[r]} for r, p in enumerate(self.params)]
+        return tokens, [
+            None
+            if p.logprobs is None
+            else {**dict(zip(top_ids[r][: p.logprobs], top_lp[r][: p.logprobs], strict=False)), tokens[r]: chosen[r]}
+            for r, p in enumerate(self.params)
+        ]
+
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: str, hf_config, args: ModelArgs, tp: TP = TP(),
-                 workers: Workers | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: str,
+        hf_config,
+        args: ModelArgs,
+        tp: TP = TP(),
+        workers: Workers | None = None,
+    ):
         self.config, self.args, self.tp, self.workers = config, args, tp, workers  # workers: rank 0 of several
         self.device = torch.device(f"cuda:{tp.rank}" if config.device == "cuda" else "cpu")
         if self.device.type == "cpu":
@@ -104,15 +125,24 @@ class ModelRunner:
             self.num_kvcache_blocks = int(fewest)
         # [K or V, layer, block, slot, kv head (this rank's), head_dim], not zeroed: every slot is written before it is
         # read, and on a CPU memory pages are only taken as the cache fills
-        self.kv_cache = torch.empty(2, args.num_layers, self.num_kvcache_blocks, self.block_size, self.num_kv_heads,
-                                    args.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.empty(
+            2,
+            args.num_layers,
+            self.num_kvcache_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            args.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(args.num_layers)]
         logger.info(self.kv_account())
         # 3) the decode graphs, captured over that cache
         self.graphs = None
         if not config.enforce_eager:
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, self.max_blocks_per_seq,
-                                       config.max_model_len)
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_caches, config.max_num_seqs, self.max_blocks_per_seq, config.max_model_len
+            )
             self.graphs.capture()
 
     @classmethod
@@ -137,12 +167,19 @@ class ModelRunner:
 
     def kv_account(self) -> str:
         a, tokens, cfg = self.args, self.num_kvcache_blocks * self.block_size, self.config
-        why = ("num_kvcache_blocks" if cfg.num_kvcache_blocks else "1 GiB of host memory on a CPU" if
-               self.device.type == "cpu" else f"{cfg.gpu_memory_utilization:.0%} of the GPU less weights, activations")
-        return (f"KV cache: 2 (K, V) x {a.num_layers} layers x {self.num_kv_heads} KV heads x {a.head_dim} "
-                f"x {self.dtype.itemsize} bytes ({str(self.dtype)[6:]}) = {self.kv_bytes_per_token / 1024:.1f} KiB per "
-                f"token; {self.num_kvcache_blocks} blocks x {self.block_size} = {tokens:,} tokens, "
-                f"{tokens * self.kv_bytes_per_token / 2**30:.2f} GiB ({why})")
+        why = (
+            "num_kvcache_blocks"
+            if cfg.num_kvcache_blocks
+            else "1 GiB of host memory on a CPU"
+            if self.device.type == "cpu"
+            else f"{cfg.gpu_memory_utilization:.0%} of the GPU less weights, activations"
+        )
+        return (
+            f"KV cache: 2 (K, V) x {a.num_layers} layers x {self.num_kv_heads} KV heads x {a.head_dim} "
+            f"x {self.dtype.itemsize} bytes ({str(self.dtype)[6:]}) = {self.kv_bytes_per_token / 1024:.1f} KiB per "
+            f"token; {self.num_kvcache_blocks} blocks x {self.block_size} = {tokens:,} tokens, "
+            f"{tokens * self.kv_bytes_per_token / 2**30:.2f} GiB ({why})"
+        )
 
     def blocks_from_memory(self) -> int:
         block_bytes = self.kv_bytes_per_token * self.block_size
@@ -156,8 +193,11 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated()  # weights + the largest step's activations (warm_up's)
         budget = total * self.config.gpu_memory_utilization - outside_torch - peak
         if budget < block_bytes:
-            raise InvalidField("gpu_memory_utilization", f"{self.config.gpu_memory_utilization} leaves no memory "
-                               f"for the KV cache (weights and activations take {peak / 2**30:.1f} GiB)")
+            raise InvalidField(
+                "gpu_memory_utilization",
+                f"{self.config.gpu_memory_utilization} leaves no memory "
+                f"for the KV cache (weights and activations take {peak / 2**30:.1f} GiB)",
+            )
         return min(int(budget // block_bytes), enough)
 
     @torch.inference_mode()
@@ -170,19 +210,25 @@ class ModelRunner:
         for tile in (MIN_DOT_ROWS << i for i in range((PREFILL_TILE_M // MIN_DOT_ROWS).bit_length())):  # 16 ... 128
             self._dummy_prefill([tile])
         cfg, n = self.config, self.config.max_num_seqs
-        hidden = self._dummy_prefill([min(cfg.max_model_len, cfg.max_num_batched_tokens - i)
-                                      for i in range(0, cfg.max_num_batched_tokens, cfg.max_model_len)])
+        hidden = self._dummy_prefill(
+            [
+                min(cfg.max_model_len, cfg.max_num_batched_tokens - i)
+                for i in range(0, cfg.max_num_batched_tokens, cfg.max_model_len)
+            ]
+        )
         logits = self.model.compute_logits(hidden[:1].expand(n, -1))
         self.sampler(logits, [PROFILE_SAMPLING] * n, [1] * n, [frozenset()] * n)  # the allocator counts at launch
 
     def _dummy_prefill(self, seq_lens: list[int]) -> torch.Tensor:
         """A prefill whose K/V go nowhere (padded slots, one zeroed scratch block): warm-up without the real cache."""
         num_tokens = sum(seq_lens)
-        scratch = torch.zeros(2, 1, self.block_size, self.num_kv_heads, self.args.head_dim, dtype=self.dtype,
-                              device=self.device)
+        scratch = torch.zeros(
+            2, 1, self.block_size, self.num_kv_heads, self.args.head_dim, dtype=self.dtype, device=self.device
+        )
         no_blocks = array.array("i", bytes(4 * len(seq_lens) * self.max_blocks_per_seq))
-        header, flat = self._upload([[0] * num_tokens, [0] * num_tokens, [PAD_SLOT] * num_tokens, seq_lens, seq_lens,
-                                     no_blocks, [0], [], []])
+        header, flat = self._upload(
+            [[0] * num_tokens, [0] * num_tokens, [PAD_SLOT] * num_tokens, seq_lens, seq_lens, no_blocks, [0], [], []]
+        )
         inputs = self._inputs(header, flat, None)
         return self.model(inputs.input_ids, inputs.positions, [tuple(scratch)] * self.args.num_layers, inputs.meta)
 
@@ -199,8 +245,12 @@ class ModelRunner:
             if logits is None:
                 return InFlightStep(step, [])
             sampling = step.sampling
-            samples = self.sampler(logits, [s.params for s in sampling], [s.num_tokens for s in sampling],
-                                   [banned_token_ids(s) for s in sampling])
+            samples = self.sampler(
+                logits,
+                [s.params for s in sampling],
+                [s.num_tokens for s in sampling],
+                [banned_token_ids(s) for s in sampling],
+            )
             if self.workers is not None:
                 dist.broadcast(samples[0], 0)  # the workers' next decode inputs
             return InFlightStep(step, samples)
@@ -226,8 +276,9 @@ class ModelRunner:
             header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
             dist.broadcast(header, 0)
             header = header.tolist()
-            flat = torch.empty(sum(round_up(n, INTS_PER_16_BYTES) for n in header[:NUM_PARTS]),
-                               dtype=torch.int32, device=self.device)
+            flat = torch.empty(
+                sum(round_up(n, INTS_PER_16_BYTES) for n in header[:NUM_PARTS]), dtype=torch.int32, device=self.device
+            )
             dist.broadcast(flat, 0)
             logits = self.execute(header, flat, tokens)
             if logits is not None:
@@ -259,9 +310,18 @@ class ModelRunner:
         block_tables, padding = array.array("i"), array.array("i", bytes(4 * width))
         for s in step.scheduled:  # int32 arrays: copied row by row, never converted entry by entry
             block_tables += s.seq.block_table
-            block_tables += padding[:width - len(s.seq.block_table)]
-        return [input_ids, positions, slots, query_lens, context_lens, block_tables, sample_rows, pending_at,
-                pending_rows]
+            block_tables += padding[: width - len(s.seq.block_table)]
+        return [
+            input_ids,
+            positions,
+            slots,
+            query_lens,
+            context_lens,
+            block_tables,
+            sample_rows,
+            pending_at,
+            pending_rows,
+        ]
 
     def _upload(self, parts: list) -> tuple[list[int], torch.Tensor]:
         """All of a step's integer inputs in one int32 buffer and one host-to-device copy: per-element conversion
@@ -282,10 +342,18 @@ class ModelRunner:
         """Views into the uploaded buffer; PENDING decode inputs filled in on the device from the last step's tokens."""
         lengths, (max_query_len, max_context_len) = header[:NUM_PARTS], header[NUM_PARTS:]
         views = flat.split([round_up(n, INTS_PER_16_BYTES) for n in lengths])
-        ids, pos, slot_mapping, qsl, ctx, tables, rows, at, from_rows = (v[:n] for v, n in zip(views, lengths))
+        ids, pos, slot_mapping, qsl, ctx, tables, rows, at, from_rows = (
+            v[:n] for v, n in zip(views, lengths, strict=False)
+        )
         if len(at):
             ids[at.long()] = previous_tokens[from_rows.long()].int()
-        meta = AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=qsl, context_lens=ctx,
-                                 block_tables=tables.view(len(ctx), -1), max_query_len=max_query_len,
-                                 max_context_len=max_context_len, decode_only=max_query_len == 1)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=qsl,
+            context_lens=ctx,
+            block_tables=tables.view(len(ctx), -1),
+            max_query_len=max_query_len,
+            max_context_len=max_context_len,
+            decode_only=max_query_len == 1,
+        )
         return StepInputs(ids, pos, meta, rows)

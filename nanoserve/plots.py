@@ -7,13 +7,17 @@ prefix) and free; red dashed lines mark preemptions. batches.png: top, each step
 token each): a small max_num_batched_tokens cuts a long prompt into chunks that ride beside decodes; bottom, the running
 and waiting queues. block_tables.png: the first sequences' block tables, one cell per physical block labelled with its
 id; orange cells are shared through the prefix cache (one copy of a common prefix, computed once)."""
+
 import json
 import time
 from pathlib import Path
+
 import numpy as np
+
 from nanoserve.scheduler import Scheduler, Step
 
 MAX_ROWS, MAX_CELLS = 6, 32  # block_tables.png: sequences shown, blocks shown per sequence
+
 
 class StepTrace:
     def __init__(self, path: str, scheduler: Scheduler):
@@ -23,49 +27,89 @@ class StepTrace:
 
     def counters(self) -> dict:
         bm = self.bm
-        return dict(allocated=bm.num_allocated, freed=bm.num_freed, hit=bm.num_hit_blocks, revived=bm.num_revived)
+        return {
+            "allocated": bm.num_allocated,
+            "freed": bm.num_freed,
+            "hit": bm.num_hit_blocks,
+            "revived": bm.num_revived,
+        }
 
     def begin(self, step: Step):
         """The step as launched (before finishing the previous one may free blocks)."""
-        self.seqs = [dict(id=s.seq.seq_id, start=s.start, tokens=s.num_new_tokens, block_table=list(s.seq.block_table),
-                          kind="decode" if s.num_new_tokens == 1 and s.start >= s.seq.num_prompt_tokens else "prefill")
-                     for s in step.scheduled]
+        self.seqs = [
+            {
+                "id": s.seq.seq_id,
+                "start": s.start,
+                "tokens": s.num_new_tokens,
+                "block_table": list(s.seq.block_table),
+                "kind": "decode" if s.num_new_tokens == 1 and s.start >= s.seq.num_prompt_tokens else "prefill",
+            }
+            for s in step.scheduled
+        ]
         self.preempted = [seq.seq_id for seq in step.preempted]
 
     def end(self, started: float):
         """The pool and queues after the step, and its time."""
         now, sched, bm, counters = time.perf_counter(), self.scheduler, self.bm, self.counters()
-        self.file.write(json.dumps(dict(
-            step=self.num_steps, time=round(now - self.start, 6), step_ms=round(1000 * (now - started), 3),
-            seqs=self.seqs, preempted=self.preempted, running=len(sched.running), waiting=len(sched.waiting),
-            blocks=dict(used=bm.num_used_blocks, cached=bm.num_cached_blocks, free=bm.num_free_blocks,
-                        **{k: counters[k] - self.last[k] for k in counters}),
-            kv_tokens=sum(seq.num_computed_tokens for seq in sched.running),  # a shared block counts per user
-            kv_unused_slots=sum(len(seq.block_table) * bm.block_size - seq.num_computed_tokens
-                                for seq in sched.running))) + "\n")
+        self.file.write(
+            json.dumps(
+                {
+                    "step": self.num_steps,
+                    "time": round(now - self.start, 6),
+                    "step_ms": round(1000 * (now - started), 3),
+                    "seqs": self.seqs,
+                    "preempted": self.preempted,
+                    "running": len(sched.running),
+                    "waiting": len(sched.waiting),
+                    "blocks": dict(
+                        used=bm.num_used_blocks,
+                        cached=bm.num_cached_blocks,
+                        free=bm.num_free_blocks,
+                        **{k: counters[k] - self.last[k] for k in counters},
+                    ),
+                    "kv_tokens": sum(
+                        seq.num_computed_tokens for seq in sched.running
+                    ),  # a shared block counts per user
+                    "kv_unused_slots": sum(
+                        len(seq.block_table) * bm.block_size - seq.num_computed_tokens for seq in sched.running
+                    ),
+                }
+            )
+            + "\n"
+        )
         self.num_steps, self.last = self.num_steps + 1, counters
 
     def close(self):
         self.file.close()
 
+
 def pyplot():
     try:
         import matplotlib
+
         matplotlib.use("Agg")  # files only, no window
         import matplotlib.pyplot as plt
     except ImportError as error:
         raise ImportError("nanoserve.plots needs matplotlib to draw: pip install matplotlib") from error
     return plt
 
+
 def plot_kv_blocks(steps: list[dict], ax):
     x, b = [s["step"] for s in steps], [s["blocks"] for s in steps]  # "free" counts the cached blocks too
-    ax.stackplot(x, [c["used"] for c in b], [c["cached"] for c in b], [c["free"] - c["cached"] for c in b],
-                 labels=["used", "cached (free, prefix kept)", "free"], colors=["tab:blue", "tab:orange", "0.9"])
+    ax.stackplot(
+        x,
+        [c["used"] for c in b],
+        [c["cached"] for c in b],
+        [c["free"] - c["cached"] for c in b],
+        labels=["used", "cached (free, prefix kept)", "free"],
+        colors=["tab:blue", "tab:orange", "0.9"],
+    )
     for i, s in enumerate(s for s in steps if s["preempted"]):
         ax.axvline(s["step"], color="red", lw=0.8, ls="--", label=None if i else "preemption")
     total, top = b[0]["used"] + b[0]["free"], max(c["used"] + c["cached"] for c in b)
     ax.set_ylim(0, min(total, 2 * top + 4))  # in a big pool, the free blocks above this are cut off
     ax.set(xlabel="step", ylabel="KV blocks", title=f"KV block pool after each step (of {total} blocks)")
+
 
 def plot_batches(steps: list[dict], top, bottom):
     x = [s["step"] for s in steps]
@@ -77,10 +121,12 @@ def plot_batches(steps: list[dict], top, bottom):
     bottom.plot(x, [(s["running"], s["waiting"]) for s in steps], drawstyle="steps-post", label=["running", "waiting"])
     bottom.set(xlabel="step", ylabel="sequences")
 
+
 def plot_block_tables(steps: list[dict], ax):
     seqs = [q for s in steps for q in s["seqs"]]
-    bs = next(b for b in 2 ** np.arange(16) if all(len(q["block_table"]) == -(-(q["start"] + q["tokens"]) // b)
-                                                   for q in seqs))  # the block size: every table's length fits it
+    bs = next(
+        b for b in 2 ** np.arange(16) if all(len(q["block_table"]) == -(-(q["start"] + q["tokens"]) // b) for q in seqs)
+    )  # the block size: every table's length fits it
     tables, hits = {}, {}  # the first sequences: id -> longest block table, blocks found cached when admitted
     for q in seqs:
         if q["id"] in tables or len(tables) < MAX_ROWS:
@@ -90,24 +136,34 @@ def plot_block_tables(steps: list[dict], ax):
     width = max(map(len, rows), default=1)
     grid = np.array([[0.0] * len(t) + [np.nan] * (width - len(t)) for t in rows]).reshape(-1, width)  # 1: shared
     for i, j in ((i, j) for i in range(len(rows)) for j in range(len(rows)) if i != j):
-        n = next((k for k, (u, v) in enumerate(zip(rows[i], rows[j])) if u != v), min(len(rows[i]), len(rows[j])))
-        grid[i, :min(n, max(hits[ids[i]], hits[ids[j]]))] = 1  # same blocks, found in the cache
+        n = next(
+            (k for k, (u, v) in enumerate(zip(rows[i], rows[j], strict=False)) if u != v),
+            min(len(rows[i]), len(rows[j])),
+        )
+        grid[i, : min(n, max(hits[ids[i]], hits[ids[j]]))] = 1  # same blocks, found in the cache
     colors = pyplot().matplotlib.colors.ListedColormap(["lightsteelblue", "orange"])  # private, shared
     ax.pcolormesh(np.ma.masked_invalid(grid), cmap=colors, vmin=0, vmax=1, edgecolors="white", linewidth=3)
     for i, j in np.argwhere(~np.isnan(grid)):
         ax.text(j + 0.5, i + 0.5, str(rows[i][j]), ha="center", va="center", fontsize=9 if width <= 16 else 6)
     ax.set_xticks(np.arange(width) + 0.5, range(width))
     ax.set_yticks(np.arange(len(rows)) + 0.5, [f"seq {i}" for i in ids])
-    ax.set(ylim=(len(rows), 0), xlabel=f"position in the block table (at most {MAX_CELLS} shown)",
-           title="Block tables (physical block ids); orange: shared through the prefix cache")
+    ax.set(
+        ylim=(len(rows), 0),
+        xlabel=f"position in the block table (at most {MAX_CELLS} shown)",
+        title="Block tables (physical block ids); orange: shared through the prefix cache",
+    )
+
 
 def plot_trace(trace_path, out_dir) -> list[Path]:
     """Write kv_blocks.png, batches.png and block_tables.png for the trace into out_dir; returns their paths."""
     steps = [json.loads(line) for line in Path(trace_path).read_text().splitlines() if line.strip()]
     plt, out_dir, paths = pyplot(), Path(out_dir), []
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name, draw, panels in (("kv_blocks", plot_kv_blocks, 1), ("batches", plot_batches, 2),
-                               ("block_tables", plot_block_tables, 1)):
+    for name, draw, panels in (
+        ("kv_blocks", plot_kv_blocks, 1),
+        ("batches", plot_batches, 2),
+        ("block_tables", plot_block_tables, 1),
+    ):
         fig, axes = plt.subplots(panels, 1, figsize=(9, 1 + 3 * panels), sharex=True, squeeze=False, layout="tight")
         draw(steps, *axes[:, 0])
         for ax in axes[:, 0] if name != "block_tables" else []:  # the block tables' colours are in their title

@@ -6,19 +6,22 @@ Every row is drawn the same way: argmax(logits / T + Gumbel noise) is a draw fro
 trick), plain argmax when T = 0. Top-k, top-p and min-p only set the logits they drop to -inf first. The Triton kernel
 draws each row in one pass over its logits, making the noise in registers from a per-row seed; its PyTorch reference
 writes the noise out with a seeded generator per row: the backends draw different (equally valid) samples for a seed."""
+
 import random
+
 import torch
+
 from nanoserve.kernels import Kernels, tl, triton
 from nanoserve.sampling_params import SamplingParams
 
 SEED_MIX = 1_000_003  # mixes a request's seed with its length, so each step draws fresh noise
-SEED_RANGE = 2**63    # torch generators take 64-bit seeds; any Python int seed folds into range
-GUMBEL_TILE = 2048    # vocabulary entries per step of the sampling kernel's loop
+SEED_RANGE = 2**63  # torch generators take 64-bit seeds; any Python int seed folds into range
+GUMBEL_TILE = 2048  # vocabulary entries per step of the sampling kernel's loop
 GUMBEL_NUM_WARPS = 8
 
+
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, out_ptr, vocab_size,
-                          TILE: tl.constexpr):
+def _gumbel_argmax_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, out_ptr, vocab_size, TILE: tl.constexpr):
     # program r: row r's token, argmax(logits / T - log(E)) with E ~ Exp(1), a draw from softmax(logits / T);
     # plain argmax when T = 0. Column c's noise depends only on (seed, c): the tile size cannot change a draw.
     row = tl.program_id(0)
@@ -35,14 +38,23 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, out_ptr
         best = tl.where(take, tile_best, best)
     tl.store(out_ptr + row, best_id)
 
+
 def gumbel_argmax(logits, temperatures: list[float], seeds: list[int]) -> torch.Tensor:
     """logits: [rows, vocab] -> [rows] int64 token ids, one draw per row from softmax(logits / T)."""
     num_rows, vocab_size = logits.shape
     tokens = torch.empty(num_rows, dtype=torch.int32, device=logits.device)
     _gumbel_argmax_kernel[(num_rows,)](
-        logits, logits.stride(0), to_device(temperatures, torch.float32, logits.device),
-        to_device(seeds, torch.int64, logits.device), tokens, vocab_size, TILE=GUMBEL_TILE, num_warps=GUMBEL_NUM_WARPS)
+        logits,
+        logits.stride(0),
+        to_device(temperatures, torch.float32, logits.device),
+        to_device(seeds, torch.int64, logits.device),
+        tokens,
+        vocab_size,
+        TILE=GUMBEL_TILE,
+        num_warps=GUMBEL_NUM_WARPS,
+    )
     return tokens.long()
+
 
 def gumbel_argmax_ref(logits, temperatures: list[float], seeds: list[int]) -> torch.Tensor:
     generator = torch.Generator(logits.device)
@@ -53,45 +65,61 @@ def gumbel_argmax_ref(logits, temperatures: list[float], seeds: list[int]) -> to
     drawn = (logits.float() / t.clamp(min=1e-6) - noise.log()).argmax(-1)
     return torch.where(t[:, 0] > 0, drawn, logits.argmax(-1))
 
+
 def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     host = torch.tensor(rows, dtype=dtype)
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
 
 class Sampler:
     def __init__(self, kernels: Kernels):
         self.kernels, self.fresh_seeds = kernels, random.Random()  # fresh_seeds: new noise every step for unseeded rows
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], lengths: list[int],
-                 banned: list[frozenset[int]]) -> list[torch.Tensor]:
+    def __call__(
+        self, logits: torch.Tensor, params: list[SamplingParams], lengths: list[int], banned: list[frozenset[int]]
+    ) -> list[torch.Tensor]:
         """logits: [rows, vocab] in the model dtype; lengths: each row's sequence length with the token being
         sampled; banned: ids a row may not pick (EOS before min_tokens). Returns [tokens] or, if any row asked for
         logprobs, [tokens, chosen token's logprob, top-N logprobs, top-N ids], all on the device."""
         want_logprobs = any(p.logprobs is not None for p in params)
         logprobs = logits.float().log_softmax(-1) if want_logprobs else None  # of the model's own distribution
         if any(banned):
-            where = to_device([[r for r, ids in enumerate(banned) for _ in ids], [t for ids in banned for t in ids]],
-                              torch.long, logits.device)
+            where = to_device(
+                [[r for r, ids in enumerate(banned) for _ in ids], [t for ids in banned for t in ids]],
+                torch.long,
+                logits.device,
+            )
             logits[where[0], where[1]] = float("-inf")
         filtered = [row for row, p in enumerate(params) if p.filtered]
         if filtered:
             rows = to_device(filtered, torch.long, logits.device)
             logits[rows] = drop_filtered(logits[rows].float(), [params[r] for r in filtered]).to(logits.dtype)
-        seeds = [self.fresh_seeds.randrange(SEED_RANGE) if p.seed is None else (p.seed * SEED_MIX + n) % SEED_RANGE
-                 for p, n in zip(params, lengths)]
+        seeds = [
+            self.fresh_seeds.randrange(SEED_RANGE) if p.seed is None else (p.seed * SEED_MIX + n) % SEED_RANGE
+            for p, n in zip(params, lengths, strict=False)
+        ]
         tokens = self.kernels.gumbel_argmax(logits, [p.temperature for p in params], seeds)
         if logprobs is None:
             return [tokens]
         top_lp, top_ids = logprobs.topk(max(p.logprobs or 0 for p in params), dim=-1)  # 0 gives empty rows
         return [tokens, logprobs.gather(-1, tokens[:, None])[:, 0], top_lp, top_ids]
 
+
 def drop_filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Set to -inf what top-k, top-p and min-p drop, in that order (as vLLM and transformers do): top-p judged on
     softmax(logits / T) renormalised over what top-k kept; min-p on the ratio to the top token, which top-k does
     not change. logits: [rows, vocab] fp32."""
     device, vocab = logits.device, logits.shape[-1]
-    t, top_k, top_p, min_p = to_device([[p.temperature or 1.0 for p in params],
-                                        [p.top_k if p.top_k > 0 else vocab for p in params],
-                                        [p.top_p for p in params], [p.min_p for p in params]], torch.float32, device)
+    t, top_k, top_p, min_p = to_device(
+        [
+            [p.temperature or 1.0 for p in params],
+            [p.top_k if p.top_k > 0 else vocab for p in params],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+        ],
+        torch.float32,
+        device,
+    )
     sorted_logits, order = (logits / t[:, None]).sort(-1, descending=True)
     drop = torch.arange(vocab, device=device) >= top_k[:, None]
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)

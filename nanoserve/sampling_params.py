@@ -1,14 +1,18 @@
 """Per-request sampling settings, checked when they are made: a bad type or value raises an InvalidField (a
 ValueError naming the field) before any work starts. The server's 400 errors come from these same checks."""
+
 import math
 import numbers
 from dataclasses import dataclass
 
+
 class InvalidField(ValueError):
     """Bad input, with the name of the field at fault (the server reports it as OpenAI's `param`)."""
+
     def __init__(self, field: str, problem: str):
         super().__init__(f"{field}: {problem}")
         self.field, self.problem = field, problem
+
 
 def check_number(field: str, value, low=None, high=None, integer=False, above_low=False):
     """value must be a finite real (an integer if asked; bool is neither) in [low, high], or (low, high]."""
@@ -19,28 +23,31 @@ def check_number(field: str, value, low=None, high=None, integer=False, above_lo
         bounds = f"{'(' if above_low else '['}{'-inf' if low is None else low}, {'inf' if high is None else high}]"
         raise InvalidField(field, f"{value!r} is out of range {bounds}")
 
+
 def check_token_ids(field: str, ids) -> list[int]:
     """A list of integer token ids (a numpy array or tensor of them is fine): returned as plain ints."""
     if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):
         ids = ids.tolist()
-    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                                                      for t in ids):
+    if not isinstance(ids, (list, tuple)) or not all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids
+    ):
         raise InvalidField(field, "expected a list of integer token ids")
     return [int(t) for t in ids]
 
+
 @dataclass
 class SamplingParams:
-    n: int = 1                  # completions of the prompt; they share its KV through the prefix cache
-    temperature: float = 1.0    # 0 means greedy: exact argmax
-    top_p: float = 1.0          # keep the smallest set of tokens whose probability reaches top_p
-    top_k: int = -1             # keep the k most likely tokens; -1 keeps all (vLLM's convention)
-    min_p: float = 0.0          # drop tokens less likely than min_p x the top token's probability
+    n: int = 1  # completions of the prompt; they share its KV through the prefix cache
+    temperature: float = 1.0  # 0 means greedy: exact argmax
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = -1  # keep the k most likely tokens; -1 keeps all (vLLM's convention)
+    min_p: float = 0.0  # drop tokens less likely than min_p x the top token's probability
     max_tokens: int = 64
-    min_tokens: int = 0         # EOS and stop ids cannot be sampled, and stop strings do not count, before this
+    min_tokens: int = 0  # EOS and stop ids cannot be sampled, and stop strings do not count, before this
     ignore_eos: bool = False
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None     # makes this request's samples reproducible, whatever else is batched
+    seed: int | None = None  # makes this request's samples reproducible, whatever else is batched
     logprobs: int | None = None  # return the chosen token's logprob and the top-N logprobs
 
     def __post_init__(self):

@@ -13,19 +13,23 @@ become findable at once (a request admitted later in the same step takes them: e
 before any of it is read), and a sequence whose chunk reaches its end gets a PENDING token, whose value update() fills
 in when the step is read back. Later steps may be planned before that: the GPU runs steps in order, so lengths are all
 the scheduler needs."""
+
 from collections import deque
 from dataclasses import dataclass, field
+
 from nanoserve.block_manager import BlockManager
 from nanoserve.sampling_params import InvalidField
 from nanoserve.sequence import Sequence, SequenceStatus
 from nanoserve.stopping import reached_length_limit
 
+
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    start: int            # first position computed this step
-    num_new_tokens: int   # positions [start, start + num_new_tokens) are computed
-    samples: bool         # the chunk reaches the sequence's end, so its last logits pick the next token
+    start: int  # first position computed this step
+    num_new_tokens: int  # positions [start, start + num_new_tokens) are computed
+    samples: bool  # the chunk reaches the sequence's end, so its last logits pick the next token
+
 
 @dataclass
 class Step:
@@ -35,12 +39,13 @@ class Step:
     # the sequences that get a token from this step, in batch order: the rows of its samples
     sampling = property(lambda self: [s.seq for s in self.scheduled if s.samples])
 
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
         self.block_manager, self.max_model_len = block_manager, max_model_len
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []   # in admission order: the last one is preempted first
+        self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
 
     def check_fits(self, seq: Sequence):
@@ -48,8 +53,11 @@ class Scheduler:
         final_len = min(seq.num_tokens + seq.params.max_tokens, self.max_model_len)
         kv_tokens = max(seq.num_tokens, final_len - 1)  # the last sampled token never needs KV
         if (needed := self.block_manager.blocks_needed(kv_tokens)) > self.block_manager.num_blocks:
-            raise InvalidField("max_tokens", f"the request needs {needed} KV blocks ({kv_tokens} tokens) but the pool "
-                               f"has {self.block_manager.num_blocks}: lower max_tokens or add KV memory")
+            raise InvalidField(
+                "max_tokens",
+                f"the request needs {needed} KV blocks ({kv_tokens} tokens) but the pool "
+                f"has {self.block_manager.num_blocks}: lower max_tokens or add KV memory",
+            )
 
     def add(self, seq: Sequence):
         self.check_fits(seq)
@@ -80,8 +88,11 @@ class Scheduler:
     def _schedule_running(self, step: Step):
         for seq in list(self.running):
             # skip one preempted just now, or at its length limit with the last token pending (it ends when read)
-            if seq.status != SequenceStatus.RUNNING or not self._budget(step) or reached_length_limit(
-                    seq, self.max_model_len):
+            if (
+                seq.status != SequenceStatus.RUNNING
+                or not self._budget(step)
+                or reached_length_limit(seq, self.max_model_len)
+            ):
                 continue
             num_new = min(seq.num_uncomputed_tokens, self._budget(step))
             if self._make_room(seq, num_new, step):

@@ -4,6 +4,7 @@ field as a flag): /v1/completions and /v1/chat/completions, whole or streamed as
 uvicorn's event loop send it commands through a queue.Queue and await the replies as futures; each HTTP request's
 outputs come back on its own asyncio.Queue. A client that goes away has its requests aborted, which returns their KV
 blocks at once."""
+
 import argparse
 import asyncio
 import concurrent.futures
@@ -15,19 +16,32 @@ import threading
 import time
 import uuid
 from dataclasses import fields
+
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
 from nanoserve.config import EngineConfig
 from nanoserve.default_model import DEFAULT_MODEL
 from nanoserve.sampling_params import InvalidField, SamplingParams
 
-DISCONNECT_POLL_S = 0.2     # a handler waiting for outputs checks this often whether its client is still there
+DISCONNECT_POLL_S = 0.2  # a handler waiting for outputs checks this often whether its client is still there
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is the whole context
-SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "min_tokens", "ignore_eos", "stop",
-                   "stop_token_ids", "seed")  # named alike in OpenAI's body (with vLLM's extras) and SamplingParams
+SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "ignore_eos",
+    "stop",
+    "stop_token_ids",
+    "seed",
+)  # named alike in OpenAI's body (with vLLM's extras) and SamplingParams
 GAUGES = ("running", "waiting", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_total", "prefix_hit_rate")
 COUNTERS = ("preemptions", "generated_tokens", "finished_requests", "prefix_hit_tokens", "prefix_queried_tokens")
+
 
 class EngineLoop:
     """The one thread that calls the engine: it runs queued commands, steps while any request is unfinished, and
@@ -51,8 +65,9 @@ class EngineLoop:
         ids = [f"{uuid.uuid4().hex}-{i}" for i in range(len(prompts))]
         unfinished = set(ids)
         try:
-            await self.call(self._add, prompts, params, ids, stream,
-                            lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+            await self.call(
+                self._add, prompts, params, ids, stream, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out)
+            )
             yield None
             while unfinished:
                 try:
@@ -98,7 +113,7 @@ class EngineLoop:
     def _add(self, prompts, params, request_ids, stream, sink):
         """All prompts are queued or none: one bad prompt in a list refuses the whole HTTP request."""
         try:
-            for prompt, request_id in zip(prompts, request_ids):
+            for prompt, request_id in zip(prompts, request_ids, strict=False):
                 self.llm.add_request(prompt, params, request_id, stream)
                 self.sinks[request_id] = sink
         except Exception:
@@ -110,20 +125,24 @@ class EngineLoop:
             self.llm.abort(request_id)
             self.sinks.pop(request_id, None)
 
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
 
 def field(body: dict, name: str, kind: type, default):
     if body.get(name) is not None and not isinstance(body[name], kind):
         raise InvalidField(name, f"{body[name]!r} is not a {kind.__name__}")
     return default if body.get(name) is None else body[name]
 
+
 def client_named(error: InvalidField, body: dict, chat: bool) -> InvalidField:
     """The error under the client's name for the field: chat calls three engine fields differently."""
     max_tokens = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     names = {"max_tokens": max_tokens, "logprobs": "top_logprobs", "prompt": "messages"} if chat else {}
     return InvalidField(names.get(error.field, error.field), error.problem)
+
 
 def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParams:
     """SamplingParams from an OpenAI body. SamplingParams checks every type and range, so the server refuses a
@@ -140,6 +159,7 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
     except InvalidField as e:
         raise client_named(e, body, chat) from None
 
+
 def logprobs_json(tokenizer, chat: bool, token_ids: list[int], logprobs: list[dict] | None, num_top: int | None):
     """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: the legacy parallel lists."""
     if logprobs is None:
@@ -147,25 +167,39 @@ def logprobs_json(tokenizer, chat: bool, token_ids: list[int], logprobs: list[di
     text = [tokenizer.decode([t]) for t in token_ids]
     top = [sorted(lp.items(), key=lambda item: -item[1])[:num_top] for lp in logprobs]
     if not chat:
-        return {"tokens": text, "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs)],
-                "top_logprobs": [{tokenizer.decode([i]): v for i, v in tp} for tp in top]}
+        return {
+            "tokens": text,
+            "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs, strict=False)],
+            "top_logprobs": [{tokenizer.decode([i]): v for i, v in tp} for tp in top],
+        }
     entry = lambda token, logprob: {"token": token, "logprob": logprob, "bytes": list(token.encode())}  # noqa: E731
-    return {"content": [{**entry(s, lp[t]), "top_logprobs": [entry(tokenizer.decode([i]), v) for i, v in tp]}
-                        for s, t, lp, tp in zip(text, token_ids, logprobs, top)]}
+    return {
+        "content": [
+            {**entry(s, lp[t]), "top_logprobs": [entry(tokenizer.decode([i]), v) for i, v in tp]}
+            for s, t, lp, tp in zip(text, token_ids, logprobs, top, strict=False)
+        ]
+    }
+
 
 def choice_json(tokenizer, chat: bool, stream: bool, index: int, c, num_top: int | None) -> dict:
     """A choice: the whole completion, or in a stream its new text and tokens (a chat stream names the role first)."""
     text, ids = (c.text_delta, c.token_ids_delta) if stream else (c.text, c.token_ids)
-    logprobs = logprobs_json(tokenizer, chat, ids, c.logprobs and c.logprobs[len(c.token_ids) - len(ids):], num_top)
+    logprobs = logprobs_json(tokenizer, chat, ids, c.logprobs and c.logprobs[len(c.token_ids) - len(ids) :], num_top)
     message = {"role": "assistant", "content": text} if len(ids) == len(c.token_ids) else {"content": text}
     body = {"delta" if stream else "message": message} if chat else {"text": text}
     return {"index": index, **body, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
+
 def usage_json(finals) -> dict:
     prompt = sum(len(out.prompt_token_ids) for out in finals)
     completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(out.num_cached_tokens for out in finals)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(out.num_cached_tokens for out in finals)},
+    }
+
 
 def build_app(llm, model_name: str | None = None) -> FastAPI:
     """The FastAPI app serving llm; its engine thread runs while the app does (lifespan)."""
@@ -182,8 +216,19 @@ def build_app(llm, model_name: str | None = None) -> FastAPI:
     app.exception_handler(ValueError)(lambda request, e: error_response(400, str(e), getattr(e, "field", None)))
     app.exception_handler(RuntimeError)(lambda request, e: error_response(500, str(e)))  # the engine failed it
     app.get("/health")(lambda: Response(status_code=200 if engine.thread.is_alive() else 503))
-    app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": model_name, "object": "model",
-                                   "owned_by": "nanoserve", "max_model_len": llm.config.max_model_len}]})
+    app.get("/v1/models")(
+        lambda: {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "owned_by": "nanoserve",
+                    "max_model_len": llm.config.max_model_len,
+                }
+            ],
+        }
+    )
 
     @app.get("/metrics")
     async def metrics():
@@ -202,8 +247,12 @@ def build_app(llm, model_name: str | None = None) -> FastAPI:
         if not isinstance(body, dict):
             return error_response(400, "the body must be a JSON object")
         if body.get("model") is not None and body["model"] != model_name:
-            return error_response(404, f"model {body['model']!r} does not exist; this server has {model_name!r}",
-                                  "model", "model_not_found")
+            return error_response(
+                404,
+                f"model {body['model']!r} does not exist; this server has {model_name!r}",
+                "model",
+                "model_not_found",
+            )
         if not chat:  # a string, token ids, or a list of either; the engine refuses anything else as "prompt"
             p = body.get("prompt")
             return await serve(http, body, chat, p if isinstance(p, list) and p and not isinstance(p[0], int) else [p])
@@ -222,16 +271,24 @@ def build_app(llm, model_name: str | None = None) -> FastAPI:
         except InvalidField as e:
             raise client_named(e, body, chat) from None
         kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
-                "created": int(time.time()), "model": model_name}
+        head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": model_name,
+        }
         if stream:
-            return StreamingResponse(stream_chunks(results, head, chat, params, len(prompts), usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                stream_chunks(results, head, chat, params, len(prompts), usage), media_type="text/event-stream"
+            )
         finals = {i: out async for i, out in results if out.finished}
         if len(finals) < len(prompts):
             return Response(status_code=499)  # the client went away: nobody reads this
-        choices = [choice_json(llm.tokenizer, chat, False, i * params.n + c.index, c, params.logprobs)
-                   for i, out in sorted(finals.items()) for c in out.outputs]  # OpenAI: index = prompt x n + sample
+        choices = [
+            choice_json(llm.tokenizer, chat, False, i * params.n + c.index, c, params.logprobs)
+            for i, out in sorted(finals.items())
+            for c in out.outputs
+        ]  # OpenAI: index = prompt x n + sample
         return {**head, "choices": choices, "usage": usage_json(finals.values())}
 
     async def stream_chunks(results, head: dict, chat: bool, params: SamplingParams, num_prompts: int, usage: bool):
@@ -255,6 +312,7 @@ def build_app(llm, model_name: str | None = None) -> FastAPI:
 
     return app
 
+
 @contextlib.contextmanager
 def serve_in_background(llm, host: str = "127.0.0.1", port: int = 0, model_name: str | None = None):
     """Serve llm from a thread (tests, benchmarks); yields the base URL "http://host:port/v1" (port 0: any free)."""
@@ -271,6 +329,7 @@ def serve_in_background(llm, host: str = "127.0.0.1", port: int = 0, model_name:
         server.should_exit = True
         thread.join()
 
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="nanoserve's OpenAI-compatible server")
     ap.add_argument("--model", help="HF model directory or hub id (default: the embedded SmolLM2-135M-Instruct)")
@@ -280,13 +339,18 @@ def main(argv=None):
     engine_fields = [f for f in fields(EngineConfig) if f.name != "model"]
     for f in engine_fields:  # a flag left out keeps EngineConfig's default
         kinds = [k for k in (f.type, *getattr(f.type, "__args__", ())) if k in (int, float)] or [str]
-        ap.add_argument("--" + f.name.replace("_", "-"), default=None, **(
-            {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": kinds[0]}))
+        ap.add_argument(
+            "--" + f.name.replace("_", "-"),
+            default=None,
+            **({"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": kinds[0]}),
+        )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from nanoserve.llm import LLM
+
     llm = LLM(args.model, **{f.name: getattr(args, f.name) for f in engine_fields if getattr(args, f.name) is not None})
     uvicorn.run(build_app(llm, args.served_model_name), host=args.host, port=args.port)
+
 
 if __name__ == "__main__":
     main()

@@ -11,18 +11,22 @@ tokens read back, one at a time, in order.
 Text is decoded incrementally: a few tokens before the new ones are decoded again, so a character whose UTF-8 bytes span
 several tokens appears whole, once its last byte arrives. A streamed delta never contains the start of what could still
 become a stop string, so a stop string is never streamed, even in part."""
+
 from nanoserve.sequence import Sequence
 
 DETOKENIZE_CONTEXT = 6  # tokens decoded again before the new ones (a UTF-8 character has at most 4 bytes)
 INCOMPLETE_CHARACTER = "\ufffd"  # what decoding shows for a character whose last bytes have not come yet
 
+
 def reached_length_limit(seq: Sequence, max_model_len: int) -> bool:
     """Counts pending tokens: a sequence whose last token is pending but already at its limit is not scheduled."""
     return seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= max_model_len
 
+
 def banned_token_ids(seq: Sequence) -> frozenset[int]:
     """Ids the sampler may not pick for seq's newest (pending) token: the first min_tokens tokens cannot stop."""
     return seq.stop_token_ids if seq.num_completion_tokens <= seq.params.min_tokens else frozenset()
+
 
 class StopChecker:
     def __init__(self, tokenizer, max_model_len: int):
@@ -52,16 +56,16 @@ class StopChecker:
     def _decode(self, seq: Sequence, upto: int, final: bool):
         """Fold the text of completion tokens [text.num_decoded, upto) into seq.text. Not final: wait while the
         last character is incomplete."""
-        t, ids = seq.text, seq.token_ids[seq.num_prompt_tokens:seq.num_prompt_tokens + upto]
+        t, ids = seq.text, seq.token_ids[seq.num_prompt_tokens : seq.num_prompt_tokens + upto]
         if self.tokenizer is None or upto <= t.num_decoded:
             return
         start = max(0, t.num_decoded - DETOKENIZE_CONTEXT)
-        before = self.tokenizer.decode(ids[start:t.num_decoded], skip_special_tokens=True)
+        before = self.tokenizer.decode(ids[start : t.num_decoded], skip_special_tokens=True)
         after = self.tokenizer.decode(ids[start:], skip_special_tokens=True)
         if after.endswith(INCOMPLETE_CHARACTER) and not final:
             return
         if after.startswith(before):
-            t.text += after[len(before):]
+            t.text += after[len(before) :]
         else:  # the new tokens changed how earlier ones read (rare): decode the whole completion again
             t.text = self.tokenizer.decode(ids, skip_special_tokens=True)
         t.num_decoded = upto
@@ -76,12 +80,15 @@ class StopChecker:
         t.stop_at = min((i for i in starts if i >= 0), default=None)
         return t.stop_at is not None
 
+
 def take_stream_delta(seq: Sequence) -> str:
     """The text not yet streamed, less any tail that could still become a stop string (until the end)."""
     t = seq.text
-    held = max((k for s in seq.params.stop for k in range(min(len(s) - 1, len(t.text)), 0, -1)
-                if t.text.endswith(s[:k])), default=0)  # the longest tail that begins a stop string
+    held = max(
+        (k for s in seq.params.stop for k in range(min(len(s) - 1, len(t.text)), 0, -1) if t.text.endswith(s[:k])),
+        default=0,
+    )  # the longest tail that begins a stop string
     end = len(t.final) if seq.is_finished else len(t.text) - held
-    delta = t.text[t.num_streamed:max(end, t.num_streamed)]
+    delta = t.text[t.num_streamed : max(end, t.num_streamed)]
     t.num_streamed += len(delta)
     return delta

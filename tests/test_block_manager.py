@@ -11,6 +11,7 @@ The prefix cache is one dict keyed by (parent's prefix id, block tokens); the te
 key must get right: equal blocks under different prefixes, prefix ids outliving their blocks, and the same
 prefix computed twice at once. No model, no torch: the whole file runs in seconds.
 """
+
 import copy
 from collections import Counter
 
@@ -38,8 +39,9 @@ def check_kv_reads(bm: BlockManager, kv: dict, seq: Sequence, end: int, tokens: 
     tokens = seq.token_ids if tokens is None else tokens
     for p in range(end):
         got = kv.get(slot(bm, seq, p))
-        assert got == tuple(tokens[:p + 1]), (
-            f"seq {seq.seq_id} position {p} reads K/V of {got}, expected its prefix {tuple(tokens[:p + 1])}")
+        assert got == tuple(tokens[: p + 1]), (
+            f"seq {seq.seq_id} position {p} reads K/V of {got}, expected its prefix {tuple(tokens[: p + 1])}"
+        )
 
 
 def compute(bm: BlockManager, kv: dict, seq: Sequence, num_new: int, tokens: list[int] | None = None):
@@ -53,16 +55,27 @@ def compute(bm: BlockManager, kv: dict, seq: Sequence, num_new: int, tokens: lis
         block_id = seq.block_table[p // bm.block_size]
         assert bm.blocks[block_id].ref_count == 1, (
             f"seq {seq.seq_id} writes position {p} into block {block_id}, "
-            f"shared by {bm.blocks[block_id].ref_count} sequences")
-        kv[slot(bm, seq, p)] = tuple(tokens[:p + 1])
+            f"shared by {bm.blocks[block_id].ref_count} sequences"
+        )
+        kv[slot(bm, seq, p)] = tuple(tokens[: p + 1])
     seq.num_computed_tokens += num_new
     bm.cache_full_blocks(seq)
 
 
 def snapshot(bm: BlockManager, seq: Sequence):
-    return (copy.deepcopy(bm.blocks), list(bm.free_ids), dict(bm.cached),
-            bm.prefix_hit_tokens, bm.prefix_queried_tokens, bm.num_allocated, bm.num_hit_blocks,
-            bm.peak_used_blocks, list(seq.block_table), seq.num_computed_tokens, seq.num_cached_tokens)
+    return (
+        copy.deepcopy(bm.blocks),
+        list(bm.free_ids),
+        dict(bm.cached),
+        bm.prefix_hit_tokens,
+        bm.prefix_queried_tokens,
+        bm.num_allocated,
+        bm.num_hit_blocks,
+        bm.peak_used_blocks,
+        list(seq.block_table),
+        seq.num_computed_tokens,
+        seq.num_cached_tokens,
+    )
 
 
 # ---- the state machine --------------------------------------------------------------------------
@@ -74,38 +87,48 @@ class BlockManagerMachine(RuleBasedStateMachine):
     back to waiting with their tokens, to be readmitted once nothing is pending and maybe hit their own
     blocks) or finished (freed for good)."""
 
-    @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(1, 12),
-                prefix_caching=st.sampled_from([True, True, True, False]))
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4]),
+        num_blocks=st.integers(1, 12),
+        prefix_caching=st.sampled_from([True, True, True, False]),
+    )
     def setup(self, block_size, num_blocks, prefix_caching):
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.kv: dict[int, tuple] = {}
-        self.live: list[Sequence] = []     # hold blocks
+        self.live: list[Sequence] = []  # hold blocks
         self.waiting: list[Sequence] = []  # hold none: new, or preempted
-        self.seen: list[Sequence] = []     # every sequence so far
+        self.seen: list[Sequence] = []  # every sequence so far
         self.on_device: dict[int, list[int]] = {}  # seq_id -> values of its pending tokens, oldest first
         self.named: dict[int, tuple] = {}  # prefix_id -> the token prefix it named, over the whole run
         self.hit_tokens = self.queried_tokens = self.hit_blocks = self.allocated = 0
 
     def true_tokens(self, seq: Sequence) -> list[int]:
         """What the device sees: seq's tokens with the pending ones' values filled in."""
-        return seq.token_ids[:seq.num_known_tokens] + self.on_device.get(seq.seq_id, [])
+        return seq.token_ids[: seq.num_known_tokens] + self.on_device.get(seq.seq_id, [])
 
     # ---- operations -----------------------------------------------------------------------------
-    @rule(tokens=st.lists(st.integers(0, SMALL_VOCAB - 1), min_size=1, max_size=14),
-          base=st.integers(0, 99), shared=st.integers(0, 14))
+    @rule(
+        tokens=st.lists(st.integers(0, SMALL_VOCAB - 1), min_size=1, max_size=14),
+        base=st.integers(0, 99),
+        shared=st.integers(0, 14),
+    )
     def new_request(self, tokens, base, shared):
         """A new prompt, often starting with (part of) an earlier sequence's tokens, so hits happen."""
         if len(self.waiting) < 6:
             if self.seen and shared:
                 earlier = self.seen[base % len(self.seen)]
-                tokens = (earlier.token_ids[:min(shared, earlier.num_known_tokens)] + tokens)[:16]
+                tokens = (earlier.token_ids[: min(shared, earlier.num_known_tokens)] + tokens)[:16]
             seq = Sequence(tokens, PARAMS, self.bm.block_size)
             self.waiting.append(seq)
             self.seen.append(seq)
 
     @precondition(lambda self: self.waiting)
-    @rule(index=st.integers(0, 99), chunk=st.integers(1, 16), token=st.integers(0, SMALL_VOCAB - 1),
-          read_now=st.booleans())
+    @rule(
+        index=st.integers(0, 99),
+        chunk=st.integers(1, 16),
+        token=st.integers(0, SMALL_VOCAB - 1),
+        read_now=st.booleans(),
+    )
     def admit(self, index, chunk, token, read_now):
         seq = self.waiting[index % len(self.waiting)]
         if seq.num_pending:  # preempted before its last token was read back: it waits for the value
@@ -134,15 +157,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert seq.num_cached_tokens == len(cached) * bs
         self.hit_blocks += len(cached)
         self.allocated += len(seq.block_table) - len(cached)
-        assert list(seq.block_table[:len(cached)]) == cached
+        assert list(seq.block_table[: len(cached)]) == cached
         assert seq.num_computed_tokens == len(cached) * bs
         # the hit blocks must hold this sequence's own prefix, whole, not just matching tokens
         check_kv_reads(self.bm, self.kv, seq, seq.num_computed_tokens)
         self._compute(seq, num_new, token, read_now)
 
     @precondition(lambda self: self.live)
-    @rule(index=st.integers(0, 99), chunk=st.integers(1, 16), token=st.integers(0, SMALL_VOCAB - 1),
-          read_now=st.booleans())
+    @rule(
+        index=st.integers(0, 99),
+        chunk=st.integers(1, 16),
+        token=st.integers(0, SMALL_VOCAB - 1),
+        read_now=st.booleans(),
+    )
     def grow(self, index, chunk, token, read_now):
         seq = self.live[index % len(self.live)]
         num_new = min(chunk, seq.num_uncomputed_tokens)
@@ -211,8 +238,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for block in self.bm.blocks:
             assert block.ref_count >= 0
             assert block.ref_count == owners[block.block_id], (
-                f"block {block.block_id}: ref_count {block.ref_count}, "
-                f"held by {owners[block.block_id]} live sequences")
+                f"block {block.block_id}: ref_count {block.ref_count}, held by {owners[block.block_id]} live sequences"
+            )
             assert (block.ref_count == 0) == (block.block_id in self.bm.free_ids)
         assert self.bm.num_used_blocks + self.bm.num_free_blocks == self.bm.num_blocks
         assert len(self.bm.free_ids) == sum(b.ref_count == 0 for b in self.bm.blocks)
@@ -246,7 +273,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if block.prefix_id is not None:
                 content = self.kv[block.block_id * bs + bs - 1]
                 assert self.named.setdefault(block.prefix_id, content) == content, (
-                    f"prefix_id {block.prefix_id} names two different prefixes")
+                    f"prefix_id {block.prefix_id} names two different prefixes"
+                )
         if not self.bm.enable_prefix_caching:
             assert not self.bm.cached
         for key, block_id in self.bm.cached.items():
@@ -255,7 +283,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             full = self.kv[block_id * bs + bs - 1]
             assert full[-bs:] == key[1]
             for j in range(bs):
-                assert self.kv[block_id * bs + j] == full[:len(full) - bs + j + 1]
+                assert self.kv[block_id * bs + j] == full[: len(full) - bs + j + 1]
             parent_id = key[0]
             assert (parent_id is None) == (len(full) == bs)
             if parent_id is not None:
@@ -269,13 +297,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.prefix_queried_tokens == self.queried_tokens
         assert self.bm.num_hit_blocks == self.hit_blocks
         assert self.bm.num_allocated == self.allocated
-        assert self.bm.num_cached_blocks == sum(self.bm.cached.get(self.bm.blocks[b].key) == b
-                                                for b in self.bm.free_ids)
+        assert self.bm.num_cached_blocks == sum(
+            self.bm.cached.get(self.bm.blocks[b].key) == b for b in self.bm.free_ids
+        )
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
-TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
-                                            suppress_health_check=[HealthCheck.too_slow])
+TestBlockManagerMachine.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 # ---- hits against a trusted reference -----------------------------------------------------------
@@ -290,16 +320,20 @@ def fully_computed(bm: BlockManager, kv: dict, tokens: list[int]) -> Sequence:
 def common_full_blocks(a: list[int], b: list[int], block_size: int) -> int:
     """How many leading full blocks of a could serve b: equal tokens, and b's last token left to compute."""
     n = 0
-    while (n < min(len(a) // block_size, (len(b) - 1) // block_size)
-           and a[n * block_size:(n + 1) * block_size] == b[n * block_size:(n + 1) * block_size]):
+    while (
+        n < min(len(a) // block_size, (len(b) - 1) // block_size)
+        and a[n * block_size : (n + 1) * block_size] == b[n * block_size : (n + 1) * block_size]
+    ):
         n += 1
     return n
 
 
 @settings(max_examples=200, deadline=None)
-@given(first=st.lists(st.integers(0, 1), min_size=1, max_size=12),
-       second=st.lists(st.integers(0, 1), min_size=1, max_size=12),
-       block_size=st.sampled_from([1, 2, 3, 4]))
+@given(
+    first=st.lists(st.integers(0, 1), min_size=1, max_size=12),
+    second=st.lists(st.integers(0, 1), min_size=1, max_size=12),
+    block_size=st.sampled_from([1, 2, 3, 4]),
+)
 def test_hit_is_longest_common_full_block_prefix(first, second, block_size):
     """Guards against wrong hits (a matching block under a different parent taken as a match) and missed
     ones: with one cached sequence, the hit is exactly its leading full blocks that equal the new prompt's,
@@ -309,14 +343,16 @@ def test_hit_is_longest_common_full_block_prefix(first, second, block_size):
     cached_seq = fully_computed(bm, kv, first)
     new = Sequence(second, PARAMS, block_size)
     hit = bm.find_cached_prefix(new)
-    assert hit == list(cached_seq.block_table[:common_full_blocks(first, second, block_size)])
+    assert hit == list(cached_seq.block_table[: common_full_blocks(first, second, block_size)])
     bm.free(cached_seq)  # freed blocks stay findable, with the same answer
     assert bm.find_cached_prefix(new) == hit
 
 
 @settings(max_examples=100, deadline=None)
-@given(prompts=st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=10), min_size=2, max_size=6),
-       block_size=st.sampled_from([1, 2, 3]))
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=10), min_size=2, max_size=6),
+    block_size=st.sampled_from([1, 2, 3]),
+)
 def test_hits_over_many_cached_prompts_read_back_their_own_prefix(prompts, block_size):
     """Guards against a hit on K/V of other tokens, and against missed hits, when many cached blocks hold
     equal tokens under different prefixes: prompts over a two-token vocabulary are cached one after another
@@ -369,7 +405,7 @@ def test_child_of_an_evicted_parent_is_never_hit():
     child, whose K/V belongs to the old prefix; a prompt with the old prefix must not reach it either."""
     bm = BlockManager(4, 2)
     kv: dict[int, tuple] = {}
-    x = Sequence([1, 2], PARAMS, 2)          # X and Y compute [1, 2] in the same step: X's block owns the key
+    x = Sequence([1, 2], PARAMS, 2)  # X and Y compute [1, 2] in the same step: X's block owns the key
     y = Sequence([1, 2, 3, 4, 9], PARAMS, 2)
     assert bm.allocate(x, 2) and bm.allocate(y, 5)
     compute(bm, kv, x, 2)
@@ -379,17 +415,17 @@ def test_child_of_an_evicted_parent_is_never_hit():
     child_key = bm.blocks[child].key
     assert child_key == (bm.blocks[parent].prefix_id, (3, 4)) and bm.cached[child_key] == child
     bm.free(x)
-    bm.free(y)                               # free, oldest first: X's block, Y's tail, Y's child, Y's head
+    bm.free(y)  # free, oldest first: X's block, Y's tail, Y's child, Y's head
     assert list(bm.free_ids) == [parent, y_tail, child, y_head]
-    z = fully_computed(bm, kv, [5, 5, 9])    # evicts the parent, then reuses its block id for [5, 5]
+    z = fully_computed(bm, kv, [5, 5, 9])  # evicts the parent, then reuses its block id for [5, 5]
     assert z.block_table[0] == parent and (None, (1, 2)) not in bm.cached
-    assert bm.cached[child_key] == child     # the child is orphaned, still in the dict
+    assert bm.cached[child_key] == child  # the child is orphaned, still in the dict
     w = Sequence([5, 5, 3, 4, 9], PARAMS, 2)
     assert bm.find_cached_prefix(w) == [parent]  # [5, 5] hit; [3, 4] after it is not the orphan
     assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 9], PARAMS, 2)) == []
     bm.free(z)
     v = fully_computed(bm, kv, [1, 2, 3, 4, 8])  # recomputes [1, 2], then [3, 4] under a new prefix id
-    assert child_key not in bm.cached           # (the orphan's block was evicted for it)
+    assert child_key not in bm.cached  # (the orphan's block was evicted for it)
     assert bm.find_cached_prefix(Sequence([1, 2, 3, 4, 7], PARAMS, 2)) == list(v.block_table[:2])
     bm.free(v)
 
@@ -410,12 +446,12 @@ def test_twins_share_one_entry_that_only_the_owner_removes(freed_first):
     owner_blocks, twin_blocks = list(owner.block_table[:2]), list(twin.block_table[:2])
     assert not set(owner_blocks) & set(twin_blocks)
     assert sorted(bm.cached.values()) == sorted(owner_blocks) and len(bm.cached) == 2
-    for o, t in zip(owner_blocks, twin_blocks):
+    for o, t in zip(owner_blocks, twin_blocks, strict=False):
         assert bm.blocks[o].key == bm.blocks[t].key and bm.blocks[o].prefix_id == bm.blocks[t].prefix_id
     probe = Sequence([1, 2, 3, 4, 0], PARAMS, 2)
     first, second = (owner, twin) if freed_first == "owner" else (twin, owner)
     bm.free(first)
-    fill = fully_computed(bm, kv, [6] * 7)   # 4 blocks: the never-used one and the 3 just freed
+    fill = fully_computed(bm, kv, [6] * 7)  # 4 blocks: the never-used one and the 3 just freed
     assert bm.num_free_blocks == 0
     assert bm.find_cached_prefix(probe) == (owner_blocks if first is twin else [])
     bm.free(fill)
@@ -438,9 +474,9 @@ def test_block_completed_by_a_pending_token_is_cached_once_read_back():
     bm = BlockManager(8, 2)
     kv: dict[int, tuple] = {}
     seq = fully_computed(bm, kv, [1, 2, 3])
-    seq.append_pending()                     # sampled: [1, 2, 3, ?]
+    seq.append_pending()  # sampled: [1, 2, 3, ?]
     assert bm.allocate(seq, 1)
-    compute(bm, kv, seq, 1, [1, 2, 3, 4])    # the next step decodes the pending token (value 4 on the device)
+    compute(bm, kv, seq, 1, [1, 2, 3, 4])  # the next step decodes the pending token (value 4 on the device)
     assert bm.blocks[seq.block_table[1]].key is None and len(bm.cached) == 1
     seq.resolve_pending(4)
     bm.cache_full_blocks(seq)
@@ -455,7 +491,7 @@ def test_lru_evicts_least_recently_freed_prefix_first():
     first, so the one freed later survives; and a hit that revives a block makes it recent again."""
     bm = BlockManager(4, 2)
     kv: dict[int, tuple] = {}
-    a = fully_computed(bm, kv, [1, 2, 9])   # block [1, 2] full and cached, [9] partial
+    a = fully_computed(bm, kv, [1, 2, 9])  # block [1, 2] full and cached, [9] partial
     b = fully_computed(bm, kv, [3, 4, 9])
     bm.free(a)
     bm.free(b)
@@ -508,7 +544,7 @@ def test_fully_cached_prompt_leaves_last_token_to_compute(block_size):
     second = Sequence(prompt, PARAMS, block_size)
     cached = bm.find_cached_prefix(second)
     assert len(cached) * block_size == len(prompt) - block_size
-    assert cached == list(first.block_table[:len(cached)])
+    assert cached == list(first.block_table[: len(cached)])
     assert bm.allocate(second, len(prompt) - len(cached) * block_size, cached)
     assert second.num_uncomputed_tokens == block_size >= 1
     assert second.block_table[-1] not in first.block_table
@@ -521,10 +557,10 @@ def test_prefix_counters():
     blocks handed out; a failed admission counts nothing."""
     bm = BlockManager(6, 4)
     kv: dict[int, tuple] = {}
-    a = fully_computed(bm, kv, list(range(12)))          # 12 queried, 0 hit; 3 fresh blocks
+    a = fully_computed(bm, kv, list(range(12)))  # 12 queried, 0 hit; 3 fresh blocks
     assert (bm.prefix_hit_tokens, bm.prefix_queried_tokens) == (0, 12)
     assert (bm.num_hit_blocks, bm.num_allocated) == (0, 3)
-    b = fully_computed(bm, kv, list(range(8)) + [99])    # 9 queried, 8 hit; 2 hit blocks, 1 fresh
+    b = fully_computed(bm, kv, list(range(8)) + [99])  # 9 queried, 8 hit; 2 hit blocks, 1 fresh
     assert (bm.prefix_hit_tokens, bm.prefix_queried_tokens) == (8, 21)
     assert (bm.num_hit_blocks, bm.num_allocated) == (2, 4)
     big = Sequence(list(range(8)) + [50] * 20, PARAMS, 4)  # hits 2 blocks, needs 5 more: only 2 free
@@ -544,15 +580,15 @@ def test_failed_admission_with_revived_hit_changes_nothing():
     kv: dict[int, tuple] = {}
     a = fully_computed(bm, kv, [1, 2, 3, 4, 5])  # 3 blocks, two full
     bm.free(a)
-    hog = fully_computed(bm, kv, [9])            # takes the one never-used block
+    hog = fully_computed(bm, kv, [9])  # takes the one never-used block
     seq = Sequence([1, 2, 3, 4, 6, 6, 6], PARAMS, 2)
     cached = bm.find_cached_prefix(seq)
     assert len(cached) == 2
     before = snapshot(bm, seq)
-    assert not bm.allocate(seq, 3, cached)      # 2 revived + 2 fresh > 3 free
+    assert not bm.allocate(seq, 3, cached)  # 2 revived + 2 fresh > 3 free
     assert snapshot(bm, seq) == before
     assert bm.find_cached_prefix(seq) == cached
-    assert bm.allocate(seq, 1, cached)          # 2 revived + 1 fresh fits
+    assert bm.allocate(seq, 1, cached)  # 2 revived + 1 fresh fits
     check_kv_reads(bm, kv, seq, 4)
     compute(bm, kv, seq, 1)
     bm.free(seq)

@@ -1,5 +1,6 @@
 """The course guide's five experiments (docs/course.md), each at a small size on a tiny random model, asserting
 what the guide tells students to look for; and the guide's commands checked against example.py."""
+
 import importlib.util
 import json
 import re
@@ -105,7 +106,7 @@ def test_chunked_prefill_budget_splits_prompts_beside_decodes(llama, prompts, tm
 def test_overlap_on_vs_off_same_outputs(llama, prompts, tmp_path):
     """Experiment 5. Guards against the overlapped loop mixing up rows or pending tokens (launching step n+1 before
     reading step n back), here with chunks and preemptions in play too."""
-    tight = dict(num_kvcache_blocks=6, max_num_batched_tokens=32)
+    tight = {"num_kvcache_blocks": 6, "max_num_batched_tokens": 32}
     on, llm_on, _, _ = run(llama, prompts, overlap=True, **tight)
     off, llm_off, _, _ = run(llama, prompts, overlap=False, **tight)
     assert on == off == run(llama, prompts, num_kvcache_blocks=64)[0]
@@ -142,10 +143,19 @@ def test_a_guide_command_runs(tmp_path):
     """Guards against example.py failing for real (the default model, --plot, the printed account), with the
     guide's chunked-prefill command cut to 4 new tokens."""
     argv = next(a for a in guide_commands() if "--max-batched-tokens" in a)
-    argv = [tmp_path / "pictures" if prev == "--plot" else a for prev, a in zip([None] + argv, argv)]
-    done = subprocess.run([sys.executable, "example.py", *map(str, argv), "--max-tokens", "4", "--threads", "1"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    argv = [tmp_path / "pictures" if prev == "--plot" else a for prev, a in zip([None] + argv, argv, strict=False)]
+    done = subprocess.run(
+        [sys.executable, "example.py", *map(str, argv), "--max-tokens", "4", "--threads", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "KV cache:" in done.stderr and "tok/s" in done.stdout and "wrote" in done.stdout
     assert sorted(p.name for p in (tmp_path / "pictures").iterdir()) == [
-        "batches.png", "block_tables.png", "kv_blocks.png", "trace.jsonl"]
+        "batches.png",
+        "block_tables.png",
+        "kv_blocks.png",
+        "trace.jsonl",
+    ]

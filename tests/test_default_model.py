@@ -3,6 +3,7 @@
 Conversion runs once per machine into the real cache (~/.cache/nanoserve or $NANOSERVE_CACHE) so other
 test files reuse it. The trusted reference is transformers itself, reading the GGUF or the saved folder.
 """
+
 import importlib.util
 import json
 import time
@@ -97,8 +98,12 @@ def test_weights_match_transformers_gguf_load(model_dir):
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
     ).state_dict()
-    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-             "model.layers.29.mlp.down_proj.weight", "model.norm.weight"]
+    names = [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.29.mlp.down_proj.weight",
+        "model.norm.weight",
+    ]
     with safe_open(model_dir / "model.safetensors", "pt") as weights:
         for name in names:
             saved = weights.get_tensor(name)
@@ -114,7 +119,7 @@ def test_greedy_chat_answer_stops_on_im_end(model_dir, tokenizer):
     )["input_ids"]
     with torch.no_grad():
         output = model.generate(input_ids, do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
-    new_tokens = output[0, input_ids.shape[1]:].tolist()
+    new_tokens = output[0, input_ids.shape[1] :].tolist()
     assert new_tokens[-1] == 2, tokenizer.decode(new_tokens)
     assert "Paris" in tokenizer.decode(new_tokens, skip_special_tokens=True)
 
@@ -139,6 +144,7 @@ def test_missing_wheel_names_the_install_command(monkeypatch, tmp_path):
 def test_cache_location_follows_the_environment(monkeypatch, tmp_path):
     """Guards against writing 260 MB to ~/.cache regardless of XDG_CACHE_HOME or NANOSERVE_CACHE."""
     from nanoserve.default_model import cache_root
+
     monkeypatch.delenv("NANOSERVE_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_root() == tmp_path / "xdg" / "nanoserve"
@@ -152,6 +158,7 @@ def test_cache_location_follows_the_environment(monkeypatch, tmp_path):
 def test_first_conversion_says_what_where_and_how_big(monkeypatch, tmp_path, capsys):
     """Guards against a silent first run: one line must name the file converted, the folder and its size."""
     import nanoserve.default_model as dm
+
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(dm, "convert_gguf", lambda gguf, out: (out / "config.json").write_text("{}"))
     folder = dm.default_model_dir()

@@ -1,5 +1,6 @@
 """The engine end to end on a tiny random model: chunked prefill, preemption and prefix caching must not
 change greedy outputs; bad input fails early and leaves the engine usable; no block ever leaks."""
+
 from functools import partial
 
 import pytest
@@ -27,6 +28,7 @@ def count_computed_tokens(llm):
     def counting_launch(step, previous):
         counter["tokens"] += step.num_tokens
         return launch(step, previous)
+
     llm.runner.launch = counting_launch
     return counter
 
@@ -69,7 +71,9 @@ def test_prefix_cache_computes_only_uncached_tokens(llama):
     assert counter["tokens"] == uncached
     assert all(o.num_cached_tokens == 64 for o in outs)
     off = LLM(path, max_model_len=256, num_kvcache_blocks=64, enable_prefix_caching=False)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in off.generate(second, GREEDY, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in outs] == [
+        o.outputs[0].token_ids for o in off.generate(second, GREEDY, use_tqdm=False)
+    ]
     assert outs[0].outputs[0].token_ids == hf_greedy(hf, second[0], 24)
 
 
@@ -87,8 +91,9 @@ def test_max_model_len_ends_with_length(llama):
     """Guards against generating past max_model_len."""
     path, _ = llama
     llm = LLM(path, max_model_len=40, num_kvcache_blocks=16)
-    out = llm.generate(random_prompts([30]), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        random_prompts([30]), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False
+    )[0]
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 10
 
 
@@ -99,9 +104,10 @@ def test_stop_token_ids_eos_and_min_tokens(llama):
     prompt = random_prompts([12])
     free = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     stop_id = free[5]
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]),
-                       use_tqdm=False)[0]
-    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].token_ids == free[:free.index(stop_id) + 1]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]), use_tqdm=False)[
+        0
+    ]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].token_ids == free[: free.index(stop_id) + 1]
     llm.eos_token_ids = frozenset({stop_id})  # the same token as the model's EOS
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
     assert out.outputs[0].token_ids[-1] == stop_id and out.outputs[0].finish_reason == "stop"
@@ -118,13 +124,23 @@ def test_seed_reproducible_whatever_the_batch(llama):
     tight = LLM(path, max_model_len=256, num_kvcache_blocks=4)
     batched = tight.generate(prompts, [p, GREEDY, SamplingParams(temperature=0.8, max_tokens=20)], use_tqdm=False)
     assert batched[0].outputs[0].token_ids == alone.outputs[0].token_ids
-    other = tight.generate(prompts[:1], SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=99),
-                           use_tqdm=False)[0]
+    other = tight.generate(
+        prompts[:1], SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=99), use_tqdm=False
+    )[0]
     assert other.outputs[0].token_ids != alone.outputs[0].token_ids
 
 
-BAD_PARAMS = [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=0), dict(top_k=-2),
-              dict(min_p=-0.1), dict(min_p=1.5), dict(max_tokens=0), dict(min_tokens=5, max_tokens=4)]
+BAD_PARAMS = [
+    {"temperature": -0.1},
+    {"top_p": 0.0},
+    {"top_p": 1.5},
+    {"top_k": 0},
+    {"top_k": -2},
+    {"min_p": -0.1},
+    {"min_p": 1.5},
+    {"max_tokens": 0},
+    {"min_tokens": 5, "max_tokens": 4},
+]
 
 
 @pytest.mark.parametrize("kwargs", BAD_PARAMS, ids=lambda k: ",".join(k))
@@ -149,15 +165,18 @@ def test_bad_requests_raise_before_work_and_engine_stays_usable(llama):
         with pytest.raises(ValueError, match=match):
             llm.generate([good, prompt], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="KV blocks"):  # 8 blocks of 16 can never hold 200 tokens
-        LLM(path, max_model_len=256, num_kvcache_blocks=8).generate([good], SamplingParams(max_tokens=190),
-                                                                   use_tqdm=False)
+        LLM(path, max_model_len=256, num_kvcache_blocks=8).generate(
+            [good], SamplingParams(max_tokens=190), use_tqdm=False
+        )
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([good, good], [GREEDY], use_tqdm=False)
     with pytest.raises(ValueError, match="integer token ids"):
         llm.generate([[5.5, 7.0]], GREEDY, use_tqdm=False)
-    for bad_params, field in [(SamplingParams(stop_token_ids=[10**6], min_tokens=2), "stop_token_ids"),
-                              (SamplingParams(stop_token_ids=[-1]), "stop_token_ids"),
-                              (SamplingParams(logprobs=10**6), "logprobs")]:
+    for bad_params, field in [
+        (SamplingParams(stop_token_ids=[10**6], min_tokens=2), "stop_token_ids"),
+        (SamplingParams(stop_token_ids=[-1]), "stop_token_ids"),
+        (SamplingParams(logprobs=10**6), "logprobs"),
+    ]:
         with pytest.raises(ValueError, match=field):
             llm.generate([good], bad_params, use_tqdm=False)
     huge_seed = SamplingParams(temperature=1.0, max_tokens=4, seed=2**80)  # any int seed is fine
@@ -171,8 +190,9 @@ def test_triton_kernels_in_the_engine_match_transformers(tiny_model, family):
     """Guards against kernel bugs that only show in the engine's real metadata (chunked prefill, prefix
     hits, mixed batches). On CPU the kernels run in Triton's interpreter."""
     path, hf = tiny_model(family)
-    llm = nanoserve.LLM(path, kernels="triton", dtype="float32", max_model_len=128,
-                        num_kvcache_blocks=32, max_num_batched_tokens=24)  # on the GPU when there is one
+    llm = nanoserve.LLM(
+        path, kernels="triton", dtype="float32", max_model_len=128, num_kvcache_blocks=32, max_num_batched_tokens=24
+    )  # on the GPU when there is one
     shared = random_prompts([20])[0]
     prompts = [shared + q for q in random_prompts([4, 13])] + random_prompts([30])
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # caches `shared`
@@ -185,6 +205,7 @@ def test_gpu_start_up_steps_run_before_the_cache_exists(llama, monkeypatch):
     """Guards against start-up order bugs that only a GPU would hit: there warm_up compiles every prefill tile and
     runs the biggest step (which needs the sampler) before the KV cache is sized. CPU skips it, so force it."""
     from nanoserve.model_runner import ModelRunner
+
     path, hf = llama
     warmed = []
 
@@ -194,9 +215,16 @@ def test_gpu_start_up_steps_run_before_the_cache_exists(llama, monkeypatch):
         runner.warm_up()
         warmed.append(True)
         return 32
+
     monkeypatch.setattr(ModelRunner, "blocks_from_memory", blocks_after_warm_up)
-    llm = nanoserve.LLM(path, kernels="triton", dtype="float32", max_model_len=128,  # the GPU if there is one
-                        max_num_batched_tokens=64, max_num_seqs=4)
+    llm = nanoserve.LLM(
+        path,
+        kernels="triton",
+        dtype="float32",
+        max_model_len=128,  # the GPU if there is one
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+    )
     assert warmed and llm.runner.num_kvcache_blocks == 32
     prompt = random_prompts([11])[0]
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 24)
@@ -205,6 +233,7 @@ def test_gpu_start_up_steps_run_before_the_cache_exists(llama, monkeypatch):
 class RerunGraph:
     """Stands in for a captured CUDA graph on CPU: replay() reruns the decode forward on the static input buffers,
     which is what replaying the real graph computes."""
+
     replays = 0
 
     def __init__(self, graphs=None, size=0):
@@ -225,12 +254,14 @@ def test_decode_through_graph_buffers_matches_transformers(llama, monkeypatch):
     import contextlib
 
     from nanoserve.cuda_graphs import DecodeGraphs
+
     path, hf = llama
     monkeypatch.setattr(torch.cuda, "CUDAGraph", RerunGraph)
     monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    llm = nanoserve.LLM(path, device="cpu", kernels="triton", dtype="float32", max_model_len=128,
-                        num_kvcache_blocks=64, max_num_seqs=8)
+    llm = nanoserve.LLM(
+        path, device="cpu", kernels="triton", dtype="float32", max_model_len=128, num_kvcache_blocks=64, max_num_seqs=8
+    )
     r = llm.runner
     r.graphs = DecodeGraphs(r.model, r.kv_caches, 8, r.max_blocks_per_seq, 128)
     r.graphs.capture()
@@ -241,4 +272,6 @@ def test_decode_through_graph_buffers_matches_transformers(llama, monkeypatch):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert RerunGraph.replays >= 9
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, n) for p, n in zip(prompts, lengths)]
+    assert [o.outputs[0].token_ids for o in outs] == [
+        hf_greedy(hf, p, n) for p, n in zip(prompts, lengths, strict=False)
+    ]

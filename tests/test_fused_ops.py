@@ -5,6 +5,7 @@ Fresh random inputs each run, odd sizes (widths and head counts that are not pow
 strided views of one qkv buffer the model hands over. On CPU the kernels run in Triton's interpreter (fp32,
 fp16); the gpu-marked cases run bf16. The reference-only tests are plain PyTorch and run every dtype anywhere.
 """
+
 import os
 
 import torch
@@ -26,8 +27,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
 ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # about one rounding of the output
 CPU_DTYPES = [torch.float32, torch.float16]
-DTYPES = CPU_DTYPES + [pytest.param(torch.bfloat16, marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA")])]
+DTYPES = CPU_DTYPES + [
+    pytest.param(
+        torch.bfloat16, marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+    )
+]
 ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # for the PyTorch-only reference checks
 
 
@@ -53,10 +57,23 @@ def assert_close(out, ref, dtype, what):
 
 
 def make_args(head_dim, num_heads, num_kv_heads, qk_norm):
-    return ModelArgs(vocab_size=16, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=num_heads,
-                     num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=EPS, max_position=512,
-                     rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False, qkv_bias=False,
-                     o_bias=False, qk_norm=qk_norm)
+    return ModelArgs(
+        vocab_size=16,
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=EPS,
+        max_position=512,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        o_bias=False,
+        qk_norm=qk_norm,
+    )
 
 
 def test_backends_pair_each_kernel_with_its_reference():
@@ -64,12 +81,14 @@ def test_backends_pair_each_kernel_with_its_reference():
     (the tests below check kernel against reference function by function; the model sees only these tables)."""
     triton, torch_ = get_kernels("triton"), get_kernels("torch")
     assert (triton.name, torch_.name) == ("triton", "torch")
-    pairs = dict(add_rms_norm=(fused_ops.add_rms_norm, fused_ops.add_rms_norm_ref),
-                 qk_norm_rope=(fused_ops.qk_norm_rope, fused_ops.qk_norm_rope_ref),
-                 silu_and_mul=(fused_ops.silu_and_mul, fused_ops.silu_and_mul_ref),
-                 store_kv=(attention.store_kv, attention.store_kv_ref),
-                 paged_attention=(attention.paged_attention, attention.paged_attention_ref),
-                 gumbel_argmax=(sampler.gumbel_argmax, sampler.gumbel_argmax_ref))
+    pairs = {
+        "add_rms_norm": (fused_ops.add_rms_norm, fused_ops.add_rms_norm_ref),
+        "qk_norm_rope": (fused_ops.qk_norm_rope, fused_ops.qk_norm_rope_ref),
+        "silu_and_mul": (fused_ops.silu_and_mul, fused_ops.silu_and_mul_ref),
+        "store_kv": (attention.store_kv, attention.store_kv_ref),
+        "paged_attention": (attention.paged_attention, attention.paged_attention_ref),
+        "gumbel_argmax": (sampler.gumbel_argmax, sampler.gumbel_argmax_ref),
+    }
     for name, (kernel, reference) in pairs.items():
         assert getattr(triton, name) is kernel and getattr(torch_, name) is reference, name
 
@@ -85,8 +104,11 @@ def test_add_rms_norm_writes_the_stream_back(dtype, first_layer):
     weight = torch.randn(width, device=DEVICE).to(dtype)
     wide = torch.randn(rows, width + randint(1, 30), device=DEVICE).to(dtype)
     x = wide[:, :width]
-    residual = torch.zeros(rows, width, device=DEVICE, dtype=dtype) if first_layer else \
-        torch.randn(rows, width, device=DEVICE).to(dtype)
+    residual = (
+        torch.zeros(rows, width, device=DEVICE, dtype=dtype)
+        if first_layer
+        else torch.randn(rows, width, device=DEVICE).to(dtype)
+    )
     wide_before, residual_before = wide.clone(), residual.clone()
     ref_out, ref_stream = fused_ops.add_rms_norm_ref(x.clone(), residual.clone(), weight, EPS)
     out, stream = fused_ops.add_rms_norm(x, residual, weight, EPS)
@@ -100,8 +122,9 @@ def test_add_rms_norm_writes_the_stream_back(dtype, first_layer):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,qk_norm", [(16, 3, 1, True), (32, 4, 2, False),
-                                                                      (64, 6, 6, True)])
+@pytest.mark.parametrize(
+    "head_dim,num_heads,num_kv_heads,qk_norm", [(16, 3, 1, True), (32, 4, 2, False), (64, 6, 6, True)]
+)
 def test_qk_norm_rope_in_place_on_qkv_views(dtype, head_dim, num_heads, num_kv_heads, qk_norm):
     """Guards against rotating the wrong halves or positions, norming across heads, or touching v."""
     rotary = Rotary(make_args(head_dim, num_heads, num_kv_heads, qk_norm)).to(DEVICE)
@@ -109,12 +132,16 @@ def test_qk_norm_rope_in_place_on_qkv_views(dtype, head_dim, num_heads, num_kv_h
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = torch.randn(tokens, q_size + 2 * kv_size, device=DEVICE).to(dtype)
     positions = torch.randint(0, rotary.cos.shape[0], (tokens,), device=DEVICE, dtype=torch.int32)
-    weights = (torch.randn(head_dim, device=DEVICE).to(dtype), torch.randn(head_dim, device=DEVICE).to(dtype),
-               EPS) if qk_norm else ()
+    weights = (
+        (torch.randn(head_dim, device=DEVICE).to(dtype), torch.randn(head_dim, device=DEVICE).to(dtype), EPS)
+        if qk_norm
+        else ()
+    )
 
     def split(t):
         q, k, v = t.split([q_size, kv_size, kv_size], dim=-1)
         return q.view(tokens, num_heads, head_dim), k.view(tokens, num_kv_heads, head_dim), v
+
     q, k, _ = split(qkv.clone())
     ref_q, ref_k = fused_ops.qk_norm_rope_ref(q, k, positions, rotary.cos, rotary.sin, *weights)
 
@@ -170,9 +197,15 @@ def test_silu_and_mul_ref_matches_transformers(dtype):
 
 
 ROPE_CONFIGS = {
-    "default": dict(rope_theta=10000.0, rope_type="default"),
-    "llama3": dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                   high_freq_factor=4.0, original_max_position_embeddings=64),
+    "default": {"rope_theta": 10000.0, "rope_type": "default"},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
 }
 
 
@@ -184,23 +217,32 @@ def test_rope_refs_match_transformers(rope, qk_norm):
     (fp32, where transformers rounds nothing in between)."""
     head_dim, num_heads, num_kv_heads, max_pos = 32, 6, 2, 512
     cfg_class = Qwen3Config if qk_norm else LlamaConfig
-    cfg = cfg_class(vocab_size=16, hidden_size=num_heads * head_dim, intermediate_size=64, num_hidden_layers=1,
-                    num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
-                    max_position_embeddings=max_pos, rms_norm_eps=EPS, rope_parameters=dict(ROPE_CONFIGS[rope]))
+    cfg = cfg_class(
+        vocab_size=16,
+        hidden_size=num_heads * head_dim,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=EPS,
+        rope_parameters=dict(ROPE_CONFIGS[rope]),
+    )
     rotary = Rotary(ModelArgs.from_hf(cfg))
     hf_rotary = LlamaRotaryEmbedding(cfg)
     all_pos = torch.arange(max_pos)
     hf_cos, hf_sin = hf_rotary(torch.zeros(1, dtype=torch.float32), all_pos[None])  # [1, max_pos, head_dim]
     hf_cos, hf_sin = hf_cos[0], hf_sin[0]
-    assert torch.equal(hf_cos[:, :head_dim // 2], hf_cos[:, head_dim // 2:])  # HF repeats the half table
-    torch.testing.assert_close(rotary.cos, hf_cos[:, :head_dim // 2], atol=1e-4, rtol=0)  # angles up to ~500 rad
-    torch.testing.assert_close(rotary.sin, hf_sin[:, :head_dim // 2], atol=1e-4, rtol=0)
+    assert torch.equal(hf_cos[:, : head_dim // 2], hf_cos[:, head_dim // 2 :])  # HF repeats the half table
+    torch.testing.assert_close(rotary.cos, hf_cos[:, : head_dim // 2], atol=1e-4, rtol=0)  # angles up to ~500 rad
+    torch.testing.assert_close(rotary.sin, hf_sin[:, : head_dim // 2], atol=1e-4, rtol=0)
 
     tokens = randint(1, 9)
     positions = torch.randint(0, max_pos, (tokens,), dtype=torch.int32)  # int32, as the model passes them
     q, k = torch.randn(tokens, num_heads, head_dim), torch.randn(tokens, num_kv_heads, head_dim)
     weights = (torch.randn(head_dim), torch.randn(head_dim), EPS) if qk_norm else ()
-    cos, sin = hf_cos[:, :head_dim // 2].contiguous(), hf_sin[:, :head_dim // 2].contiguous()  # the same tables
+    cos, sin = hf_cos[:, : head_dim // 2].contiguous(), hf_sin[:, : head_dim // 2].contiguous()  # the same tables
     got_q, got_k = fused_ops.qk_norm_rope_ref(q, k, positions, cos, sin, *weights)
     want_q, want_k = q, k
     if qk_norm:
@@ -216,7 +258,7 @@ def test_rope_refs_match_transformers(rope, qk_norm):
     if not qk_norm:
         assert torch.equal(fused_ops.rope_ref(q, positions, cos, sin), got_q)
     # and the plain formula: each pair (x_i, x_{i + half}) turns by the angle pos * inv_freq_i
-    angle = positions.double()[:, None] * torch.atan2(hf_sin[1, :head_dim // 2], hf_cos[1, :head_dim // 2]).double()
+    angle = positions.double()[:, None] * torch.atan2(hf_sin[1, : head_dim // 2], hf_cos[1, : head_dim // 2]).double()
     x = fused_ops.rms_norm_ref(q, weights[0], EPS) if qk_norm else q
     x1, x2 = x.double().chunk(2, dim=-1)
     c, s = angle.cos()[:, None], angle.sin()[:, None]

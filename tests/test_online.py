@@ -1,6 +1,7 @@
 """The online API (add_request / step / abort / has_unfinished_requests) on the real engine loop with a fake
 model (conftest.FakeRunner): abort frees blocks at once wherever a request is, n samples share the prompt's KV,
 streaming outputs arrive step by step, and the overlapped and plain loops agree."""
+
 import random
 
 import pytest
@@ -41,8 +42,9 @@ def test_abort_while_preempted_and_while_pending():
     preempted = None
     for _ in range(200):
         engine.step()
-        preempted = next((s for s in engine.scheduler.waiting if s.num_computed_tokens == 0
-                          and s.num_completion_tokens > 0), None)
+        preempted = next(
+            (s for s in engine.scheduler.waiting if s.num_computed_tokens == 0 and s.num_completion_tokens > 0), None
+        )
         if preempted:
             break
     assert preempted is not None, "the pool should force a preemption"
@@ -78,7 +80,7 @@ def test_streamed_outputs_arrive_step_by_step():
     non-streaming request before it has finished."""
     engine = FakeEngine(block_size=4)
     streamed = engine.llm.add_request([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))
-    final = engine.llm.add_request([8, 9], SamplingParams(max_tokens=3, ignore_eos=True), stream=False)
+    engine.llm.add_request([8, 9], SamplingParams(max_tokens=3, ignore_eos=True), stream=False)
     deltas, finals = [], []
     while engine.llm.has_unfinished_requests():
         for out in engine.llm.step():
@@ -116,6 +118,7 @@ def interrupt_once(obj, name: str, on_call: int, run_first: bool):
         if run_first:
             original(*args)
         raise KeyboardInterrupt
+
     setattr(obj, name, interrupted)
 
 
@@ -135,8 +138,11 @@ def test_a_failed_step_leaves_nothing_stale_and_the_engine_serves_on(overlap, wh
     started.append(add(engine, prompt, 6)[0])  # admitted by the failing step or before it
     add(engine, [9, 9, 9], 2)
     waiting_id, (waiting,) = add(engine, [4, 5, 6, 7, 8], 6)  # max_num_seqs=3: not admitted before the failure
-    target = {"schedule": (engine.scheduler, "_plan", 2, True), "launch": (engine.runner, "launch", 1, False),
-              "finish": (engine.scheduler, "finish", 1, True)}[where]
+    target = {
+        "schedule": (engine.scheduler, "_plan", 2, True),
+        "launch": (engine.runner, "launch", 1, False),
+        "finish": (engine.scheduler, "finish", 1, True),
+    }[where]
     interrupt_once(*target)
     with pytest.raises(KeyboardInterrupt):
         for _ in range(100):

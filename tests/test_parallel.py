@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU: two ranks over gloo (the engine process and one worker it spawns). The split model
 must give the same greedy tokens as one rank and as transformers, with prefix caching and preemption; failures in a
 worker must surface as errors naming it, and nothing may outlive the LLM. A GPU test runs NCCL with two GPUs."""
+
 import gc
 import multiprocessing
 import threading
@@ -15,7 +16,7 @@ from nanoserve.parallel import HEADER_LEN
 from nanoserve.sampling_params import InvalidField
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-ENGINE = dict(device="cpu", max_model_len=128, max_num_batched_tokens=64)
+ENGINE = {"device": "cpu", "max_model_len": 128, "max_num_batched_tokens": 64}
 
 
 def wait_for_no_children(timeout_s: float = 20.0) -> list:
@@ -55,10 +56,12 @@ def test_killed_worker_makes_generate_raise_not_hang(tiny_model):
 
     def generate():
         try:
-            llm.generate(random_prompts([20] * 8), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
-                         use_tqdm=False)
+            llm.generate(
+                random_prompts([20] * 8), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False
+            )
         except RuntimeError as e:
             result["error"] = str(e)
+
     runner = threading.Thread(target=generate)
     runner.start()
     time.sleep(0.5)
@@ -74,6 +77,7 @@ def test_idle_workers_outlive_the_collective_timeout(tiny_model, monkeypatch):
     """Guards against a server's workers dying of idleness: a collective that waits longer than its timeout fails,
     so workers must wait for the next step elsewhere. With a 2 s timeout, an engine idle for 5 s still answers."""
     import nanoserve.parallel
+
     monkeypatch.setenv("NANOSERVE_TP_TIMEOUT_S", "2")  # read by the spawned worker when it imports parallel.py
     monkeypatch.setattr(nanoserve.parallel, "TIMEOUT_S", 2)
     path, hf = tiny_model("qwen2")
@@ -83,8 +87,11 @@ def test_idle_workers_outlive_the_collective_timeout(tiny_model, monkeypatch):
     time.sleep(5)
     assert all(p.is_alive() for p in llm.runner.workers.procs), "a worker died while idle"
     again = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first] == \
-        [hf_greedy(hf, p, 10) for p in prompts]
+    assert (
+        [o.outputs[0].token_ids for o in again]
+        == [o.outputs[0].token_ids for o in first]
+        == [hf_greedy(hf, p, 10) for p in prompts]
+    )
     llm.close()
     assert wait_for_no_children() == []
 
@@ -100,6 +107,7 @@ def test_interrupted_step_stops_the_workers_and_says_so(tiny_model):
     def interrupted(*args):  # rank 0 stops after waking the worker and broadcasting the step's inputs
         del runner.execute
         raise KeyboardInterrupt
+
     runner.execute = interrupted
     with pytest.raises(KeyboardInterrupt):
         llm.generate(random_prompts([5]), GREEDY, use_tqdm=False)
@@ -147,11 +155,14 @@ def test_nccl_two_gpus_equal_one(tiny_model):
     """Guards against NCCL-only bugs (device placement per rank, collectives inside CUDA graphs)."""
     path, hf = tiny_model("qwen3")
     prompts = random_prompts([5, 40, 17, 64])
-    kw = dict(dtype="float32", max_model_len=256, num_kvcache_blocks=64, max_num_seqs=8)
+    kw = {"dtype": "float32", "max_model_len": 256, "num_kvcache_blocks": 64, "max_num_seqs": 8}
     one = LLM(path, **kw).generate(prompts, GREEDY, use_tqdm=False)
     two = LLM(path, tensor_parallel_size=2, **kw)
-    assert [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)] == \
-        [o.outputs[0].token_ids for o in one] == [hf_greedy(hf, p, 10) for p in prompts]
+    assert (
+        [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)]
+        == [o.outputs[0].token_ids for o in one]
+        == [hf_greedy(hf, p, 10) for p in prompts]
+    )
     two.close()
 
 
@@ -171,11 +182,13 @@ def test_worker_exits_when_the_engine_process_dies(tiny_model, tmp_path):
     import os
     import subprocess
     import sys
+
     path, _ = tiny_model("qwen3")
     script = tmp_path / "engine.py"
     script.write_text(ENGINE_THEN_SLEEP.format(path=path))
-    engine = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                              cwd=os.path.dirname(os.path.dirname(__file__)))
+    engine = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__))
+    )
     worker_pid = int(engine.stdout.readline())
     engine.kill()
     engine.wait()

@@ -1,5 +1,6 @@
 """The step trace and its pictures on a real (tiny) run: a pool small enough to preempt and a shared prefix that
 hits the cache. The trace must add up to what stats() says, and plot_trace must write three readable PNGs."""
+
 import importlib
 import json
 import sys
@@ -39,7 +40,10 @@ def test_trace_pool_counts_agree_with_stats(traced):
     assert [s["step"] for s in steps] == list(range(len(steps)))
     last = steps[-1]["blocks"]
     assert (last["used"], last["cached"], last["free"]) == (
-        stats["kv_blocks_used"], stats["kv_blocks_cached"], stats["kv_blocks_free"])
+        stats["kv_blocks_used"],
+        stats["kv_blocks_cached"],
+        stats["kv_blocks_free"],
+    )
     assert last["used"] == 0 and last["free"] == NUM_BLOCKS and last["cached"] > 0
     used_before = 0
     for s in steps:
@@ -78,6 +82,7 @@ def test_plot_trace_writes_three_valid_pngs(traced, tmp_path):
     from PIL import Image
 
     from nanoserve.plots import plot_trace
+
     paths = plot_trace(traced[3], tmp_path / "pictures")
     assert [p.name for p in paths] == ["kv_blocks.png", "batches.png", "block_tables.png"]
     for path in paths:
@@ -94,6 +99,7 @@ def test_block_tables_picture_marks_exactly_the_shared_prefix(traced):
     import matplotlib.pyplot as plt
 
     from nanoserve.plots import plot_block_tables
+
     fig, ax = plt.subplots()
     plot_block_tables(traced[2], ax)
     grid = ax.collections[0].get_array().filled(0).reshape(len(ax.get_yticks()), -1)

@@ -6,6 +6,7 @@ to catch a flipped noise sign or 1/T), greedy rows against an exact first-max ar
 and fresh noise per step and row, filters for exactly the right support, and logprobs against the unfiltered
 distribution. On CPU the kernel runs in Triton's interpreter at ~5 ms a row, so its row counts stay small.
 """
+
 import os
 
 import torch
@@ -102,8 +103,11 @@ def critical_chi2(dof) -> float:
     low, high = 0.0, 1000.0
     for _ in range(100):
         mid = (low + high) / 2
-        low, high = (mid, high) if torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(mid / 2)) > P_FAIL \
+        low, high = (
+            (mid, high)
+            if torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(mid / 2)) > P_FAIL
             else (low, mid)
+        )
     return high
 
 
@@ -150,6 +154,7 @@ def test_filters_keep_the_right_support_and_distribution(backend):
         assert counts[~kept].sum() == 0, f"{kw}: drew dropped tokens: {counts.tolist()}"
         if backend == "torch":
             assert_draws_follow(counts, want / want.sum(), str(kw))
+
     top3 = torch.zeros(12, dtype=torch.bool)
     top3[logits.topk(3).indices] = True
     check(top3, top_k=3)
@@ -183,10 +188,24 @@ def test_greedy_is_exact_first_max_argmax_and_bans_hold(backend, dtype, tile):
     logits[1, [7, tile + 9]] = 50.0  # a tie across tiles: the first index wins
     logits[4, :] = 0.0  # all tied: token 0
     greedy = SamplingParams(temperature=0)
-    banned = [NONE, NONE, frozenset({int(logits[2].argmax())}), NONE, NONE,
-              frozenset(logits[5].float().topk(3).indices.tolist()), NONE]
-    params = [greedy, greedy, greedy, SamplingParams(temperature=0, top_k=2, top_p=0.5, min_p=0.2), greedy,
-              greedy, SamplingParams(temperature=1.0)]
+    banned = [
+        NONE,
+        NONE,
+        frozenset({int(logits[2].argmax())}),
+        NONE,
+        NONE,
+        frozenset(logits[5].float().topk(3).indices.tolist()),
+        NONE,
+    ]
+    params = [
+        greedy,
+        greedy,
+        greedy,
+        SamplingParams(temperature=0, top_k=2, top_p=0.5, min_p=0.2),
+        greedy,
+        greedy,
+        SamplingParams(temperature=1.0),
+    ]
     got = tokens_of(backend, logits, params, banned=banned)
     want = logits.float().clone()
     for row, ids in enumerate(banned):
@@ -204,7 +223,7 @@ def test_banned_ids_are_never_drawn(backend):
     banned = [frozenset({3, 7}) if row % 2 else NONE for row in range(rows)]
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=3)] * (rows // 2)
     got = tokens_of(backend, logits, params, banned=banned)
-    assert all(token not in ids for token, ids in zip(got, banned))
+    assert all(token not in ids for token, ids in zip(got, banned, strict=False))
     assert sum(token == 3 for token in got[::2]) > rows // 2 * 0.9  # the unbanned rows still mostly pick it
 
 
@@ -231,14 +250,15 @@ def test_noise_is_fresh_per_step_and_row(backend):
 
     def draw(params, length):
         return tokens_of(backend, flat, params, [length] * rows)
+
     seeded = [SamplingParams(temperature=1.0, seed=s) for s in range(rows)]
     at_11 = draw(seeded, 11)
     assert draw(seeded, 11) == at_11  # reproducible
-    assert sum(a != b for a, b in zip(at_11, draw(seeded, 12))) > rows * 0.8  # the next step: new noise
+    assert sum(a != b for a, b in zip(at_11, draw(seeded, 12), strict=False)) > rows * 0.8  # the next step: new noise
     assert len(set(at_11)) > 20  # each seed its own noise (64 draws of 64 tokens: ~40 distinct)
     free = [SamplingParams(temperature=1.0)] * rows
     first, second = draw(free, 11), draw(free, 11)
-    assert sum(a != b for a, b in zip(first, second)) > rows * 0.8 and len(set(first)) > 20
+    assert sum(a != b for a, b in zip(first, second, strict=False)) > rows * 0.8 and len(set(first)) > 20
 
 
 # ---- logprobs --------------------------------------------------------------------------------------------------
@@ -248,8 +268,12 @@ def test_logprobs_are_of_the_unfiltered_distribution(backend):
     rows, vocab = 4, 50
     logits = torch.randn(rows, vocab, device=DEVICE) * 3
     banned = [NONE, NONE, frozenset({int(logits[2].argmax())}), NONE]
-    params = [SamplingParams(temperature=0.5, top_k=2, logprobs=5), SamplingParams(temperature=1.0),
-              SamplingParams(temperature=0, logprobs=0), SamplingParams(temperature=2.0, min_p=0.5, logprobs=3)]
+    params = [
+        SamplingParams(temperature=0.5, top_k=2, logprobs=5),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0, logprobs=0),
+        SamplingParams(temperature=2.0, min_p=0.5, logprobs=3),
+    ]
     tokens, chosen, top_lp, top_ids = sample(backend, logits, params, banned=banned)
     want = logits.float().log_softmax(-1)
     torch.testing.assert_close(chosen, want.gather(-1, tokens[:, None])[:, 0])
@@ -274,17 +298,19 @@ def kept_by_sorting(logits: list[float], p: SamplingParams, tol=1e-4) -> tuple[s
     top = max(finite)
     probs = {i: (math.exp(x / t - top) if x != float("-inf") else 0.0) for i, x in enumerate(logits)}
     order = sorted(probs, key=lambda i: -probs[i])
-    after_top_k = order[:p.top_k] if p.top_k > 0 else order
+    after_top_k = order[: p.top_k] if p.top_k > 0 else order
     total = sum(probs[i] for i in after_top_k)
     kept, unsure, mass = set(), set(), 0.0
     for rank, i in enumerate(after_top_k):
         share = probs[i] / total
-        keep = probs[i] > 0 and (rank == 0 or ((p.top_p == 1 or mass < p.top_p)
-                                               and probs[i] >= p.min_p * probs[order[0]]))
+        keep = probs[i] > 0 and (
+            rank == 0 or ((p.top_p == 1 or mass < p.top_p) and probs[i] >= p.min_p * probs[order[0]])
+        )
         if keep:
             kept.add(i)
-        if (p.top_p < 1 and abs(mass - p.top_p) < tol) or (p.min_p > 0 and probs[i] > 0 and
-                                                           abs(math.log(probs[i] / probs[order[0]] / p.min_p)) < tol):
+        if (p.top_p < 1 and abs(mass - p.top_p) < tol) or (
+            p.min_p > 0 and probs[i] > 0 and abs(math.log(probs[i] / probs[order[0]] / p.min_p)) < tol
+        ):
             unsure.add(i)
         mass += share
     return kept, unsure
@@ -301,15 +327,18 @@ def test_drop_filtered_keeps_what_a_plain_sort_keeps():
     banned = torch.rand(rows, vocab) < 0.05
     banned[:, 0] = False  # never a whole row
     logits[banned] = float("-inf")
-    kinds = [dict(top_k=True), dict(top_p=True), dict(min_p=True), dict(top_k=True, top_p=True, min_p=True)]
+    kinds = [{"top_k": True}, {"top_p": True}, {"min_p": True}, {"top_k": True, "top_p": True, "min_p": True}]
     params = []
     for row in range(rows):
         kind = kinds[row % len(kinds)]
-        params.append(SamplingParams(
-            temperature=[0.0, 0.5, 1.0, 1.7][row // len(kinds) % 4],
-            top_k=randint(1, vocab + 20) if kind.get("top_k") else -1,
-            top_p=float(torch.empty(()).uniform_(0.05, 0.99)) if kind.get("top_p") else 1.0,
-            min_p=float(torch.empty(()).uniform_(0.001, 0.5)) if kind.get("min_p") else 0.0))
+        params.append(
+            SamplingParams(
+                temperature=[0.0, 0.5, 1.0, 1.7][row // len(kinds) % 4],
+                top_k=randint(1, vocab + 20) if kind.get("top_k") else -1,
+                top_p=float(torch.empty(()).uniform_(0.05, 0.99)) if kind.get("top_p") else 1.0,
+                min_p=float(torch.empty(()).uniform_(0.001, 0.5)) if kind.get("min_p") else 0.0,
+            )
+        )
     params[3 * len(kinds)] = SamplingParams(top_k=1)  # only the likeliest
     out = drop_filtered(logits.clone(), params)
     assert out.dtype == torch.float32 and out.shape == logits.shape

@@ -12,6 +12,7 @@ after every step and that nothing leaked at the end. The tests aim at where chun
 caching and preemption meet: a fully cached prompt, a preempted sequence that hits its own blocks,
 sequences sharing a prefix admitted in one step.
 """
+
 import random
 
 import pytest
@@ -23,8 +24,9 @@ from nanoserve.sequence import Sequence, SequenceStatus
 MAX_STEPS = 20_000  # a run that needs more has livelocked
 
 
-def random_requests(rng: random.Random, n: int, prompt_len=(30, 60), max_tokens=(20, 40),
-                    num_prefixes=3) -> list[tuple[list[int], int]]:
+def random_requests(
+    rng: random.Random, n: int, prompt_len=(30, 60), max_tokens=(20, 40), num_prefixes=3
+) -> list[tuple[list[int], int]]:
     """Prompts that often start with one of a few shared prefixes, so prefix hits happen."""
     prefixes = [[rng.randrange(FAKE_VOCAB) for _ in range(prompt_len[1])] for _ in range(num_prefixes)]
     requests = []
@@ -86,12 +88,11 @@ def test_decodes_ride_with_prefill_chunks():
     chunk takes exactly the rest of the budget."""
     engine = FakeEngine(max_num_batched_tokens=8)
     short = engine.add([1, 2, 3], max_tokens=10)
-    engine.step()                                 # short's prefill; it decodes from now on
+    engine.step()  # short's prefill; it decodes from now on
     long = engine.add(list(range(30)), max_tokens=2)
     assert engine.step() == [(short, 1), (long, 7)]
     assert engine.step() == [(short, 1), (long, 7)]
-    mixed = [step for step in engine.steps if any(n == 1 for _, _, n in step)
-             and any(n > 1 for _, _, n in step)]
+    mixed = [step for step in engine.steps if any(n == 1 for _, _, n in step) and any(n > 1 for _, _, n in step)]
     assert len(mixed) == 2
     engine.run()
     assert short.completion_token_ids == reference_completion([1, 2, 3], 10)
@@ -122,9 +123,14 @@ def test_budget_and_chunks_under_random_load(seed, overlap):
     rng = random.Random(seed)
     requests = random_requests(rng, 10, prompt_len=(5, 40), max_tokens=(1, 15))
     arrivals = [rng.randint(0, 30) for _ in requests]
-    engine, outputs = run_requests(requests, arrivals, max_num_batched_tokens=rng.choice([1, 5, 16, 37]),
-                                   max_num_seqs=rng.choice([1, 3, 8]), block_size=rng.choice([1, 4, 16]),
-                                   overlap=overlap)
+    engine, outputs = run_requests(
+        requests,
+        arrivals,
+        max_num_batched_tokens=rng.choice([1, 5, 16, 37]),
+        max_num_seqs=rng.choice([1, 3, 8]),
+        block_size=rng.choice([1, 4, 16]),
+        overlap=overlap,
+    )
     assert outputs == [reference_completion(*r) for r in requests]
 
 
@@ -141,11 +147,17 @@ def test_tiny_pool_preempts_and_matches_unconstrained_run(block_size, enable_pre
     tiny = blocks_for(requests, block_size)
     total = sum(-(-(len(p) + m) // block_size) for p, m in requests)
     assert tiny <= total // 8
-    big, expected = run_requests(requests, block_size=block_size, num_blocks=total,
-                                 enable_prefix_caching=enable_prefix_caching)
-    small, outputs = run_requests(requests, block_size=block_size, num_blocks=tiny,
-                                  enable_prefix_caching=enable_prefix_caching,
-                                  max_num_batched_tokens=64, overlap=overlap)
+    big, expected = run_requests(
+        requests, block_size=block_size, num_blocks=total, enable_prefix_caching=enable_prefix_caching
+    )
+    small, outputs = run_requests(
+        requests,
+        block_size=block_size,
+        num_blocks=tiny,
+        enable_prefix_caching=enable_prefix_caching,
+        max_num_batched_tokens=64,
+        overlap=overlap,
+    )
     assert big.scheduler.num_preemptions == 0
     assert small.scheduler.num_preemptions > 0
     assert outputs == expected == [reference_completion(*r) for r in requests]
@@ -157,16 +169,18 @@ def test_preempted_sequence_hits_its_own_blocks(overlap):
     overwritten meanwhile, wrong position): distinct prompts, so any hit on readmission is of blocks
     the sequence itself held before preemption; the fake KV check and the outputs must stay right."""
     rng = random.Random(7)
-    requests = [([rng.randrange(FAKE_VOCAB) for _ in range(rng.randint(30, 60))], rng.randint(20, 40))
-                for _ in range(12)]
-    engine, outputs = run_requests(requests, block_size=4, num_blocks=blocks_for(requests, 4) + 4,
-                                   max_num_batched_tokens=64, overlap=overlap)
+    requests = [
+        ([rng.randrange(FAKE_VOCAB) for _ in range(rng.randint(30, 60))], rng.randint(20, 40)) for _ in range(12)
+    ]
+    engine, outputs = run_requests(
+        requests, block_size=4, num_blocks=blocks_for(requests, 4) + 4, max_num_batched_tokens=64, overlap=overlap
+    )
     assert outputs == [reference_completion(*r) for r in requests]
     own_hits = 0
     for seq, num_cached, hit_blocks in engine.admissions:
         if num_cached and seq.seq_id in engine.tables_when_preempted:
             last_table = engine.tables_when_preempted[seq.seq_id][-1]
-            assert hit_blocks == last_table[:len(hit_blocks)]  # its own blocks, in its own places
+            assert hit_blocks == last_table[: len(hit_blocks)]  # its own blocks, in its own places
             own_hits += 1
     assert engine.scheduler.num_preemptions > 0 and own_hits > 0
 
@@ -177,8 +191,7 @@ def test_overlap_with_stop_tokens_and_preemption():
     rng = random.Random(8)  # a seed where a preempted sequence's pending token turns out to be a stop token
     requests = random_requests(rng, 12, max_tokens=(10, 40))
     stop = (3, 17)  # 2 of 50 fake tokens: most requests stop early, some run to max_tokens
-    engine = FakeEngine(block_size=4, num_blocks=blocks_for(requests, 4) + 2, max_num_batched_tokens=64,
-                        overlap=True)
+    engine = FakeEngine(block_size=4, num_blocks=blocks_for(requests, 4) + 2, max_num_batched_tokens=64, overlap=True)
     seqs = [engine.add(*r, stop) for r in requests]
     schedule, preempted = engine.scheduler.schedule, []
 
@@ -186,6 +199,7 @@ def test_overlap_with_stop_tokens_and_preemption():
         step = schedule()
         preempted[:] = step.preempted
         return step
+
     engine.scheduler.schedule = recording_schedule
     stopped_while_preempted = 0  # preempted with a pending token that turned out to be a stop token
     while engine.llm.has_unfinished_requests():
@@ -254,9 +268,9 @@ def test_preempted_prefill_resumes_from_its_cached_chunks(overlap):
     request's decodes evict the newer one's partially computed prompt, which is readmitted hitting the
     chunks of its own that are still cached and finishes with the right tokens."""
     engine = FakeEngine(num_blocks=10, block_size=4, max_num_batched_tokens=8, overlap=overlap)
-    a = engine.add(list(range(10)), max_tokens=20)    # up to 30 tokens: 8 blocks
+    a = engine.add(list(range(10)), max_tokens=20)  # up to 30 tokens: 8 blocks
     engine.step()
-    engine.step()                                     # a prefilled, decoding
+    engine.step()  # a prefilled, decoding
     b = engine.add(list(range(20, 48)), max_tokens=5)  # 28-token prompt, chunks of 7
     preempted_at = []
     while engine.llm.has_unfinished_requests():
@@ -278,7 +292,7 @@ def test_request_that_can_never_fit_is_refused():
     raises ValueError, queues nothing, and the engine still serves requests that fit."""
     engine = FakeEngine(num_blocks=4, block_size=4)
     with pytest.raises(ValueError):
-        engine.add(list(range(10)), max_tokens=10)   # 20 tokens: 5 blocks
+        engine.add(list(range(10)), max_tokens=10)  # 20 tokens: 5 blocks
     assert not engine.scheduler.has_unfinished() and not engine.llm.has_unfinished_requests()
     seq = engine.add(list(range(10)), max_tokens=6)  # 16 tokens: 4 blocks, fits exactly
     engine.run()
@@ -291,10 +305,10 @@ def test_prompt_longer_than_max_model_len_is_refused():
     on empty batches forever. LLM refuses these prompts itself; the scheduler must too."""
     engine = FakeEngine(num_blocks=4, block_size=4, max_model_len=16, max_num_batched_tokens=8)
     with pytest.raises(ValueError):
-        engine.add(list(range(20)), max_tokens=2)    # 20 prompt tokens: 5 blocks, pool has 4
+        engine.add(list(range(20)), max_tokens=2)  # 20 prompt tokens: 5 blocks, pool has 4
     seq = Sequence(list(range(20)), SamplingParams(max_tokens=2, ignore_eos=True), 4)
     with pytest.raises(ValueError):
-        engine.scheduler.add(seq)                    # the scheduler's own check, behind LLM's
+        engine.scheduler.add(seq)  # the scheduler's own check, behind LLM's
     assert not engine.scheduler.has_unfinished()
 
 
@@ -316,11 +330,11 @@ def test_second_wave_computes_only_uncached_tokens():
         second = [engine.add(*r) for r in wave2]
         engine.run()
         hit = 32 if caching else 0
-        for seq, (prompt, max_tokens) in zip(second, wave2):
+        for seq, (prompt, max_tokens) in zip(second, wave2, strict=False):
             assert engine.tokens_computed(seq) == len(prompt) - hit + max_tokens - 1
             assert seq.num_cached_tokens == hit
             assert seq.num_computed_tokens == 0  # freed
-        for i, (seq, (prompt, max_tokens)) in enumerate(zip(first, wave1)):
+        for i, (seq, (prompt, max_tokens)) in enumerate(zip(first, wave1, strict=False)):
             assert engine.tokens_computed(seq) == len(prompt) - (hit if i else 0) + max_tokens - 1
         outputs[caching] = [s.completion_token_ids for s in first + second]
     assert outputs[True] == outputs[False] == [reference_completion(*r) for r in wave1 + wave2]
@@ -343,8 +357,10 @@ def test_shared_prefix_admitted_in_one_step(budget, overlap):
     c = engine.add(prefix + [43, 44, 45], max_tokens=4)
     engine.run()
     assert [s.completion_token_ids for s in (a, b, c)] == [
-        reference_completion(prefix + [40, 41], 4), reference_completion(prefix + [42], 4),
-        reference_completion(prefix + [43, 44, 45], 4)]
+        reference_completion(prefix + [40, 41], 4),
+        reference_completion(prefix + [42], 4),
+        reference_completion(prefix + [43, 44, 45], 4),
+    ]
     assert any(seq is c and cached == 16 for seq, cached, _ in engine.admissions)
 
 
@@ -359,7 +375,7 @@ def test_fully_cached_prompt_still_computes_and_samples(prompt_len):
     engine.run()
     again = engine.add(prompt, max_tokens=5)
     batch = engine.step()
-    (seq, num_new), = batch
+    ((seq, num_new),) = batch
     assert seq is again and num_new >= 1 and again.num_completion_tokens == 1
     assert again.num_cached_tokens == (prompt_len - 1) // 4 * 4
     assert num_new == prompt_len - again.num_cached_tokens
@@ -407,14 +423,17 @@ def test_caching_on_and_off_agree_under_preemption(seed):
     requests = random_requests(rng, 12, prompt_len=(8, 40), max_tokens=(1, 20))
     arrivals = [rng.randint(0, 40) for _ in requests]
     bs = rng.choice([1, 2, 4])
-    common = dict(block_size=bs, num_blocks=blocks_for(requests, bs) + rng.randint(0, 6),
-                  max_num_batched_tokens=rng.choice([7, 32]), max_num_seqs=rng.choice([4, 12]))
+    common = {
+        "block_size": bs,
+        "num_blocks": blocks_for(requests, bs) + rng.randint(0, 6),
+        "max_num_batched_tokens": rng.choice([7, 32]),
+        "max_num_seqs": rng.choice([4, 12]),
+    }
     expected = [reference_completion(*r) for r in requests]
     preemptions = 0
     for caching in (False, True):
         for overlap in (False, True):
-            engine, outputs = run_requests(requests, arrivals, **common, enable_prefix_caching=caching,
-                                           overlap=overlap)
+            engine, outputs = run_requests(requests, arrivals, **common, enable_prefix_caching=caching, overlap=overlap)
             assert outputs == expected
             assert (engine.bm.num_hit_blocks > 0) == caching
             preemptions += engine.scheduler.num_preemptions
@@ -432,9 +451,15 @@ def test_equal_blocks_under_different_prefixes(seed, overlap):
     requests = [([rng.randrange(2) for _ in range(rng.randint(4, 24))], rng.randint(1, 12)) for _ in range(14)]
     arrivals = [rng.randint(0, 30) for _ in requests]
     bs = rng.choice([1, 2])
-    engine, outputs = run_requests(requests, arrivals, block_size=bs, overlap=overlap,
-                                   num_blocks=blocks_for(requests, bs) + rng.randint(0, 4),
-                                   max_num_batched_tokens=rng.choice([5, 16]), max_num_seqs=6)
+    engine, outputs = run_requests(
+        requests,
+        arrivals,
+        block_size=bs,
+        overlap=overlap,
+        num_blocks=blocks_for(requests, bs) + rng.randint(0, 4),
+        max_num_batched_tokens=rng.choice([5, 16]),
+        max_num_seqs=6,
+    )
     assert outputs == [reference_completion(*r) for r in requests]
     keys = list(engine.bm.cached)
     assert len({tokens for _, tokens in keys}) < len(keys)  # equal contents under different prefixes met

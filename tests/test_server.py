@@ -1,6 +1,7 @@
 """The OpenAI-compatible server (nanoserve/server.py) end to end: one server per module on 127.0.0.1 with the default
 model, driven by the official `openai` client (and raw httpx where a client would refuse to send bad input). Every
 wait is bounded; nothing depends on speed. After each test the KV pool must be empty again."""
+
 import asyncio
 import contextlib
 import threading
@@ -16,7 +17,7 @@ httpx = pytest.importorskip("httpx")
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
-GREEDY = dict(model=MODEL, temperature=0, max_tokens=12)
+GREEDY = {"model": MODEL, "temperature": 0, "max_tokens": 12}
 WAIT_S = 15  # the longest any poll below waits for the server to settle
 
 
@@ -32,8 +33,10 @@ class Served:
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(f"{self.root}/metrics", timeout=30).text
-        return {name: float(value) for name, value in
-                (line.split() for line in text.splitlines() if line and not line.startswith("#"))}
+        return {
+            name: float(value)
+            for name, value in (line.split() for line in text.splitlines() if line and not line.startswith("#"))
+        }
 
     def wait_idle(self) -> dict[str, float]:
         """Poll until nothing runs, waits or holds a block (bounded); returns the last metrics."""
@@ -48,11 +51,12 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served():
+    from conftest import default_model_or_skip
     from transformers import AutoTokenizer
 
     from nanoserve import LLM
     from nanoserve.server import serve_in_background
-    from conftest import default_model_or_skip
+
     model_dir = default_model_or_skip()
     llm = LLM(max_model_len=512, num_kvcache_blocks=256)
     with serve_in_background(llm) as base_url:
@@ -90,8 +94,9 @@ def collect_stream(chunks):
 def test_completion_streamed_equals_whole(served):
     """Guards against lost, repeated or reordered deltas, finish_reason on a middle chunk, and wrong usage counts."""
     whole = served.client.completions.create(prompt=PROMPT, extra_body={"ignore_eos": True}, **GREEDY)
-    chunks = served.client.completions.create(prompt=PROMPT, stream=True, stream_options={"include_usage": True},
-                                              extra_body={"ignore_eos": True}, **GREEDY)
+    chunks = served.client.completions.create(
+        prompt=PROMPT, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, **GREEDY
+    )
     texts, reasons, usage = collect_stream(chunks)
     assert whole.object == "text_completion" and whole.model == MODEL and len(whole.choices) == 1
     assert texts == {0: whole.choices[0].text} and whole.choices[0].text
@@ -105,8 +110,11 @@ def test_completion_streamed_equals_whole(served):
 def test_chat_streamed_equals_whole(served):
     """Guards against the chat template not being applied, a missing role, and streamed chat text drifting."""
     whole = served.client.chat.completions.create(messages=MESSAGES, **GREEDY)
-    chunks = list(served.client.chat.completions.create(messages=MESSAGES, stream=True,
-                                                        stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        served.client.chat.completions.create(
+            messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     texts, reasons, usage = collect_stream(chunks)
     message = whole.choices[0].message
     assert whole.object == "chat.completion" and message.role == "assistant" and message.content
@@ -122,8 +130,9 @@ def test_chat_streamed_equals_whole(served):
 def test_n_samples_and_prompt_lists(served):
     """Guards against choices of several samples or several prompts getting the wrong index (OpenAI: prompt x n +
     sample), and against samples of one request being copies of each other."""
-    sampled = served.client.completions.create(prompt=PROMPT, n=3, temperature=1.0, seed=7, max_tokens=8,
-                                               model=MODEL, extra_body={"ignore_eos": True})
+    sampled = served.client.completions.create(
+        prompt=PROMPT, n=3, temperature=1.0, seed=7, max_tokens=8, model=MODEL, extra_body={"ignore_eos": True}
+    )
     assert sorted(c.index for c in sampled.choices) == [0, 1, 2]
     assert len({c.text for c in sampled.choices}) > 1  # three seeded draws of 8 tokens: equal would be a bug
     assert sampled.usage.completion_tokens == 24
@@ -131,8 +140,11 @@ def test_n_samples_and_prompt_lists(served):
     alone = [served.client.completions.create(prompt=p, **GREEDY).choices[0].text for p in prompts]
     both = served.client.completions.create(prompt=prompts, n=2, **GREEDY)
     assert {c.index: c.text for c in both.choices} == {0: alone[0], 1: alone[0], 2: alone[1], 3: alone[1]}
-    texts, _, usage = collect_stream(served.client.completions.create(
-        prompt=prompts, n=2, stream=True, stream_options={"include_usage": True}, **GREEDY))
+    texts, _, usage = collect_stream(
+        served.client.completions.create(
+            prompt=prompts, n=2, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     assert texts == {c.index: c.text for c in both.choices}
     assert usage.completion_tokens == both.usage.completion_tokens
     token_prompt = served.tokenizer.encode(prompts[0])  # token ids are a prompt too
@@ -145,10 +157,13 @@ def test_logprobs(served):
     whole = served.client.completions.create(prompt=PROMPT, logprobs=3, **GREEDY)
     lp = whole.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == whole.usage.completion_tokens
-    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=False):
         assert len(top) <= 3 and chosen == pytest.approx(max(top.values())) and chosen <= 0
-    streamed = [c.choices[0].logprobs for c in served.client.completions.create(
-        prompt=PROMPT, logprobs=3, stream=True, **GREEDY) if c.choices and c.choices[0].logprobs]
+    streamed = [
+        c.choices[0].logprobs
+        for c in served.client.completions.create(prompt=PROMPT, logprobs=3, stream=True, **GREEDY)
+        if c.choices and c.choices[0].logprobs
+    ]
     assert [t for s in streamed for t in s.tokens] == lp.tokens
     assert [x for s in streamed for x in s.token_logprobs] == pytest.approx(lp.token_logprobs)
 
@@ -174,7 +189,7 @@ def test_64_concurrent_streams(served):
     """Guards against outputs crossing between requests under load (a token or delta routed to another client's
     queue), lost final chunks, and leaked blocks: 64 streaming clients at once, each with its own prompt."""
     prompts = [f"Count: {100 + 7 * i}, {101 + 7 * i}, {102 + 7 * i}," for i in range(64)]
-    params = dict(model=MODEL, temperature=0, max_tokens=8)
+    params = {"model": MODEL, "temperature": 0, "max_tokens": 8}
     reference = served.client.completions.create(prompt=prompts, **params)  # one batch, computed on its own
     expected = {c.index: c.text for c in reference.choices}
 
@@ -197,12 +212,13 @@ def test_64_concurrent_streams(served):
 def test_disconnected_clients_are_aborted(served):
     """Guards against a client that hangs up leaving its request running: 32 long requests (half streamed, half
     not) whose clients give up after 0.5 s must free every block, stop generating, and leave the engine free."""
-    params = dict(prompt=PROMPT, model=MODEL, max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
+    params = {"prompt": PROMPT, "model": MODEL, "max_tokens": 400, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
     async def give_up_streaming(client):
         async def read_all():
             async for _ in await client.completions.create(stream=True, **params):
                 pass
+
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(read_all(), 0.5)  # cancelling closes the response, hence the connection
 
@@ -212,8 +228,9 @@ def test_disconnected_clients_are_aborted(served):
 
     async def hang_up_all():
         async with served.aclient(timeout=0.5) as client:
-            await asyncio.gather(*(give_up_streaming(client) for _ in range(16)),
-                                 *(give_up_waiting(client) for _ in range(16)))
+            await asyncio.gather(
+                *(give_up_streaming(client) for _ in range(16)), *(give_up_waiting(client) for _ in range(16))
+            )
 
     before = served.metrics()["nanoserve_generated_tokens_total"]
     asyncio.run(hang_up_all())
@@ -231,10 +248,10 @@ BAD_INPUTS = [  # (endpoint, body, status, param the error names)
     ("completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
     ("completions", {"max_tokens": 4}, 400, "prompt"),
     ("completions", {"prompt": []}, 400, "prompt"),
-    ("completions", {"prompt": [1, 10 ** 9]}, 400, "prompt"),
-    ("completions", {"prompt": ["fine", [10 ** 9]]}, 400, "prompt"),  # one bad prompt refuses the list
+    ("completions", {"prompt": [1, 10**9]}, 400, "prompt"),
+    ("completions", {"prompt": ["fine", [10**9]]}, 400, "prompt"),  # one bad prompt refuses the list
     ("completions", {"prompt": {"text": "hi"}}, 400, "prompt"),
-    ("completions", {"prompt": "hello " * 600}, 400, "prompt"),   # over max_model_len
+    ("completions", {"prompt": "hello " * 600}, 400, "prompt"),  # over max_model_len
     ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
@@ -263,7 +280,7 @@ def test_bad_input_is_refused_and_server_keeps_serving(served, endpoint, body, s
     """Guards against bad input crashing a handler or the engine thread (a 500 or a hang), against an error that
     does not name the field, and against a half-queued request after a refusal."""
     finished_before = served.metrics()["nanoserve_finished_requests_total"]
-    send = dict(content=body) if isinstance(body, bytes) else dict(json=body)
+    send = {"content": body} if isinstance(body, bytes) else {"json": body}
     r = httpx.post(f"{served.base_url}/{endpoint}", headers={"Content-Type": "application/json"}, timeout=60, **send)
     assert r.status_code == status, r.text
     error = r.json()["error"]
@@ -290,8 +307,14 @@ def test_models_health_and_metrics(served):
     assert httpx.get(f"{served.root}/health", timeout=30).status_code == 200
     m = served.metrics()
     assert m["nanoserve_kv_blocks_total"] == 256 and 0 <= m["nanoserve_prefix_hit_rate"] <= 1
-    for name in ("kv_blocks_cached", "preemptions_total", "generated_tokens_total", "finished_requests_total",
-                 "prefix_hit_tokens_total", "prefix_queried_tokens_total"):
+    for name in (
+        "kv_blocks_cached",
+        "preemptions_total",
+        "generated_tokens_total",
+        "finished_requests_total",
+        "prefix_hit_tokens_total",
+        "prefix_queried_tokens_total",
+    ):
         assert f"nanoserve_{name}" in m
 
 
@@ -301,6 +324,7 @@ def break_next_launch(served):
     def broken(step, previous):
         del runner.launch  # fails once
         raise RuntimeError("injected device error")
+
     runner.launch = broken
 
 
@@ -313,8 +337,9 @@ def test_a_failing_step_fails_its_request_and_the_server_serves_on(served):
     with pytest.raises(openai.InternalServerError, match="injected device error"):
         served.client.completions.create(prompt=PROMPT, **GREEDY)
     assert served.wait_idle()["nanoserve_kv_blocks_cached"] == 0  # the failed step's prefix is forgotten
-    stream = served.client.chat.completions.create(messages=MESSAGES, stream=True, **{**GREEDY, "max_tokens": 400},
-                                                   extra_body={"ignore_eos": True})
+    stream = served.client.chat.completions.create(
+        messages=MESSAGES, stream=True, **{**GREEDY, "max_tokens": 400}, extra_body={"ignore_eos": True}
+    )
     first = next(iter(stream))  # the role and first token: the stream is under way, far from its end
     break_next_launch(served)
     with pytest.raises(openai.APIError, match="injected device error"):

@@ -4,6 +4,7 @@ CI has no GPU, so this is its only check that the compiled path, not the interpr
 guards the properties the kernels' speed rests on: no register spills, K/V streamed by 16-byte asynchronous
 copies (software-pipelined), wgmma for prefill tiles of 64+ rows, and
 a decode program small enough (registers and shared memory) that PROGRAMS_PER_SM of them fit on one SM at once."""
+
 import json
 import os
 import subprocess
@@ -24,12 +25,15 @@ def builds() -> dict:
     pytest.importorskip("triton.backends.nvidia.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real kernels, not the interpreter
     script = Path(__file__).with_name("sm90_build.py")
-    done = subprocess.run([sys.executable, str(script), *SHAPES.values()], env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(script), *SHAPES.values()], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines()]
-    return {name: [r for r in rows if f"{r['dtype']}:{r['head_dim']}:{r['group']}:{r['block_size']}" == shape]
-            for name, shape in SHAPES.items()}
+    return {
+        name: [r for r in rows if f"{r['dtype']}:{r['head_dim']}:{r['group']}:{r['block_size']}" == shape]
+        for name, shape in SHAPES.items()
+    }
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -37,8 +41,15 @@ def test_every_kernel_compiles_for_h100(builds, shape):
     """Guards against a kernel that only the interpreter accepts, or one whose variants stopped building."""
     kernels = [r["kernel"] for r in builds[shape]]
     assert kernels.count("_prefill_kernel") >= 4  # query tiles 16 .. PREFILL_TILE_M
-    assert {"_store_kv_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_add_rms_norm_kernel",
-            "_qk_norm_rope_kernel", "_silu_mul_kernel", "_gumbel_argmax_kernel"} <= set(kernels)
+    assert {
+        "_store_kv_kernel",
+        "_decode_split_kernel",
+        "_decode_reduce_kernel",
+        "_add_rms_norm_kernel",
+        "_qk_norm_rope_kernel",
+        "_silu_mul_kernel",
+        "_gumbel_argmax_kernel",
+    } <= set(kernels)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

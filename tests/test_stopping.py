@@ -2,6 +2,7 @@
 where a CJK character or an emoji takes several tokens: tokens are fed one at a time, as the engine reads them
 back, and the streamed deltas, the final text and where it stops are checked against plain string operations on
 the whole decoded text. One end-to-end test runs the model itself."""
+
 import pytest
 
 pytest.importorskip("gguf")
@@ -10,13 +11,14 @@ from nanoserve.sequence import Sequence, SequenceStatus  # noqa: E402
 from nanoserve.stopping import StopChecker, take_stream_delta  # noqa: E402
 
 PROMPT = [1]  # any prompt: only completion tokens are decoded
-IM_END = 2    # SmolLM2's end-of-turn token
+IM_END = 2  # SmolLM2's end-of-turn token
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     from conftest import default_model_or_skip
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(default_model_or_skip())
 
 
@@ -60,7 +62,7 @@ def test_long_stop_string_in_multi_token_characters(tokenizer):
     reason, deltas, consumed, seq = feed(tokenizer, ids, stop=[stop])
     assert len(tokenizer.encode(stop)) > 2 * len(stop) - 4
     assert reason == "stop" and seq.text.final == text[:6] == "".join(deltas)
-    assert stop in tokenizer.decode(ids[:consumed]) and stop not in tokenizer.decode(ids[:consumed - 1])
+    assert stop in tokenizer.decode(ids[:consumed]) and stop not in tokenizer.decode(ids[: consumed - 1])
 
 
 def test_stop_string_before_min_tokens_does_not_cut_later(tokenizer):
@@ -101,11 +103,12 @@ def test_engine_stops_on_a_long_cjk_stop_string():
     (two per character, more than a window of one token per character plus slack covers) must end the request
     where it starts, instead of running to max_tokens."""
     from nanoserve import LLM
+
     llm = LLM(max_model_len=256, device="cpu")
     prompt = "日本の首都は東京です。東京は"
     free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
     stop = free.text[1:13]
     assert len(llm.tokenizer.encode(stop)) >= len(stop) + 9, f"unexpected free text {free.text!r}"
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop=[stop]), use_tqdm=False)[0]
-    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text == free.text[:free.text.find(stop)]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text == free.text[: free.text.find(stop)]
     assert len(out.outputs[0].token_ids) < len(free.token_ids)
