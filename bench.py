@@ -307,7 +307,7 @@ def run_cpu_profile(llm, workload, args):
         (sched, "schedule", "schedule"),
         (runner, "prepare", "prepare"),
         (runner, "launch", "launch"),
-        (llm, "finish", "_finish"),
+        (llm, "finish", "_read_back"),
     ):
         setattr(obj, name, timed(stage, getattr(obj, name)))
     wait = InFlightStep.wait
@@ -318,7 +318,7 @@ def run_cpu_profile(llm, workload, args):
         InFlightStep.wait = wait
     for step in steps:
         step["launch"] = step.get("launch", 0.0) - step.get("prepare", 0.0)  # launch calls prepare
-        step["finish"] = step.get("finish", 0.0) - step.get("wait", 0.0)  # _finish calls wait
+        step["finish"] = step.get("finish", 0.0) - step.get("wait", 0.0)  # _read_back calls wait
     for name, chosen in (("all", steps), ("decode-only", [s for s in steps if s["decode_only"]])):
         rows[0][f"{name}_steps"] = len(chosen)
         for stage in stages:

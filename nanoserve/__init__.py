@@ -13,7 +13,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 LAZY = {"LLM": "nanoserve.llm", "RequestOutput": "nanoserve.outputs", "CompletionOutput": "nanoserve.outputs"}
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name in LAZY:
         return getattr(importlib.import_module(LAZY[name]), name)
     raise AttributeError(f"module 'nanoserve' has no attribute {name!r}")

@@ -28,24 +28,38 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
+        # the free pool, least recently freed first (an OrderedDict: O(1) removal of a revived block)
+        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[PrefixKey, int] = {}  # the prefix cache: key -> block id
         self._prefix_ids = count()
-        # counters for stats() and the trace: prompt tokens served from / asked of the prefix cache, the most blocks
-        # ever used; blocks ever handed out fresh, returned to the pool, reused through the prefix cache, and of
-        # those, taken back from the pool (so used blocks = allocated - freed + revived)
-        self.prefix_hit_tokens = self.prefix_queried_tokens = self.peak_used_blocks = 0
-        self.num_allocated = self.num_freed = self.num_hit_blocks = self.num_revived = 0
+        # Counters, for stats() and the trace. Used blocks = allocated - freed + revived.
+        self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache (first admissions)
+        self.prefix_hit_tokens = 0  # of those, tokens served from it
+        self.peak_used_blocks = 0  # the most blocks ever in use at once
+        self.num_allocated = 0  # blocks ever handed out fresh
+        self.num_freed = 0  # blocks ever returned to the pool
+        self.num_hit_blocks = 0  # blocks reused through the prefix cache
+        self.num_revived = 0  # of those, blocks taken back from the free pool
 
-    num_blocks = property(lambda self: len(self.blocks))
-    num_free_blocks = property(lambda self: len(self.free_ids))
-    num_used_blocks = property(lambda self: len(self.blocks) - len(self.free_ids))
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
 
-    # free blocks that still hold a findable prefix (evicted only when a block is needed)
-    num_cached_blocks = property(lambda self: sum(self.cached.get(self.blocks[b].key) == b for b in self.free_ids))
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - len(self.free_ids)
+
+    def count_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a findable prefix (evicted only when a block is needed). Scans the pool."""
+        return sum(self.cached.get(self.blocks[b].key) == b for b in self.free_ids)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -63,24 +77,29 @@ class BlockManager:
             parent = self.blocks[block_id].prefix_id
         return hits
 
-    def cache_full_blocks(self, seq: Sequence):
+    def cache_full_blocks(self, seq: Sequence) -> None:
         """Make seq's full blocks findable once their K/V are computed (or queued: the GPU runs steps in order)
         and their tokens' values are known."""
         if not self.enable_prefix_caching:
             return
-        first = num_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
+        num_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
+        first = num_full
         while first > 0 and self.blocks[seq.block_table[first - 1]].key is None:
             first -= 1  # keyed blocks form a prefix of the table; find where it ends
         for i in range(first, num_full):
             block = self.blocks[seq.block_table[i]]
-            block.key = (self.blocks[seq.block_table[i - 1]].prefix_id if i else None, seq.block_tokens(i))
-            owner = self.cached.setdefault(block.key, block.block_id)
-            # the same prefix computed twice (two sequences admitted together): one entry, one name
-            block.prefix_id = next(self._prefix_ids) if owner == block.block_id else self.blocks[owner].prefix_id
+            parent_prefix_id = self.blocks[seq.block_table[i - 1]].prefix_id if i > 0 else None
+            block.key = (parent_prefix_id, seq.block_tokens(i))
+            owner_id = self.cached.setdefault(block.key, block.block_id)
+            if owner_id == block.block_id:  # a new prefix: a new name
+                block.prefix_id = next(self._prefix_ids)
+            else:  # the same prefix computed twice (two sequences admitted together): one entry, one name
+                block.prefix_id = self.blocks[owner_id].prefix_id
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
         """Give seq the blocks it needs to hold num_new_tokens more tokens, after taking cached_blocks (a prefix
         hit, only for a sequence with nothing computed yet). False, changing nothing, if the pool is short."""
+        cached_blocks = cached_blocks or []
         num_computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
         num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(seq.block_table) - len(cached_blocks)
         num_revived = sum(self.blocks[b].ref_count == 0 for b in cached_blocks)
@@ -101,7 +120,7 @@ class BlockManager:
         seq.block_table.extend(self._take_fresh() for _ in range(num_new_blocks))
         return True
 
-    def free(self, seq: Sequence):
+    def free(self, seq: Sequence) -> None:
         """Release seq's blocks; tail first, so a shared prefix stays cached longest."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
@@ -118,7 +137,9 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.key is not None and self.cached.get(block.key) == block_id:
             del self.cached[block.key]  # evict: its prefix is no longer findable
-        block.key, block.prefix_id, block.ref_count = None, None, 1
+        block.key = None
+        block.prefix_id = None
+        block.ref_count = 1
         self.num_allocated += 1
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return block_id

@@ -7,22 +7,39 @@ read none (context length 0)."""
 import torch
 
 from nanoserve.attention import PAD_SLOT, AttentionMetadata
+from nanoserve.model import CausalLM
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (K cache, V cache)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The batch sizes that get a graph: 1, 2, 4, 8, then every 16, and max_num_seqs itself."""
+    small = [size for size in (1, 2, 4, 8) if size < max_num_seqs]
+    return small + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_caches, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int):
-        self.model, self.kv_caches, self.max_model_len = model, kv_caches, max_model_len
-        n, param = max_num_seqs, next(model.parameters())
-        self.sizes = [s for s in (1, 2, 4, 8) if s < n] + list(range(16, n, 16)) + [n]  # batch sizes with a graph
+    def __init__(
+        self, model: CausalLM, kv_caches: KVCaches, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.max_model_len = max_model_len
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        # the static input buffers every graph reads, max_num_seqs rows each
+        n = max_num_seqs
+        param = next(model.parameters())
         ints = {"dtype": torch.int32, "device": param.device}
-        self.input_ids, self.positions = torch.zeros(n, **ints), torch.zeros(n, **ints)
-        self.slot_mapping, self.context_lens = torch.full((n,), PAD_SLOT, **ints), torch.zeros(n, **ints)
+        self.input_ids = torch.zeros(n, **ints)
+        self.positions = torch.zeros(n, **ints)
+        self.slot_mapping = torch.full((n,), PAD_SLOT, **ints)
+        self.context_lens = torch.zeros(n, **ints)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, **ints)
         self.query_start_loc = torch.arange(n + 1, **ints)  # one query per sequence
-        self.hidden = torch.zeros(n, model.args.hidden_size, dtype=param.dtype, device=param.device)
+        self.hidden = torch.zeros(n, model.args.hidden_size, dtype=param.dtype, device=param.device)  # the output
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
-    def forward(self, size: int):
+    def forward(self, size: int) -> None:
         """The decode forward on the first `size` rows of the static buffers; a replay cannot change its grid, so
         attention is sized for max_model_len."""
         meta = AttentionMetadata(
@@ -37,25 +54,28 @@ class DecodeGraphs:
         self.hidden[:size] = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
 
     @torch.inference_mode()
-    def capture(self):
+    def capture(self) -> None:
         pool = None
         for size in reversed(self.sizes):  # largest first, so the smaller ones fit in its pool
             self.forward(size)  # warm-up: compiles kernels outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
                 self.forward(size)
-            pool, self.graphs[size] = graph.pool(), graph
+            self.graphs[size] = graph
+            pool = graph.pool()  # the next (smaller) graph shares this one's memory
         torch.cuda.synchronize()
 
-    def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        """Decode rows [b] -> hidden states [b, hidden_size], by replaying the graph of the next size up."""
-        b = input_ids.shape[0]
-        size = next(s for s in self.sizes if s >= b)
-        self.input_ids[:b], self.positions[:b] = input_ids, positions
-        self.slot_mapping[:b] = meta.slot_mapping
-        self.slot_mapping[b:size] = PAD_SLOT  # padded rows write nothing...
-        self.context_lens[:b] = meta.context_lens
-        self.context_lens[b:size] = 0  # ...and read nothing
-        self.block_tables[:b, : meta.block_tables.shape[1]] = meta.block_tables
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Decode rows [num_seqs] -> hidden states [num_seqs, hidden_size], by replaying the graph of the next size
+        up: the rows past num_seqs are padding."""
+        num_seqs = input_ids.shape[0]
+        size = next(s for s in self.sizes if s >= num_seqs)
+        self.input_ids[:num_seqs] = input_ids
+        self.positions[:num_seqs] = positions
+        self.slot_mapping[:num_seqs] = meta.slot_mapping
+        self.slot_mapping[num_seqs:size] = PAD_SLOT  # padded rows write nothing...
+        self.context_lens[:num_seqs] = meta.context_lens
+        self.context_lens[num_seqs:size] = 0  # ...and read nothing
+        self.block_tables[:num_seqs, : meta.block_tables.shape[1]] = meta.block_tables
         self.graphs[size].replay()
-        return self.hidden[:b]
+        return self.hidden[:num_seqs]

@@ -11,8 +11,9 @@ right after it is launched: the plain synchronous loop, with the same outputs.""
 import numbers
 import time
 import weakref
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import count
+from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
@@ -24,23 +25,50 @@ from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
 from nanoserve.stopping import StopChecker
 
+if TYPE_CHECKING:  # annotations only: the engine loop runs on any runner with launch() (tests use a fake)
+    from transformers import PreTrainedTokenizerBase
+
+    from nanoserve.model_runner import InFlightStep, ModelRunner
+
+# A prompt: text, or token ids (a list, or a numpy array or tensor of them)
+Prompt = str | list[int]
+Conversation = list[dict]  # chat messages: {"role": ..., "content": ...}
+
+
+@dataclass
+class EngineCounters:
+    """Running totals for stats(): tokens computed (prefill and decode) and generated, requests finished, and the
+    sums of their time to first token and mean inter-token latency."""
+
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    ttft_s_sum: float = 0.0
+    itl_s_sum: float = 0.0
+
 
 class LLM:
-    def __init__(self, model: str | None = None, **kwargs):
+    def __init__(self, model: str | None = None, **kwargs: object) -> None:
         from nanoserve import loader
-        from nanoserve.model_runner import ModelRunner
+        from nanoserve.workers import start_runner
 
         config = EngineConfig.from_kwargs(model=model, **kwargs)
         model_dir = loader.resolve_model_dir(model)
         hf_config, args = loader.load_hf_config(model_dir, config)
         tokenizer = loader.load_tokenizer(model_dir)
-        runner = ModelRunner.start(config, model_dir, hf_config, args)  # and its tensor-parallel workers, if any
+        eos_token_ids = loader.eos_ids_of(model_dir, hf_config, tokenizer)
+        runner = start_runner(config, model_dir, hf_config, args)  # and its tensor-parallel workers, if any
         self._close = weakref.finalize(self, runner.close)  # closed or garbage-collected: the workers exit
-        self._start(config, runner, tokenizer, loader.eos_ids_of(model_dir, hf_config, tokenizer), args.vocab_size)
+        self._start(config, runner, tokenizer, eos_token_ids, args.vocab_size)
 
     @classmethod
     def from_runner(
-        cls, config: EngineConfig, runner, vocab_size: int, tokenizer=None, eos_token_ids: frozenset[int] = frozenset()
+        cls,
+        config: EngineConfig,
+        runner: "ModelRunner",
+        vocab_size: int,
+        tokenizer: "PreTrainedTokenizerBase | None" = None,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> "LLM":
         """The engine around any runner with launch() and num_kvcache_blocks: how tests run the loop on a fake."""
         llm = cls.__new__(cls)
@@ -48,9 +76,19 @@ class LLM:
         llm._start(config, runner, tokenizer, eos_token_ids, vocab_size)
         return llm
 
-    def _start(self, config: EngineConfig, runner, tokenizer, eos_token_ids: frozenset[int], vocab_size: int):
-        self.config, self.runner, self.tokenizer = config, runner, tokenizer
-        self.eos_token_ids, self.vocab_size = frozenset(eos_token_ids), vocab_size
+    def _start(
+        self,
+        config: EngineConfig,
+        runner: "ModelRunner",
+        tokenizer: "PreTrainedTokenizerBase | None",
+        eos_token_ids: frozenset[int],
+        vocab_size: int,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
         self.block_manager = BlockManager(
             runner.num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching
         )
@@ -60,48 +98,51 @@ class LLM:
         self.stop_checker = StopChecker(tokenizer, config.max_model_len)
         self.requests: dict[str, Request] = {}
         self.request_of: dict[int, Request] = {}  # seq_id -> its request
-        self.in_flight = None  # the launched step not yet read back (overlap)
+        self.in_flight: InFlightStep | None = None  # with overlap: the launched step not yet read back
         self.trace = None
         if config.trace is not None:  # opt-in: the trace writer lives with its pictures, in the optional plots.py
             from nanoserve.plots import StepTrace
 
             self.trace = StepTrace(config.trace, self.scheduler)
         self._request_ids = count()
-        self.counters = {
-            "computed_tokens": 0,
-            "generated_tokens": 0,
-            "finished_requests": 0,
-            "ttft_s": 0.0,
-            "itl_s": 0.0,
-        }
+        self.counters = EngineCounters()
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(
-        self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None, stream: bool = True
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        stream: bool = True,
     ) -> str:
         """Queue one request (its n samples) after checking everything about it. With stream, step() returns its
         output every time it changes, with the new text in text_delta; without, only when it has finished."""
         return self._queue(self._make_request(prompt, sampling_params, request_id, stream))
 
-    def abort(self, request_id: str):
-        """Stop a request wherever it is (queued, prefilling, decoding, preempted): its blocks return at once."""
-        request = self.requests.pop(request_id, None)
-        for seq in request.seqs if request else []:
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is (queued, prefilling, decoding, preempted): its blocks return at once.
+        A request that has already finished (or an unknown id) is left as it is."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        for seq in request.seqs:
             if not seq.is_finished:
                 self.stop_checker.flush(seq)
-                self.scheduler.finish(seq, "abort")
-            self.request_of.pop(seq.seq_id, None)
+                self.scheduler.finish_sequence(seq, "abort")
+        self._forget(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def close(self):
+    def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with one rank) and close the trace."""
         self._close()
         if self.trace is not None:
             self.trace.close()
 
-    def _make_request(self, prompt, params, request_id, stream) -> Request:
+    def _make_request(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, stream: bool
+    ) -> Request:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidField("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
@@ -109,22 +150,20 @@ class LLM:
             raise InvalidField("stop_token_ids", f"token ids must lie in [0, {self.vocab_size})")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise InvalidField("logprobs", f"{params.logprobs} exceeds the vocabulary ({self.vocab_size})")
-        request_id = f"req-{next(self._request_ids)}" if request_id is None else request_id
+        if request_id is None:
+            request_id = f"req-{next(self._request_ids)}"
         if not isinstance(request_id, str) or request_id in self.requests:
             raise InvalidField("request_id", f"{request_id!r} is not a new string id")
         ids = self._prompt_ids(prompt)
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        stop_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
         seqs = [
-            Sequence(
-                ids,
-                params if i == 0 or params.seed is None else replace(params, seed=hash((params.seed, i))),
-                self.config.kvcache_block_size,
-                stop_ids,
-            )
-            for i in range(params.n)
+            Sequence(ids, sample_params(params, i), self.config.kvcache_block_size, stop_ids) for i in range(params.n)
         ]
         self.scheduler.check_fits(seqs[0])
-        return Request(request_id, prompt if isinstance(prompt, str) else None, seqs, stream)
+        prompt_text = prompt if isinstance(prompt, str) else None
+        return Request(request_id, prompt_text, seqs, stream)
 
     def _queue(self, request: Request) -> str:
         self.requests[request.request_id] = request
@@ -133,7 +172,13 @@ class LLM:
             self.scheduler.add(seq)
         return request.request_id
 
-    def _prompt_ids(self, prompt) -> list[int]:
+    def _forget(self, request: Request) -> None:
+        """The request no longer exists for the engine: every sequence of it has finished."""
+        del self.requests[request.request_id]
+        for seq in request.seqs:
+            del self.request_of[seq.seq_id]
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidField("prompt", "this model has no tokenizer; pass token ids")
@@ -154,75 +199,101 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs that changed (streaming requests) or finished."""
         started = time.perf_counter()
-        try:  # 1) schedule step n+1
+        try:
+            # 1) schedule step n+1
             step = self.scheduler.schedule()
-            self.counters["computed_tokens"] += step.num_tokens
+            self.counters.computed_tokens += step.num_tokens
             # 2) launch it: the GPU queues it behind step n, whose samples it takes as inputs on the device
             launched = self.runner.launch(step, self.in_flight) if step.scheduled else None
             if self.trace is not None:
                 self.trace.begin(step)
-            # 3) finish step n (without overlap: this one): read its tokens back, apply the stop rules
-            done, self.in_flight = (self.in_flight, launched) if self.config.overlap else (launched, None)
-            if done is None and launched is None and self.scheduler.has_unfinished():
+            # 3) finish a step: read its tokens back, apply the stop rules
+            if self.config.overlap:
+                # overlapped: finish step n, launched by the previous call; step n+1 runs on the GPU meanwhile
+                to_read_back = self.in_flight
+                self.in_flight = launched
+            else:
+                # the plain loop: finish the step just launched
+                to_read_back = launched
+            if to_read_back is None and launched is None and self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler found nothing to run")  # a bug, never a state
-            changed = self._finish(done) if done else []
+            changed = self._read_back(to_read_back) if to_read_back is not None else []
         except BaseException:  # a failed or interrupted step: blocks it planned were findable before their K/V existed
-            self.block_manager.cached.clear()
-            self.in_flight = None  # every request it touched is aborted; those only queued stay
-            for request in [r for r in self.requests.values() if not all(s.is_queued for s in r.seqs)]:
-                self.abort(request.request_id)
+            self._forget_failed_step()
             raise
         if self.trace is not None:
             self.trace.end(started)
         return self._outputs(changed)
 
-    def _finish(self, in_flight) -> list[Request]:
+    def _forget_failed_step(self) -> None:
+        """After a failed step: forget the prefix cache and abort every request a step touched; queued ones stay."""
+        self.block_manager.cached.clear()
+        self.in_flight = None
+        touched = [r for r in self.requests.values() if not all(seq.is_queued for seq in r.seqs)]
+        for request in touched:
+            self.abort(request.request_id)
+
+    def _read_back(self, in_flight: "InFlightStep") -> list[Request]:
+        """Wait for a launched step's tokens, hand them to their sequences, and apply the stop rules. Returns the
+        requests that changed, each once, in order."""
         tokens, logprobs = in_flight.wait()
-        now, changed = time.perf_counter(), {}
+        now = time.perf_counter()
+        changed: dict[str, Request] = {}
         for seq in self.scheduler.update(in_flight.step, tokens, logprobs):
-            request = changed[seq.seq_id] = self.request_of[seq.seq_id]
+            request = self.request_of[seq.seq_id]
+            changed[request.request_id] = request
             reason = self.stop_checker.check(seq, incremental=request.stream)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
-            request.metrics.first_token_time = request.metrics.first_token_time or now
-            self.counters["generated_tokens"] += 1
-        return list(dict.fromkeys(changed.values()))  # each changed request once, in order
+                self.scheduler.finish_sequence(seq, reason)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            self.counters.generated_tokens += 1
+        return list(changed.values())
 
     def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
+        outputs = []
         for request in changed:
             if request.finished:
-                self._retire(request)
-        return [request.output() for request in changed if request.stream or request.finished]
+                self._record_finished(request)
+                self._forget(request)
+            if request.stream or request.finished:
+                outputs.append(request.take_output())
+        return outputs
 
-    def _retire(self, request: Request):
-        m, c = request.metrics, self.counters
-        m.finished_time = time.perf_counter()
+    def _record_finished(self, request: Request) -> None:
+        """Its finish time, and its TTFT and mean inter-token latency into the running totals."""
+        metrics = request.metrics
+        metrics.finished_time = time.perf_counter()
         num_tokens = max(len(seq.completion_token_ids) for seq in request.seqs)
-        c["finished_requests"] += 1
-        c["ttft_s"] += m.first_token_time - m.arrival_time
-        c["itl_s"] += (m.finished_time - m.first_token_time) / max(num_tokens - 1, 1)
-        self.abort(request.request_id)  # every sequence has finished: this only forgets the request
+        self.counters.finished_requests += 1
+        self.counters.ttft_s_sum += metrics.first_token_time - metrics.arrival_time
+        self.counters.itl_s_sum += (metrics.finished_time - metrics.first_token_time) / max(num_tokens - 1, 1)
 
     # ---- offline batches --------------------------------------------------------------------------
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either; sampling_params: one for all, or one per
         prompt. Every prompt is checked before any is queued; the outputs come back in prompt order."""
-        if (
-            isinstance(prompts, str)
-            or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], numbers.Integral))
-            or hasattr(prompts, "ndim")
-        ):
-            prompts = [prompts]  # one prompt
+        if is_one_prompt(prompts):
+            prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise InvalidField("prompts", "expected a string, token ids, or a list of them")
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if isinstance(sampling_params, list):
+            params = sampling_params
+        else:
+            params = [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidField("sampling_params", f"{len(params)} given for {len(prompts)} prompts")
-        requests = [self._make_request(p, sp, None, stream=False) for p, sp in zip(prompts, params, strict=False)]
+        requests = [self._make_request(p, sp, None, stream=False) for p, sp in zip(prompts, params, strict=True)]
         return self._run(requests, use_tqdm)
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
-        finished, generated = {}, self.counters["generated_tokens"]
+        finished: dict[str, RequestOutput] = {}
+        generated = self.counters.generated_tokens
         bar = tqdm(
             total=sum(len(r.seqs) * r.seqs[0].params.max_tokens for r in requests),
             unit="tok",
@@ -234,9 +305,11 @@ class LLM:
             for request in requests:
                 self._queue(request)
             while len(finished) < len(requests):
-                finished.update((out.request_id, out) for out in self.step() if out.finished)
-                bar.update(self.counters["generated_tokens"] - generated)
-                generated = self.counters["generated_tokens"]
+                for out in self.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                bar.update(self.counters.generated_tokens - generated)
+                generated = self.counters.generated_tokens
                 bar.set_postfix_str(f"{len(finished)}/{len(requests)} requests", refresh=False)
         finally:
             bar.total = bar.n  # outputs that ended early (EOS) never reach max_tokens
@@ -245,54 +318,79 @@ class LLM:
                 self.abort(request.request_id)
         return [finished[r.request_id] for r in requests]
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Conversation | list[Conversation],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them, through the chat template."""
         return self.generate(self.chat_prompts(messages), sampling_params, use_tqdm)
 
-    def chat_prompts(self, messages) -> list[list[int]]:
+    def chat_prompts(self, messages: Conversation | list[Conversation]) -> list[list[int]]:
+        """Each conversation through the chat template, as token ids (the template adds the special tokens)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidField("model", "this model has no chat template")
-        one = isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict)
-        conversations = [messages] if one else messages
-        if (
-            not isinstance(conversations, (list, tuple))
-            or not conversations
-            or not all(
-                isinstance(c, (list, tuple))
-                and c
-                and all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in c
-                )
-                for c in conversations
-            )
-        ):
+        is_one = isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict)
+        conversations = [messages] if is_one else messages
+        if not isinstance(conversations, (list, tuple)) or not conversations:
             raise InvalidField("messages", "expected a non-empty list of {'role': str, 'content': str} dicts")
-        return [
-            self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
-                add_special_tokens=False,
-            )
-            for c in conversations
-        ]
+        for conversation in conversations:
+            check_conversation(conversation)
+        prompt_ids = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            prompt_ids.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return prompt_ids
 
-    def stats(self) -> dict:
-        bm, c, done = self.block_manager, self.counters, max(self.counters["finished_requests"], 1)
+    def stats(self) -> dict[str, int | float]:
+        bm = self.block_manager
+        counters = self.counters
+        num_finished = max(counters.finished_requests, 1)  # the means are 0 before any request finished
         return {
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_free": bm.num_free_blocks,
             "kv_blocks_peak": bm.peak_used_blocks,
-            "kv_blocks_cached": bm.num_cached_blocks,
+            "kv_blocks_cached": bm.count_cached_free_blocks(),
             "prefix_hit_tokens": bm.prefix_hit_tokens,
             "prefix_queried_tokens": bm.prefix_queried_tokens,
             "prefix_hit_rate": bm.prefix_hit_tokens / max(bm.prefix_queried_tokens, 1),
             "preemptions": self.scheduler.num_preemptions,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
-            "computed_tokens": c["computed_tokens"],
-            "generated_tokens": c["generated_tokens"],
-            "finished_requests": c["finished_requests"],
-            "mean_ttft_s": c["ttft_s"] / done,
-            "mean_itl_s": c["itl_s"] / done,
+            "computed_tokens": counters.computed_tokens,
+            "generated_tokens": counters.generated_tokens,
+            "finished_requests": counters.finished_requests,
+            "mean_ttft_s": counters.ttft_s_sum / num_finished,
+            "mean_itl_s": counters.itl_s_sum / num_finished,
         }
+
+
+def is_one_prompt(prompts: object) -> bool:
+    """A single prompt rather than a list of them: a string, a list of token ids, or an array."""
+    if isinstance(prompts, str) or hasattr(prompts, "ndim"):
+        return True
+    return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and isinstance(prompts[0], numbers.Integral)
+
+
+def check_conversation(conversation: object) -> None:
+    """A non-empty list of {"role": str, "content": str} dicts."""
+    is_valid = (
+        isinstance(conversation, (list, tuple))
+        and len(conversation) > 0
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in conversation
+        )
+    )
+    if not is_valid:
+        raise InvalidField("messages", "expected a non-empty list of {'role': str, 'content': str} dicts")
+
+
+def sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The parameters of sample `index` of a request: with a seed, each sample draws its own noise from a seed
+    derived from the request's, so n seeded samples differ from each other yet stay reproducible."""
+    if index == 0 or params.seed is None:
+        return params
+    return replace(params, seed=hash((params.seed, index)))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from nanoserve.attention import AttentionMetadata
 from nanoserve.kernels import Kernels
@@ -19,6 +20,7 @@ from nanoserve.parallel import TP, ColumnParallelLinear, RowParallelLinear, Voca
 from nanoserve.sampling_params import InvalidField
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
+KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (K cache, V cache)
 
 
 @dataclass
@@ -40,7 +42,7 @@ class ModelArgs:
     qk_norm: bool  # Qwen3
 
     @classmethod
-    def from_hf(cls, cfg) -> "ModelArgs":
+    def from_hf(cls, cfg: PretrainedConfig) -> "ModelArgs":
         if cfg.model_type not in SUPPORTED:
             raise InvalidField("model", f"model_type {cfg.model_type!r} is not supported (supported: {SUPPORTED})")
         # transformers 5 keeps rope settings in rope_parameters; older configs use rope_theta/rope_scaling
@@ -68,115 +70,167 @@ class ModelArgs:
         )
 
 
-class RMSNorm(nn.Module):
-    """Adds a sublayer's output into the residual stream and normalises the sum: (norm(x + residual), x + residual).
-    The Triton kernel writes the sum into `residual` in place, so the stream is a tensor the model owns."""
+class AddRMSNorm(nn.Module):
+    """Adds a sublayer's output into the residual stream, then RMS-normalises the sum:
+    forward(x, residual) -> (RMSNorm(x + residual) * weight, x + residual). One fused kernel does both (the Triton
+    one writes the sum into `residual` in place), so the stream is a tensor the model owns."""
 
-    def __init__(self, dim: int, eps: float, kernels: Kernels):
+    def __init__(self, dim: int, eps: float, kernels: Kernels) -> None:
         super().__init__()
-        self.eps, self.kernels, self.weight = eps, kernels, nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.kernels = kernels
+        self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x, residual):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class NormWeight(nn.Module):
+    """Only the weight of an RMSNorm that a fused kernel applies (Qwen3's per-head q_norm and k_norm, inside
+    qk_norm_rope). A module so that the checkpoint's name (self_attn.q_norm.weight) finds it; it has no forward."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
 
 
 class Rotary(nn.Module):
     """RoPE's cos and sin for every position, [max_position, head_dim / 2] in fp32, shared by all layers."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim)
-        if (s := args.rope_scaling) is not None:  # Llama 3: long wavelengths slowed `factor` times, short kept
-            old_len, low, high = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"]
-            wavelen = 2 * math.pi / inv_freq
-            blend = ((old_len / wavelen - low) / (high - low)).clamp(0, 1)
-            inv_freq = (1 - blend) * inv_freq / s["factor"] + blend * inv_freq
-        freqs = torch.outer(torch.arange(args.max_position).float(), inv_freq)
+        if args.rope_scaling is not None:
+            inv_freq = llama3_scaled(inv_freq, args.rope_scaling)
+        freqs = torch.outer(torch.arange(args.max_position).float(), inv_freq)  # [max_position, head_dim / 2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
 
+def llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3's frequency rescaling: long wavelengths are slowed `factor` times, short ones kept, and those in
+    between blended smoothly."""
+    old_context_len = scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    blend = ((old_context_len / wavelen - low) / (high - low)).clamp(0, 1)  # 0: slowed, 1: kept
+    return (1 - blend) * inv_freq / scaling["factor"] + blend * inv_freq
+
+
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP):
+    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP) -> None:
         super().__init__()
-        self.kernels, self.head_dim, self.scale = kernels, args.head_dim, args.head_dim**-0.5
-        self.num_heads, self.num_kv_heads = args.num_heads // tp.size, args.num_kv_heads // tp.size  # this rank's
-        q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.kernels = kernels
+        self.head_dim = args.head_dim
+        self.scale = args.head_dim**-0.5
+        self.num_heads = args.num_heads // tp.size  # this rank's share
+        self.num_kv_heads = args.num_kv_heads // tp.size
+        q_size = args.num_heads * args.head_dim
+        kv_size = args.num_kv_heads * args.head_dim
         self.qkv_proj = ColumnParallelLinear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias, tp)
         self.o_proj = RowParallelLinear(q_size, args.hidden_size, args.o_bias, tp)
-        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels) if args.qk_norm else None  # Qwen3
-        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels) if args.qk_norm else None
+        self.qk_norm_eps = args.rms_norm_eps
+        self.q_norm = NormWeight(args.head_dim) if args.qk_norm else None  # Qwen3
+        self.k_norm = NormWeight(args.head_dim) if args.qk_norm else None
 
-    def forward(self, x, positions, rotary: Rotary, kv_cache, meta: AttentionMetadata):
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k, v = (t.view(-1, self.num_kv_heads, self.head_dim) for t in (k, v))  # [num_tokens, num_kv_heads, head_dim]
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else (None, None, 0.0)
-        q, k = self.kernels.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, *norms)
-        self.kernels.store_kv(k, v, *kv_cache, meta.slot_mapping)  # all of the step's K/V first: a sequence may read
-        o = self.kernels.paged_attention(q, *kv_cache, meta, self.scale)  # blocks another computes in this step
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q_norm_weight = self.q_norm.weight if self.q_norm is not None else None
+        k_norm_weight = self.k_norm.weight if self.k_norm is not None else None
+        q, k = self.kernels.qk_norm_rope(
+            q, k, positions, rotary.cos, rotary.sin, q_norm_weight, k_norm_weight, self.qk_norm_eps
+        )
+        k_cache, v_cache = kv_cache
+        # All of the step's K/V are stored before any is read: a sequence may read blocks another sequence
+        # computes in this same step (a shared prefix admitted together).
+        self.kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = self.kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.flatten(1))
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP):
+    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP) -> None:
         super().__init__()
         self.kernels = kernels
         self.gate_up_proj = ColumnParallelLinear(args.hidden_size, [args.intermediate_size] * 2, False, tp)
         self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, False, tp)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP):
+    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP) -> None:
         super().__init__()
         self.self_attn = Attention(args, kernels, tp)
         self.mlp = MLP(args, kernels, tp)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+        self.input_layernorm = AddRMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+        self.post_attention_layernorm = AddRMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
 
-    def forward(self, x, residual, positions, rotary, kv_cache, meta):
-        """x: the previous sublayer's output, not yet added to the residual stream. Each add is fused into the
-        norm after it, so the residual stream h = x + attn(norm(x)); out = h + mlp(norm(h)) reads:"""
-        h, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(h, positions, rotary, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(x, residual)
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Rotary,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream of a pre-norm layer, written plainly:
+            h = x + attn(norm(x))
+            out = h + mlp(norm(h))
+        Here each add is fused into the norm after it, so x arrives as the previous sublayer's output not yet
+        added (layer 0: the embeddings, added to an empty stream), and leaves as the MLP's output, added by the
+        next layer's first norm (or the model's final one)."""
+        h, residual = self.input_layernorm(x, residual)  # residual = x + residual (the h above); h = norm of it
+        attn_out = self.self_attn(h, positions, rotary, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(attn_out, residual)  # residual += attn(...); h = norm of it
         return self.mlp(h), residual
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP):
+    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(args, kernels, tp) for _ in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+        self.norm = AddRMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.rotary = Rotary(args)
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
         x = self.embed_tokens(input_ids)
         residual = torch.zeros_like(x)  # the residual stream starts empty: layer 0's add gives the embeddings
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=False):
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
-        return self.norm(x, residual)[0]
+        normed, _ = self.norm(x, residual)  # the last MLP's output added, then the final norm
+        return normed
 
 
 class CausalLM(nn.Module):
     """Module names follow the HF checkpoints (model.layers.0.self_attn...), so weights load by name. With tensor
     parallelism (tp.size > 1) each rank holds its share of every layer (parallel.py)."""
 
-    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP = TP()):
+    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP = TP()) -> None:  # noqa: B008 (frozen: one of one)
         super().__init__()
-        self.args, self.tp = args, tp
+        self.args = args
+        self.tp = tp
         self.model = Transformer(args, kernels, tp)
         self.lm_head = ColumnParallelLinear(args.hidden_size, [args.vocab_size], False, tp)  # split over the vocab
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden):
-        return gather_vocab(self.lm_head(hidden), self.tp)  # [num_rows, vocab_size] in the model dtype
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden_size] -> [num_rows, vocab_size] in the model dtype, the whole vocabulary on every rank."""
+        return gather_vocab(self.lm_head(hidden), self.tp)

@@ -39,31 +39,21 @@ class RequestOutput:
 
 
 class Request:
-    def __init__(self, request_id: str, prompt: str | None, seqs: list[Sequence], stream: bool):
-        self.request_id, self.prompt, self.seqs, self.stream = request_id, prompt, seqs, stream
+    def __init__(self, request_id: str, prompt: str | None, seqs: list[Sequence], stream: bool) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.seqs = seqs  # one per sample (n)
+        self.stream = stream
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
 
-    finished = property(lambda self: all(seq.is_finished for seq in self.seqs))
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
 
-    def output(self) -> RequestOutput:
-        """The request as it stands; streaming, each completion also carries what changed since the last call."""
-        outputs = []
-        for i, seq in enumerate(self.seqs):
-            t, token_ids, wants_logprobs = seq.text, seq.completion_token_ids, seq.params.logprobs is not None
-            delta = take_stream_delta(seq) if self.stream else ""
-            new_tokens, t.num_tokens_streamed = token_ids[t.num_tokens_streamed :], len(token_ids)
-            outputs.append(
-                CompletionOutput(
-                    index=i,
-                    text=seq.text.final if seq.is_finished else t.text[: t.num_streamed],
-                    token_ids=token_ids,
-                    finish_reason=seq.finish_reason,
-                    logprobs=list(seq.logprobs) if wants_logprobs else None,
-                    cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-                    text_delta=delta,
-                    token_ids_delta=new_tokens,
-                )
-            )
+    def take_output(self) -> RequestOutput:
+        """The request as it stands. Streaming, each completion also carries what changed since the previous call,
+        and this call advances the stream cursors: calling it twice hands out each delta once."""
+        outputs = [self._completion(index, seq) for index, seq in enumerate(self.seqs)]
         first = self.seqs[0]
         return RequestOutput(
             self.request_id,
@@ -73,4 +63,22 @@ class Request:
             self.finished,
             first.num_cached_tokens or 0,
             self.metrics,
+        )
+
+    def _completion(self, index: int, seq: Sequence) -> CompletionOutput:
+        decoded = seq.text
+        token_ids = seq.completion_token_ids
+        text_delta = take_stream_delta(seq) if self.stream else ""  # advances decoded.num_streamed
+        token_ids_delta = token_ids[decoded.num_tokens_streamed :]
+        decoded.num_tokens_streamed = len(token_ids)
+        wants_logprobs = seq.params.logprobs is not None
+        return CompletionOutput(
+            index=index,
+            text=decoded.final if seq.is_finished else decoded.text[: decoded.num_streamed],
+            token_ids=token_ids,
+            finish_reason=seq.finish_reason,
+            logprobs=list(seq.logprobs) if wants_logprobs else None,
+            cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+            text_delta=text_delta,
+            token_ids_delta=token_ids_delta,
         )

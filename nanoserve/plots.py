@@ -11,21 +11,29 @@ id; orange cells are shared through the prefix cache (one copy of a common prefi
 import json
 import time
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from nanoserve.scheduler import Scheduler, Step
 
+if TYPE_CHECKING:  # matplotlib is needed only to draw
+    from matplotlib.axes import Axes
+
 MAX_ROWS, MAX_CELLS = 6, 32  # block_tables.png: sequences shown, blocks shown per sequence
 
 
 class StepTrace:
-    def __init__(self, path: str, scheduler: Scheduler):
+    def __init__(self, path: str, scheduler: Scheduler) -> None:
         self.file = open(path, "w", buffering=1)  # line-buffered: a trace is readable while the engine runs
-        self.scheduler, self.bm = scheduler, scheduler.block_manager
-        self.num_steps, self.last, self.start = 0, self.counters(), time.perf_counter()
+        self.scheduler = scheduler
+        self.bm = scheduler.block_manager
+        self.num_steps = 0
+        self.last = self.counters()  # the pool's counters after the previous step
+        self.start = time.perf_counter()
 
-    def counters(self) -> dict:
+    def counters(self) -> dict[str, int]:
         bm = self.bm
         return {
             "allocated": bm.num_allocated,
@@ -34,7 +42,7 @@ class StepTrace:
             "revived": bm.num_revived,
         }
 
-    def begin(self, step: Step):
+    def begin(self, step: Step) -> None:
         """The step as launched (before finishing the previous one may free blocks)."""
         self.seqs = [
             {
@@ -48,9 +56,12 @@ class StepTrace:
         ]
         self.preempted = [seq.seq_id for seq in step.preempted]
 
-    def end(self, started: float):
+    def end(self, started: float) -> None:
         """The pool and queues after the step, and its time."""
-        now, sched, bm, counters = time.perf_counter(), self.scheduler, self.bm, self.counters()
+        now = time.perf_counter()
+        sched = self.scheduler
+        bm = self.bm
+        counters = self.counters()
         self.file.write(
             json.dumps(
                 {
@@ -63,7 +74,7 @@ class StepTrace:
                     "waiting": len(sched.waiting),
                     "blocks": dict(
                         used=bm.num_used_blocks,
-                        cached=bm.num_cached_blocks,
+                        cached=bm.count_cached_free_blocks(),
                         free=bm.num_free_blocks,
                         **{k: counters[k] - self.last[k] for k in counters},
                     ),
@@ -77,13 +88,14 @@ class StepTrace:
             )
             + "\n"
         )
-        self.num_steps, self.last = self.num_steps + 1, counters
+        self.num_steps += 1
+        self.last = counters
 
-    def close(self):
+    def close(self) -> None:
         self.file.close()
 
 
-def pyplot():
+def pyplot() -> ModuleType:
     try:
         import matplotlib
 
@@ -94,7 +106,7 @@ def pyplot():
     return plt
 
 
-def plot_kv_blocks(steps: list[dict], ax):
+def plot_kv_blocks(steps: list[dict], ax: "Axes") -> None:
     x, b = [s["step"] for s in steps], [s["blocks"] for s in steps]  # "free" counts the cached blocks too
     ax.stackplot(
         x,
@@ -111,7 +123,7 @@ def plot_kv_blocks(steps: list[dict], ax):
     ax.set(xlabel="step", ylabel="KV blocks", title=f"KV block pool after each step (of {total} blocks)")
 
 
-def plot_batches(steps: list[dict], top, bottom):
+def plot_batches(steps: list[dict], top: "Axes", bottom: "Axes") -> None:
     x = [s["step"] for s in steps]
     prefill = [sum(q["tokens"] for q in s["seqs"] if q["kind"] == "prefill") for s in steps]
     decodes = [sum(q["kind"] == "decode" for q in s["seqs"]) for s in steps]
@@ -122,7 +134,7 @@ def plot_batches(steps: list[dict], top, bottom):
     bottom.set(xlabel="step", ylabel="sequences")
 
 
-def plot_block_tables(steps: list[dict], ax):
+def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
     seqs = [q for s in steps for q in s["seqs"]]
     bs = next(
         b for b in 2 ** np.arange(16) if all(len(q["block_table"]) == -(-(q["start"] + q["tokens"]) // b) for q in seqs)
@@ -154,10 +166,12 @@ def plot_block_tables(steps: list[dict], ax):
     )
 
 
-def plot_trace(trace_path, out_dir) -> list[Path]:
+def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
     """Write kv_blocks.png, batches.png and block_tables.png for the trace into out_dir; returns their paths."""
     steps = [json.loads(line) for line in Path(trace_path).read_text().splitlines() if line.strip()]
-    plt, out_dir, paths = pyplot(), Path(out_dir), []
+    plt = pyplot()
+    out_dir = Path(out_dir)
+    paths = []
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, draw, panels in (
         ("kv_blocks", plot_kv_blocks, 1),

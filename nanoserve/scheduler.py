@@ -28,7 +28,7 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # first position computed this step
     num_new_tokens: int  # positions [start, start + num_new_tokens) are computed
-    samples: bool  # the chunk reaches the sequence's end, so its last logits pick the next token
+    picks_next_token: bool  # the chunk reaches the sequence's end, so its last logits pick the next token
 
 
 @dataclass
@@ -36,30 +36,38 @@ class Step:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_tokens: int = 0  # tokens computed in the step, counted as they are planned
-    # the sequences that get a token from this step, in batch order: the rows of its samples
-    sampling = property(lambda self: [s.seq for s in self.scheduled if s.samples])
+
+    @property
+    def sampling_seqs(self) -> list[Sequence]:
+        """The sequences that get a token from this step, in batch order: row i of its samples is the i-th."""
+        return [s.seq for s in self.scheduled if s.picks_next_token]
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
-        self.block_manager, self.max_model_len = block_manager, max_model_len
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
 
-    def check_fits(self, seq: Sequence):
+    def check_fits(self, seq: Sequence) -> None:
         """Refuse a request that could not fit in the whole pool even alone: it would never finish."""
         final_len = min(seq.num_tokens + seq.params.max_tokens, self.max_model_len)
         kv_tokens = max(seq.num_tokens, final_len - 1)  # the last sampled token never needs KV
-        if (needed := self.block_manager.blocks_needed(kv_tokens)) > self.block_manager.num_blocks:
+        needed = self.block_manager.blocks_needed(kv_tokens)
+        if needed > self.block_manager.num_blocks:
             raise InvalidField(
                 "max_tokens",
                 f"the request needs {needed} KV blocks ({kv_tokens} tokens) but the pool "
                 f"has {self.block_manager.num_blocks}: lower max_tokens or add KV memory",
             )
 
-    def add(self, seq: Sequence):
+    def add(self, seq: Sequence) -> None:
         self.check_fits(seq)
         self.waiting.append(seq)
 
@@ -76,16 +84,18 @@ class Scheduler:
     def _budget(self, step: Step) -> int:
         return self.max_num_batched_tokens - step.num_tokens
 
-    def _plan(self, step: Step, seq: Sequence, num_new: int):
+    def _plan(self, step: Step, seq: Sequence, num_new: int) -> None:
         """Add seq's next num_new tokens to the step, and book them."""
-        start, seq.num_computed_tokens = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-        step.scheduled.append(ScheduledSeq(seq, start, num_new, samples=start + num_new == seq.num_tokens))
+        start = seq.num_computed_tokens
+        picks_next_token = start + num_new == seq.num_tokens
+        step.scheduled.append(ScheduledSeq(seq, start, num_new, picks_next_token))
         step.num_tokens += num_new
-        self.block_manager.cache_full_blocks(seq)
-        if step.scheduled[-1].samples:
-            seq.append_pending()
+        seq.num_computed_tokens += num_new  # booked: counted as computed from now on
+        self.block_manager.cache_full_blocks(seq)  # the full blocks it completes are findable at once
+        if picks_next_token:
+            seq.append_pending()  # its value arrives when this step is read back
 
-    def _schedule_running(self, step: Step):
+    def _schedule_running(self, step: Step) -> None:
         for seq in list(self.running):
             # skip one preempted just now, or at its length limit with the last token pending (it ends when read)
             if (
@@ -108,7 +118,7 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence):
+    def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop seq's KV; readmitted, it re-prefills prompt + output so far."""
         self.running.remove(seq)
         self.block_manager.free(seq)  # its full blocks stay findable: they were cached when booked or read back
@@ -116,7 +126,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _admit_waiting(self, step: Step):
+    def _admit_waiting(self, step: Step) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs and self._budget(step) > 0:
             seq = self.waiting[0]
             if seq.num_pending:  # a preempted sequence waits for its tokens' values
@@ -129,11 +139,11 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self._plan(step, seq, num_new)
 
-    def update(self, step: Step, tokens: list[int], logprobs: list[dict | None] | None) -> list[Sequence]:
-        """A launched step's samples are back, one per sequence of step.sampling: fill in their oldest pending
+    def update(self, step: Step, tokens: list[int], logprobs: list[dict[int, float] | None] | None) -> list[Sequence]:
+        """A launched step's samples are back, one per sequence of step.sampling_seqs: fill in their oldest pending
         tokens. Returns the sequences that got one (those finished meanwhile drop it)."""
         got_token = []
-        for row, seq in enumerate(step.sampling):
+        for row, seq in enumerate(step.sampling_seqs):
             if seq.status == SequenceStatus.FINISHED:
                 continue
             seq.resolve_pending(tokens[row], logprobs[row] if logprobs else None)
@@ -142,7 +152,7 @@ class Scheduler:
             got_token.append(seq)
         return got_token
 
-    def finish(self, seq: Sequence, reason: str):
+    def finish_sequence(self, seq: Sequence, reason: str) -> None:
         """Stopped or aborted: its blocks return to the pool at once, wherever it was."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
@@ -150,4 +160,5 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING:  # holds no blocks
             self.waiting.remove(seq)
         seq.drop_pending()
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

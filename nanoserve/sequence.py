@@ -31,7 +31,13 @@ class DecodedText:
     stop_at: int | None = None  # a stop string starts here: the output text ends here
     num_streamed: int = 0  # characters already handed out as deltas
     num_tokens_streamed: int = 0  # completion tokens already handed out
-    final = property(lambda self: self.text if self.stop_at is None else self.text[: self.stop_at])  # what is shown
+
+    @property
+    def final(self) -> str:
+        """What the caller is shown: the text up to the stop string, if one matched."""
+        if self.stop_at is None:
+            return self.text
+        return self.text[: self.stop_at]
 
 
 class Sequence:
@@ -43,37 +49,72 @@ class Sequence:
         params: SamplingParams,
         block_size: int,
         stop_token_ids: frozenset[int] = frozenset(),
-    ):
-        self.seq_id, self.status = next(Sequence._ids), SequenceStatus.WAITING
-        self.token_ids, self.num_prompt_tokens = list(token_ids), len(token_ids)
-        self.params, self.block_size = params, block_size
-        self.stop_token_ids = stop_token_ids  # the request's stop ids, plus EOS unless ignore_eos
-        self.block_table = array("i")  # physical block ids in token order; packed int32: the runner copies it whole
-        self.num_computed_tokens = 0  # tokens whose K/V are in the cache (or being written this step)
-        self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served; None until admitted
-        self.num_pending = 0  # trailing PENDING tokens (at most two: steps n and n+1)
+    ) -> None:
+        self.seq_id = next(Sequence._ids)
+        self.status = SequenceStatus.WAITING
+        self.params = params
+        self.block_size = block_size
+        # the request's stop ids, plus EOS unless ignore_eos
+        self.stop_token_ids = stop_token_ids
+        # the prompt, then every token sampled so far (the last one or two may be PENDING)
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        # physical block ids in token order; packed int32, so the runner copies it whole
+        self.block_table = array("i")
+        # tokens whose K/V are in the cache (or being written by a step already launched)
+        self.num_computed_tokens = 0
+        # prompt tokens the prefix cache served; None until first admitted
+        self.num_cached_tokens: int | None = None
+        # trailing PENDING tokens: at most two (steps n and n+1 in flight)
+        self.num_pending = 0
+        # "stop", "length" or "abort" once finished
         self.finish_reason: str | None = None
-        self.logprobs: list[dict] = []  # per generated token, when params.logprobs is set
-        self.cumulative_logprob, self.text = 0.0, DecodedText()
+        # per generated token, when params.logprobs is set: {token_id: logprob}
+        self.logprobs: list[dict[int, float]] = []
+        self.cumulative_logprob = 0.0
+        self.text = DecodedText()
 
-    # lengths: every token counts, pending ones included; only their values are unknown
-    num_tokens = property(lambda self: len(self.token_ids))
-    num_known_tokens = property(lambda self: len(self.token_ids) - self.num_pending)  # values on the host
-    num_completion_tokens = property(lambda self: len(self.token_ids) - self.num_prompt_tokens)
-    num_uncomputed_tokens = property(lambda self: len(self.token_ids) - self.num_computed_tokens)
-    completion_token_ids = property(lambda self: self.token_ids[self.num_prompt_tokens : self.num_known_tokens])
-    is_finished = property(lambda self: self.status == SequenceStatus.FINISHED)
-    is_queued = property(lambda self: self.status == SequenceStatus.WAITING and not self.num_pending)  # holds nothing
+    # Lengths: every token counts, pending ones included; only their values are unknown.
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values are on the host (all but the pending ones)."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        """The generated tokens read back so far."""
+        return self.token_ids[self.num_prompt_tokens : self.num_known_tokens]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def is_queued(self) -> bool:
+        """Waiting and holding nothing: no blocks, no token still in flight."""
+        return self.status == SequenceStatus.WAITING and not self.num_pending
 
     def block_tokens(self, i: int) -> tuple[int, ...]:
         """The token ids that block i of this sequence holds (or will hold)."""
         return tuple(self.token_ids[i * self.block_size : (i + 1) * self.block_size])
 
-    def append_pending(self):
+    def append_pending(self) -> None:
         self.token_ids.append(PENDING)
         self.num_pending += 1
 
-    def resolve_pending(self, token_id: int, logprobs: dict | None = None):
+    def resolve_pending(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
         """The oldest pending token's value has arrived (steps are read back in launch order)."""
         self.token_ids[self.num_known_tokens] = token_id
         self.num_pending -= 1
@@ -81,7 +122,7 @@ class Sequence:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token_id]
 
-    def drop_pending(self):
+    def drop_pending(self) -> None:
         """Finished: a token sampled after the last one kept is discarded."""
         del self.token_ids[self.num_known_tokens :]
         self.num_pending = 0

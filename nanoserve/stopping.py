@@ -12,7 +12,12 @@ Text is decoded incrementally: a few tokens before the new ones are decoded agai
 several tokens appears whole, once its last byte arrives. A streamed delta never contains the start of what could still
 become a stop string, so a stop string is never streamed, even in part."""
 
+from typing import TYPE_CHECKING
+
 from nanoserve.sequence import Sequence
+
+if TYPE_CHECKING:  # for annotations only: the bookkeeping modules import neither torch nor transformers
+    from transformers import PreTrainedTokenizerBase
 
 DETOKENIZE_CONTEXT = 6  # tokens decoded again before the new ones (a UTF-8 character has at most 4 bytes)
 INCOMPLETE_CHARACTER = "\ufffd"  # what decoding shows for a character whose last bytes have not come yet
@@ -29,66 +34,88 @@ def banned_token_ids(seq: Sequence) -> frozenset[int]:
 
 
 class StopChecker:
-    def __init__(self, tokenizer, max_model_len: int):
-        self.tokenizer, self.max_model_len = tokenizer, max_model_len  # tokenizer None (weights only): no text
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase | None", max_model_len: int) -> None:
+        self.tokenizer = tokenizer  # None (a weights-only model): no text
+        self.max_model_len = max_model_len
 
     def check(self, seq: Sequence, incremental: bool) -> str | None:
         """After seq's oldest pending token is read back: "stop", "length" or None. Keeps seq.text up to date
         token by token when `incremental` (streaming) or when stop strings need it, else decodes once at the end."""
-        p, num_out = seq.params, seq.num_known_tokens - seq.num_prompt_tokens
-        may_stop = num_out >= p.min_tokens
-        if may_stop and seq.token_ids[seq.num_known_tokens - 1] in seq.stop_token_ids:
+        params = seq.params
+        num_out = seq.num_known_tokens - seq.num_prompt_tokens
+        may_stop = num_out >= params.min_tokens
+        newest = seq.token_ids[seq.num_known_tokens - 1]
+        if may_stop and newest in seq.stop_token_ids:
             self._decode(seq, num_out - 1, final=True)  # the stop id's own text is not shown
             return "stop"
-        if incremental or p.stop:
+        if incremental or params.stop:
             self._decode(seq, num_out, final=False)
-        if p.stop and self._search_stop_strings(seq, may_stop):
+        if params.stop and self._search_stop_strings(seq, may_stop):
             return "stop"
-        if num_out >= p.max_tokens or seq.num_known_tokens >= self.max_model_len:
+        if num_out >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:
             self._decode(seq, num_out, final=True)
             return "length"
         return None
 
-    def flush(self, seq: Sequence):
+    def flush(self, seq: Sequence) -> None:
         """Finished another way (aborted): the text of every token read back."""
         self._decode(seq, seq.num_known_tokens - seq.num_prompt_tokens, final=True)
 
-    def _decode(self, seq: Sequence, upto: int, final: bool):
+    def _decode(self, seq: Sequence, upto: int, final: bool) -> None:
         """Fold the text of completion tokens [text.num_decoded, upto) into seq.text. Not final: wait while the
         last character is incomplete."""
-        t, ids = seq.text, seq.token_ids[seq.num_prompt_tokens : seq.num_prompt_tokens + upto]
-        if self.tokenizer is None or upto <= t.num_decoded:
+        decoded = seq.text
+        if self.tokenizer is None or upto <= decoded.num_decoded:
             return
-        start = max(0, t.num_decoded - DETOKENIZE_CONTEXT)
-        before = self.tokenizer.decode(ids[start : t.num_decoded], skip_special_tokens=True)
+        ids = seq.token_ids[seq.num_prompt_tokens : seq.num_prompt_tokens + upto]
+        start = max(0, decoded.num_decoded - DETOKENIZE_CONTEXT)
+        before = self.tokenizer.decode(ids[start : decoded.num_decoded], skip_special_tokens=True)
         after = self.tokenizer.decode(ids[start:], skip_special_tokens=True)
         if after.endswith(INCOMPLETE_CHARACTER) and not final:
             return
         if after.startswith(before):
-            t.text += after[len(before) :]
+            decoded.text += after[len(before) :]
         else:  # the new tokens changed how earlier ones read (rare): decode the whole completion again
-            t.text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        t.num_decoded = upto
+            decoded.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        decoded.num_decoded = upto
 
     @staticmethod
     def _search_stop_strings(seq: Sequence, may_stop: bool) -> bool:
         """Look for a stop string ending in text not searched before (so an occurrence before min_tokens never
         counts later); the first occurrence found ends the text."""
-        t = seq.text
-        starts = [t.text.find(s, max(0, t.num_searched - len(s) + 1)) for s in seq.params.stop] if may_stop else []
-        t.num_searched = len(t.text)
-        t.stop_at = min((i for i in starts if i >= 0), default=None)
-        return t.stop_at is not None
+        decoded = seq.text
+        found = []
+        for stop in seq.params.stop if may_stop else []:
+            # an occurrence ending in the new text starts at most len(stop) - 1 characters before it
+            search_from = max(0, decoded.num_searched - len(stop) + 1)
+            start = decoded.text.find(stop, search_from)
+            if start >= 0:
+                found.append(start)
+        decoded.num_searched = len(decoded.text)
+        decoded.stop_at = min(found, default=None)
+        return decoded.stop_at is not None
+
+
+def longest_stop_prefix_at_end(text: str, stops: list[str]) -> int:
+    """The length of the longest tail of text that is the beginning of a stop string (shorter than it): those
+    characters may still turn out to be a stop string, so they are held back from the stream."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
 
 
 def take_stream_delta(seq: Sequence) -> str:
-    """The text not yet streamed, less any tail that could still become a stop string (until the end)."""
-    t = seq.text
-    held = max(
-        (k for s in seq.params.stop for k in range(min(len(s) - 1, len(t.text)), 0, -1) if t.text.endswith(s[:k])),
-        default=0,
-    )  # the longest tail that begins a stop string
-    end = len(t.final) if seq.is_finished else len(t.text) - held
-    delta = t.text[t.num_streamed : max(end, t.num_streamed)]
-    t.num_streamed += len(delta)
+    """The text not yet streamed, less any tail that could still become a stop string (until the end). Advances
+    the stream cursor."""
+    decoded = seq.text
+    if seq.is_finished:
+        end = len(decoded.final)
+    else:
+        end = len(decoded.text) - longest_stop_prefix_at_end(decoded.text, seq.params.stop)
+    delta = decoded.text[decoded.num_streamed : max(end, decoded.num_streamed)]
+    decoded.num_streamed += len(delta)
     return delta

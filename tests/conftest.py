@@ -111,7 +111,7 @@ class FakeInFlight:
 
     def __init__(self, step, tokens: list[int]):
         self.step, self.device_tokens = step, tokens
-        self.row_of = {seq.seq_id: row for row, seq in enumerate(step.sampling)}
+        self.row_of = {seq.seq_id: row for row, seq in enumerate(step.sampling_seqs)}
 
     def wait(self):
         return list(self.device_tokens), None
@@ -167,7 +167,7 @@ class FakeRunner:
                 hit = s.start // bm.block_size
                 self.admissions.append((s.seq, s.start, list(s.seq.block_table[:hit])))
         self.steps.append([(s.seq, s.start, s.num_new_tokens) for s in step.scheduled])
-        return FakeInFlight(step, [fake_next_token(tokens[seq.seq_id]) for seq in step.sampling])
+        return FakeInFlight(step, [fake_next_token(tokens[seq.seq_id]) for seq in step.sampling_seqs])
 
 
 class FakeEngine:

@@ -297,7 +297,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.prefix_queried_tokens == self.queried_tokens
         assert self.bm.num_hit_blocks == self.hit_blocks
         assert self.bm.num_allocated == self.allocated
-        assert self.bm.num_cached_blocks == sum(
+        assert self.bm.count_cached_free_blocks() == sum(
             self.bm.cached.get(self.bm.blocks[b].key) == b for b in self.bm.free_ids
         )
 
@@ -497,7 +497,7 @@ def test_lru_evicts_least_recently_freed_prefix_first():
     bm.free(b)
     probe_a, probe_b = Sequence([1, 2, 0], PARAMS, 2), Sequence([3, 4, 0], PARAMS, 2)
     a_head, b_head = bm.find_cached_prefix(probe_a), bm.find_cached_prefix(probe_b)
-    assert len(a_head) == len(b_head) == 1 and bm.num_cached_blocks == 2
+    assert len(a_head) == len(b_head) == 1 and bm.count_cached_free_blocks() == 2
     # 3 fresh blocks, least recently freed first: a's tail, a's head, b's tail
     c = fully_computed(bm, kv, [7, 7, 7, 7, 7])
     assert bm.find_cached_prefix(probe_a) == []
@@ -522,7 +522,7 @@ def test_freed_prompt_is_hit_again():
     first = fully_computed(bm, kv, prompt)
     table = list(first.block_table)
     bm.free(first)
-    assert bm.num_used_blocks == 0 and bm.num_cached_blocks == 2
+    assert bm.num_used_blocks == 0 and bm.count_cached_free_blocks() == 2
     again = Sequence(prompt, PARAMS, 4)
     cached = bm.find_cached_prefix(again)
     assert cached == table[:2]

@@ -141,7 +141,7 @@ def test_a_failed_step_leaves_nothing_stale_and_the_engine_serves_on(overlap, wh
     target = {
         "schedule": (engine.scheduler, "_plan", 2, True),
         "launch": (engine.runner, "launch", 1, False),
-        "finish": (engine.scheduler, "finish", 1, True),
+        "finish": (engine.scheduler, "finish_sequence", 1, True),
     }[where]
     interrupt_once(*target)
     with pytest.raises(KeyboardInterrupt):

@@ -12,7 +12,7 @@ import torch
 from conftest import hf_greedy, random_prompts
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.parallel import HEADER_LEN
+from nanoserve.step_inputs import HEADER_LEN
 from nanoserve.sampling_params import InvalidField
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -76,10 +76,7 @@ def test_killed_worker_makes_generate_raise_not_hang(tiny_model):
 def test_idle_workers_outlive_the_collective_timeout(tiny_model, monkeypatch):
     """Guards against a server's workers dying of idleness: a collective that waits longer than its timeout fails,
     so workers must wait for the next step elsewhere. With a 2 s timeout, an engine idle for 5 s still answers."""
-    import nanoserve.parallel
-
-    monkeypatch.setenv("NANOSERVE_TP_TIMEOUT_S", "2")  # read by the spawned worker when it imports parallel.py
-    monkeypatch.setattr(nanoserve.parallel, "TIMEOUT_S", 2)
+    monkeypatch.setenv("NANOSERVE_TP_TIMEOUT_S", "2")  # read by every rank when it joins the group (workers.py)
     path, hf = tiny_model("qwen2")
     llm = LLM(path, tensor_parallel_size=2, num_kvcache_blocks=16, **ENGINE)
     prompts = random_prompts([7, 3])
