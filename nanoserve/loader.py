@@ -4,10 +4,11 @@ the serving dtype with its weights from safetensors. Each parameter loads its ow
 
 import glob
 import os
+from collections.abc import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from nanoserve.attention import SUPPORTED_HEAD_DIMS
 from nanoserve.config import EngineConfig
@@ -23,6 +24,8 @@ PACKED_SHARDS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }  # HF -> (fused projection, shard)
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]  # config, weights, tokenizer, chat template
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")  # any one will do
 
 
 def resolve_model_dir(model: str | None) -> str:
@@ -33,41 +36,56 @@ def resolve_model_dir(model: str | None) -> str:
         return default_model_dir()
     if os.path.isdir(model):
         return model
+    # "org/name" and no such path here: a hub id (./org/name, /org/name and ~/org/name are paths, never fetched)
+    looks_like_hub_id = model.count("/") == 1 and not os.path.exists(model) and not model.startswith((".", "/", "~"))
     error = None
-    if model.count("/") == 1 and not os.path.exists(model) and not model.startswith((".", "/", "~")):
+    if looks_like_hub_id:
         try:
             from huggingface_hub import snapshot_download
 
-            return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+            return snapshot_download(model, allow_patterns=HUB_FILES)
         except Exception as e:  # offline, or no such repository
             error = e
     raise InvalidField("model", f"no such model directory: {model!r}") from error
 
 
-def load_tokenizer(model_dir: str):
+def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase | None:
     """None for a weights-only directory (prompts must then be token ids): transformers would make an empty one."""
-    files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-    return AutoTokenizer.from_pretrained(model_dir) if any(os.path.exists(f"{model_dir}/{f}") for f in files) else None
+    if not any(os.path.exists(f"{model_dir}/{name}") for name in TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
-def eos_ids_of(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
+def eos_ids_of(
+    model_dir: str, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase | None
+) -> frozenset[int]:
     """EOS ids from the generation config and the model config (several allowed), then the tokenizer."""
     try:
         sources = [GenerationConfig.from_pretrained(model_dir).eos_token_id]
-    except OSError:
+    except OSError:  # no generation_config.json
         sources = []
     sources.append(getattr(hf_config, "eos_token_id", None))
-    if not any(s is not None for s in sources) and tokenizer is not None:
+    if all(source is None for source in sources) and tokenizer is not None:
         sources.append(tokenizer.eos_token_id)
-    return frozenset(i for s in sources for i in ([s] if isinstance(s, int) else (s or [])))
+    eos_ids = set()
+    for source in sources:  # each None, one id, or a list of ids
+        if isinstance(source, int):
+            eos_ids.add(source)
+        elif source:
+            eos_ids.update(source)
+    return frozenset(eos_ids)
 
 
-def checkpoint_dtype(hf_config) -> torch.dtype | None:
+def checkpoint_dtype(hf_config: PretrainedConfig) -> torch.dtype | None:
+    """The dtype the weights were saved in, if the config says (`dtype`; older transformers name it `torch_dtype`)."""
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    return getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if isinstance(dtype, str):  # "bfloat16" in a config read from JSON
+        return getattr(torch, dtype, None)
+    return dtype
 
 
-def read_safetensors(model_dir: str):
+def read_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every *.safetensors file in model_dir, one at a time, on the CPU."""
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise InvalidField("model", f"{model_dir!r} has no *.safetensors files")
@@ -77,22 +95,30 @@ def read_safetensors(model_dir: str):
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: CausalLM, tensors):
-    """tensors: iterable of (HF name, tensor). q/k/v and gate/up fill a shard of their fused projection."""
-    params, loaded = dict(model.named_parameters(remove_duplicate=False)), set()
+def copy_whole(param: torch.nn.Parameter, tensor: torch.Tensor) -> None:
+    """The weight_loader of a parameter that defines none: the checkpoint tensor is the whole parameter."""
+    param.data.copy_(tensor)
+
+
+def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """tensors: (HF name, tensor) pairs. q/k/v and gate/up fill a shard of their fused projection."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = set()
     for name, tensor in tensors:
         if name.endswith("rotary_emb.inv_freq"):
             continue  # older checkpoints store RoPE frequencies; we compute them
         module_name, _, param_name = name.rpartition(".")
         *parent, proj = module_name.split(".")
-        shard = ()
+        shard = ()  # extra weight_loader arguments: the shard index, for a fused projection only
         if proj in PACKED_SHARDS:
             fused, index = PACKED_SHARDS[proj]
-            name, shard = ".".join(parent + [fused, param_name]), (index,)
+            name = ".".join(parent + [fused, param_name])
+            shard = (index,)
         if name not in params:
             raise ValueError(f"model: checkpoint tensor {name!r} has no place in the model")
         param = params[name]
-        getattr(param, "weight_loader", lambda p, t: p.data.copy_(t))(param, tensor, *shard)  # default: whole
+        weight_loader = getattr(param, "weight_loader", copy_whole)
+        weight_loader(param, tensor, *shard)
         loaded.add(name)
     if model.args.tie_word_embeddings:
         loaded.add("lm_head.weight")
@@ -103,6 +129,7 @@ def load_weights(model: CausalLM, tensors):
 def build_model(
     args: ModelArgs, model_dir: str, dtype: torch.dtype, device: torch.device, kernels: Kernels, tp: TP
 ) -> CausalLM:
+    """The model on device in the serving dtype, its weights loaded from model_dir's safetensors, in eval mode."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are made in the serving dtype; RoPE tables stay fp32
     try:
@@ -114,7 +141,8 @@ def build_model(
     return model.eval()
 
 
-def load_hf_config(model_dir: str, config: EngineConfig):
+def load_hf_config(model_dir: str, config: EngineConfig) -> tuple[PretrainedConfig, ModelArgs]:
+    """The HF config and our ModelArgs from it, refused (InvalidField) where the engine config cannot serve it."""
     hf_config = AutoConfig.from_pretrained(model_dir)
     args = ModelArgs.from_hf(hf_config)
     if config.max_model_len > args.max_position:
@@ -124,6 +152,7 @@ def load_hf_config(model_dir: str, config: EngineConfig):
     if config.kernels == "triton" and args.head_dim not in SUPPORTED_HEAD_DIMS:
         raise InvalidField("kernels", f"'triton' tiles head_dim {SUPPORTED_HEAD_DIMS}, not {args.head_dim}: 'torch'")
     for name in ("num_heads", "num_kv_heads", "vocab_size", "intermediate_size"):  # an equal share for each rank
-        if getattr(args, name) % config.tensor_parallel_size:  # (fewer KV heads than ranks: refused, too)
-            raise InvalidField("tensor_parallel_size", f"does not divide the model's {name}={getattr(args, name)}")
+        size = getattr(args, name)
+        if size % config.tensor_parallel_size:  # (fewer KV heads than ranks: refused, too)
+            raise InvalidField("tensor_parallel_size", f"does not divide the model's {name}={size}")
     return hf_config, args

@@ -9,28 +9,49 @@ from dataclasses import dataclass
 class InvalidField(ValueError):
     """Bad input, with the name of the field at fault (the server reports it as OpenAI's `param`)."""
 
-    def __init__(self, field: str, problem: str):
+    def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"{field}: {problem}")
-        self.field, self.problem = field, problem
+        self.field = field
+        self.problem = problem
 
 
-def check_number(field: str, value, low=None, high=None, integer=False, above_low=False):
+def describe_range(low: float | None, high: float | None, above_low: bool) -> str:
+    """'[low, high]', or '(low, high]' when low itself is out; a missing bound shows as -inf or inf."""
+    opening = "(" if above_low else "["
+    lower = "-inf" if low is None else low
+    upper = "inf" if high is None else high
+    return f"{opening}{lower}, {upper}]"
+
+
+def check_number(
+    field: str,
+    value: object,
+    low: float | None = None,
+    high: float | None = None,
+    integer: bool = False,
+    above_low: bool = False,
+) -> None:
     """value must be a finite real (an integer if asked; bool is neither) in [low, high], or (low, high]."""
     kind = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
-        raise InvalidField(field, f"{value!r} is not {'an integer' if integer else 'a finite number'}")
-    if (low is not None and (value <= low if above_low else value < low)) or (high is not None and value > high):
-        bounds = f"{'(' if above_low else '['}{'-inf' if low is None else low}, {'inf' if high is None else high}]"
-        raise InvalidField(field, f"{value!r} is out of range {bounds}")
+        wanted = "an integer" if integer else "a finite number"
+        raise InvalidField(field, f"{value!r} is not {wanted}")
+    too_low = low is not None and (value < low or (above_low and value == low))
+    too_high = high is not None and value > high
+    if too_low or too_high:
+        raise InvalidField(field, f"{value!r} is out of range {describe_range(low, high, above_low)}")
 
 
-def check_token_ids(field: str, ids) -> list[int]:
+def is_token_id(value: object) -> bool:
+    """An integer of any integer type (numpy's, a tensor element's), but not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_token_ids(field: str, ids: object) -> list[int]:
     """A list of integer token ids (a numpy array or tensor of them is fine): returned as plain ints."""
     if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):
-        ids = ids.tolist()
-    if not isinstance(ids, (list, tuple)) or not all(
-        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids
-    ):
+        ids = ids.tolist()  # a numpy array or a tensor
+    if not isinstance(ids, (list, tuple)) or not all(is_token_id(t) for t in ids):
         raise InvalidField(field, "expected a list of integer token ids")
     return [int(t) for t in ids]
 
@@ -50,7 +71,7 @@ class SamplingParams:
     seed: int | None = None  # makes this request's samples reproducible, whatever else is batched
     logprobs: int | None = None  # return the chosen token's logprob and the top-N logprobs
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_number("n", self.n, low=1, integer=True)
         check_number("temperature", self.temperature, low=0)
         check_number("top_p", self.top_p, low=0, high=1, above_low=True)
@@ -66,11 +87,16 @@ class SamplingParams:
             check_number("seed", self.seed, integer=True)
         if self.logprobs is not None:
             check_number("logprobs", self.logprobs, low=0, integer=True)
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if isinstance(self.stop, str):
+            stop = [self.stop]  # one stop string
+        else:
+            stop = self.stop or []
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise InvalidField("stop", f"{self.stop!r} is not a non-empty string or a list of them")
         self.stop = list(stop)
         self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids or [])
 
-    # top-k, top-p or min-p trims the distribution before the draw
-    filtered = property(lambda self: self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+    @property
+    def filtered(self) -> bool:
+        """Whether top-k, top-p or min-p trims the distribution before the draw."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0

@@ -44,13 +44,15 @@ def test_engine_runs_without_triton(tiny_model):
             "sys.modules['triton'] = None  # import triton now raises ImportError, as where it is not installed\n"
             "from nanoserve import LLM, SamplingParams\n"
             f"llm = LLM({path!r}, device='cpu', max_model_len=64, num_kvcache_blocks=16)\n"
-            f"out = llm.generate({prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)\n"
+            "greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)\n"
+            f"out = llm.generate({prompt}, greedy, use_tqdm=False)\n"
             "try:\n"
             f"    LLM({path!r}, device='cpu', kernels='triton', max_model_len=64)\n"
             "    error = None\n"
             "except ValueError as e:\n"
             "    error = str(e)\n"
-            "print(json.dumps([out[0].outputs[0].token_ids, error, 'triton' in sys.modules and sys.modules['triton'] is not None]))"
+            "triton_loaded = 'triton' in sys.modules and sys.modules['triton'] is not None\n"
+            "print(json.dumps([out[0].outputs[0].token_ids, error, triton_loaded]))"
         )
     )
     assert got[0] == hf_greedy(hf, prompt, 8)
