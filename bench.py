@@ -399,11 +399,14 @@ def run_traced(llm, run, workload, args):
 
 
 # ---- transformers, the peer ------------------------------------------------------------------------------------
-def hf_model(model_dir, **kwargs):
+def hf_model(model_dir, dtype_name="auto", **kwargs):
+    """transformers' model in the dtype nanoserve serves in: "auto" is bf16 on a GPU and fp32 on a CPU, as ours."""
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if dtype_name != "auto":
+        dtype = getattr(torch, dtype_name)
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs).to(device).eval(), device
 
 
@@ -422,7 +425,7 @@ def peer_row(name, requests, tokens, seconds) -> dict:
     }
 
 
-def run_compare_hf(model_dir, workload):
+def run_compare_hf(model_dir, workload, dtype_name="auto"):
     """The same requests through transformers' continuous batching (paged attention over SDPA, prefix sharing off):
     `generate_batch`'s own loop written out, as it takes one max_new_tokens for all requests. Left to itself it sizes
     its cache (and SDPA's batch x cache-tokens mask) from 60% of free memory, host RAM on a CPU (8 GB for 4 tiny
@@ -430,7 +433,7 @@ def run_compare_hf(model_dir, workload):
     from transformers import ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
-    model, device = hf_model(model_dir, attn_implementation="paged|sdpa")
+    model, device = hf_model(model_dir, dtype_name, attn_implementation="paged|sdpa")
     prompts, params = workload.prompts, workload.params
     config = GenerationConfig(
         **hf_sampling(params[0]), max_new_tokens=max(p.max_tokens for p in params), eos_token_id=-1
@@ -464,12 +467,12 @@ def run_compare_hf(model_dir, workload):
     return peer_row("transformers continuous batching", len(prompts), tokens, seconds)
 
 
-def run_compare_hf_sequential(model_dir, workload):
+def run_compare_hf_sequential(model_dir, workload, dtype_name="auto"):
     """The same requests through transformers' generate one prompt at a time (batch 1, no padding), greedy or at the
     workload's temperature, with min_new_tokens = max_new_tokens so that it makes as many tokens as nanoserve."""
     from transformers import GenerationConfig
 
-    model, device = hf_model(model_dir)
+    model, device = hf_model(model_dir, dtype_name)
     eos = model.generation_config.eos_token_id
     pad = (eos[0] if isinstance(eos, list) else eos) or 0
 
@@ -523,6 +526,7 @@ def run_engine(args, model_dir, cpu_default):
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tp,
         threads=args.threads,
+        dtype=args.dtype,
     )
     try:
         workload = None if args.prefix or args.latency else build_workload(args, llm)
@@ -566,7 +570,7 @@ def run_all(args, cpu_default):
             torch.set_num_threads(args.threads or DEFAULT_THREADS)  # the peer as a user runs it
             run, name = COMPARE[args.compare]
             print(f"running {name}: {workload.description}", flush=True)
-            rows.append(run(model_dir, workload) | {"busy": args.busy, "peak_rss_mb": peak_rss_mb()})
+            rows.append(run(model_dir, workload, args.dtype) | {"busy": args.busy, "peak_rss_mb": peak_rss_mb()})
             ratio = rows[0]["tok_per_s"] / rows[-1]["tok_per_s"]
             rows[-1]["nanoserve_speedup"] = round(ratio, 2)
             print(f"nanoserve / {name}: {ratio:.1f}x")
@@ -618,6 +622,12 @@ def parse_args(argv=None):
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--prefix-len", type=int, default=2048, help="shared prompt length for --prefix")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="nanoserve's and the peer's dtype (auto: bf16 on a GPU, fp32 on a CPU)",
+    )
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     ap.add_argument("--threads", type=int, help="CPU torch threads (default: the engine's, the free cores)")
     ap.add_argument("--busy", type=int, default=0, help="CPU-burning processes running beside the benchmark")

@@ -11,6 +11,7 @@ import json
 
 import torch
 import torch.nn.functional as F
+from triton import cdiv
 from triton.testing import do_bench
 
 from nanoserve.attention import PAD_SLOT, AttentionMetadata, paged_attention
@@ -26,7 +27,7 @@ COPIES_IN_MEMORY = 6  # K and V, each contiguous + paged + a transient copy whil
 
 def make_case(batch, ctx, query_len, block_size):
     """Random q, K, V; K/V both contiguous (for SDPA) and paged in shuffled blocks (for us). Queries are last tokens."""
-    blocks_per_seq = -(-ctx // block_size)
+    blocks_per_seq = cdiv(ctx, block_size)
     k = torch.randn(batch, NUM_KV_HEADS, ctx, HEAD_DIM, device="cuda", dtype=DTYPE)  # [B, kv_heads, ctx, D]
     v = torch.randn_like(k)
     block_tables = torch.randperm(batch * blocks_per_seq, dtype=torch.int32, device="cuda").view(batch, -1)

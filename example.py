@@ -44,6 +44,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="start every conversation with this system prompt (a built-in one if TEXT is left out)",
     )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: fp32 on a CPU (equal to transformers), the checkpoint's 16-bit type on a GPU; bfloat16 on a CPU "
+        "with native bf16 (AVX512-BF16, AMX, Arm BF16) is faster (see README)",
+    )
     parser.add_argument("--plot", metavar="DIR", help="write DIR/trace.jsonl and draw it into DIR as PNG files")
     return parser.parse_args(argv)
 
@@ -57,6 +64,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "enable_prefix_caching": not args.no_prefix_caching,
         "overlap": not args.no_overlap,
         "threads": args.threads,
+        "dtype": args.dtype,
         "trace": str(Path(args.plot) / "trace.jsonl") if args.plot else None,
     }
 

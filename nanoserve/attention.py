@@ -10,18 +10,19 @@ runs before attention. The PyTorch references at the bottom are the oracle the k
 fast path. Words: a "block" is a KV-cache page, a "tile" a kernel's compute tile."""
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels import tl, triton
+from nanoserve.triton_shim import tl, triton
 
 PAD_SLOT = -1  # slot_mapping value of a padded token: the KV store skips it
 LOG2E = 1.4426950408889634  # log2(e) = 1/ln(2): softmax runs on exp2, so the score scale absorbs it
 MIN_DOT_ROWS = 16  # tl.dot needs >= 16 rows: small query tiles and decode GQA groups are padded up to this
 PREFILL_TILE_M = 128  # query rows per prefill program (the Triton fused-attention tutorial's H100 choice)
 PREFILL_TILE_N = 64  # keys per step of the prefill loop
+PREFILL_WIDE_TILE_M = 128  # prefill tiles of this many query rows or more run on 8 warps (2 warpgroups), others on 4
 DECODE_TILE_N = 64  # keys per step of a decode split
 DECODE_NUM_WARPS = 4
 PROGRAMS_PER_SM = 4  # decode splits the keys until the grid has about this many programs per SM
@@ -41,8 +42,16 @@ class AttentionMetadata:
     max_query_len: int  # host-side bounds, so launching a kernel never reads the GPU
     max_context_len: int  # >= every context_len (decode under a CUDA graph: max_model_len)
     decode_only: bool  # every sequence has exactly one query token
+    # what the PyTorch reference derives from the above: the same for every layer, so made once per step
+    _reference_gather: "ReferenceGather | None" = field(default=None, init=False, repr=False, compare=False)
 
-    def __post_init__(self):
+    def reference_gather(self, block_size: int) -> "ReferenceGather":
+        """The PyTorch reference's gather indices and mask for this step, computed by its first layer."""
+        if self._reference_gather is None:
+            self._reference_gather = ReferenceGather.of(self, block_size)
+        return self._reference_gather
+
+    def __post_init__(self) -> None:
         num_seqs = self.context_lens.shape[0]
         for t in (self.slot_mapping, self.query_start_loc, self.context_lens, self.block_tables):
             assert t.dtype == torch.int32 and t.device == self.context_lens.device, "metadata: int32, one device"
@@ -117,20 +126,21 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _online_softmax_step(acc, m, l, q, k, v, visible, qk_scale, MASKED: tl.constexpr):
+def _online_softmax_step(acc, row_max, row_sum, q, k, v, visible, qk_scale, MASKED: tl.constexpr):
     """Fold one key tile into the running softmax of each query row (flash attention).
-    acc [M, HEAD_DIM] fp32 unnormalised output, m [M] running max score, l [M] running sum of exp2(score - m);
-    q [M, HEAD_DIM], k and v [N, HEAD_DIM], visible [M, N] (or broadcastable) which keys each row may see,
-    read only if MASKED. Every row must see a key by its first tile, or its max stays -inf and the rescale is NaN."""
+    acc [M, HEAD_DIM] fp32 unnormalised output, row_max [M] running max score, row_sum [M] running sum of
+    exp2(score - row_max); q [M, HEAD_DIM], k and v [N, HEAD_DIM], visible [M, N] (or broadcastable) which keys each
+    row may see, read only if MASKED. Every row must see a key by its first tile, or its max stays -inf and the
+    rescale is NaN. Returns the updated (acc, row_max, row_sum)."""
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [M, N] scores in log2 units; fp32 not tf32
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)  # rescales what was summed under the old max
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, 1)
+    new_max = tl.maximum(row_max, tl.max(s, 1))
+    alpha = tl.exp2(row_max - new_max)  # rescales what was summed under the old max
+    p = tl.exp2(s - new_max[:, None])  # [M, N] this tile's weights under the new max
+    row_sum = row_sum * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    return acc, m_new, l
+    return acc, new_max, row_sum
 
 
 @triton.jit
@@ -172,13 +182,16 @@ def _prefill_kernel(
         mask=(rows < q_len)[:, None],
         other=0.0,
     )  # [TILE_M, HEAD_DIM]
-    m, l = tl.full([TILE_M], float("-inf"), tl.float32), tl.zeros([TILE_M], tl.float32)  # running max, sum
+    # the online softmax's running state per query row: max score, sum of exp2(score - max), unnormalised output
+    row_max = tl.full([TILE_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([TILE_M], tl.float32)
     acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
     block_table_ptr = block_tables_ptr + seq * stride_bt
     # Keys up to the tile's first query are seen by all its rows: whole tiles of them need no mask. Keys after
     # its last query are seen by none: stop there (skips the tiles above the diagonal).
-    unmasked_end = (ctx - q_len + tile * TILE_M + 1) // TILE_N * TILE_N
-    kv_end = tl.minimum(ctx, ctx - q_len + (tile + 1) * TILE_M)
+    first_q_pos = ctx - q_len + tile * TILE_M  # the position of the tile's first query
+    unmasked_end = (first_q_pos + 1) // TILE_N * TILE_N  # whole key tiles at positions <= first_q_pos
+    kv_end = tl.minimum(ctx, first_q_pos + TILE_M)  # one past the tile's last query
     for n in range(0, unmasked_end, TILE_N):
         pos = n + tl.arange(0, TILE_N)  # [TILE_N] key positions
         k, v = _load_kv_tile(
@@ -195,7 +208,7 @@ def _prefill_kernel(
             HEAD_DIM,
             MASKED=False,
         )
-        acc, m, l = _online_softmax_step(acc, m, l, q, k, v, None, qk_scale, MASKED=False)
+        acc, row_max, row_sum = _online_softmax_step(acc, row_max, row_sum, q, k, v, None, qk_scale, MASKED=False)
     for n in range(unmasked_end, kv_end, TILE_N):  # the diagonal: causal mask and context end
         pos = n + tl.arange(0, TILE_N)
         k, v = _load_kv_tile(
@@ -212,10 +225,11 @@ def _prefill_kernel(
             HEAD_DIM,
             MASKED=True,
         )
-        acc, m, l = _online_softmax_step(acc, m, l, q, k, v, pos[None, :] <= q_pos[:, None], qk_scale, MASKED=True)
+        causal = pos[None, :] <= q_pos[:, None]  # [TILE_M, TILE_N]; also hides keys >= kv_end from real queries
+        acc, row_max, row_sum = _online_softmax_step(acc, row_max, row_sum, q, k, v, causal, qk_scale, MASKED=True)
     tl.store(
         out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
-        (acc / l[:, None]).to(out_ptr.dtype.element_ty),
+        (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty),
         mask=(rows < q_len)[:, None],
     )
 
@@ -255,7 +269,9 @@ def _decode_split_kernel(
     q = tl.load(
         q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0
     )  # [GROUP_PAD, HEAD_DIM]
-    m, l = tl.full([GROUP_PAD], float("-inf"), tl.float32), tl.zeros([GROUP_PAD], tl.float32)
+    # the online softmax's running state per query head: max score, sum of exp2(score - max), unnormalised output
+    row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    row_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     for n in range(start, end, TILE_N):
         pos = n + tl.arange(0, TILE_N)
@@ -273,11 +289,12 @@ def _decode_split_kernel(
             HEAD_DIM,
             MASKED=True,
         )
-        acc, m, l = _online_softmax_step(acc, m, l, q, k, v, (pos < end)[None, :], qk_scale, MASKED=True)
-    # an empty split (m = -inf, l = 0) reports lse = -inf, i.e. weight 0, and a zero output instead of 0/0
-    l = tl.where(l > 0, l, 1.0)
-    lse = m + tl.log2(l)  # [GROUP_PAD] log2-sum-exp2 of this split's scores
-    out = acc / l[:, None]
+        in_split = (pos < end)[None, :]  # [1, TILE_N]
+        acc, row_max, row_sum = _online_softmax_step(acc, row_max, row_sum, q, k, v, in_split, qk_scale, MASKED=True)
+    # an empty split (row_max = -inf, row_sum = 0) reports lse = -inf, i.e. weight 0, and a zero output, not 0/0
+    row_sum = tl.where(row_sum > 0, row_sum, 1.0)
+    lse = row_max + tl.log2(row_sum)  # [GROUP_PAD] log2-sum-exp2 of this split's scores
+    out = acc / row_sum[:, None]
     # partials are contiguous: part_lse [num_seqs, num_heads, num_splits], part_out [..., HEAD_DIM]
     row = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split  # [GROUP_PAD]
     tl.store(part_lse_ptr + row, lse, mask=g < GROUP)
@@ -310,7 +327,9 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping):
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """k, v: [num_tokens, num_kv_heads, head_dim] -> into their slots of k_cache, v_cache; PAD_SLOT tokens skipped."""
     num_tokens, num_kv_heads, head_dim = k.shape
     _store_kv_kernel[(num_tokens,)](
@@ -323,7 +342,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
         k.stride(1),
         v.stride(0),
         v.stride(1),
-        *k_cache.stride()[:3],
+        *k_cache.stride()[:3],  # stride_cb, stride_cs, stride_ch (head_dim is contiguous)
         NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
@@ -332,18 +351,44 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
     )
 
 
-def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] -> out, same shape: causal attention over each sequence's cached keys."""
     out = torch.empty_like(q)
-    (_launch_decode if meta.decode_only else _launch_prefill)(q, k_cache, v_cache, out, meta, scale * LOG2E)
+    qk_scale = scale * LOG2E  # the kernels' softmax runs on exp2
+    if meta.decode_only:
+        _launch_decode(q, k_cache, v_cache, out, meta, qk_scale)
+    else:
+        _launch_prefill(q, k_cache, v_cache, out, meta, qk_scale)
     return out
 
 
-def _launch_prefill(q, k_cache, v_cache, out, meta, qk_scale):
+def prefill_tile_m(max_query_len: int) -> int:
+    """Query rows per prefill program: short tiles when every query is short (mixed batches of decodes and small
+    chunks), from MIN_DOT_ROWS up to PREFILL_TILE_M."""
+    return min(PREFILL_TILE_M, max(MIN_DOT_ROWS, triton.next_power_of_2(max_query_len)))
+
+
+def prefill_tile_sizes() -> list[int]:
+    """Every query tile prefill_tile_m can pick: MIN_DOT_ROWS, twice that, ... up to PREFILL_TILE_M (16 ... 128)."""
+    sizes = [MIN_DOT_ROWS]
+    while sizes[-1] < PREFILL_TILE_M:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+def _launch_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    meta: AttentionMetadata,
+    qk_scale: float,
+) -> None:
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    # short query tiles when every query is short (mixed batches of decodes and small chunks)
-    tile_m = min(PREFILL_TILE_M, max(MIN_DOT_ROWS, triton.next_power_of_2(meta.max_query_len)))
+    tile_m = prefill_tile_m(meta.max_query_len)
     grid = (triton.cdiv(meta.max_query_len, tile_m), meta.context_lens.shape[0], num_heads)
     _prefill_kernel[grid](
         q,
@@ -358,7 +403,7 @@ def _launch_prefill(q, k_cache, v_cache, out, meta, qk_scale):
         q.stride(1),
         out.stride(0),
         out.stride(1),
-        *k_cache.stride()[:3],
+        *k_cache.stride()[:3],  # stride_cb, stride_cs, stride_ch
         meta.block_tables.stride(0),
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
@@ -370,10 +415,25 @@ def _launch_prefill(q, k_cache, v_cache, out, meta, qk_scale):
 
 
 def prefill_num_warps(tile_m: int) -> int:
-    return 8 if tile_m >= 128 else 4  # 8 warps = 2 warpgroups, each a 64-row wgmma on Hopper
+    if tile_m >= PREFILL_WIDE_TILE_M:
+        return 8  # 2 warpgroups, each a 64-row wgmma on Hopper
+    return 4
 
 
-def _launch_decode(q, k_cache, v_cache, out, meta, qk_scale):
+def decode_group_pad(group: int) -> int:
+    """Rows of the decode kernel's tl.dot: the GQA group (query heads sharing a KV head), padded to a power of two
+    and to at least MIN_DOT_ROWS."""
+    return max(MIN_DOT_ROWS, triton.next_power_of_2(group))
+
+
+def _launch_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    meta: AttentionMetadata,
+    qk_scale: float,
+) -> None:
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -392,10 +452,10 @@ def _launch_decode(q, k_cache, v_cache, out, meta, qk_scale):
         split_len,
         q.stride(0),
         q.stride(1),
-        *k_cache.stride()[:3],
+        *k_cache.stride()[:3],  # stride_cb, stride_cs, stride_ch
         meta.block_tables.stride(0),
         GROUP=group,
-        GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
+        GROUP_PAD=decode_group_pad(group),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         TILE_N=DECODE_TILE_N,
@@ -413,7 +473,7 @@ def _launch_decode(q, k_cache, v_cache, out, meta, qk_scale):
     )
 
 
-def decode_splits(num_seqs, num_kv_heads, max_context_len, num_sms) -> tuple[int, int]:
+def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> tuple[int, int]:
     """(keys per split, number of splits) of the decode grid, from host ints only so a CUDA graph can hold it.
     Unsplit, the grid has num_seqs * num_kv_heads programs: a small batch with long contexts would leave most
     SMs idle, so the keys are split until about PROGRAMS_PER_SM programs per SM. A split covers whole tiles
@@ -426,10 +486,14 @@ def decode_splits(num_seqs, num_kv_heads, max_context_len, num_sms) -> tuple[int
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else CPU_NUM_SMS
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return CPU_NUM_SMS
 
 
-def store_kv_ref(k, v, k_cache, v_cache, slot_mapping):
+def store_kv_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """k, v: [num_tokens, num_kv_heads, head_dim]; writes each token's K/V into its slot."""
     keep = slot_mapping != PAD_SLOT
     slots = slot_mapping[keep].long()
@@ -437,29 +501,61 @@ def store_kv_ref(k, v, k_cache, v_cache, slot_mapping):
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
 
 
-def paged_attention_ref(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim], causal within each sequence.
-    Each sequence's keys are gathered from its blocks into a batch padded to the longest context, its queries into one
-    padded to the longest query, and PyTorch's SDPA attends under a mask that is causal and hides the padding."""
-    block_size, device = k_cache.shape[1], q.device
-    q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]  # [num_seqs]
-    key_pos = torch.arange(meta.max_context_len, device=device)  # [max_k]
-    # padding keys re-read the sequence's own keys (slots past a context may hold anything, even NaN); masked below
-    pos = torch.minimum(key_pos, (meta.context_lens[:, None] - 1).clamp(min=0))  # [num_seqs, max_k]
-    slots = meta.block_tables.gather(1, pos // block_size) * block_size + pos % block_size
-    k = k_cache.flatten(0, 1)[slots].float()  # [num_seqs, max_k, num_kv_heads, head_dim]
-    v = v_cache.flatten(0, 1)[slots].float()
-    q_idx = torch.arange(meta.max_query_len, device=device)  # [max_q]
-    rows = (meta.query_start_loc[:-1, None] + q_idx).clamp(max=q.shape[0] - 1)  # [num_seqs, max_q] rows of q
-    q_pos = (meta.context_lens - q_lens)[:, None] + q_idx  # [num_seqs, max_q] positions of the queries
-    visible = (key_pos <= q_pos[..., None]) & (key_pos < meta.context_lens[:, None, None])  # [num_seqs, max_q, max_k]
+@dataclass
+class ReferenceGather:
+    """How paged_attention_ref lays a step out for SDPA: each sequence's keys gathered from its blocks into a batch
+    padded to the longest context, its queries into one padded to the longest query, and a mask that is causal and
+    hides the padding. It depends on the metadata only, so every layer of a step shares one."""
+
+    slots: torch.Tensor  # [num_seqs, max_k] cache slot of each key; padding keys re-read the sequence's own
+    visible: torch.Tensor  # [num_seqs, 1, max_q, max_k] bool: which keys each query sees
+    query_rows: torch.Tensor | None  # [num_seqs, max_q] rows of q; None if decode-only (row i is sequence i's)
+    real_queries: torch.Tensor | None  # [num_seqs, max_q] bool: not padding; None if decode-only
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, block_size: int) -> "ReferenceGather":
+        device = meta.context_lens.device
+        context_lens = meta.context_lens.long()
+        key_pos = torch.arange(meta.max_context_len, device=device)  # [max_k]
+        # padding keys re-read the sequence's own keys (slots past a context may hold anything, even NaN); masked
+        pos = torch.minimum(key_pos, (context_lens[:, None] - 1).clamp(min=0))  # [num_seqs, max_k]
+        slots = meta.block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
+        in_context = key_pos < context_lens[:, None]  # [num_seqs, max_k]
+        if meta.decode_only:  # one query per sequence, at its last position: it sees its whole context
+            return cls(slots, in_context[:, None, None, :], None, None)
+        query_start = meta.query_start_loc.long()
+        q_lens = query_start[1:] - query_start[:-1]  # [num_seqs]
+        q_idx = torch.arange(meta.max_query_len, device=device)  # [max_q]
+        num_tokens = meta.slot_mapping.shape[0]  # known on the host: no sync
+        query_rows = (query_start[:-1, None] + q_idx).clamp(max=num_tokens - 1)  # [num_seqs, max_q]
+        q_pos = (context_lens - q_lens)[:, None] + q_idx  # [num_seqs, max_q] positions of the queries
+        causal = key_pos <= q_pos[..., None]  # [num_seqs, max_q, max_k]
+        visible = (causal & in_context[:, None, :])[:, None]
+        return cls(slots, visible, query_rows, q_idx < q_lens[:, None])
+
+
+def paged_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim], causal within each sequence:
+    PyTorch's SDPA over each sequence's keys gathered from its blocks (ReferenceGather), in fp32."""
+    gather = meta.reference_gather(k_cache.shape[1])
+    k = k_cache.flatten(0, 1)[gather.slots].float()  # [num_seqs, max_k, num_kv_heads, head_dim]
+    v = v_cache.flatten(0, 1)[gather.slots].float()
+    if gather.query_rows is None:
+        queries = q[:, None]  # decode: [num_seqs, 1, num_heads, head_dim], no gather
+    else:
+        queries = q[gather.query_rows]  # [num_seqs, max_q, num_heads, head_dim]
     out = F.scaled_dot_product_attention(
-        q[rows].float().transpose(1, 2),
+        queries.float().transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
-        attn_mask=visible[:, None],
+        attn_mask=gather.visible,
         scale=scale,
         enable_gqa=True,
-    )
-    out = out.transpose(1, 2)[q_idx < q_lens[:, None]]  # padded query rows dropped
+    ).transpose(1, 2)  # [num_seqs, max_q, num_heads, head_dim]
+    if gather.real_queries is None:
+        out = out[:, 0]
+    else:
+        out = out[gather.real_queries]  # padded query rows dropped
     return out.nan_to_num(0.0).to(q.dtype)  # a context of 0 keys (a padded graph row) gives 0, as the kernels do

@@ -10,7 +10,11 @@ Kernels match their references to within rounding (summation order, the GPU's fa
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels import tl, triton
+from nanoserve.triton_shim import tl, triton
+
+SILU_BLOCK = 1024  # columns per program of the SiLU kernel
+RMS_NORM_ELEMENTS_PER_WARP = 256  # 8 a thread: one 16-byte bf16 load each
+RMS_NORM_MAX_WARPS = 16  # reached at 4k columns; wider rows give each thread more elements
 
 
 @triton.jit
@@ -21,9 +25,8 @@ def _add_rms_norm_kernel(
     row, cols = tl.program_id(0), tl.arange(0, BLOCK)
     mask = cols < n
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)).to(
-        x.dtype
-    )  # rounded like a plain add in the model dtype
+    residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+    x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)  # rounded like a plain add in the model dtype
     tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
@@ -54,7 +57,8 @@ def _norm_rope_heads(
     dtype = x1.dtype
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     if HAS_NORM:
-        inv_rms = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        sum_sq = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)  # [HEADS_PAD] over both halves: the whole head
+        inv_rms = 1.0 / tl.sqrt(sum_sq / (2 * HALF) + eps)[:, None]
         w1, w2 = tl.load(weight_ptr + d).to(tl.float32), tl.load(weight_ptr + HALF + d).to(tl.float32)
         x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)  # as RMSNorm rounds
         x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
@@ -110,10 +114,13 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr)
 
 
 def rms_norm_num_warps(block: int) -> int:
-    return min(16, max(1, block // 256))  # 8 elements a thread (one 16-byte bf16 load) up to 4k columns
+    """Warps for a row of `block` columns: RMS_NORM_ELEMENTS_PER_WARP each, from 1 up to RMS_NORM_MAX_WARPS."""
+    return min(RMS_NORM_MAX_WARPS, max(1, block // RMS_NORM_ELEMENTS_PER_WARP))
 
 
-def add_rms_norm(x, residual, weight, eps: float):
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [rows, n] -> (RMSNorm(x + residual) * weight, x + residual). The sum OVERWRITES `residual` in
     place (it becomes the next residual stream): pass a tensor that nothing else still needs."""
     rows, n = x.shape
@@ -135,27 +142,40 @@ def add_rms_norm(x, residual, weight, eps: float):
     return out, residual
 
 
-def rms_norm_ref(x, weight, eps: float):
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()  # the mean of squares in fp32, whatever the model dtype; rounded before the weight, as HF does
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def add_rms_norm_ref(x, residual, weight, eps: float):
-    return rms_norm_ref(stream := x + residual, weight, eps), stream
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    stream = x + residual  # the next residual stream
+    return rms_norm_ref(stream, weight, eps), stream
 
 
-def qk_norm_rope(q, k, positions, cos, sin, q_weight=None, k_weight=None, eps: float = 0.0):
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] get, per head, RMSNorm with
     q_weight / k_weight (Qwen3; skipped when None), then RoPE at their positions. cos, sin: [max_pos, head_dim/2]."""
     tokens, num_q_heads, head_dim = q.shape
-    num_k_heads, has_norm = k.shape[1], q_weight is not None
+    num_k_heads = k.shape[1]
+    has_norm = q_weight is not None
     _qk_norm_rope_kernel[(tokens,)](
         q,
         k,
         positions,
         cos,
         sin,
-        q_weight if has_norm else q,
+        q_weight if has_norm else q,  # without the norm the weights are never read: any pointer serves
         k_weight if has_norm else k,
         q.stride(0),
         q.stride(1),
@@ -172,23 +192,29 @@ def qk_norm_rope(q, k, positions, cos, sin, q_weight=None, k_weight=None, eps: f
     return q, k
 
 
-def rope_ref(x, positions, cos, sin):
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [tokens, heads, head_dim] in the rotate-half layout; cos, sin: [max_pos, head_dim / 2] fp32."""
     cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-def qk_norm_rope_ref(q, k, positions, cos, sin, q_weight=None, k_weight=None, eps: float = 0.0):
+def qk_norm_rope_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     if q_weight is not None:
         q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     return rope_ref(q, positions, cos, sin), rope_ref(k, positions, cos, sin)
 
 
-SILU_BLOCK = 1024  # columns per program
-
-
-def silu_and_mul(x):
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [rows, 2n] = [gate | up] -> silu(gate) * up, [rows, n]."""
     rows, n = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
@@ -197,6 +223,6 @@ def silu_and_mul(x):
     return out
 
 
-def silu_and_mul_ref(x):
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

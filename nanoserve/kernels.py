@@ -1,22 +1,13 @@
-"""Kernels are chosen once, when the model is built: two backends with the same functions and meaning, the Triton
-kernels (GPU; CPU tests run them in Triton's interpreter) or their PyTorch references (any machine), each reference
-beside its kernel (attention.py, fused_ops.py, sampler.py). The model and the sampler never branch on the choice.
-triton has Linux wheels only, and this is the one place that imports it: without it the kernel files still load (their
-kernels stay plain, never-called functions), so the PyTorch references run on macOS and Windows."""
+"""The backend table: kernels are chosen once, when the model is built. Two backends have the same functions and
+meaning: the Triton kernels (GPU; CPU tests run them in Triton's interpreter) or their PyTorch references (any
+machine), each reference beside its kernel in attention.py, fused_ops.py and sampler.py. The model and the sampler
+never branch on the choice. The optional triton import itself lives in triton_shim.py, which the kernel files import;
+this table imports them, never the other way round."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:
-    triton = SimpleNamespace(jit=lambda fn: fn)  # @triton.jit leaves the function as it is
-    tl = SimpleNamespace(constexpr=None)  # kernel signatures annotate with tl.constexpr
-    HAVE_TRITON = False
+from nanoserve import attention, fused_ops, sampler
 
 
 @dataclass(frozen=True)
@@ -31,24 +22,23 @@ class Kernels:
 
 
 def get_kernels(name: str) -> Kernels:
-    from nanoserve import attention, fused_ops, sampler
-
+    """The Triton kernels for name "triton"; the PyTorch references for any other name."""
     if name == "triton":
         return Kernels(
-            "triton",
-            fused_ops.add_rms_norm,
-            fused_ops.qk_norm_rope,
-            fused_ops.silu_and_mul,
-            attention.store_kv,
-            attention.paged_attention,
-            sampler.gumbel_argmax,
+            name="triton",
+            add_rms_norm=fused_ops.add_rms_norm,
+            qk_norm_rope=fused_ops.qk_norm_rope,
+            silu_and_mul=fused_ops.silu_and_mul,
+            store_kv=attention.store_kv,
+            paged_attention=attention.paged_attention,
+            gumbel_argmax=sampler.gumbel_argmax,
         )
     return Kernels(
-        "torch",
-        fused_ops.add_rms_norm_ref,
-        fused_ops.qk_norm_rope_ref,
-        fused_ops.silu_and_mul_ref,
-        attention.store_kv_ref,
-        attention.paged_attention_ref,
-        sampler.gumbel_argmax_ref,
+        name="torch",
+        add_rms_norm=fused_ops.add_rms_norm_ref,
+        qk_norm_rope=fused_ops.qk_norm_rope_ref,
+        silu_and_mul=fused_ops.silu_and_mul_ref,
+        store_kv=attention.store_kv_ref,
+        paged_attention=attention.paged_attention_ref,
+        gumbel_argmax=sampler.gumbel_argmax_ref,
     )

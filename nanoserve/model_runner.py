@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
 
-from nanoserve.attention import MIN_DOT_ROWS, PAD_SLOT, PREFILL_TILE_M
+from nanoserve.attention import PAD_SLOT, prefill_tile_sizes
 from nanoserve.config import EngineConfig
 from nanoserve.cuda_graphs import DecodeGraphs
 from nanoserve.kernels import get_kernels
@@ -67,14 +67,6 @@ def free_cores() -> int:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")  # torch.bfloat16 -> bfloat16
-
-
-def prefill_tile_sizes() -> list[int]:
-    """The query-tile sizes the prefill kernel can pick: powers of two from MIN_DOT_ROWS to PREFILL_TILE_M."""
-    sizes = [MIN_DOT_ROWS]
-    while sizes[-1] < PREFILL_TILE_M:
-        sizes.append(sizes[-1] * 2)
-    return sizes
 
 
 def copy_to_host_async(samples: Samples) -> Samples:

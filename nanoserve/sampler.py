@@ -1,6 +1,6 @@
 """Turns one step's logits into next tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds, and logprobs,
-batched on the device. Nothing here waits for the GPU: the tokens stay on the device (the next step's inputs) and the
-model runner copies them back.
+batched on the device. Nothing here waits for the GPU: what a call returns, Samples (the tokens and, when asked for,
+their logprobs), stays on the device, where the next step reads its inputs, and the model runner copies it back.
 
 Every row is drawn the same way: argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T) (the Gumbel-max
 trick), plain argmax when T = 0. Top-k, top-p and min-p only set the logits they drop to -inf first. The Triton kernel
@@ -8,16 +8,39 @@ draws each row in one pass over its logits, making the noise in registers from a
 writes the noise out with a seeded generator per row: the backends draw different (equally valid) samples for a seed."""
 
 import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from nanoserve.kernels import Kernels, tl, triton
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.triton_shim import tl, triton
+
+if TYPE_CHECKING:  # for an annotation only: kernels.py imports this file, so this file does not import it at runtime
+    from nanoserve.kernels import Kernels
 
 SEED_MIX = 1_000_003  # mixes a request's seed with its length, so each step draws fresh noise
 SEED_RANGE = 2**63  # torch generators take 64-bit seeds; any Python int seed folds into range
 GUMBEL_TILE = 2048  # vocabulary entries per step of the sampling kernel's loop
 GUMBEL_NUM_WARPS = 8
+MIN_TEMPERATURE = 1e-6  # the reference divides greedy rows (T = 0) by this instead, then takes their plain argmax
+
+
+@dataclass
+class SampledLogprobs:
+    """Per row: the chosen token's logprob and the top-N logprobs with their ids (N = the most any row asked for)."""
+
+    chosen: torch.Tensor  # [rows] fp32
+    top_values: torch.Tensor  # [rows, N] fp32
+    top_ids: torch.Tensor  # [rows, N] int64
+
+
+@dataclass
+class Samples:
+    """One step's draws, on the device: the next step reads its decode inputs from `tokens` there."""
+
+    tokens: torch.Tensor  # [rows] int64
+    logprobs: SampledLogprobs | None = None  # None when no row asked for logprobs
 
 
 @triton.jit
@@ -31,7 +54,8 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, out_ptr
         cols = start + tl.arange(0, TILE)
         x = tl.load(logits_ptr + row * stride + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
         if temperature > 0:
-            x = x / temperature - tl.log(-tl.log(tl.rand(seed, cols)))  # -log(u), u ~ U[0, 1): E ~ Exp(1)
+            exp_noise = -tl.log(tl.rand(seed, cols))  # -log(u), u ~ U[0, 1): E ~ Exp(1)
+            x = x / temperature - tl.log(exp_noise)  # -log(E) is Gumbel noise
         tile_best = tl.max(x, 0)
         take = tile_best > best  # strict: the first of equal maxima wins, as in torch.argmax
         best_id = tl.where(take, start + tl.argmax(x, 0), best_id)
@@ -39,7 +63,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, out_ptr
     tl.store(out_ptr + row, best_id)
 
 
-def gumbel_argmax(logits, temperatures: list[float], seeds: list[int]) -> torch.Tensor:
+def gumbel_argmax(logits: torch.Tensor, temperatures: list[float], seeds: list[int]) -> torch.Tensor:
     """logits: [rows, vocab] -> [rows] int64 token ids, one draw per row from softmax(logits / T)."""
     num_rows, vocab_size = logits.shape
     tokens = torch.empty(num_rows, dtype=torch.int32, device=logits.device)
@@ -56,53 +80,80 @@ def gumbel_argmax(logits, temperatures: list[float], seeds: list[int]) -> torch.
     return tokens.long()
 
 
-def gumbel_argmax_ref(logits, temperatures: list[float], seeds: list[int]) -> torch.Tensor:
+def gumbel_argmax_ref(logits: torch.Tensor, temperatures: list[float], seeds: list[int]) -> torch.Tensor:
+    """logits: [rows, vocab] -> [rows] int64: the same draw as gumbel_argmax, its noise from a generator per row.
+    Greedy rows (T = 0) take the plain argmax: no noise is drawn for them and nothing is divided, which is most of
+    the sampler's time on a CPU. A sampled row's noise depends on its own seed only, whatever rows sit beside it."""
+    tokens = logits.argmax(-1)  # every row's greedy token; the sampled rows are overwritten below
+    sampled = [row for row, t in enumerate(temperatures) if t > 0]
+    if not sampled:
+        return tokens
     generator = torch.Generator(logits.device)
-    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    for row, seed in enumerate(seeds):  # E ~ Exp(1) per entry; -log(E) is Gumbel noise
-        noise[row].exponential_(generator=generator.manual_seed(seed))
-    t = torch.tensor(temperatures, device=logits.device)[:, None]
-    drawn = (logits.float() / t.clamp(min=1e-6) - noise.log()).argmax(-1)
-    return torch.where(t[:, 0] > 0, drawn, logits.argmax(-1))
+    noise = torch.empty(len(sampled), logits.shape[1], dtype=torch.float32, device=logits.device)
+    for i, row in enumerate(sampled):  # E ~ Exp(1) per entry; -log(E) is Gumbel noise
+        noise[i].exponential_(generator=generator.manual_seed(seeds[row]))
+    t = torch.tensor([temperatures[row] for row in sampled], device=logits.device)[:, None]
+    rows = torch.tensor(sampled, device=logits.device)
+    drawn = (logits[rows].float() / t.clamp(min=MIN_TEMPERATURE) - noise.log()).argmax(-1)
+    tokens[rows] = drawn
+    return tokens
 
 
 def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on device, without waiting for the GPU."""
     host = torch.tensor(rows, dtype=dtype)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)  # from pinned memory the copy is asynchronous
+    return host
+
+
+def ban_tokens(logits: torch.Tensor, banned: list[frozenset[int]]) -> None:
+    """In place: logits[row, id] = -inf for each id in banned[row], in one indexed write for the whole batch."""
+    rows = [row for row, ids in enumerate(banned) for _ in ids]
+    ids = [token for ids_of_row in banned for token in ids_of_row]
+    where = to_device([rows, ids], torch.long, logits.device)  # [2, num_banned]: (row, token id) pairs
+    logits[where[0], where[1]] = float("-inf")
 
 
 class Sampler:
-    def __init__(self, kernels: Kernels):
-        self.kernels, self.fresh_seeds = kernels, random.Random()  # fresh_seeds: new noise every step for unseeded rows
+    """One step's logits -> Samples, drawn by the chosen backend's gumbel_argmax. Its only state is the random source
+    of fresh seeds for unseeded rows."""
+
+    def __init__(self, kernels: "Kernels") -> None:
+        self.kernels = kernels
+        self.fresh_seeds = random.Random()  # new noise every step for unseeded rows
+
+    def noise_seed(self, params: SamplingParams, length: int) -> int:
+        """The seed of one row's noise. An unseeded request gets a fresh one. A seeded request's seed is mixed with
+        its sequence length: the same draw whatever the batch around it, and new noise at every step."""
+        if params.seed is None:
+            return self.fresh_seeds.randrange(SEED_RANGE)
+        return (params.seed * SEED_MIX + length) % SEED_RANGE
 
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], lengths: list[int], banned: list[frozenset[int]]
-    ) -> list[torch.Tensor]:
+    ) -> Samples:
         """logits: [rows, vocab] in the model dtype; lengths: each row's sequence length with the token being
-        sampled; banned: ids a row may not pick (EOS before min_tokens). Returns [tokens] or, if any row asked for
-        logprobs, [tokens, chosen token's logprob, top-N logprobs, top-N ids], all on the device."""
+        sampled; banned: ids a row may not pick (EOS before min_tokens). Returns the tokens and, if any row asked
+        for logprobs, their logprobs, all on the device."""
         want_logprobs = any(p.logprobs is not None for p in params)
-        logprobs = logits.float().log_softmax(-1) if want_logprobs else None  # of the model's own distribution
+        logprobs = None
+        if want_logprobs:  # of the model's own distribution: before bans, filters and temperature
+            logprobs = logits.float().log_softmax(-1)  # [rows, vocab]
         if any(banned):
-            where = to_device(
-                [[r for r, ids in enumerate(banned) for _ in ids], [t for ids in banned for t in ids]],
-                torch.long,
-                logits.device,
-            )
-            logits[where[0], where[1]] = float("-inf")
+            ban_tokens(logits, banned)
         filtered = [row for row, p in enumerate(params) if p.filtered]
         if filtered:
             rows = to_device(filtered, torch.long, logits.device)
             logits[rows] = drop_filtered(logits[rows].float(), [params[r] for r in filtered]).to(logits.dtype)
-        seeds = [
-            self.fresh_seeds.randrange(SEED_RANGE) if p.seed is None else (p.seed * SEED_MIX + n) % SEED_RANGE
-            for p, n in zip(params, lengths, strict=False)
-        ]
+        seeds = [self.noise_seed(p, length) for p, length in zip(params, lengths, strict=False)]
         tokens = self.kernels.gumbel_argmax(logits, [p.temperature for p in params], seeds)
         if logprobs is None:
-            return [tokens]
-        top_lp, top_ids = logprobs.topk(max(p.logprobs or 0 for p in params), dim=-1)  # 0 gives empty rows
-        return [tokens, logprobs.gather(-1, tokens[:, None])[:, 0], top_lp, top_ids]
+            return Samples(tokens)
+        num_top = max(p.logprobs or 0 for p in params)  # the most any row asked for; 0 gives empty rows
+        top_values, top_ids = logprobs.topk(num_top, dim=-1)
+        chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
+        return Samples(tokens, SampledLogprobs(chosen, top_values, top_ids))
 
 
 def drop_filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -126,4 +177,5 @@ def drop_filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     drop |= (top_p[:, None] < 1) & (probs.cumsum(-1) - probs >= top_p[:, None])  # keep while the mass before < top_p
     drop |= sorted_logits < sorted_logits[:, :1] + min_p[:, None].log()  # p < min_p x p_max, in log space
     drop[:, 0] = False  # the most likely token always stays
-    return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))  # unsorted
+    drop_by_id = torch.zeros_like(drop).scatter(-1, order, drop)  # from sorted order back to vocabulary order
+    return logits.masked_fill(drop_by_id, float("-inf"))

@@ -121,8 +121,9 @@ class FakeRunner:
     """The ModelRunner's contract (num_kvcache_blocks, launch) with a fake model and a fake KV cache that maps each
     physical slot to the token prefix whose K/V it holds. As in each layer of the model, a step first writes its
     new K/V, then every earlier position of each of its sequences must read back its own prefix: a wrong prefix
-    hit, an overwritten shared block, a stale block table or a block handed out twice all fail there. PENDING decode inputs take their values from the previous
-    in-flight step, as the real runner does on the device, so any mix-up of rows shows up as wrong tokens."""
+    hit, an overwritten shared block, a stale block table or a block handed out twice all fail there. PENDING
+    decode inputs take their values from the previous in-flight step, as the real runner does on the device, so
+    any mix-up of rows shows up as wrong tokens."""
 
     def __init__(self, num_blocks: int):
         self.num_kvcache_blocks = num_blocks

@@ -70,8 +70,7 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int):
         4,
     )
     meta = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "qk_scale": "fp32"}
-    tile_m = A.MIN_DOT_ROWS
-    while tile_m <= A.PREFILL_TILE_M:
+    for tile_m in A.prefill_tile_sizes():
         yield build(
             A._prefill_kernel,
             dict(q_ptr=dtype, out_ptr=dtype, **cache, **meta, query_start_loc_ptr="*i32"),
@@ -84,13 +83,12 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int):
             },
             A.prefill_num_warps(tile_m),
         )
-        tile_m *= 2
     yield build(
         A._decode_split_kernel,
         dict(q_ptr=dtype, **cache, **meta, part_out_ptr="*fp32", part_lse_ptr="*fp32"),
         {
             "GROUP": group,
-            "GROUP_PAD": max(A.MIN_DOT_ROWS, triton.next_power_of_2(group)),
+            "GROUP_PAD": A.decode_group_pad(group),
             "HEAD_DIM": head_dim,
             "BLOCK_SIZE": block_size,
             "TILE_N": A.DECODE_TILE_N,

@@ -180,8 +180,9 @@ def test_bad_metadata_fails_at_construction(bad):
 
 
 def test_unsupported_head_dim_is_refused_before_any_work(tmp_path):
-    """Guards against a model whose head_dim the Triton kernels cannot tile (not a power of two, or over 128) failing
-    deep inside a kernel compile: LLM(kernels="triton") refuses it up front, naming the field; the torch path runs it."""
+    """Guards against a model whose head_dim the Triton kernels cannot tile (not a power of two, or over 128)
+    failing deep inside a kernel compile: LLM(kernels="triton") refuses it up front, naming the field; the torch
+    path runs it."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from nanoserve import LLM

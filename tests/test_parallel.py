@@ -12,8 +12,8 @@ import torch
 from conftest import hf_greedy, random_prompts
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.step_inputs import HEADER_LEN
 from nanoserve.sampling_params import InvalidField
+from nanoserve.step_inputs import HEADER_LEN
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 ENGINE = {"device": "cpu", "max_model_len": 128, "max_num_batched_tokens": 64}

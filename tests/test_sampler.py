@@ -7,7 +7,9 @@ and fresh noise per step and row, filters for exactly the right support, and log
 distribution. On CPU the kernel runs in Triton's interpreter at ~5 ms a row, so its row counts stay small.
 """
 
+import dataclasses
 import os
+import random
 
 import torch
 
@@ -20,7 +22,7 @@ import pytest
 
 from nanoserve import sampler as sampler_module
 from nanoserve.kernels import get_kernels
-from nanoserve.sampler import Sampler, drop_filtered
+from nanoserve.sampler import SEED_MIX, SEED_RANGE, Sampler, Samples, drop_filtered
 from nanoserve.sampling_params import SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,7 +57,7 @@ def tile(monkeypatch):
     return 16
 
 
-def sample(backend, logits, params, lengths=None, banned=None) -> list[torch.Tensor]:
+def sample(backend, logits, params, lengths=None, banned=None) -> Samples:
     """One sampler call on a copy of logits (the sampler writes its bans and filters into them)."""
     rows = logits.shape[0]
     return Sampler(get_kernels(backend))(logits.clone(), params, lengths or [1] * rows, banned or [NONE] * rows)
@@ -63,8 +65,8 @@ def sample(backend, logits, params, lengths=None, banned=None) -> list[torch.Ten
 
 def tokens_of(backend, logits, params, lengths=None, banned=None) -> list[int]:
     out = sample(backend, logits, params, lengths, banned)
-    assert len(out) == 1 and out[0].dtype == torch.int64 and out[0].shape == (logits.shape[0],)
-    return out[0].tolist()
+    assert out.logprobs is None and out.tokens.dtype == torch.int64 and out.tokens.shape == (logits.shape[0],)
+    return out.tokens.tolist()
 
 
 def counts_of(backend, logits, rows, **kw) -> torch.Tensor:
@@ -261,6 +263,25 @@ def test_noise_is_fresh_per_step_and_row(backend):
     assert sum(a != b for a, b in zip(first, second, strict=False)) > rows * 0.8 and len(set(first)) > 20
 
 
+def test_row_seeds_mix_the_request_seed_with_the_length():
+    """Guards against the seed formula drifting (a seeded request would draw other tokens than before) and unseeded
+    rows sharing a fresh seed: a seeded row's noise seed is (seed * SEED_MIX + length) mod SEED_RANGE, an unseeded
+    row's the next draw of the sampler's own random.Random, in row order."""
+    seen = []
+
+    def record(logits, temperatures, seeds):
+        seen.append(seeds)
+        return logits.argmax(-1)
+
+    sampler = Sampler(dataclasses.replace(get_kernels("torch"), gumbel_argmax=record))
+    sampler.fresh_seeds = random.Random(0)
+    fresh = random.Random(0)
+    params = [SamplingParams(seed=7), SamplingParams(), SamplingParams(seed=2**70), SamplingParams()]
+    sampler(torch.zeros(4, 8, device=DEVICE), params, [11, 12, 13, 14], [NONE] * 4)
+    want = [(7 * SEED_MIX + 11) % SEED_RANGE, fresh.randrange(SEED_RANGE), (2**70 * SEED_MIX + 13) % SEED_RANGE]
+    assert seen == [[*want, fresh.randrange(SEED_RANGE)]]
+
+
 # ---- logprobs --------------------------------------------------------------------------------------------------
 def test_logprobs_are_of_the_unfiltered_distribution(backend):
     """Guards against logprobs taken after temperature, bans or filters, a chosen logprob of the wrong token, and
@@ -274,7 +295,10 @@ def test_logprobs_are_of_the_unfiltered_distribution(backend):
         SamplingParams(temperature=0, logprobs=0),
         SamplingParams(temperature=2.0, min_p=0.5, logprobs=3),
     ]
-    tokens, chosen, top_lp, top_ids = sample(backend, logits, params, banned=banned)
+    samples = sample(backend, logits, params, banned=banned)
+    assert samples.logprobs is not None
+    tokens = samples.tokens
+    chosen, top_lp, top_ids = samples.logprobs.chosen, samples.logprobs.top_values, samples.logprobs.top_ids
     want = logits.float().log_softmax(-1)
     torch.testing.assert_close(chosen, want.gather(-1, tokens[:, None])[:, 0])
     assert top_lp.shape == top_ids.shape == (rows, 5)  # the most any row asked; each row reads its own share
@@ -283,7 +307,7 @@ def test_logprobs_are_of_the_unfiltered_distribution(backend):
     assert top_ids.dtype == tokens.dtype == torch.int64
     assert int(tokens[0]) in logits[0].topk(2).indices.tolist() and int(tokens[2]) == int(logits[2].topk(2).indices[1])
     assert int(logits[2].argmax()) in top_ids[2].tolist()  # banned, yet in the model's own top logprobs
-    assert len(sample(backend, logits, [SamplingParams()] * rows)) == 1
+    assert sample(backend, logits, [SamplingParams()] * rows).logprobs is None
 
 
 # ---- drop_filtered against a plain reference -------------------------------------------------------------------
