@@ -14,6 +14,7 @@ FILE also writes them). Without a GPU the flags left out take CPU sizes, and a l
     python bench.py --prefix                 # a 2k-token system prompt shared by every request, caching off vs on
     python bench.py --latency                # one request: 512 prompt + 256 greedy tokens
     python bench.py --cpu-profile            # host ms per engine step, by stage
+    python bench.py --op-profile             # torch.profiler over the run: the top operators by self CPU time
     python bench.py --attention              # the paged attention kernels beside SDPA (CUDA)
     python bench.py --tp 2 --threads 4       # tensor parallelism; CPU torch threads
 """
@@ -50,6 +51,7 @@ RANDOM_TEMPERATURE = 0.6  # the random workload samples; the ShareGPT ones are g
 PREFIX_QUESTION_LEN, PREFIX_ANSWER_LEN = 64, 64  # --prefix: per request, after the shared system prompt
 LATENCY_PROMPT_LEN, LATENCY_NEW_TOKENS = 512, 256
 WARMUP_PROMPTS, WARMUP_TOKENS = 4, 16
+OP_PROFILE_ROWS = 12  # --op-profile: operators listed
 HF_RESULT_TIMEOUT_S = 600  # --compare hf: longest wait for one finished request
 HF_MAX_BATCH_TOKENS, HF_PAGE_SIZE = 8192, 256  # ...transformers' defaults (our batch budget is 8192 too)
 BUSY_START_S = 0.5  # --busy: the burners spin before the engine counts free cores
@@ -245,6 +247,25 @@ def run_throughput(llm, workload, args):
     reset_counters(llm)
     outs, seconds = timed_generate(llm, workload.prompts, workload.params)
     return [result_row("nanoserve", llm, outs, seconds)]
+
+
+def run_op_profile(llm, workload, args):
+    """The throughput run under torch.profiler: the operators that take the most self CPU time, as a table (share,
+    calls, ms per call), so a CPU-path change can say what it moved."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        rows = run_throughput(llm, workload, args)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total_us = sum(e.self_cpu_time_total for e in events)
+    print(f"torch.profiler: {total_us / 1e6:.2f} s of CPU time; top operators by self time")
+    print(f"{'operator':<48} {'share':>7} {'calls':>8} {'ms/call':>8}")
+    for event in events[:OP_PROFILE_ROWS]:
+        share = event.self_cpu_time_total / total_us
+        per_call_ms = event.self_cpu_time_total / max(event.count, 1) / 1000
+        print(f"{event.key[:48]:<48} {share:>7.1%} {event.count:>8} {per_call_ms:>8.3f}")
+    rows[0]["profiled_cpu_s"] = round(total_us / 1e6, 2)
+    return rows
 
 
 def run_prefix(llm, workload, args):
@@ -550,6 +571,8 @@ def run_engine(args, model_dir, cpu_default):
             if args.latency
             else run_cpu_profile
             if args.cpu_profile
+            else run_op_profile
+            if args.op_profile
             else run_serve
             if args.serve
             else run_throughput
@@ -639,6 +662,7 @@ def parse_args(argv=None):
     mode.add_argument("--prefix", action="store_true", help="shared 2k-token system prompt, caching on vs off")
     mode.add_argument("--latency", action="store_true", help="one request: 512 prompt, 256 new tokens")
     mode.add_argument("--cpu-profile", action="store_true", help="host ms per step by stage")
+    mode.add_argument("--op-profile", action="store_true", help="torch.profiler: top operators by self CPU time")
     mode.add_argument("--attention", action="store_true", help="the attention kernels beside SDPA")
     mode.add_argument("--serve", action="store_true", help="the OpenAI server in-process, ShareGPT at --request-rate")
     ap.add_argument("--json", help="also write the results here")

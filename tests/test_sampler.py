@@ -244,6 +244,34 @@ def test_seeded_rows_are_reproducible_whatever_the_batch(backend):
     assert len(draws) > 1  # different seeds, different noise
 
 
+def test_greedy_neighbours_change_no_seeded_draw(backend):
+    """Guards against the greedy fast path (no noise drawn for T = 0 rows) shifting a seeded row's noise: its token
+    is the same alone and between greedy rows, and the greedy rows are the plain argmax."""
+    logits = torch.randn(6, 96, device=DEVICE)
+    seeded = SamplingParams(temperature=0.8, seed=123)
+    greedy = SamplingParams(temperature=0)
+    alone = tokens_of(backend, logits[2:3], [seeded], [17])
+    mixed = tokens_of(backend, logits, [greedy, greedy, seeded, greedy, greedy, greedy], [17] * 6)
+    assert mixed[2] == alone[0]
+    assert [mixed[r] for r in (0, 1, 3, 4, 5)] == [int(logits[r].argmax()) for r in (0, 1, 3, 4, 5)]
+
+
+def test_reference_draws_what_it_drew_before_the_greedy_fast_path():
+    """Guards against the PyTorch sampler's seeded draws changing: a seed's output must not change with a release.
+    The draw, written out independently: noise E ~ Exp(1) from a generator seeded with the row's seed over the whole
+    vocabulary, token = argmax(logits / T - log E)."""
+    logits = torch.randn(5, 80)
+    temperatures = [0.0, 0.7, 0.0, 1.3, 2.0]
+    seeds = [5, 6, 7, 8, 9]
+    tokens = sampler_module.gumbel_argmax_ref(logits, temperatures, seeds).tolist()
+    for row, (t, seed) in enumerate(zip(temperatures, seeds, strict=True)):
+        if t == 0:
+            assert tokens[row] == int(logits[row].argmax())
+            continue
+        noise = torch.empty(80).exponential_(generator=torch.Generator().manual_seed(seed))
+        assert tokens[row] == int((logits[row] / t - noise.log()).argmax())
+
+
 def test_noise_is_fresh_per_step_and_row(backend):
     """Guards against seeded rows reusing one draw at every step (a stale seed), and unseeded rows repeating
     across calls or rows (flat logits: the choice is all noise, so equal noise means equal tokens)."""
