@@ -23,7 +23,12 @@ SEED_MIX = 1_000_003  # mixes a request's seed with its length, so each step dra
 SEED_RANGE = 2**63  # torch generators take 64-bit seeds; any Python int seed folds into range
 GUMBEL_TILE = 2048  # vocabulary entries per step of the sampling kernel's loop
 GUMBEL_NUM_WARPS = 8
-MIN_TEMPERATURE = 1e-6  # the reference divides greedy rows (T = 0) by this instead, then takes their plain argmax
+# A temperature T > 0 is used clamped into [MIN_TEMPERATURE, MAX_TEMPERATURE], so that logits / T stays finite and
+# never NaN (a huge T made -inf / inf = NaN, which argmax picks; a tiny one made every top logit +inf, a tie the noise
+# could not break). Below MIN_TEMPERATURE the draw is already the argmax unless two logits lie within ~1e-5 of each
+# other; above MAX_TEMPERATURE it is already uniform to float32's precision.
+MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 1e30
 
 
 @dataclass
@@ -63,6 +68,13 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, out_ptr
     tl.store(out_ptr + row, best_id)
 
 
+def sampling_temperature(temperature: float) -> float:
+    """The temperature a row is drawn at: 0 (greedy) as it is, any other clamped into the finite range above."""
+    if temperature == 0:
+        return 0.0
+    return min(max(temperature, MIN_TEMPERATURE), MAX_TEMPERATURE)
+
+
 def gumbel_argmax(logits: torch.Tensor, temperatures: list[float], seeds: list[int]) -> torch.Tensor:
     """logits: [rows, vocab] -> [rows] int64 token ids, one draw per row from softmax(logits / T)."""
     num_rows, vocab_size = logits.shape
@@ -94,7 +106,7 @@ def gumbel_argmax_ref(logits: torch.Tensor, temperatures: list[float], seeds: li
         noise[i].exponential_(generator=generator.manual_seed(seeds[row]))
     t = torch.tensor([temperatures[row] for row in sampled], device=logits.device)[:, None]
     rows = torch.tensor(sampled, device=logits.device)
-    drawn = (logits[rows].float() / t.clamp(min=MIN_TEMPERATURE) - noise.log()).argmax(-1)
+    drawn = (logits[rows].float() / t - noise.log()).argmax(-1)
     tokens[rows] = drawn
     return tokens
 
@@ -147,7 +159,8 @@ class Sampler:
             rows = to_device(filtered, torch.long, logits.device)
             logits[rows] = drop_filtered(logits[rows].float(), [params[r] for r in filtered]).to(logits.dtype)
         seeds = [self.noise_seed(p, length) for p, length in zip(params, lengths, strict=False)]
-        tokens = self.kernels.gumbel_argmax(logits, [p.temperature for p in params], seeds)
+        temperatures = [sampling_temperature(p.temperature) for p in params]
+        tokens = self.kernels.gumbel_argmax(logits, temperatures, seeds)
         if logprobs is None:
             return Samples(tokens)
         num_top = max(p.logprobs or 0 for p in params)  # the most any row asked for; 0 gives empty rows
@@ -163,7 +176,7 @@ def drop_filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     device, vocab = logits.device, logits.shape[-1]
     t, top_k, top_p, min_p = to_device(
         [
-            [p.temperature or 1.0 for p in params],
+            [sampling_temperature(p.temperature) or 1.0 for p in params],
             [p.top_k if p.top_k > 0 else vocab for p in params],
             [p.top_p for p in params],
             [p.min_p for p in params],
@@ -171,7 +184,9 @@ def drop_filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         torch.float32,
         device,
     )
-    sorted_logits, order = (logits / t[:, None]).sort(-1, descending=True)
+    # sorted by the raw logits: the order cannot depend on T (a huge T used to round every scaled logit to one value)
+    sorted_raw, order = logits.sort(-1, descending=True)
+    sorted_logits = sorted_raw / t[:, None]
     drop = torch.arange(vocab, device=device) >= top_k[:, None]
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     drop |= (top_p[:, None] < 1) & (probs.cumsum(-1) - probs >= top_p[:, None])  # keep while the mass before < top_p

@@ -414,3 +414,35 @@ def test_top_p_one_keeps_the_tail():
     for p in (SamplingParams(top_k=vocab), SamplingParams(min_p=1e-12)):  # p_min / p_max = e^-20 > 1e-12
         kept = torch.isfinite(drop_filtered(logits.clone(), [p]))
         assert kept.all(), f"{p}: dropped ranks {(~kept[0]).nonzero()[:, 0].tolist()}"
+
+
+# ---- temperatures at the edges of float32 ---------------------------------------------------------------------
+def at_temperature(temperature: float, **kw) -> SamplingParams:
+    """SamplingParams with a temperature set after the checks: the sampler must stay exact even for a value the
+    checks would refuse (defence in depth: a temperature past float32's range made logits / T inf or NaN)."""
+    params = SamplingParams(temperature=1.0, **kw)
+    params.temperature = temperature
+    return params
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30, 1e-7])
+def test_tiny_temperature_with_filters_is_greedy(backend, temperature):
+    """Guards against logits / T overflowing to +inf for every top token (a tie the noise cannot break: the lowest
+    id won instead of the argmax): with top-k, top-p or neither, a tiny T draws the argmax."""
+    logits = torch.randn(6, 96, device=DEVICE) * 4
+    for kw in ({"top_k": 5}, {"top_p": 0.9}, {}):
+        tokens = tokens_of(backend, logits, [at_temperature(temperature, **kw)] * 6)
+        assert tokens == logits.argmax(-1).tolist(), kw
+
+
+@pytest.mark.parametrize("temperature", [1e39, float("inf"), 3.4e38])
+def test_huge_temperature_keeps_bans_and_top_k(backend, temperature):
+    """Guards against -inf / inf = NaN (argmax picks NaN: token 0, or a banned stop id): with a huge T, top-k=1 still
+    draws the argmax, and a banned id is never drawn."""
+    logits = torch.randn(4, 64, device=DEVICE)
+    top1 = tokens_of(backend, logits, [at_temperature(temperature, top_k=1)] * 4)
+    assert top1 == logits.argmax(-1).tolist()
+    banned = [frozenset(range(0, 64, 2))] * 4  # every even id
+    for _ in range(5):
+        tokens = tokens_of(backend, logits, [at_temperature(temperature)] * 4, banned=banned)
+        assert all(t % 2 == 1 for t in tokens), tokens
