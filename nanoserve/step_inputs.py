@@ -86,7 +86,17 @@ def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -
     """Per token its id, position and cache slot; per sequence its query start, context length and block table
     (padded to the longest); the rows whose logits are sampled; and the inputs whose values are still on the device
     (PENDING decode inputs) with the rows of `previous` that hold them."""
-    lists = StepLists([], [], [], [0], [], array.array("i"), [], [], [])
+    lists = StepLists(
+        input_ids=[],
+        positions=[],
+        slot_mapping=[],
+        query_start_loc=[0],
+        context_lens=[],
+        block_tables=array.array("i"),
+        sample_rows=[],
+        pending_at=[],
+        pending_rows=[],
+    )
     for scheduled in step.scheduled:
         seq = scheduled.seq
         start = scheduled.start
@@ -113,12 +123,11 @@ def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -
 def slots_of(block_table: array.array, start: int, end: int, block_size: int) -> list[int]:
     """The cache slots of positions [start, end): block by block (a range per block), not token by token."""
     slots = []
-    first_in_block = start - start % block_size
-    for block_start in range(first_in_block, end, block_size):
-        slot_of_position_0 = block_table[block_start // block_size] * block_size - block_start  # slot = this + pos
-        slots += range(
-            slot_of_position_0 + max(start, block_start), slot_of_position_0 + min(end, block_start + block_size)
-        )
+    for block_start in range(start - start % block_size, end, block_size):  # the first position of each block
+        first_slot = block_table[block_start // block_size] * block_size  # the slot of position block_start
+        first = max(start, block_start)
+        last = min(end, block_start + block_size)  # exclusive
+        slots += range(first_slot + first - block_start, first_slot + last - block_start)
     return slots
 
 
