@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from nanoserve.sampling_params import InvalidField, check_number
+from nanoserve.sampling_params import MAX_INT, InvalidField, check_flag, check_number, shown
 from nanoserve.triton_shim import HAVE_TRITON
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -32,7 +32,7 @@ def triton_interpreter_enabled() -> bool:
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # HF directory or hub id; None is the embedded default model
+    model: str | None = None  # HF directory (a str or os.PathLike) or hub id; None is the embedded default model
     max_model_len: int = 4096  # longest sequence, prompt plus output
     max_num_seqs: int = 256  # sequences in one step
     max_num_batched_tokens: int = 8192  # tokens in one step: the budget that chunked prefill splits by
@@ -42,9 +42,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs
     overlap: bool = True  # launch step n+1 before reading step n back; False: the plain loop
-    trace: str | None = None  # a path: write one JSON line per step there (plots.py)
+    trace: str | None = None  # a path we may write (str or os.PathLike): one JSON line per step goes there (plots.py)
     tensor_parallel_size: int = 1  # processes (GPUs) the model is split across (parallel.py)
-    threads: int | None = None  # CPU: torch threads; None: the cores other processes leave free
+    threads: int | None = None  # CPU: torch threads, at most os.cpu_count(); None: the cores others leave free
     dtype: str = "auto"  # auto: float32 on CPU; on GPU the checkpoint's if 16-bit, else bf16
     device: str = "auto"  # auto: cuda when available
     kernels: str = "auto"  # triton: our kernels; torch: their PyTorch references; auto: triton on cuda
@@ -68,19 +68,29 @@ class EngineConfig:
         self._force_eager_where_graphs_cannot_run()
 
     def _check_paths(self) -> None:
-        """model and trace are None or a path string."""
+        """model and trace are None or a path (a pathlib.Path becomes its string); trace not a folder, and in a folder
+        we may write to."""
         for name in ("model", "trace"):
             value = getattr(self, name)
+            if isinstance(value, os.PathLike):
+                value = os.fspath(value)
+                setattr(self, name, value)
             if value is not None and not isinstance(value, str):
-                raise InvalidField(name, f"{value!r} is not a path")
+                raise InvalidField(name, f"{shown(value)} is not a path")
+        if self.trace is not None:
+            folder = os.path.dirname(os.path.abspath(self.trace))
+            if not self.trace or os.path.isdir(self.trace) or not os.access(folder, os.W_OK):
+                raise InvalidField("trace", f"cannot write {self.trace!r} (a folder, or no writable folder there)")
 
     def _check_numbers(self) -> None:
-        """The integer fields at least their LEAST, the KV block size a power of two, the memory share in (0, 1]."""
+        """The integer fields in [LEAST, MAX_INT] (threads: at most the machine's cores), the KV block size a power of
+        two, the memory share in (0, 1]; each stored as a plain int or float."""
         for name, least in LEAST.items():
             value = getattr(self, name)
             if value is None and name in CHOSEN_AT_STARTUP:
                 continue
-            check_number(name, value, low=least, integer=True)
+            most = (os.cpu_count() or 1) if name == "threads" else MAX_INT
+            setattr(self, name, check_number(name, value, low=least, high=most, integer=True))
         size = self.kvcache_block_size
         is_power_of_two = (size & (size - 1)) == 0  # one bit set; size - 1 has only the bits below it
         if size > MAX_KVCACHE_BLOCK_SIZE or not is_power_of_two:
@@ -88,21 +98,21 @@ class EngineConfig:
                 "kvcache_block_size",
                 f"{size} is not a power of two in [{LEAST['kvcache_block_size']}, {MAX_KVCACHE_BLOCK_SIZE}]",
             )
-        check_number("gpu_memory_utilization", self.gpu_memory_utilization, low=0, high=1, above_low=True)
+        self.gpu_memory_utilization = check_number(
+            "gpu_memory_utilization", self.gpu_memory_utilization, low=0, high=1, above_low=True
+        )
 
     def _check_flags(self) -> None:
         """The on/off fields are bools (a string "no" would be truthy)."""
         for name in ("enable_prefix_caching", "enforce_eager", "overlap"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise InvalidField(name, f"{value!r} is not a bool")
+            check_flag(name, getattr(self, name))
 
     def _check_choices(self) -> None:
         """dtype, device and kernels are among their CHOICES."""
         for name, allowed in CHOICES.items():
             value = getattr(self, name)
             if value not in allowed:
-                raise InvalidField(name, f"{value!r} is not one of {', '.join(allowed)}")
+                raise InvalidField(name, f"{shown(value)} is not one of {', '.join(allowed)}")
 
     def _check_requested_backends_exist(self) -> None:
         """kernels='triton' needs triton installed, device='cuda' a visible GPU."""

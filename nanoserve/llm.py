@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from nanoserve.block_manager import BlockManager
 from nanoserve.config import EngineConfig
 from nanoserve.outputs import Request, RequestOutput
-from nanoserve.sampling_params import InvalidField, SamplingParams, check_token_ids
+from nanoserve.sampling_params import InvalidField, SamplingParams, check_flag, check_text, check_token_ids, shown
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
 from nanoserve.stopping import StopChecker
@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # annotations only: the engine loop runs on any runner with l
 # A prompt: text, or token ids (a list, or a numpy array or tensor of them)
 Prompt = str | list[int]
 Conversation = list[dict]  # chat messages: {"role": ..., "content": ...}
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # the roles chat templates know
 
 
 @dataclass
@@ -150,6 +151,9 @@ class LLM:
             raise InvalidField("stop_token_ids", f"token ids must lie in [0, {self.vocab_size})")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise InvalidField("logprobs", f"{params.logprobs} exceeds the vocabulary ({self.vocab_size})")
+        if params.n > self.config.max_num_seqs:  # each sample is a sequence; a step runs at most max_num_seqs
+            raise InvalidField("n", f"{params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        check_flag("stream", stream)
         if request_id is None:
             request_id = f"req-{next(self._request_ids)}"
         if not isinstance(request_id, str) or request_id in self.requests:
@@ -182,6 +186,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidField("prompt", "this model has no tokenizer; pass token ids")
+            check_text("prompt", prompt)
             ids = self.tokenizer.encode(prompt)
         else:
             ids = check_token_ids("prompt", prompt)
@@ -288,6 +293,7 @@ class LLM:
             params = [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidField("sampling_params", f"{len(params)} given for {len(prompts)} prompts")
+        check_flag("use_tqdm", use_tqdm)
         requests = [self._make_request(p, sp, None, stream=False) for p, sp in zip(prompts, params, strict=True)]
         return self._run(requests, use_tqdm)
 
@@ -335,10 +341,9 @@ class LLM:
         conversations = [messages] if is_one else messages
         if not isinstance(conversations, (list, tuple)) or not conversations:
             raise InvalidField("messages", "expected a non-empty list of {'role': str, 'content': str} dicts")
-        for conversation in conversations:
-            check_conversation(conversation)
         prompt_ids = []
         for conversation in conversations:
+            check_conversation(conversation)
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
             prompt_ids.append(self.tokenizer.encode(text, add_special_tokens=False))
         return prompt_ids
@@ -375,17 +380,21 @@ def is_one_prompt(prompts: object) -> bool:
 
 
 def check_conversation(conversation: object) -> None:
-    """A non-empty list of {"role": str, "content": str} dicts."""
-    is_valid = (
-        isinstance(conversation, (list, tuple))
-        and len(conversation) > 0
-        and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in conversation
-        )
-    )
-    if not is_valid:
+    """A non-empty list of {"role": one of CHAT_ROLES, "content": valid Unicode text} dicts; an optional "name" is a
+    string too."""
+    if not isinstance(conversation, (list, tuple)) or not conversation:
         raise InvalidField("messages", "expected a non-empty list of {'role': str, 'content': str} dicts")
+    for message in conversation:
+        is_valid = (
+            isinstance(message, dict)
+            and message.get("role") in CHAT_ROLES
+            and isinstance(message.get("content"), str)
+            and isinstance(message.get("name", ""), str)
+        )
+        if not is_valid:
+            wanted = f"{{'role': one of {', '.join(CHAT_ROLES)}; 'content': str; optional 'name': str}}"
+            raise InvalidField("messages", f"{shown(message)} is not {wanted}")
+        check_text("messages", message["content"])
 
 
 def sample_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -1,39 +1,50 @@
 """Loading a model: finding its folder, reading its config, tokenizer and EOS ids, and building the model in
 the serving dtype with its weights from safetensors. Each parameter loads its own part of a checkpoint tensor
-(its `weight_loader`), so a layer that stores a slice or a fused shard says how, where it is defined."""
+(its `weight_loader`), so a layer that stores a slice or a fused shard says how, where it is defined.
+
+Everything about a model folder is checked before any weight is read (load_hf_config): config.json present, parseable
+and with positive sizes, then a dry run of the weight loading into the model built on the meta device, fed the
+tensors' names and shapes from the safetensors headers. A broken folder is an InvalidField("model") naming the file,
+the config field or the tensor at fault, never transformers', safetensors' or torch's own error after some loading."""
 
 import glob
+import json
 import os
 from collections.abc import Iterable, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from nanoserve.attention import SUPPORTED_HEAD_DIMS
 from nanoserve.config import EngineConfig
-from nanoserve.kernels import Kernels
+from nanoserve.kernels import Kernels, get_kernels
 from nanoserve.model import CausalLM, ModelArgs
 from nanoserve.parallel import TP
-from nanoserve.sampling_params import InvalidField
+from nanoserve.sampling_params import InvalidField, is_integer
 
-PACKED_SHARDS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}  # HF -> (fused projection, shard)
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # ours -> HF's shards
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]  # config, weights, tokenizer, chat template
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")  # any one will do
+CONFIG_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)  # config.json fields that, where given, must be positive integers (0 heads would divide by zero)
 
 
-def resolve_model_dir(model: str | None) -> str:
+def resolve_model_dir(model: str | os.PathLike | None) -> str:
     """The embedded default model (None), a local HF directory, or a hub id ("org/name", fetched when online)."""
     if model is None:
         from nanoserve.default_model import default_model_dir
 
         return default_model_dir()
+    model = os.fspath(model)  # a pathlib.Path
     if os.path.isdir(model):
         return model
     # "org/name" and no such path here: a hub id (./org/name, /org/name and ~/org/name are paths, never fetched)
@@ -84,15 +95,23 @@ def checkpoint_dtype(hf_config: PretrainedConfig) -> torch.dtype | None:
     return dtype
 
 
-def read_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every *.safetensors file in model_dir, one at a time, on the CPU."""
+def read_safetensors(model_dir: str, shapes_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every *.safetensors file in model_dir, one at a time, on the CPU; with
+    shapes_only, an empty meta tensor of its shape instead (only the file's header is read). A file that is not
+    safetensors (or is cut short) is an InvalidField naming it."""
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise InvalidField("model", f"{model_dir!r} has no *.safetensors files")
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if shapes_only:
+                        yield name, torch.empty(f.get_slice(name).get_shape(), device="meta")
+                    else:
+                        yield name, f.get_tensor(name)
+        except SafetensorError as error:
+            raise InvalidField("model", f"{path}: {error}") from None
 
 
 def copy_whole(param: torch.nn.Parameter, tensor: torch.Tensor) -> None:
@@ -100,30 +119,47 @@ def copy_whole(param: torch.nn.Parameter, tensor: torch.Tensor) -> None:
     param.data.copy_(tensor)
 
 
+def checkpoint_tensors(name: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The checkpoint tensors that fill our parameter `name`, as (HF name, extra weight_loader arguments): q, k and v
+    each fill their shard of the fused qkv_proj, gate and up theirs of gate_up_proj; any other parameter is one tensor
+    of its own name, copied whole."""
+    module_name, _, param_name = name.rpartition(".")
+    *parent, proj = module_name.split(".")
+    if proj not in FUSED:
+        return [(name, ())]
+    return [(".".join([*parent, part, param_name]), (index,)) for index, part in enumerate(FUSED[proj])]
+
+
 def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """tensors: (HF name, tensor) pairs. q/k/v and gate/up fill a shard of their fused projection."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded = set()
-    for name, tensor in tensors:
-        if name.endswith("rotary_emb.inv_freq"):
+    """tensors: (HF name, tensor) pairs, each loaded by its parameter's weight_loader. A tensor with no place, one
+    whose shape does not fit, or one missing is an InvalidField("model") naming it."""
+    places = {}  # HF name -> (our parameter, extra weight_loader arguments), until its tensor is loaded
+    for name, param in model.named_parameters(remove_duplicate=False):
+        for hf_name, shard in checkpoint_tensors(name):
+            places[hf_name] = (param, shard)
+    for hf_name, tensor in tensors:
+        if hf_name.endswith("rotary_emb.inv_freq"):
             continue  # older checkpoints store RoPE frequencies; we compute them
-        module_name, _, param_name = name.rpartition(".")
-        *parent, proj = module_name.split(".")
-        shard = ()  # extra weight_loader arguments: the shard index, for a fused projection only
-        if proj in PACKED_SHARDS:
-            fused, index = PACKED_SHARDS[proj]
-            name = ".".join(parent + [fused, param_name])
-            shard = (index,)
-        if name not in params:
-            raise ValueError(f"model: checkpoint tensor {name!r} has no place in the model")
-        param = params[name]
+        if hf_name not in places:
+            raise InvalidField("model", f"checkpoint tensor {hf_name!r} has no place in the model")
+        param, shard = places.pop(hf_name)
         weight_loader = getattr(param, "weight_loader", copy_whole)
-        weight_loader(param, tensor, *shard)
-        loaded.add(name)
+        try:
+            weight_loader(param, tensor, *shard)
+        except RuntimeError as error:  # copy_'s size mismatch: the config says another shape
+            raise InvalidField("model", f"checkpoint tensor {hf_name!r} does not fit the config: {error}") from None
     if model.args.tie_word_embeddings:
-        loaded.add("lm_head.weight")
-    if missing := set(params) - loaded:
-        raise ValueError(f"model: checkpoint lacks {sorted(missing)[:5]}")
+        places.pop("lm_head.weight", None)  # the embedding, loaded under its own name
+    if places:
+        raise InvalidField("model", f"checkpoint lacks {sorted(places)[:5]}")
+
+
+def check_checkpoint(model_dir: str, args: ModelArgs) -> None:
+    """A dry run of load_weights, reading headers only: every tensor's name and shape checked against the model the
+    config describes, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = CausalLM(args, get_kernels("torch"))
+    load_weights(model, read_safetensors(model_dir, shapes_only=True))
 
 
 def build_model(
@@ -141,9 +177,51 @@ def build_model(
     return model.eval()
 
 
+def read_hf_config(model_dir: str) -> PretrainedConfig:
+    """config.json through transformers, after checking it is a JSON object whose sizes are positive integers: a
+    broken file is an InvalidField naming it (and the field), whatever transformers would have raised."""
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            fields = json.load(f)
+    except (OSError, ValueError) as error:  # missing, unreadable, or not JSON
+        raise InvalidField("model", f"{path}: {error}") from None
+    if not isinstance(fields, dict):
+        raise InvalidField("model", f"{path}: not a JSON object")
+    for name in CONFIG_SIZES:
+        value = fields.get(name)
+        if value is not None and not (is_integer(value) and value > 0):
+            raise InvalidField("model", f"{path}: {name}={value!r} is not a positive integer")
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except Exception as error:  # an unknown model_type, or a field transformers' own checks refuse
+        raise InvalidField("model", f"{path}: {error}") from error
+
+
+def check_kv_cache_fits(config: EngineConfig, args: ModelArgs, dtype: torch.dtype) -> None:
+    """num_kvcache_blocks, when given, within the memory that would hold the pool. bytes = 2 (K, V) x layers x
+    KV heads x head_dim x bytes per element x block_size x blocks."""
+    blocks = config.num_kvcache_blocks
+    if blocks is None:
+        return
+    block_bytes = 2 * args.num_layers * args.num_kv_heads * args.head_dim * dtype.itemsize * config.kvcache_block_size
+    needed = block_bytes * blocks
+    if config.device == "cuda":
+        needed //= config.tensor_parallel_size  # one rank's share (1/N of the KV heads), on one GPU
+        memory = torch.cuda.get_device_properties(0).total_memory
+    elif hasattr(os, "sysconf"):  # Linux, macOS: the host's RAM holds every rank's share
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    else:
+        return  # Windows: unchecked
+    if needed > memory:
+        problem = f"{blocks} blocks need {needed / 2**30:.1f} GiB; the {config.device} has {memory / 2**30:.1f} GiB"
+        raise InvalidField("num_kvcache_blocks", problem)
+
+
 def load_hf_config(model_dir: str, config: EngineConfig) -> tuple[PretrainedConfig, ModelArgs]:
-    """The HF config and our ModelArgs from it, refused (InvalidField) where the engine config cannot serve it."""
-    hf_config = AutoConfig.from_pretrained(model_dir)
+    """The HF config and our ModelArgs from it, refused (InvalidField) where the engine config cannot serve it, and
+    the checkpoint checked against it (names, shapes, the KV pool's memory) before any weight loads."""
+    hf_config = read_hf_config(model_dir)
     args = ModelArgs.from_hf(hf_config)
     if config.max_model_len > args.max_position:
         raise InvalidField(
@@ -155,4 +233,6 @@ def load_hf_config(model_dir: str, config: EngineConfig) -> tuple[PretrainedConf
         size = getattr(args, name)
         if size % config.tensor_parallel_size:  # (fewer KV heads than ranks: refused, too)
             raise InvalidField("tensor_parallel_size", f"does not divide the model's {name}={size}")
+    check_checkpoint(model_dir, args)
+    check_kv_cache_fits(config, args, config.torch_dtype(checkpoint_dtype(hf_config)))
     return hf_config, args

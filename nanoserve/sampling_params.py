@@ -1,9 +1,18 @@
 """Per-request sampling settings, checked when they are made: a bad type or value raises an InvalidField (a
-ValueError naming the field) before any work starts. The server's 400 errors come from these same checks."""
+ValueError naming the field) before any work starts. The server's 400 errors come from these same checks.
+
+Every number has a finite, stated range, and the checks cannot fail themselves: any numbers.Real is taken (numpy's
+scalars, Fraction; a Decimal is refused), compared exactly (an integer as an integer: 10**400 is out of range, never an
+OverflowError), and stored as a plain Python int or float, so nothing downstream sees a numpy type."""
 
 import math
 import numbers
+import reprlib
 from dataclasses import dataclass
+
+MAX_INT = 2**63 - 1  # the largest count (or config size) accepted anywhere: it fits a torch.int64
+SEED_RANGE = 2**63  # a seed is used mod this: torch's generators take 64-bit seeds
+MAX_TEMPERATURE = 1e30  # far past where sampling is uniform to float32's precision; logits / T stays finite
 
 
 class InvalidField(ValueError):
@@ -15,34 +24,55 @@ class InvalidField(ValueError):
         self.problem = problem
 
 
-def describe_range(low: float | None, high: float | None, above_low: bool) -> str:
-    """'[low, high]', or '(low, high]' when low itself is out; a missing bound shows as -inf or inf."""
-    opening = "(" if above_low else "["
-    lower = "-inf" if low is None else low
-    upper = "inf" if high is None else high
-    return f"{opening}{lower}, {upper}]"
+def shown(value: object) -> str:
+    """repr(value) for an error message, shortened by reprlib (a 401-digit integer is not worth repeating); one past
+    4,300 digits Python refuses to print at all."""
+    try:
+        return reprlib.repr(value)
+    except ValueError:
+        return "a number too long to print"
 
 
 def check_number(
     field: str,
     value: object,
-    low: float | None = None,
-    high: float | None = None,
+    low: float,
+    high: float = MAX_INT,
     integer: bool = False,
     above_low: bool = False,
-) -> None:
-    """value must be a finite real (an integer if asked; bool is neither) in [low, high], or (low, high]."""
+) -> int | float:
+    """value as a plain int (if integer) or float, when it is a finite real (an integer if asked; bool is neither) in
+    [low, high], or (low, high] with above_low. An int or a Fraction is finite and compared exactly, never converted
+    to a float before it is known to be in range."""
     kind = numbers.Integral if integer else numbers.Real
-    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
-        wanted = "an integer" if integer else "a finite number"
-        raise InvalidField(field, f"{value!r} is not {wanted}")
-    too_low = low is not None and (value < low or (above_low and value == low))
-    too_high = high is not None and value > high
-    if too_low or too_high:
-        raise InvalidField(field, f"{value!r} is out of range {describe_range(low, high, above_low)}")
+    is_kind = isinstance(value, kind) and not isinstance(value, bool)
+    if not is_kind or not (isinstance(value, numbers.Rational) or math.isfinite(value)):
+        wanted = "an integer" if integer else "a finite int or float"
+        raise InvalidField(field, f"{shown(value)} is not {wanted}")
+    if isinstance(value, numbers.Integral):
+        value = int(value)  # numpy's too: compared as a Python int, exactly
+    if value < low or (above_low and value == low) or value > high:
+        opening = "(" if above_low else "["
+        raise InvalidField(field, f"{shown(value)} is out of range {opening}{low}, {high}]")
+    return int(value) if integer else float(value)
 
 
-def is_token_id(value: object) -> bool:
+def check_flag(field: str, value: object) -> None:
+    """An on/off field must be a bool: a string "no" would be truthy."""
+    if not isinstance(value, bool):
+        raise InvalidField(field, f"{shown(value)} is not a bool")
+
+
+def check_text(field: str, text: str) -> None:
+    """Text must be valid Unicode: a lone surrogate ("\\ud800", from broken UTF-16) has no UTF-8 form, and the
+    tokenizer would fail on it with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidField(field, f"has a lone surrogate at index {error.start}; text must be valid Unicode") from None
+
+
+def is_integer(value: object) -> bool:
     """An integer of any integer type (numpy's, a tensor element's), but not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -51,48 +81,50 @@ def check_token_ids(field: str, ids: object) -> list[int]:
     """A list of integer token ids (a numpy array or tensor of them is fine): returned as plain ints."""
     if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):
         ids = ids.tolist()  # a numpy array or a tensor
-    if not isinstance(ids, (list, tuple)) or not all(is_token_id(t) for t in ids):
+    if not isinstance(ids, (list, tuple)) or not all(is_integer(t) for t in ids):
         raise InvalidField(field, "expected a list of integer token ids")
     return [int(t) for t in ids]
 
 
 @dataclass
 class SamplingParams:
+    """The ranges, beyond the comments below: counts (n, top_k, max_tokens, logprobs) are at most MAX_INT; any integer
+    seed is taken and kept mod SEED_RANGE, in [0, 2**63), as the sampler uses it anyway."""
+
     n: int = 1  # completions of the prompt; they share its KV through the prefix cache
-    temperature: float = 1.0  # 0 means greedy: exact argmax
-    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
+    temperature: float = 1.0  # in [0, MAX_TEMPERATURE = 1e30]; 0 means greedy: exact argmax
+    top_p: float = 1.0  # in (0, 1]: keep the smallest set of tokens whose probability reaches top_p
     top_k: int = -1  # keep the k most likely tokens; -1 keeps all (vLLM's convention)
-    min_p: float = 0.0  # drop tokens less likely than min_p x the top token's probability
+    min_p: float = 0.0  # in [0, 1]: drop tokens less likely than min_p x the top token's probability
     max_tokens: int = 64
     min_tokens: int = 0  # EOS and stop ids cannot be sampled, and stop strings do not count, before this
     ignore_eos: bool = False
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None  # makes this request's samples reproducible, whatever else is batched
+    seed: int | None = None  # reproducible samples, whatever else is batched; any int, kept mod 2**63: [0, 2**63)
     logprobs: int | None = None  # return the chosen token's logprob and the top-N logprobs
 
     def __post_init__(self) -> None:
-        check_number("n", self.n, low=1, integer=True)
-        check_number("temperature", self.temperature, low=0)
-        check_number("top_p", self.top_p, low=0, high=1, above_low=True)
-        check_number("top_k", self.top_k, low=-1, integer=True)
+        self.n = check_number("n", self.n, low=1, integer=True)
+        self.temperature = check_number("temperature", self.temperature, low=0, high=MAX_TEMPERATURE)
+        self.top_p = check_number("top_p", self.top_p, low=0, high=1, above_low=True)
+        self.top_k = check_number("top_k", self.top_k, low=-1, integer=True)
         if self.top_k == 0:
             raise InvalidField("top_k", "0 is out of range: -1 keeps all tokens, k >= 1 keeps k")
-        check_number("min_p", self.min_p, low=0, high=1)
-        check_number("max_tokens", self.max_tokens, low=1, integer=True)
-        check_number("min_tokens", self.min_tokens, low=0, high=self.max_tokens, integer=True)
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidField("ignore_eos", f"{self.ignore_eos!r} is not a bool")
+        self.min_p = check_number("min_p", self.min_p, low=0, high=1)
+        self.max_tokens = check_number("max_tokens", self.max_tokens, low=1, integer=True)
+        self.min_tokens = check_number("min_tokens", self.min_tokens, low=0, high=self.max_tokens, integer=True)
+        check_flag("ignore_eos", self.ignore_eos)
         if self.seed is not None:
-            check_number("seed", self.seed, integer=True)
+            self.seed = check_number("seed", self.seed, low=-math.inf, high=math.inf, integer=True) % SEED_RANGE
         if self.logprobs is not None:
-            check_number("logprobs", self.logprobs, low=0, integer=True)
+            self.logprobs = check_number("logprobs", self.logprobs, low=0, integer=True)
         if isinstance(self.stop, str):
             stop = [self.stop]  # one stop string
         else:
             stop = self.stop or []
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise InvalidField("stop", f"{self.stop!r} is not a non-empty string or a list of them")
+            raise InvalidField("stop", f"{shown(self.stop)} is not a non-empty string or a list of them")
         self.stop = list(stop)
         self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids or [])
 

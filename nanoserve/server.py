@@ -3,7 +3,14 @@ field as a flag): /v1/completions and /v1/chat/completions, whole or streamed as
 /health, and Prometheus /metrics. The engine is not thread-safe, so one thread owns it (EngineLoop). Handlers on
 uvicorn's event loop send it commands through a queue.Queue and await the replies as futures; each HTTP request's
 outputs come back on its own asyncio.Queue. A client that goes away has its requests aborted, which returns their KV
-blocks at once."""
+blocks at once.
+
+One request must not stall the others, so what a request costs is bounded before the engine sees it (ServerConfig:
+the body's size, the time it takes to arrive, its nesting, n, the prompt's length in characters, and OpenAI's caps on
+logprobs), and prompts are tokenized on the event loop's executor, not on the engine thread. Every error, 404 and 405
+included, comes in OpenAI's shape: {"error": {"message", "type", "param", "code"}}. At shutdown, open requests get
+ServerConfig.shutdown_timeout seconds to finish and then fail (a stream ends with an error event and [DONE]); a second
+Ctrl+C exits at once."""
 
 import argparse
 import asyncio
@@ -11,23 +18,30 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import os
 import queue
+import re
+import signal
+import socket
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection, Iterator
-from dataclasses import fields
+from dataclasses import Field, dataclass, fields
+from itertools import accumulate
+from types import FrameType
 from typing import TYPE_CHECKING, TypeVar, get_args
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from nanoserve.config import EngineConfig
 from nanoserve.default_model import DEFAULT_MODEL
 from nanoserve.llm import LLM
 from nanoserve.outputs import CompletionOutput, RequestOutput
-from nanoserve.sampling_params import InvalidField, SamplingParams
+from nanoserve.sampling_params import InvalidField, SamplingParams, check_number
 
 if TYPE_CHECKING:  # for annotations only: the tokenizer is the engine's, loaded by transformers
     from transformers import PreTrainedTokenizerBase
@@ -42,6 +56,16 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is th
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away before the answer
 LOCALHOST = "127.0.0.1"
 DEFAULT_PORT = 8000  # vLLM's default too
+MAX_TOP_LOGPROBS = 20  # OpenAI's cap on chat's top_logprobs
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap on the legacy completions' logprobs
+MAX_JSON_DEPTH = 64  # arrays and objects nested deeper than this get a 400 (OpenAI's bodies nest a few levels)
+PROMPT_CHARS_PER_TOKEN = 32  # the default cap on a prompt's characters, per token of max_model_len
+SHUTDOWN_GRACE_S = 1.0  # after the drain: how long uvicorn waits for the failed requests' answers to go out
+EXIT_ON_SECOND_SIGINT = 128 + signal.SIGINT  # 130, as a shell reports a process ended by Ctrl+C
+CLOSE = {"Connection": "close"}  # with a 408 or 413: the rest of the body is never read, so the connection ends
+JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escaped quotes included
+NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # opening: +1, closing: -1 (as signed bytes)
 SAMPLING_FIELDS = (
     "n",
     "temperature",
@@ -58,6 +82,26 @@ GAUGES = ("running", "waiting", "kv_blocks_used", "kv_blocks_cached", "kv_blocks
 COUNTERS = ("preemptions", "generated_tokens", "finished_requests", "prefix_hit_tokens", "prefix_queried_tokens")
 
 
+@dataclass
+class ServerConfig:
+    """What one request may cost and how long the server waits (EngineConfig is the engine's): each field is a flag
+    of its own, --max-n and so on. Every limit must be positive."""
+
+    max_n: int = 128  # choices one request may ask for (n x prompts); OpenAI allows n <= 128
+    # characters of prompt text (all prompts, or all messages), checked before tokenizing; None: PROMPT_CHARS_PER_TOKEN
+    # (32) x max_model_len, which English text (4-5 characters a token) cannot approach
+    max_prompt_chars: int | None = None
+    max_body_bytes: int = 4 * 2**20  # 4 MiB; a larger body gets a 413 (parsing it would stall the event loop)
+    body_timeout: float = 30.0  # seconds for a request's body to arrive once its headers have; then a 408
+    shutdown_timeout: float = 5.0  # seconds open requests get to finish at shutdown; then they fail
+
+    def __post_init__(self) -> None:
+        for limit in fields(self):
+            value = getattr(self, limit.name)
+            if value is not None:
+                check_number(limit.name, value, low=0, above_low=True)
+
+
 class EngineLoop:
     """The one thread that calls the engine: it runs queued commands, steps while any request is unfinished, and
     sleeps on the command queue when there is nothing to do."""
@@ -67,6 +111,7 @@ class EngineLoop:
         # (concurrent future, function, args), or None: stop
         self.commands: queue.Queue[tuple[concurrent.futures.Future, Callable, tuple] | None] = queue.Queue()
         self.sinks: dict[str, Sink] = {}  # request_id -> its sink, used on the engine thread only
+        self.deadline: float | None = None  # set at shutdown (time.monotonic()): requests still open then fail
         self.thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
 
     def call(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
@@ -92,6 +137,8 @@ class EngineLoop:
             await self.call(self._add, prompts, params, request_ids, stream, sink)
             yield None
             while unfinished:
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    raise RuntimeError("the server shut down before this request finished")
                 try:
                     out = await asyncio.wait_for(outputs.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
@@ -161,6 +208,56 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
+def json_depth(body: bytes) -> int:
+    """How deeply arrays and objects nest in a JSON text, counted without recursion (json.loads recurses, and a body
+    nested 5,000 deep would exhaust Python's stack). Brackets inside strings do not count; the rest become +1 or -1
+    steps, whose running sum is the depth, summed in C (a Python loop would take seconds on a body of brackets)."""
+    brackets = JSON_STRING.sub(b"", body).translate(None, NOT_BRACKETS)
+    steps = memoryview(brackets.translate(BRACKET_STEPS)).cast("b")  # signed bytes: 0xff is -1
+    return max(accumulate(steps), default=0)
+
+
+async def read_body(http: Request, max_bytes: int) -> bytes:
+    """The request's body, refused with a 413 as soon as it is known to be over max_bytes."""
+    too_large = HTTPException(413, f"the body is over {max_bytes} bytes", CLOSE)
+    if int(http.headers.get("content-length", 0)) > max_bytes:  # the server has checked it is a number
+        raise too_large
+    chunks = []
+    size = 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json(http: Request, config: ServerConfig) -> object:
+    """The body parsed: a 408 if it has not all come within body_timeout, a 413 past max_body_bytes, a 400 (param
+    null) if it is not JSON or nests deeper than MAX_JSON_DEPTH."""
+    try:
+        body = await asyncio.wait_for(read_body(http, config.max_body_bytes), config.body_timeout)
+    except asyncio.TimeoutError:
+        raise HTTPException(408, f"the body did not arrive within {config.body_timeout} s", CLOSE) from None
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise ValueError(f"the body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(body)
+    except ValueError as e:
+        raise ValueError(f"the body is not valid JSON: {e}") from None
+
+
+def text_length(value: object) -> int:
+    """Characters of text in a prompt, a list of them, or a conversation: what tokenizing it would cost."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_length(item) for item in value.values())
+    if isinstance(value, list):  # nested at most MAX_JSON_DEPTH deep: the recursion is bounded
+        return sum(text_length(item) for item in value)
+    return 0
+
+
 def field(body: dict, name: str, kind: type[T], default: T) -> T:
     """body[name] if it is given and not null, refused (InvalidField) unless it is a kind; else default."""
     value = body.get(name)
@@ -198,9 +295,17 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
     else:
         kwargs["logprobs"] = None
     try:
-        return SamplingParams(**kwargs)
+        params = SamplingParams(**kwargs)
     except InvalidField as e:
         raise client_named(e, body, chat) from None
+    # OpenAI's caps: each alternative costs a decode and a JSON entry per token (a 49,152 would build megabytes)
+    if chat:
+        name, cap = "top_logprobs", MAX_TOP_LOGPROBS
+    else:
+        name, cap = "logprobs", MAX_COMPLETION_LOGPROBS
+    if params.logprobs is not None and params.logprobs > cap:
+        raise InvalidField(name, f"{params.logprobs} is over {cap}, OpenAI's limit")
+    return params
 
 
 def logprobs_json(
@@ -271,10 +376,12 @@ def usage_json(finals: Collection[RequestOutput]) -> dict:
     }
 
 
-def build_app(llm: LLM, model_name: str | None = None) -> FastAPI:
+def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | None = None) -> FastAPI:
     """The FastAPI app serving llm; its engine thread runs while the app does (lifespan)."""
     engine = EngineLoop(llm)
     model_name = model_name or llm.config.model or DEFAULT_MODEL
+    config = config or ServerConfig()
+    max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * llm.config.max_model_len
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -284,15 +391,25 @@ def build_app(llm: LLM, model_name: str | None = None) -> FastAPI:
         engine.thread.join()
 
     app = FastAPI(title="nanoserve", lifespan=lifespan)
+    app.state.engine = engine  # for Server: it drains the engine's requests at shutdown
+    app.state.config = config
 
     @app.exception_handler(ValueError)
     def bad_input(request: Request, error: ValueError) -> JSONResponse:
         """400, naming the field where the error is an InvalidField."""
         return error_response(400, str(error), error.field if isinstance(error, InvalidField) else None)
 
-    @app.exception_handler(RuntimeError)
-    def engine_failed(request: Request, error: RuntimeError) -> JSONResponse:
-        return error_response(500, str(error))
+    @app.exception_handler(HTTPException)
+    def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        """Starlette's errors (404: no such route; 405: wrong method) and read_body's (408, 413), in OpenAI's shape."""
+        response = error_response(error.status_code, f"{error.detail}: {request.method} {request.url.path}")
+        response.headers.update(error.headers or {})  # 405's Allow, or Connection: close
+        return response
+
+    @app.exception_handler(RuntimeError)  # the engine failed the request (its thread has logged why)
+    @app.exception_handler(Exception)  # a bug: uvicorn logs its traceback too
+    def server_error(request: Request, error: Exception) -> JSONResponse:
+        return error_response(500, str(error) or type(error).__name__)
 
     @app.get("/health")
     def health() -> Response:
@@ -320,10 +437,7 @@ def build_app(llm: LLM, model_name: str | None = None) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def completions(http: Request) -> Response | dict:
         chat = http.url.path.endswith("/chat/completions")
-        try:
-            body = json.loads(await http.body())
-        except ValueError as e:
-            return error_response(400, f"the body is not valid JSON: {e}")
+        body = await read_json(http, config)
         if not isinstance(body, dict):
             return error_response(400, "the body must be a JSON object")
         if body.get("model") is not None and body["model"] != model_name:
@@ -333,21 +447,41 @@ def build_app(llm: LLM, model_name: str | None = None) -> FastAPI:
                 "model",
                 "model_not_found",
             )
-        if not chat:  # a string, token ids, or a list of either; the engine refuses anything else as "prompt"
+        params = sampling_params(body, chat, llm.config.max_model_len)
+        loop = asyncio.get_running_loop()
+        if chat:
+            messages = body.get("messages")  # one conversation (chat_prompts would also take a list of them)
+            if not (isinstance(messages, list) and messages and isinstance(messages[0], dict)):
+                messages = None  # not one conversation: refused as "messages"
+            check_cost([messages], params, "messages")
+            # tokenized on the executor, as below: the engine thread, and with it every stream, does not wait for it
+            prompts = await loop.run_in_executor(None, llm.chat_prompts, messages)
+        else:  # a string, token ids, or a list of either; the engine refuses anything else as "prompt"
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompts = prompt  # a list of prompts
             else:
                 prompts = [prompt]  # one prompt: text or token ids
-            return await serve(http, body, chat, prompts)
-        messages = body.get("messages")  # one conversation (chat_prompts would also take a list of them)
-        if not (isinstance(messages, list) and messages and isinstance(messages[0], dict)):
-            messages = None  # not one conversation: refused as "messages"
-        return await serve(http, body, chat, await engine.call(llm.chat_prompts, messages))
+            check_cost(prompts, params, "prompt")
+            prompts = await loop.run_in_executor(None, tokenize, prompts)
+        return await serve(http, body, chat, params, prompts)
 
-    async def serve(http: Request, body: dict, chat: bool, prompts: list) -> Response | dict:
+    def check_cost(prompts: list, params: SamplingParams, prompt_field: str) -> None:
+        """The request's choices (prompts x n) and its prompt text within the caps, before anything is tokenized."""
+        if len(prompts) * params.n > config.max_n:
+            name = "n" if params.n > 1 else prompt_field
+            raise InvalidField(name, f"{len(prompts)} prompt(s) x n={params.n} is over {config.max_n} choices")
+        num_chars = text_length(prompts)
+        if num_chars > max_prompt_chars:
+            raise InvalidField(prompt_field, f"has {num_chars} characters; this server takes {max_prompt_chars}")
+
+    def tokenize(prompts: list) -> list[list[int]]:
+        """Each prompt as token ids, checked as the engine checks a prompt, which it does again on the ids, in
+        O(length). Safe on any thread: it reads only the tokenizer and the config."""
+        return [llm._prompt_ids(prompt) for prompt in prompts]
+
+    async def serve(http: Request, body: dict, chat: bool, params: SamplingParams, prompts: list) -> Response | dict:
         """Queue the prompts; answer with the whole result, or a stream of chunks."""
-        params = sampling_params(body, chat, llm.config.max_model_len)
         stream = field(body, "stream", bool, False)
         options = field(body, "stream_options", dict, {})
         usage = field(options, "include_usage", bool, False)  # checked before anything is queued
@@ -401,8 +535,9 @@ def build_app(llm: LLM, model_name: str | None = None) -> FastAPI:
                         choice_index = index * params.n + sample.index  # OpenAI: prompt x n + sample
                         choice = choice_json(llm.tokenizer, chat, True, choice_index, sample, params.logprobs)
                         yield f"data: {json.dumps({**head, 'choices': [choice]}, ensure_ascii=False)}\n\n"
-        except RuntimeError as e:  # the engine failed mid-stream, after the 200: say so in the stream, as OpenAI does
+        except RuntimeError as e:  # the engine failed, or shutdown came, after the 200: say so in the stream
             yield f"data: {error_response(500, str(e)).body.decode()}\n\n"
+            yield "data: [DONE]\n\n"
             return
         if len(finals) < num_prompts:
             return  # the client went away
@@ -413,10 +548,35 @@ def build_app(llm: LLM, model_name: str | None = None) -> FastAPI:
     return app
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, with a bounded drain at shutdown and a second Ctrl+C that exits at once."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, log_level: str | None = None) -> None:
+        self.engine: EngineLoop = app.state.engine
+        self.shutdown_timeout: float = app.state.config.shutdown_timeout
+        grace = self.shutdown_timeout + SHUTDOWN_GRACE_S  # then uvicorn cancels whatever still runs
+        super().__init__(uvicorn.Config(app, host, port, log_level=log_level, timeout_graceful_shutdown=grace))
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn stops accepting and waits for the open requests: after shutdown_timeout, they fail."""
+        self.engine.deadline = time.monotonic() + self.shutdown_timeout
+        await super().shutdown(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """A second Ctrl+C exits now. uvicorn's own would skip the app's shutdown and leave the engine thread in a
+        step while the interpreter exits, which aborts in torch ("terminate called without an active exception")."""
+        if sig == signal.SIGINT and self.should_exit:
+            logging.getLogger(__name__).warning("a second Ctrl+C: exiting without waiting for open requests")
+            os._exit(EXIT_ON_SECOND_SIGINT)
+        super().handle_exit(sig, frame)
+
+
 @contextlib.contextmanager
-def serve_in_background(llm: LLM, host: str = LOCALHOST, port: int = 0, model_name: str | None = None) -> Iterator[str]:
+def serve_in_background(
+    llm: LLM, host: str = LOCALHOST, port: int = 0, model_name: str | None = None, config: ServerConfig | None = None
+) -> Iterator[str]:
     """Serve llm from a thread (tests, benchmarks); yields the base URL "http://host:port/v1" (port 0: any free)."""
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, model_name), host, port, log_level="warning"))
+    server = Server(build_app(llm, model_name, config), host, port, log_level="warning")
     thread = threading.Thread(target=server.run, name="nanoserve-http", daemon=True)
     thread.start()
     while not server.started and thread.is_alive():  # started: the engine thread runs and the socket listens
@@ -426,7 +586,7 @@ def serve_in_background(llm: LLM, host: str = LOCALHOST, port: int = 0, model_na
     try:
         yield f"http://{host}:{server.servers[0].sockets[0].getsockname()[1]}/v1"
     finally:
-        server.should_exit = True
+        server.should_exit = True  # then the drain: open requests get config.shutdown_timeout to finish
         thread.join()
 
 
@@ -438,15 +598,21 @@ def flag_type(annotation: type) -> type:
     return str
 
 
+def given(args: argparse.Namespace, config_fields: list[Field]) -> dict:
+    """The fields given on the command line; one left out keeps its dataclass's default."""
+    return {f.name: getattr(args, f.name) for f in config_fields if getattr(args, f.name) is not None}
+
+
 def main(argv: list[str] | None = None) -> None:
-    """The command line: every EngineConfig field is a flag, and one left out keeps EngineConfig's default."""
+    """The command line: every EngineConfig and ServerConfig field is a flag; one left out keeps its default."""
     parser = argparse.ArgumentParser(description="nanoserve's OpenAI-compatible server")
     parser.add_argument("--model", help="HF model directory or hub id (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default=LOCALHOST, help="0.0.0.0 serves every interface")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--served-model-name", help="the `model` clients ask for (default: --model)")
     engine_fields = [config_field for config_field in fields(EngineConfig) if config_field.name != "model"]
-    for config_field in engine_fields:
+    server_fields = list(fields(ServerConfig))
+    for config_field in engine_fields + server_fields:
         flag = "--" + config_field.name.replace("_", "-")
         if config_field.type is bool:
             parser.add_argument(flag, default=None, action=argparse.BooleanOptionalAction)  # --x and --no-x
@@ -454,13 +620,11 @@ def main(argv: list[str] | None = None) -> None:
             parser.add_argument(flag, default=None, type=flag_type(config_field.type))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    engine_kwargs = {}
-    for config_field in engine_fields:
-        value = getattr(args, config_field.name)
-        if value is not None:  # given on the command line
-            engine_kwargs[config_field.name] = value
-    llm = LLM(args.model, **engine_kwargs)
-    uvicorn.run(build_app(llm, args.served_model_name), host=args.host, port=args.port)
+    config = ServerConfig(**given(args, server_fields))
+    llm = LLM(args.model, **given(args, engine_fields))
+    server = Server(build_app(llm, args.served_model_name, config), args.host, args.port)
+    with contextlib.suppress(KeyboardInterrupt):  # after a Ctrl+C's drain, uvicorn raises it again
+        server.run()
 
 
 if __name__ == "__main__":

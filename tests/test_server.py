@@ -242,6 +242,14 @@ def test_disconnected_clients_are_aborted(served):
     assert after.choices[0].finish_reason in ("length", "stop") and after.usage.completion_tokens <= 4
 
 
+def nested(depth: int) -> list:
+    """A list nested depth deep: [[...[]...]]."""
+    value = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
 BAD_INPUTS = [  # (endpoint, body, status, param the error names)
     ("completions", b"{not json", 400, None),
     ("completions", [1, 2], 400, None),
@@ -272,6 +280,31 @@ BAD_INPUTS = [  # (endpoint, body, status, param the error names)
     ("chat/completions", {"messages": MESSAGES, "logprobs": "yes"}, 400, "logprobs"),
     ("chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
     ("chat/completions", {"messages": MESSAGES, "model": "gpt-4"}, 404, "model"),
+    # numbers too large for a float: 400s, not OverflowError's 500
+    ("completions", {"prompt": "hi", "max_tokens": 10**400}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "n": 10**400}, 400, "n"),
+    ("chat/completions", {"messages": MESSAGES, "max_tokens": 10**400}, 400, "max_tokens"),
+    # lone surrogates (JSON escapes a client's own encoder would refuse to send)
+    ("completions", b'{"prompt": "hi \\ud800 there"}', 400, "prompt"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    # nesting: 5,000 deep (json.loads would recurse past Python's limit), and one past MAX_JSON_DEPTH
+    ("completions", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None),
+    ("completions", {"prompt": "hi", "user": nested(64)}, 400, None),
+    # OpenAI's caps on logprobs
+    ("chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 49152}, 400, "top_logprobs"),
+    ("completions", {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    # ServerConfig's defaults: n x prompts <= 128 choices, prompt text <= 32 characters per token of max_model_len
+    ("completions", {"prompt": "hi", "n": 129}, 400, "n"),
+    ("completions", {"prompt": ["hi"] * 2, "n": 65}, 400, "n"),
+    ("completions", {"prompt": ["hi"] * 129}, 400, "prompt"),
+    ("chat/completions", {"messages": MESSAGES, "n": 129}, 400, "n"),
+    ("completions", {"prompt": "a" * (32 * 512 + 1)}, 400, "prompt"),
+    ("completions", {"prompt": ["a" * 10_000, "b" * 10_000]}, 400, "prompt"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "a" * (32 * 512 + 1)}]}, 400, "messages"),
+    # a body over ServerConfig.max_body_bytes (4 MiB)
+    ("completions", b'{"prompt": "' + b"a" * (4 * 2**20) + b'"}', 413, None),
 ]
 
 
@@ -285,6 +318,7 @@ def test_bad_input_is_refused_and_server_keeps_serving(served, endpoint, body, s
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["param"] == param
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
     assert httpx.get(f"{served.root}/health", timeout=30).status_code == 200
     ok = served.client.completions.create(prompt="hi", model=MODEL, max_tokens=1)
     assert len(ok.choices) == 1
@@ -348,3 +382,62 @@ def test_a_failing_step_fails_its_request_and_the_server_serves_on(served):
     assert first.choices[0].delta.role == "assistant"
     assert served.client.completions.create(prompt=PROMPT, **GREEDY).choices[0].text == before
     assert httpx.get(f"{served.root}/health", timeout=30).status_code == 200
+
+
+def test_missing_routes_and_methods_answer_in_openai_shape(served):
+    """Guards against FastAPI's own {"detail": ...} bodies: a 404 (no such route) and a 405 (wrong method, with its
+    Allow header) come in OpenAI's error shape, and the official client raises its typed errors on them."""
+    missing = httpx.post(f"{served.base_url}/nothing", json={}, timeout=30)
+    assert missing.status_code == 404
+    error = missing.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert "/v1/nothing" in error["message"] and error["param"] is None
+    wrong_method = httpx.get(f"{served.base_url}/completions", timeout=30)
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError):
+        served.client.post("/nothing", cast_to=object, body={})
+    assert served.client.completions.create(prompt="hi", model=MODEL, max_tokens=1).usage.completion_tokens == 1
+
+
+def test_a_bug_answers_500_in_openai_shape(served):
+    """Guards against Starlette's plain-text "Internal Server Error": an exception no handler expects (here a
+    TypeError from the chat template) is a 500 in OpenAI's shape, and the server serves on."""
+
+    def broken(messages):
+        raise TypeError("injected bug")
+
+    served.llm.chat_prompts = broken  # the handler looks it up per request
+    try:
+        r = httpx.post(f"{served.base_url}/chat/completions", json={"messages": MESSAGES}, timeout=30)
+    finally:
+        del served.llm.chat_prompts
+    assert r.status_code == 500
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "server_error"
+    assert error["message"] == "injected bug"
+    assert served.client.chat.completions.create(messages=MESSAGES, **GREEDY).choices[0].message.content
+
+
+def test_requests_at_the_limits_are_served(served):
+    """Guards against caps that refuse what they should allow: JSON nested exactly MAX_JSON_DEPTH deep, brackets
+    inside strings (which do not nest), top_logprobs = 20 and logprobs = 5 (OpenAI's caps), and a 401-digit seed (any
+    integer seed is taken, mod 2**63)."""
+    from nanoserve.server import MAX_JSON_DEPTH
+
+    short = {"model": MODEL, "max_tokens": 2}
+    deep = httpx.post(
+        f"{served.base_url}/completions",
+        json={"prompt": "[[[{{{" * 100, "user": nested(MAX_JSON_DEPTH - 1), **short},  # the body is one level
+        timeout=30,
+    )
+    assert deep.status_code == 200, deep.text
+    chat = served.client.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=20, **short)
+    assert all(len(entry.top_logprobs) == 20 for entry in chat.choices[0].logprobs.content)
+    completion = served.client.completions.create(prompt=PROMPT, logprobs=5, **short)
+    assert all(len(top) == 5 for top in completion.choices[0].logprobs.top_logprobs)
+    seeded = [
+        served.client.completions.create(prompt=PROMPT, seed=10**400, temperature=1.0, **short).choices[0].text
+        for _ in range(2)
+    ]
+    assert seeded[0] == seeded[1]
