@@ -47,6 +47,9 @@ for stage in $stages; do
       run python3 bench.py --latency --json "$OUT/latency.json"
       run python3 bench.py --prefix --json "$OUT/prefix.json"
       run python3 bench.py --cpu-profile --json "$OUT/cpu_profile.json"
+      if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # tensor parallelism's launch: no host sync per step (BENCHMARKS.md)
+        run python3 bench.py --tp 2 --cpu-profile --json "$OUT/cpu_profile_tp2.json"
+      fi
       run python3 bench.py --kv-report --json "$OUT/kv_report.json"
       run python3 bench.py --dataset sharegpt --json "$OUT/sharegpt.json"
       run python3 bench.py --serve --request-rate 16 --json "$OUT/serve.json" ;;

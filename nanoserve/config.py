@@ -79,7 +79,10 @@ class EngineConfig:
                 raise InvalidField(name, f"{shown(value)} is not a path")
         if self.trace is not None:
             folder = os.path.dirname(os.path.abspath(self.trace))
-            if not self.trace or os.path.isdir(self.trace) or not os.access(folder, os.W_OK):
+            while not os.path.exists(folder):  # the trace writer makes the folders that are missing
+                folder = os.path.dirname(folder)
+            writable = os.path.isdir(folder) and os.access(folder, os.W_OK)
+            if not self.trace or os.path.isdir(self.trace) or not writable:
                 raise InvalidField("trace", f"cannot write {self.trace!r} (a folder, or no writable folder there)")
 
     def _check_numbers(self) -> None:
@@ -125,10 +128,12 @@ class EngineConfig:
         """device 'auto' becomes cuda when a GPU is visible, else cpu; on cuda, one GPU per tensor-parallel rank."""
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
+        # the ranks on this machine: all of them, unless a launcher (torchrun) spreads them over several machines
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.tensor_parallel_size))
+        if self.device == "cuda" and local_ranks > torch.cuda.device_count():
             raise InvalidField(
                 "tensor_parallel_size",
-                f"{self.tensor_parallel_size} exceeds the {torch.cuda.device_count()} GPUs present",
+                f"{local_ranks} ranks on this machine exceed its {torch.cuda.device_count()} GPUs",
             )
 
     def _resolve_kernels(self) -> None:

@@ -28,7 +28,6 @@ from nanoserve.sampling_params import InvalidField, SamplingParams
 from nanoserve.scheduler import Step
 from nanoserve.step_inputs import (
     BLOCK_TABLE_WIDTH_MULTIPLE,
-    HEADER_LEN,
     StepHeader,
     StepLists,
     flatten_step,
@@ -140,7 +139,7 @@ class ModelRunner:
         self.args = args
         self.tp = tp
         self.workers = workers  # rank 0 of several: its handle on the other ranks
-        self.device = torch.device(f"cuda:{tp.rank}" if config.device == "cuda" else "cpu")
+        self.device = torch.device(f"cuda:{tp.local_rank}" if config.device == "cuda" else "cpu")
         if self.device.type == "cpu":
             torch.set_num_threads(config.threads or max(1, free_cores() // tp.size))
         self.block_size = config.kvcache_block_size
@@ -280,7 +279,7 @@ class ModelRunner:
         header, flat = upload(self.prepare(step, previous), self.device)
         try:
             if self.workers is not None:  # tensor parallel: every rank runs the step; rank 0 samples
-                self.workers.send_step(torch.tensor(header.to_list(), device=self.device), flat)
+                self.workers.send_step(header, flat)  # the header as host ints: no copy to the device, no sync
             previous_tokens = previous.device_tokens if previous is not None else None
             logits = self.execute(header, flat, previous_tokens)
             if logits is None:
@@ -314,12 +313,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.sample_rows])
 
     @torch.inference_mode()
-    def run_worker_step(self, previous_tokens: torch.Tensor | None) -> torch.Tensor | None:
-        """A worker rank's step, once rank 0 has woken it (workers.py): receive the step's header and buffer, run it,
-        and receive the tokens rank 0 sampled. Returns the tokens the next step's PENDING inputs come from."""
-        header_tensor = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        dist.broadcast(header_tensor, 0)
-        header = StepHeader.from_list(header_tensor.tolist())
+    def run_worker_step(self, header: StepHeader, previous_tokens: torch.Tensor | None) -> torch.Tensor | None:
+        """A worker rank's step, once rank 0 has sent its header (workers.py): receive the step's buffer, run it, and
+        receive the tokens rank 0 sampled. Returns the tokens the next step's PENDING inputs come from."""
         flat = torch.empty(header.buffer_len(), dtype=torch.int32, device=self.device)
         dist.broadcast(flat, 0)
         logits = self.execute(header, flat, previous_tokens)

@@ -23,6 +23,7 @@ WeightLoader = Callable[[nn.Parameter, torch.Tensor], None]
 class TP:
     rank: int = 0
     size: int = 1
+    local_rank: int = 0  # this rank's GPU among its machine's (torchrun's LOCAL_RANK)
 
     def loader(self, dim: int) -> WeightLoader:
         """A weight_loader that copies this rank's 1/size slice of a checkpoint tensor along dim."""

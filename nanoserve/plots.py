@@ -26,6 +26,7 @@ MAX_ROWS, MAX_CELLS = 6, 32  # block_tables.png: sequences shown, blocks shown p
 
 class StepTrace:
     def __init__(self, path: str, scheduler: Scheduler) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.file = open(path, "w", buffering=1)  # line-buffered: a trace is readable while the engine runs
         self.scheduler = scheduler
         self.bm = scheduler.block_manager

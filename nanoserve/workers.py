@@ -1,24 +1,38 @@
-"""The processes of tensor parallelism (the layers are in parallel.py). The engine process is rank 0: it starts ranks
-1..N-1 (spawned, so a script needs the usual `if __name__ == "__main__":` guard), and for each step it wakes them
-through a pipe and broadcasts the step's inputs (a small header, then one buffer; not per layer) and, after sampling,
-the sampled tokens, which are the workers' next decode inputs. Only rank 0 schedules and samples.
+"""The processes of tensor parallelism (the layers are in parallel.py). The engine process is rank 0; only it schedules
+and samples. Ranks 1..N-1 are started either by rank 0 (on one machine: `python -m nanoserve.workers`, one process
+each) or by torchrun (across machines: torchrun runs the user's script on every rank, and there LLM(...) on a rank
+other than 0 serves rank 0's steps, then ends the process). Either way a worker finds its place as init_method="env://"
+would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR:MASTER_PORT, set by rank 0 as torchrun sets them) and meets rank 0 in
+that rendezvous store. A worker rank 0 starts imports no script of the user's: no main guard, and `python -` works.
 
-Idle workers wait on their pipe, not in a collective: collectives time out (NANOSERVE_TP_TIMEOUT_S, 300 s by
-default), and a server's workers may idle for hours. A worker's failure reaches rank 0 as an error naming its rank,
-with the worker's own traceback; workers exit when the LLM is closed or collected, or when the engine process dies."""
+Two process groups. The step group (the default group: NCCL between GPUs, gloo between CPUs) carries a step's
+collectives: its input buffer, the layers' all-reduces, the sampled tokens. The host group (gloo, CPU tensors) wakes the
+workers for each step with its StepHeader, a few host ints: launching a step copies nothing from pageable memory to the
+device and so waits for nothing, as with one GPU. Idle workers wait in the host group's broadcast, which has no deadline
+(a server's workers may idle for days).
+
+Faults. While rank 0 waits for the workers to join, it watches those it started: one that exits is reported at once
+with its exit code and the end of its stderr (a traceback). After start-up, each collective of a step must complete
+within NANOSERVE_TP_STEP_TIMEOUT_S (30 s); when one fails, rank 0 names the ranks at fault: those that exited (with
+their stderr) and those whose heartbeat (a store key each worker bumps every 0.5 s from a thread) stopped: a stopped or
+hung process. Workers exit when the LLM is closed or collected, or when rank 0's process dies (their heartbeat or
+their next collective fails)."""
 
 import contextlib
 import os
-import queue
-import socket
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 import traceback
 from datetime import timedelta
-from multiprocessing.connection import Connection
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import PretrainedConfig
 
 from nanoserve.config import EngineConfig
@@ -26,125 +40,238 @@ from nanoserve.loader import load_hf_config
 from nanoserve.model import ModelArgs
 from nanoserve.model_runner import ModelRunner
 from nanoserve.parallel import TP
+from nanoserve.sampling_params import InvalidField
+from nanoserve.step_inputs import HEADER_LEN, StepHeader
 
-# What rank 0 sends down a worker's pipe. Closing the pipe (rank 0 died) stops the worker too.
-WAKE_FOR_STEP = b"s"  # receive a step's inputs and run it
-WAKE_TO_STOP = b"x"  # leave the loop and exit
-DEFAULT_TIMEOUT_S = 300  # a collective waiting longer than this fails: some rank hangs
-FAILURE_REPORT_WAIT_S = 2  # after a failed collective: how long rank 0 waits for a worker's traceback
+# A wake-up message, broadcast in the host group: RUN_STEP and the step's StepHeader, or STOP (and zeros).
+RUN_STEP = 1
+STOP = 0
+WAKE_LEN = 1 + HEADER_LEN
+START_TIMEOUT = timedelta(minutes=5)  # joining, and start-up's collectives: ranks may finish loading minutes apart
+CONNECT_TIMEOUT = timedelta(seconds=10)  # a worker's connection to the store (see connect_to_store)
+STEP_TIMEOUT_S = 30  # default of NANOSERVE_TP_STEP_TIMEOUT_S: a step's collective waiting longer fails
+IDLE_TIMEOUT = timedelta(days=365)  # the host group's: idle workers wait in its broadcast for the next step
+HEARTBEAT_S = 0.5  # how often a worker bumps its heartbeat key
+FAILURE_REPORT_WAIT_S = 2  # after a failed collective: how long rank 0 watches the workers' exits and heartbeats
+POLL_S = 0.1  # how often rank 0 looks at the workers while they join
+STDERR_TAIL_CHARS = 4000  # how much of a failed worker's stderr its error shows
 GRACEFUL_EXIT_WAIT_S = 10  # close(): how long a worker may take to exit before it is killed
+ENGINE_KEY = "nanoserve/engine"  # in the rendezvous store: (config, model_dir) for the workers rank 0 starts
 
 
-def init_group(tp: TP, port: int, device: str) -> None:
-    """Join the process group: NCCL between GPUs, gloo between CPU processes, rendezvous on a local port."""
+def rank_from_launcher(size: int) -> TP | None:
+    """This process's place when a launcher set RANK, WORLD_SIZE and LOCAL_RANK (torchrun, or rank 0 starting its
+    workers), as init_method env:// reads them; None when none did: this process is rank 0 and starts the others."""
+    if "RANK" not in os.environ:
+        return None
+    world_size = int(os.environ["WORLD_SIZE"])
+    if world_size != size:
+        raise InvalidField("tensor_parallel_size", f"{size}, but the launcher started {world_size} ranks (WORLD_SIZE)")
+    return TP(int(os.environ["RANK"]), size, int(os.environ["LOCAL_RANK"]))
+
+
+def join_groups(tp: TP, store: dist.Store, device: str) -> dist.ProcessGroup:
+    """Join the step group (the default one) through the rendezvous store, and return the host group."""
     if device == "cuda":
-        torch.cuda.set_device(tp.rank)
-    timeout_s = int(os.environ.get("NANOSERVE_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))  # read now: tests lower it
+        torch.cuda.set_device(tp.local_rank)
     dist.init_process_group(
         "nccl" if device == "cuda" else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        store=store,
         rank=tp.rank,
         world_size=tp.size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=START_TIMEOUT,  # until set_step_deadline
     )
+    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
-def run_worker(config: EngineConfig, model_dir: str, tp: TP, port: int, wake: Connection, errors: mp.Queue) -> None:
-    """A worker rank: build the same runner on its shard, then run every step rank 0 sends until told to stop."""
+def set_step_deadline() -> None:
+    """From now on a collective of the step group fails after NANOSERVE_TP_STEP_TIMEOUT_S (read now: tests lower it).
+    Called once this rank's runner is built, since loading and start-up's collectives may take ranks minutes apart."""
+    seconds = float(os.environ.get("NANOSERVE_TP_STEP_TIMEOUT_S", STEP_TIMEOUT_S))
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch's own setter, private (torch 2.4+)
+    if set_timeout is not None:  # without it, a step waits up to START_TIMEOUT
+        set_timeout(timedelta(seconds=seconds))
+
+
+def connect_to_store() -> dist.TCPStore:
+    """A worker's connection to the rendezvous store at MASTER_ADDR:MASTER_PORT (rank 0's, or torchrun's). The store
+    exists before any worker starts, so one that cannot connect within CONNECT_TIMEOUT has lost rank 0 and gives up;
+    once connected, it may wait in the store as long as start-up takes."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=CONNECT_TIMEOUT)
+    store.set_timeout(START_TIMEOUT)
+    return store
+
+
+def beat(rank: int) -> NoReturn:
+    """A worker's heartbeat thread: bump this rank's key in the rendezvous store every HEARTBEAT_S, from the moment
+    it is about to join (rank 0 waits for every worker's first beat). A stopped or hung process stops beating; a live
+    one waiting in a collective does not. If the store is gone, so is rank 0: end the process."""
     try:
-        init_group(tp, port, config.device)
+        store = connect_to_store()  # a connection of its own: the main thread's may block in the rendezvous
+        while True:
+            store.add(f"nanoserve/heartbeat/{rank}", 1)
+            time.sleep(HEARTBEAT_S)
+    finally:
+        os._exit(1)
+
+
+def run_worker(config: EngineConfig, model_dir: str) -> None:
+    """A worker rank (started by rank 0, or by torchrun): join rank 0, build the same runner on its shard, then run
+    every step rank 0 sends until it says stop. A failure prints its traceback (rank 0 reads the stderr of the workers
+    it started; torchrun shows it) and ends the process at once: rank 0's collective fails instead of waiting."""
+    try:
+        tp = rank_from_launcher(config.tensor_parallel_size)
+        threading.Thread(target=beat, args=(tp.rank,), daemon=True).start()
+        host_group = join_groups(tp, connect_to_store(), config.device)
         runner = ModelRunner(config, model_dir, *load_hf_config(model_dir, config), tp=tp)
+        set_step_deadline()
         previous_tokens = None  # the last step's samples, broadcast by rank 0: the next step's PENDING inputs
-        while wake.recv_bytes() == WAKE_FOR_STEP:
-            previous_tokens = runner.run_worker_step(previous_tokens)
+        message = torch.empty(WAKE_LEN, dtype=torch.int64)
+        while True:
+            dist.broadcast(message, 0, group=host_group)  # between steps, a worker waits here: no deadline
+            kind, *header = message.tolist()
+            if kind == STOP:
+                break
+            previous_tokens = runner.run_worker_step(StepHeader.from_list(header), previous_tokens)
         dist.destroy_process_group()
-    except Exception:
-        errors.put((tp.rank, traceback.format_exc()))
-        errors.close()
-        errors.join_thread()  # the traceback is delivered, then the process ends at once: its sockets close,
-        os._exit(1)  # so rank 0's next collective fails instead of waiting
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
 
 
 class Workers:
-    """Rank 0's handle on ranks 1..N-1: it starts them, stops them, and turns their failures into errors."""
+    """Rank 0's handle on ranks 1..N-1: it starts them (or finds them started by torchrun) and waits for them to
+    join, wakes them for each step, stops them, and turns their failures into errors naming the rank."""
 
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
-        port = free_local_port()
-        spawn = mp.get_context("spawn")
-        num_ranks = config.tensor_parallel_size
-        self.errors = spawn.Queue()
-        self.wakes: list[Connection] = []  # rank 0's sending end of each worker's pipe
-        self.procs = []
-        for rank in range(1, num_ranks):
-            receive_end, send_end = spawn.Pipe(duplex=False)
-            self.wakes.append(send_end)
-            process_args = (config, model_dir, TP(rank, num_ranks), port, receive_end, self.errors)
-            self.procs.append(spawn.Process(target=run_worker, args=process_args, daemon=True))
-        for proc in self.procs:
-            proc.start()
+        size = config.tensor_parallel_size
+        self.ranks = range(1, size)
+        self.procs = {}  # rank -> the worker process rank 0 started (none under torchrun)
+        self.stderr = {}  # rank -> the file its stderr goes to, read if it fails
+        self.host_group = None  # None: not joined yet, or stopped
+        if rank_from_launcher(size) is None:  # one machine: the OS picks the store's port, then rank 0 starts the rest
+            self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            self.store.set(ENGINE_KEY, pickle.dumps((config, model_dir)))
+            for rank in self.ranks:
+                self._start_worker(rank, size)
+        else:  # torchrun started every rank, this one as rank 0
+            self.store, _, _ = next(dist.rendezvous("env://", timeout=START_TIMEOUT))
         try:
-            init_group(TP(0, num_ranks), port, config.device)
-        except Exception as error:
-            self.failed(error)
+            self._wait_for_workers_to_join()
+            self.host_group = join_groups(TP(0, size), self.store, config.device)
+        except BaseException:
+            self.close(graceful=False)
+            raise
 
-    def send_step(self, header: torch.Tensor, flat: torch.Tensor) -> None:
-        """Wake every worker for a step and broadcast its inputs (StepHeader as a tensor, then the buffer)."""
-        if not self.procs:
+    def _start_worker(self, rank: int, size: int) -> None:
+        """`python -m nanoserve.workers`, with its place in its environment as torchrun would set it, and this process's
+        sys.path; it reads the engine's config from the store. Its stderr goes to a file, read if it fails."""
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(self.store.port),
+            PYTHONPATH=os.pathsep.join(sys.path),
+        )
+        self.stderr[rank] = tempfile.TemporaryFile("w+", errors="replace")
+        self.procs[rank] = subprocess.Popen(
+            [sys.executable, "-m", "nanoserve.workers"], stderr=self.stderr[rank], env=env
+        )
+
+    def _wait_for_workers_to_join(self) -> None:
+        """Until every worker is about to join the groups (it has beaten once); one that exits first fails the
+        start-up at once."""
+        deadline = time.monotonic() + START_TIMEOUT.total_seconds()
+        while not all(self._heartbeats()):
+            exited = self._exit_reports()
+            if exited:
+                raise RuntimeError("\n".join(exited.values()))
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the tensor-parallel ranks did not all join within {START_TIMEOUT}")
+            time.sleep(POLL_S)
+
+    def send_step(self, header: StepHeader, flat: torch.Tensor) -> None:
+        """Wake every worker with the step's header (host ints, in the host group), then broadcast its buffer."""
+        if self.host_group is None:
             raise RuntimeError("the tensor-parallel workers were stopped by an earlier failure: make a new LLM")
-        for wake in self.wakes:
-            wake.send_bytes(WAKE_FOR_STEP)
-        dist.broadcast(header, 0)
+        dist.broadcast(torch.tensor([RUN_STEP, *header.to_list()]), 0, group=self.host_group)
         dist.broadcast(flat, 0)
 
     def failed(self, error: BaseException) -> NoReturn:
-        """Rank 0 failed: stop the workers and raise; if a collective failed, name the rank that caused it."""
-        cause = None
-        if isinstance(error, (RuntimeError, OSError)):  # a collective or a pipe failed: find the rank at fault
-            cause = self._find_failed_rank(error)
+        """Rank 0 failed: stop the workers and raise; if a collective failed, name the ranks that caused it."""
+        causes = []
+        if isinstance(error, RuntimeError) and self.host_group is not None:  # a collective failed? (not if stopped)
+            causes = self._failed_ranks()
         self.close(graceful=False)
-        if cause is None:
-            raise error  # rank 0's own error (bad input, a bug): the workers were fine
-        raise RuntimeError(cause) from error
+        if not causes:
+            raise error  # rank 0's own error (bad input, a bug, Ctrl-C): the workers were fine
+        raise RuntimeError("\n".join(causes)) from error
 
-    def _find_failed_rank(self, error: BaseException) -> str | None:
-        """A worker's own report (rank and traceback), else the workers found dead, else None."""
-        try:
-            rank, trace = self.errors.get(timeout=FAILURE_REPORT_WAIT_S)
-            return f"tensor-parallel rank {rank} failed:\n{trace}"
-        except queue.Empty:
-            dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs, 1) if not p.is_alive()]
-            if not dead:
-                return None
-            return f"tensor-parallel worker {', '.join(dead)} died: {error}"
+    def _failed_ranks(self) -> list[str]:
+        """Watched for FAILURE_REPORT_WAIT_S: the workers that exit, and those whose heartbeat stops (a stopped or hung
+        process; under torchrun, where rank 0 cannot see the processes, also a dead one)."""
+        before = self._heartbeats()
+        time.sleep(FAILURE_REPORT_WAIT_S)
+        causes = self._exit_reports()
+        for rank, was, now in zip(self.ranks, before, self._heartbeats(), strict=True):
+            if now == was and rank not in causes:
+                silence = f"no heartbeat for {FAILURE_REPORT_WAIT_S} s: its process is stopped, hung or gone"
+                causes[rank] = f"tensor-parallel rank {rank} stopped answering: {silence}"
+        return list(causes.values())
+
+    def _heartbeats(self) -> list[int]:
+        """Each worker's heartbeats so far."""
+        return [self.store.add(f"nanoserve/heartbeat/{rank}", 0) for rank in self.ranks]
+
+    def _exit_reports(self) -> dict[int, str]:
+        """For each worker rank 0 started that has exited: how it ended, and the end of its stderr (a traceback)."""
+        reports = {}
+        for rank, proc in self.procs.items():
+            code = proc.poll()
+            if code is None:
+                continue
+            how = f"exited with code {code}" if code >= 0 else f"was killed by {signal.Signals(-code).name}"
+            self.stderr[rank].seek(0)
+            stderr = self.stderr[rank].read()[-STDERR_TAIL_CHARS:]
+            reports[rank] = f"tensor-parallel rank {rank} {how}; its stderr ends:\n{stderr}"
+        return reports
 
     def close(self, graceful: bool = True) -> None:
-        for wake in self.wakes:
-            with contextlib.suppress(OSError):  # a worker already gone: killed below
-                wake.send_bytes(WAKE_TO_STOP)
-            wake.close()
-        for proc in self.procs:
-            proc.join(timeout=GRACEFUL_EXIT_WAIT_S if graceful else 0)
-            if proc.is_alive():
-                proc.kill()
+        """Tell the workers to stop (graceful: those rank 0 started get GRACEFUL_EXIT_WAIT_S to exit), kill the rest."""
+        if graceful and self.host_group is not None:
+            with contextlib.suppress(RuntimeError):  # a worker already gone: killed below
+                dist.broadcast(torch.tensor([STOP] * WAKE_LEN), 0, group=self.host_group)
+        for rank, proc in self.procs.items():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(GRACEFUL_EXIT_WAIT_S if graceful else 0)
+            proc.kill()  # nothing happens to one that has exited
+            proc.wait()
+            self.stderr[rank].close()
         if dist.is_initialized():
             dist.destroy_process_group()
-        self.procs = []
-        self.wakes = []
-
-
-def free_local_port() -> int:
-    """A free port on 127.0.0.1 for the rendezvous, chosen by the OS."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        self.host_group = None
+        self.procs = {}
 
 
 def start_runner(config: EngineConfig, model_dir: str, hf_config: PretrainedConfig, args: ModelArgs) -> ModelRunner:
-    """Rank 0's runner; with tensor parallelism it first starts ranks 1..N-1."""
-    workers = Workers(config, model_dir) if config.tensor_parallel_size > 1 else None
+    """Rank 0's runner; with tensor parallelism it first starts ranks 1..N-1, or joins those torchrun started. Under
+    torchrun every other rank comes here too: it serves rank 0's steps, then ends its process when rank 0 closes."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return ModelRunner(config, model_dir, hf_config, args)
+    if os.environ.get("RANK", "0") != "0":  # torchrun started this process as a worker
+        run_worker(config, model_dir)
+        sys.exit(0)
+    workers = Workers(config, model_dir)
     try:
-        return ModelRunner(config, model_dir, hf_config, args, TP(0, config.tensor_parallel_size), workers)
+        runner = ModelRunner(config, model_dir, hf_config, args, TP(0, size), workers)
     except BaseException as error:
-        if workers is not None:
-            workers.failed(error)  # raises, naming the rank at fault
-        raise
+        workers.failed(error)  # raises, naming the rank at fault
+    set_step_deadline()
+    return runner
+
+
+if __name__ == "__main__":  # a worker rank 0 started (Workers._start_worker): the engine's config is in the store
+    run_worker(*pickle.loads(connect_to_store().get(ENGINE_KEY)))

@@ -57,6 +57,10 @@ def fresh_seed():
 @pytest.fixture(autouse=True)
 def nan_for_new_buffers(monkeypatch):
     """Outputs and scratch buffers the launchers allocate start as NaN, so an element no kernel writes fails."""
+    # torch's device context (`with torch.device(...)`, the loader's meta-device dry run) caches the set of factory
+    # functions it redirects the first time it is used: let it see the real torch.empty, not the wrapper below
+    with torch.device("cpu"):
+        torch.empty(0)
     empty, empty_like = torch.empty, torch.empty_like
 
     def poison(t):

@@ -169,13 +169,15 @@ def test_bad_engine_settings_are_refused_before_the_weights_load(tiny_model, tmp
     """Guards against settings found bad only after the model had loaded (a KV pool beyond memory failing in the
     allocator, an unwritable trace), or never (threads=10**6 handed to torch), and huge ints as OverflowError."""
     path, _ = tiny_model("llama")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
     cases = [
         ({"max_model_len": HUGE}, "max_model_len"),
         ({"max_num_seqs": UNPRINTABLE}, "max_num_seqs"),
         ({"gpu_memory_utilization": HUGE}, "gpu_memory_utilization"),
         ({"num_kvcache_blocks": 10**12}, "num_kvcache_blocks"),  # 4 PB of KV for this model: more than any host has
         ({"threads": 10**6}, "threads"),
-        ({"trace": str(tmp_path / "no such folder" / "trace.jsonl")}, "trace"),
+        ({"trace": str(a_file / "trace.jsonl")}, "trace"),  # its folder would be a file
         ({"trace": tmp_path}, "trace"),  # a folder
         ({"trace": ""}, "trace"),
         ({"trace": b"trace.jsonl"}, "trace"),
@@ -187,9 +189,10 @@ def test_bad_engine_settings_are_refused_before_the_weights_load(tiny_model, tmp
 
 
 def test_paths_may_be_pathlib_paths(tiny_model, tmp_path):
-    """Guards against LLM(model=pathlib.Path(...)) being refused as "not a path"; trace= takes one too."""
+    """Guards against LLM(model=pathlib.Path(...)) being refused as "not a path"; trace= takes one too, in folders
+    the trace writer makes."""
     path, hf = tiny_model("llama")
-    trace = tmp_path / "trace.jsonl"
+    trace = tmp_path / "runs" / "first" / "trace.jsonl"  # folders that do not exist yet are made
     llm = LLM(pathlib.Path(path), device="cpu", max_model_len=64, num_kvcache_blocks=8, trace=trace)
     assert llm.config.model == path and llm.config.trace == str(trace)
     still_serves(llm, hf)
