@@ -13,22 +13,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import MAX_TEMPERATURE, SEED_RANGE, SamplingParams
 from nanoserve.triton_shim import tl, triton
 
 if TYPE_CHECKING:  # for an annotation only: kernels.py imports this file, so this file does not import it at runtime
     from nanoserve.kernels import Kernels
 
 SEED_MIX = 1_000_003  # mixes a request's seed with its length, so each step draws fresh noise
-SEED_RANGE = 2**63  # torch generators take 64-bit seeds; any Python int seed folds into range
 GUMBEL_TILE = 2048  # vocabulary entries per step of the sampling kernel's loop
 GUMBEL_NUM_WARPS = 8
 # A temperature T > 0 is used clamped into [MIN_TEMPERATURE, MAX_TEMPERATURE], so that logits / T stays finite and
 # never NaN (a huge T made -inf / inf = NaN, which argmax picks; a tiny one made every top logit +inf, a tie the noise
 # could not break). Below MIN_TEMPERATURE the draw is already the argmax unless two logits lie within ~1e-5 of each
-# other; above MAX_TEMPERATURE it is already uniform to float32's precision.
+# other; above MAX_TEMPERATURE (sampling_params.py, where SamplingParams checks it) it is already uniform to float32's
+# precision.
 MIN_TEMPERATURE = 1e-6
-MAX_TEMPERATURE = 1e30
 
 
 @dataclass
