@@ -10,12 +10,19 @@ the body's size, the time it takes to arrive, its nesting, n, the prompt's lengt
 logprobs), and prompts are tokenized on the event loop's executor, not on the engine thread. Every error, 404 and 405
 included, comes in OpenAI's shape: {"error": {"message", "type", "param", "code"}}. At shutdown, open requests get
 ServerConfig.shutdown_timeout seconds to finish and then fail (a stream ends with an error event and [DONE]); a second
-Ctrl+C exits at once."""
+Ctrl+C exits at once.
+
+Every field of a body is honoured or refused by name (the tables below): a client never silently gets less than it
+asked for. A field the engine does not implement yet (penalties, logit_bias, tools, structured outputs) is refused
+with a 400 naming it, unless its value asks for nothing (frequency_penalty 0); an unknown one is refused as OpenAI
+does; metadata that changes nothing the client gets (user, store) is accepted. With ServerConfig.api_key set, every
+/v1 request needs `Authorization: Bearer KEY`."""
 
 import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import hmac
 import json
 import logging
 import os
@@ -36,12 +43,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from tokenizers import decoders
 
 from nanoserve.config import EngineConfig
 from nanoserve.default_model import DEFAULT_MODEL
 from nanoserve.llm import LLM
 from nanoserve.outputs import CompletionOutput, RequestOutput
-from nanoserve.sampling_params import InvalidField, SamplingParams, check_number
+from nanoserve.sampling_params import InvalidField, SamplingParams, check_number, shown
 
 if TYPE_CHECKING:  # for annotations only: the tokenizer is the engine's, loaded by transformers
     from transformers import PreTrainedTokenizerBase
@@ -55,6 +63,7 @@ STARTUP_POLL_S = 0.01  # serve_in_background checks this often whether uvicorn h
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is the whole context
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away before the answer
 LOCALHOST = "127.0.0.1"
+API_KEY_ENV = "NANOSERVE_API_KEY"  # the API key, where --api-key is not given
 DEFAULT_PORT = 8000  # vLLM's default too
 MAX_TOP_LOGPROBS = 20  # OpenAI's cap on chat's top_logprobs
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap on the legacy completions' logprobs
@@ -78,14 +87,89 @@ SAMPLING_FIELDS = (
     "stop_token_ids",
     "seed",
 )  # named alike in OpenAI's body (with vLLM's extras) and SamplingParams
+# The body's fields. Honoured: SAMPLING_FIELDS and these. Anything in no table is refused, as OpenAI does.
+HONOURED = ("model", "max_tokens", "logprobs", "stream", "stream_options", *SAMPLING_FIELDS)
+CHAT_HONOURED = ("messages", "max_completion_tokens", "top_logprobs", *HONOURED)
+COMPLETION_HONOURED = ("prompt", *HONOURED)
+# Accepted and ignored: they change nothing the client gets (parallel_tool_calls: tools are refused; the prompt cache
+# is automatic and shared, so its key and retention are hints)
+IGNORED = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+    "parallel_tool_calls",
+)
+# Known but not implemented yet (OpenAI's, then vLLM's extras): refused with a 400, unless the value asks for nothing
+NOT_IMPLEMENTED = dict.fromkeys(
+    (
+        "suffix",
+        "tools",
+        "functions",
+        "audio",
+        "prediction",
+        "reasoning_effort",
+        "verbosity",
+        "web_search_options",
+        "moderation",
+        "prompt_logprobs",
+        "allowed_token_ids",
+        "logits_processors",
+        "truncate_prompt_tokens",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+        "structural_tag",
+        "structured_outputs",
+        "chat_template",
+        "chat_template_kwargs",
+        "documents",
+        "mm_processor_kwargs",
+        "add_special_tokens",
+        "request_id",
+        "cache_salt",
+        "kv_transfer_params",
+        "vllm_xargs",
+    )
+) | {  # these values ask for nothing: what the engine does anyway
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "repetition_penalty": 1,
+    "length_penalty": 1,
+    "logit_bias": {},
+    "best_of": 1,
+    "echo": False,
+    "use_beam_search": False,
+    "response_format": {"type": "text"},
+    "tool_choice": "none",
+    "function_call": "none",
+    "modalities": ["text"],
+    "bad_words": [],
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "return_tokens_as_token_ids": False,
+    "return_token_ids": False,
+    "priority": 0,
+}
+RANGES = {"temperature": (0, 2), "frequency_penalty": (-2, 2), "presence_penalty": (-2, 2)}  # OpenAI's, inclusive
 GAUGES = ("running", "waiting", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_total", "prefix_hit_rate")
 COUNTERS = ("preemptions", "generated_tokens", "finished_requests", "prefix_hit_tokens", "prefix_queried_tokens")
 
 
 @dataclass
 class ServerConfig:
-    """What one request may cost and how long the server waits (EngineConfig is the engine's): each field is a flag
-    of its own, --max-n and so on. Every limit must be positive."""
+    """What one request may cost, how long the server waits, and the API key (EngineConfig is the engine's): each field
+    is a flag of its own, --max-n, --api-key and so on. Every limit must be positive."""
 
     max_n: int = 128  # choices one request may ask for (n x prompts); OpenAI allows n <= 128
     # characters of prompt text (all prompts, or all messages), checked before tokenizing; None: PROMPT_CHARS_PER_TOKEN
@@ -94,11 +178,12 @@ class ServerConfig:
     max_body_bytes: int = 4 * 2**20  # 4 MiB; a larger body gets a 413 (parsing it would stall the event loop)
     body_timeout: float = 30.0  # seconds for a request's body to arrive once its headers have; then a 408
     shutdown_timeout: float = 5.0  # seconds open requests get to finish at shutdown; then they fail
+    api_key: str | None = None  # every /v1 request must send `Authorization: Bearer KEY`; None: no key needed
 
     def __post_init__(self) -> None:
         for limit in fields(self):
             value = getattr(self, limit.name)
-            if value is not None:
+            if value is not None and limit.name != "api_key":
                 check_number(limit.name, value, low=0, above_low=True)
 
 
@@ -268,6 +353,66 @@ def field(body: dict, name: str, kind: type[T], default: T) -> T:
     return value
 
 
+def check_fields(body: dict, chat: bool) -> None:
+    """Every field of the body is honoured, ignorable, or refused by name: unknown, out of OpenAI's range, or not
+    implemented yet (a value that asks for nothing, such as frequency_penalty 0, is fine). stream_options too."""
+    known = (CHAT_HONOURED if chat else COMPLETION_HONOURED) + IGNORED
+    for name, value in body.items():
+        if name not in known and name not in NOT_IMPLEMENTED:
+            raise InvalidField(name, "unrecognized request argument (nanoserve/server.py lists the known fields)")
+        if name in RANGES and value is not None:
+            check_number(name, value, *RANGES[name])
+        if name in NOT_IMPLEMENTED and value not in (None, NOT_IMPLEMENTED[name]):
+            raise InvalidField(name, "nanoserve does not implement this field yet")
+    for name in field(body, "stream_options", dict, {}):
+        if name != "include_usage":
+            raise InvalidField(f"stream_options.{name}", "nanoserve does not implement this field yet")
+    if chat and body.get("top_logprobs") is not None and body.get("logprobs") is not True:
+        raise InvalidField("top_logprobs", "needs logprobs: true")
+
+
+def message_text(content: list, name: str) -> str:
+    """A message's content parts as one text, joined by newlines as vLLM does; only text parts can be read."""
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise InvalidField(f"{name}[{j}].type", f"nanoserve does not implement {shown(kind)} parts yet, only text")
+        if not isinstance(part.get("text"), str):
+            raise InvalidField(f"{name}[{j}].text", "is not a string")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def normalized(messages: list) -> list:
+    """Messages in any form of OpenAI's chat API as the engine takes them: content parts joined into one text, and an
+    assistant turn with content null (it made tool_calls) given "" as content. Other keys (name, tool_calls,
+    tool_call_id) go to the chat template as they are; the engine checks roles and text."""
+    out = []
+    for i, message in enumerate(messages):
+        if isinstance(message, dict):
+            content = message.get("content")
+            if isinstance(content, list):
+                content = message_text(content, f"messages[{i}].content")
+            elif content is None and message.get("role") == "assistant":
+                content = ""
+            message = {**message, "content": content}
+        out.append(message)
+    return out
+
+
+def check_context(prompts: list[list[int]], max_tokens: int, max_model_len: int, prompt_field: str) -> None:
+    """A prompt plus max_tokens beyond the context is refused with the numbers (vLLM's words), not cut at "length"."""
+    for ids in prompts:
+        if len(ids) + max_tokens > max_model_len:
+            raise InvalidField(
+                prompt_field,
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the {prompt_field}, {max_tokens} in the completion). "
+                f"Please reduce the length of the {prompt_field} or completion.",
+            )
+
+
 def client_named(error: InvalidField, body: dict, chat: bool) -> InvalidField:
     """The error under the client's name for the field: chat calls three engine fields differently."""
     max_tokens = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -308,6 +453,27 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
     return params
 
 
+def gpt2_byte_decoder() -> dict[str, int]:
+    """Byte-level BPE (GPT-2's, and SmolLM2's, Llama 3's, Qwen's) spells each byte as one printable character: the
+    printable Latin-1 bytes as themselves, the other 68 as chr(256 + k) in order. Inverted here: character -> byte."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]  # "!" to "~", "¡" to "¬", "®" to "ÿ"
+    others = [byte for byte in range(256) if byte not in printable]
+    return {chr(byte): byte for byte in printable} | {chr(256 + k): byte for k, byte in enumerate(others)}
+
+
+BYTE_OF_CHAR = gpt2_byte_decoder()
+
+
+def token_bytes(tokenizer: "PreTrainedTokenizerBase", token_id: int) -> bytes:
+    """A token's own UTF-8 bytes, which may be part of a character: an emoji spans several tokens, and each decoded
+    alone shows U+FFFD. A byte-level tokenizer's token string maps back to bytes; another's falls back to its text."""
+    token = tokenizer.convert_ids_to_tokens(token_id)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(getattr(backend, "decoder", None), decoders.ByteLevel) and all(c in BYTE_OF_CHAR for c in token):
+        return bytes(BYTE_OF_CHAR[c] for c in token)
+    return tokenizer.decode([token_id]).encode()
+
+
 def logprobs_json(
     tokenizer: "PreTrainedTokenizerBase",
     chat: bool,
@@ -318,23 +484,26 @@ def logprobs_json(
     """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: the legacy parallel lists."""
     if logprobs is None:
         return None
-    texts = [tokenizer.decode([token_id]) for token_id in token_ids]
     # per position, its num_top most likely (token id, logprob), most likely first
     tops = [sorted(position.items(), key=lambda item: -item[1])[:num_top] for position in logprobs]
     if not chat:
         return {
-            "tokens": texts,
+            "tokens": [tokenizer.decode([token_id]) for token_id in token_ids],
             "token_logprobs": [position[token_id] for token_id, position in zip(token_ids, logprobs, strict=False)],
             "top_logprobs": [{tokenizer.decode([alt]): logprob for alt, logprob in top} for top in tops],
         }
 
-    def entry(token: str, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    def entry(token_id: int, logprob: float) -> dict:
+        return {
+            "token": tokenizer.decode([token_id]),
+            "logprob": logprob,
+            "bytes": list(token_bytes(tokenizer, token_id)),
+        }
 
     content = []
-    for text, token_id, position, top in zip(texts, token_ids, logprobs, tops, strict=False):
-        alternatives = [entry(tokenizer.decode([alt]), logprob) for alt, logprob in top]
-        content.append({**entry(text, position[token_id]), "top_logprobs": alternatives})
+    for token_id, position, top in zip(token_ids, logprobs, tops, strict=False):
+        alternatives = [entry(alt, logprob) for alt, logprob in top]
+        content.append({**entry(token_id, position[token_id]), "top_logprobs": alternatives})
     return {"content": content}
 
 
@@ -417,7 +586,8 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
 
     # response_model=None: a handler's return annotation documents it; FastAPI is not to validate against it
     @app.get("/v1/models", response_model=None)
-    def models() -> dict:
+    def models(http: Request) -> dict:
+        authorize(http)
         model = {
             "id": model_name,
             "object": "model",
@@ -436,10 +606,12 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
     @app.post("/v1/completions", response_model=None)
     @app.post("/v1/chat/completions", response_model=None)
     async def completions(http: Request) -> Response | dict:
+        authorize(http)  # before the body is read: a client without the key costs nothing more
         chat = http.url.path.endswith("/chat/completions")
         body = await read_json(http, config)
         if not isinstance(body, dict):
             return error_response(400, "the body must be a JSON object")
+        check_fields(body, chat)
         if body.get("model") is not None and body["model"] != model_name:
             return error_response(
                 404,
@@ -451,7 +623,9 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
         loop = asyncio.get_running_loop()
         if chat:
             messages = body.get("messages")  # one conversation (chat_prompts would also take a list of them)
-            if not (isinstance(messages, list) and messages and isinstance(messages[0], dict)):
+            if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+                messages = normalized(messages)
+            else:
                 messages = None  # not one conversation: refused as "messages"
             check_cost([messages], params, "messages")
             # tokenized on the executor, as below: the engine thread, and with it every stream, does not wait for it
@@ -464,7 +638,16 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
                 prompts = [prompt]  # one prompt: text or token ids
             check_cost(prompts, params, "prompt")
             prompts = await loop.run_in_executor(None, tokenize, prompts)
+        # chat's default max_tokens, the whole context, means as much as fits; any other is checked against it
+        if not chat or body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None:
+            check_context(prompts, params.max_tokens, llm.config.max_model_len, "messages" if chat else "prompt")
         return await serve(http, body, chat, params, prompts)
+
+    def authorize(http: Request) -> None:
+        """With an API key set, a /v1 request without it is a 401; compared in constant time."""
+        sent = http.headers.get("authorization", "").encode()
+        if config.api_key and not hmac.compare_digest(sent, f"Bearer {config.api_key}".encode()):
+            raise HTTPException(401, "a valid API key is needed (Authorization: Bearer KEY)")
 
     def check_cost(prompts: list, params: SamplingParams, prompt_field: str) -> None:
         """The request's choices (prompts x n) and its prompt text within the caps, before anything is tokenized."""
@@ -603,9 +786,10 @@ def given(args: argparse.Namespace, config_fields: list[Field]) -> dict:
     return {f.name: getattr(args, f.name) for f in config_fields if getattr(args, f.name) is not None}
 
 
-def main(argv: list[str] | None = None) -> None:
-    """The command line: every EngineConfig and ServerConfig field is a flag; one left out keeps its default."""
-    parser = argparse.ArgumentParser(description="nanoserve's OpenAI-compatible server")
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """The command line: every EngineConfig and ServerConfig field is a flag; one left out keeps its default. prog:
+    the command's name in --help (`nanoserve serve` from cli.py)."""
+    parser = argparse.ArgumentParser(prog, description="nanoserve's OpenAI-compatible server")
     parser.add_argument("--model", help="HF model directory or hub id (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default=LOCALHOST, help="0.0.0.0 serves every interface")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -619,6 +803,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             parser.add_argument(flag, default=None, type=flag_type(config_field.type))
     args = parser.parse_args(argv)
+    args.api_key = args.api_key or os.environ.get(API_KEY_ENV)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = ServerConfig(**given(args, server_fields))
     llm = LLM(args.model, **given(args, engine_fields))

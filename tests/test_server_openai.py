@@ -1,0 +1,377 @@
+"""The server's contract with OpenAI's API beyond generation (nanoserve/server.py): every field honoured or refused by
+name, chat messages in every form of the chat API, OpenAI's ranges, the context-length refusal, each logprob's own
+UTF-8 bytes, and the API key. Most tests run against a fake engine (conftest's FakeEngine: the real loop without a
+model), so they take milliseconds and need no model; those that need a tokenizer and a chat template use the default
+model. Every server listens on 127.0.0.1, and the official `openai` client drives it where it can send the input."""
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+MODEL = "SmolLM2-135M-Instruct"  # the name the server gives its model when none is configured
+API_KEY = "sk-nanoserve-test"
+FAKE_MAX_MODEL_LEN = 64
+TOKENS = [5, 6, 7]  # a prompt of token ids for the fake engine (it has no tokenizer)
+MESSAGES = [{"role": "user", "content": "Name three colors."}]
+GREEDY = {"model": MODEL, "temperature": 0, "max_tokens": 8}
+
+
+def client_for(base_url: str, api_key: str = "x") -> "openai.OpenAI":
+    return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def fake_url():
+    """A server on the fake engine, without an API key."""
+    from conftest import FakeEngine
+
+    from nanoserve.server import serve_in_background
+
+    fake = FakeEngine(num_blocks=64, block_size=16, max_model_len=FAKE_MAX_MODEL_LEN)
+    with serve_in_background(fake.llm) as base_url:
+        yield base_url
+
+
+@pytest.fixture(scope="module")
+def served():
+    """A server on the default model: (base URL, the test's own tokenizer)."""
+    from conftest import default_model_or_skip
+    from transformers import AutoTokenizer
+
+    from nanoserve import LLM
+    from nanoserve.server import serve_in_background
+
+    model_dir = default_model_or_skip()
+    llm = LLM(max_model_len=512, num_kvcache_blocks=128)
+    with serve_in_background(llm) as base_url:
+        yield base_url, AutoTokenizer.from_pretrained(model_dir)
+    llm.close()
+
+
+# ---- every field honoured, accepted, or refused by name ---------------------------------------------------------
+REFUSED = [  # (endpoint, fields added to a good body, the param the 400 names)
+    # not implemented yet: refused, never silently ignored
+    ("completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("completions", {"presence_penalty": -1}, "presence_penalty"),
+    ("completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+    ("completions", {"logit_bias": {"5": -100}}, "logit_bias"),
+    ("completions", {"echo": True}, "echo"),
+    ("completions", {"best_of": 2}, "best_of"),
+    ("completions", {"suffix": "end"}, "suffix"),
+    ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ("chat/completions", {"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+    ("chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
+    ("chat/completions", {"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+    # unknown keys, as OpenAI refuses them: a misspelling, and each endpoint's input on the other
+    ("completions", {"temperatur": 0.5}, "temperatur"),
+    ("completions", {"messages": MESSAGES}, "messages"),
+    ("chat/completions", {"prompt": "hi"}, "prompt"),
+    ("chat/completions", {"max_completion_tokens": 4, "max_tokenz": 4}, "max_tokenz"),
+    # OpenAI's ranges
+    ("completions", {"temperature": 2.01}, "temperature"),
+    ("completions", {"top_p": 1.5}, "top_p"),
+    ("completions", {"frequency_penalty": 2.5}, "frequency_penalty"),
+    ("completions", {"presence_penalty": -3}, "presence_penalty"),
+    ("completions", {"logprobs": 6}, "logprobs"),
+    ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ("chat/completions", {"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+    # content parts other than text, and malformed ones
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        "messages[0].content[0].type",
+    ),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "input_audio"}]}]},
+        "messages[0].content[1].type",
+    ),
+    ("chat/completions", {"messages": [{"role": "user", "content": ["hi"]}]}, "messages[0].content[0].type"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
+        "messages[0].content[0].text",
+    ),
+]
+
+
+@pytest.mark.parametrize("endpoint, fields, param", REFUSED)
+def test_fields_not_honoured_are_refused_by_name(fake_url, endpoint, fields, param):
+    """Guards against a field being silently ignored (a client asking for a penalty, a JSON schema or a tool call and
+    getting a plain completion) and against an error that does not name the field: each gets a 400 with its param.
+    The fake engine has no chat template, so a chat body that passes the field checks is refused as "model"."""
+    body = {"prompt": TOKENS, "max_tokens": 2} if endpoint == "completions" else {"messages": MESSAGES}
+    r = httpx.post(f"{fake_url}/{endpoint}", json={**body, **fields}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def test_the_official_client_sees_refusals_with_their_param(fake_url):
+    """Guards against refusals the official client cannot attribute: BadRequestError carries the field as param, and
+    the message says the feature is not implemented rather than that the value is wrong."""
+    client = client_for(fake_url)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=TOKENS, max_tokens=2, frequency_penalty=1.0)
+    assert e.value.param == "frequency_penalty" and "does not implement" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=TOKENS, max_tokens=2, extra_body={"temperatur": 0.5})
+    assert e.value.param == "temperatur" and "unrecognized" in e.value.message
+
+
+def test_metadata_and_values_that_ask_for_nothing_are_accepted(fake_url):
+    """Guards against refusing what changes nothing the client gets: metadata (user, metadata, store, service_tier)
+    and the neutral value of a field not implemented (penalties 0, an empty logit_bias, echo false), which clients
+    such as SDKs with defaults send on every request."""
+    harmless = {
+        "user": "u-1",
+        "metadata": {"run": "7"},
+        "store": False,
+        "service_tier": "auto",
+        "frequency_penalty": 0,
+        "presence_penalty": 0.0,
+        "logit_bias": {},
+        "echo": False,
+        "best_of": 1,
+        "skip_special_tokens": True,
+        "response_format": {"type": "text"},
+        "stream_options": None,
+        "top_p": 1,
+        "temperature": 2,  # OpenAI's upper bound is in range
+    }
+    r = httpx.post(f"{fake_url}/completions", json={"prompt": TOKENS, "max_tokens": 3, **harmless}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_the_field_tables_do_not_overlap():
+    """Guards against a field listed as honoured and as refused (or ignored) at once: one table decides each field."""
+    from nanoserve.server import CHAT_HONOURED, COMPLETION_HONOURED, IGNORED, NOT_IMPLEMENTED, RANGES
+
+    honoured = set(CHAT_HONOURED) | set(COMPLETION_HONOURED)
+    assert (
+        not honoured & set(IGNORED) and not honoured & set(NOT_IMPLEMENTED) and not set(IGNORED) & set(NOT_IMPLEMENTED)
+    )
+    assert set(RANGES) <= honoured | set(NOT_IMPLEMENTED)
+
+
+def test_every_field_of_the_openai_client_is_in_a_table():
+    """Guards against a field of OpenAI's API that nobody classified (refused as unknown, though OpenAI documents it):
+    every parameter the installed `openai` client can send is honoured, ignorable, or listed as not implemented. A
+    newer client with a new field fails here until the field is put in one of the tables."""
+    import openai.types.chat.completion_create_params as chat_params
+    import openai.types.completion_create_params as completion_params
+
+    from nanoserve.server import CHAT_HONOURED, COMPLETION_HONOURED, IGNORED, NOT_IMPLEMENTED
+
+    for params, honoured in ((chat_params, CHAT_HONOURED), (completion_params, COMPLETION_HONOURED)):
+        names = set(params.CompletionCreateParamsBase.__annotations__) | {"stream"}
+        assert names <= set(honoured) | set(IGNORED) | set(NOT_IMPLEMENTED), names - set(honoured) - set(IGNORED)
+
+
+# ---- the context length --------------------------------------------------------------------------------------------
+def test_prompt_plus_max_tokens_beyond_the_context_is_a_400_with_the_numbers(fake_url):
+    """Guards against a request over the context being cut silently at "length": vLLM's 400 with the numbers; one
+    that fits exactly is served."""
+    prompt = list(range(3, 3 + FAKE_MAX_MODEL_LEN - 10))  # 54 tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client_for(fake_url).completions.create(model=MODEL, prompt=prompt, max_tokens=11)
+    assert e.value.param == "prompt"
+    assert f"maximum context length is {FAKE_MAX_MODEL_LEN} tokens" in e.value.message
+    assert "you requested 65 tokens (54 in the prompt, 11 in the completion)" in e.value.message
+    fits = client_for(fake_url).completions.create(model=MODEL, prompt=prompt, max_tokens=10)
+    assert fits.usage.completion_tokens == 10 and fits.choices[0].finish_reason == "length"
+
+
+def test_chat_over_the_context_names_the_messages(served):
+    """Guards against the chat form of the context check counting the wrong prompt (the template's, not the raw
+    text) or the wrong max_tokens (max_completion_tokens is chat's newer name)."""
+    base_url, tokenizer = served
+    chat_text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    num_prompt = len(tokenizer.encode(chat_text, add_special_tokens=False))
+    for name in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as e:
+            client_for(base_url).chat.completions.create(model=MODEL, messages=MESSAGES, **{name: 500})
+        assert e.value.param == "messages"
+        numbers = f"you requested {num_prompt + 500} tokens ({num_prompt} in the messages, 500 in the completion)"
+        assert "maximum context length is 512 tokens" in e.value.message and numbers in e.value.message
+
+
+# ---- chat messages in every form of the chat API ----------------------------------------------------------------
+def test_content_parts_equal_string_content(served):
+    """Guards against content parts reaching the template as a list (rendered as its Python repr) or in the wrong
+    order: text parts are joined by newlines, as vLLM does, and answer exactly as the joined string does."""
+    base_url, _ = served
+    client = client_for(base_url)
+    parts = [{"type": "text", "text": "Name three"}, {"type": "text", "text": "colors."}]
+    as_parts = client.chat.completions.create(messages=[{"role": "user", "content": parts}], **GREEDY)
+    as_text = client.chat.completions.create(messages=[{"role": "user", "content": "Name three\ncolors."}], **GREEDY)
+    assert as_parts.choices[0].message.content == as_text.choices[0].message.content
+    assert as_parts.usage.prompt_tokens == as_text.usage.prompt_tokens
+    system = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}]
+    one_part = client.chat.completions.create(messages=system + MESSAGES, **GREEDY)
+    string = client.chat.completions.create(messages=[{"role": "system", "content": "Be brief."}, *MESSAGES], **GREEDY)
+    assert one_part.choices[0].message.content == string.choices[0].message.content
+
+
+def test_names_tool_calls_and_tool_turns_reach_the_template(served):
+    """Guards against refusing a conversation the chat API allows: a user's name, an assistant turn that made tool
+    calls (content null), and the tool's answer. The template gets them as transformers expects (null content as
+    ""), so the prompt is exactly what apply_chat_template makes of them."""
+    base_url, tokenizer = served
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris?", "name": "ada"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "Sunny, 21 C", "tool_call_id": "call_1"},
+    ]
+    reply = client_for(base_url).chat.completions.create(messages=messages, **GREEDY)
+    assert reply.choices[0].message.content
+    as_engine_sees = [messages[0], {**messages[1], "content": ""}, messages[2]]
+    chat_text = tokenizer.apply_chat_template(as_engine_sees, tokenize=False, add_generation_prompt=True)
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(chat_text, add_special_tokens=False))
+
+
+# ---- logprob bytes ----------------------------------------------------------------------------------------------
+def test_byte_table_is_gpt2s():
+    """Guards against a typo in the byte-level table: it inverts transformers' own bytes_to_unicode."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from nanoserve.server import BYTE_OF_CHAR
+
+    assert BYTE_OF_CHAR == {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+def test_token_bytes_join_to_the_text(served):
+    """Guards against each token's bytes being those of its decoded text, U+FFFD where a character spans tokens
+    (an emoji, CJK, a flag): the bytes of all tokens, joined, are the text's UTF-8."""
+    from nanoserve.server import token_bytes
+
+    _, tokenizer = served
+    for text in ("Hi 😀 你好世界", " über 🇫🇷 naïve", "<|im_end|> tabs\tand\nnewlines"):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert b"".join(token_bytes(tokenizer, i) for i in ids) == text.encode()
+
+
+@pytest.mark.parametrize("request_text", ["Translate to Chinese: Hello world", "Write three emoji."])
+def test_logprob_bytes_join_to_the_reply(served, request_text):
+    """Guards against the served bytes being per-token decoded text: a greedy reply with CJK or emoji, its chosen
+    tokens' bytes joined and decoded, is its content, and each top alternative carries bytes too."""
+    base_url, _ = served
+    reply = client_for(base_url).chat.completions.create(
+        messages=[{"role": "user", "content": request_text}],
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+        **{**GREEDY, "max_tokens": 24},
+    )
+    content = reply.choices[0].message.content
+    entries = reply.choices[0].logprobs.content
+    assert any(ord(c) > 127 for c in content), f"the reply has no emoji or CJK to check: {content!r}"
+    assert b"".join(bytes(e.bytes) for e in entries).decode(errors="replace") == content
+    for e in entries:  # greedy: the most likely alternative is the chosen token, bytes and all
+        assert e.top_logprobs[0].bytes == e.bytes
+
+
+# ---- the API key ----------------------------------------------------------------------------------------------------
+def test_api_key_is_enforced_on_v1_only():
+    """Guards against an API key that can be skipped or guessed at: every /v1 request without it or with a wrong one
+    is a 401 in OpenAI's shape (the official client raises AuthenticationError); with it, 200; /health stays open
+    for load balancers."""
+    from conftest import FakeEngine
+
+    from nanoserve.server import ServerConfig, serve_in_background
+
+    fake = FakeEngine(num_blocks=16, block_size=16, max_model_len=FAKE_MAX_MODEL_LEN)
+    with serve_in_background(fake.llm, config=ServerConfig(api_key=API_KEY)) as base_url:
+        for key in ("wrong", API_KEY + "x", API_KEY[:-1]):
+            with pytest.raises(openai.AuthenticationError):
+                client_for(base_url, key).completions.create(model=MODEL, prompt=TOKENS, max_tokens=2)
+            with pytest.raises(openai.AuthenticationError):
+                client_for(base_url, key).models.list()
+        for path in ("/models", "/completions", "/chat/completions"):
+            r = httpx.request("GET" if path == "/models" else "POST", base_url + path, json={}, timeout=30)
+            assert r.status_code == 401, path
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        client = client_for(base_url, API_KEY)
+        assert [m.id for m in client.models.list()] == [MODEL]
+        assert client.completions.create(model=MODEL, prompt=TOKENS, max_tokens=2).usage.completion_tokens == 2
+        assert httpx.get(base_url.removesuffix("/v1") + "/health", timeout=30).status_code == 200
+
+
+def test_api_key_from_the_environment(monkeypatch):
+    """Guards against NANOSERVE_API_KEY being read too early or not at all: the command line takes it where
+    --api-key is not given, and --api-key wins over it."""
+    from nanoserve import server
+
+    configs = []
+
+    class Stop(Exception):
+        pass
+
+    def capture(llm, model_name, config):
+        configs.append(config)
+        raise Stop
+
+    monkeypatch.setattr(server, "LLM", lambda *args, **kwargs: None)
+    monkeypatch.setattr(server, "build_app", capture)
+    monkeypatch.setenv("NANOSERVE_API_KEY", "from-env")
+    for argv, expected in (([], "from-env"), (["--api-key", "from-flag"], "from-flag")):
+        with pytest.raises(Stop):
+            server.main(argv)
+        assert configs[-1].api_key == expected
+
+
+# ---- the console command ------------------------------------------------------------------------------------------
+def test_console_command_hands_its_flags_to_the_server(monkeypatch):
+    """Guards against `nanoserve serve MODEL --flags` and `python -m nanoserve.server --model MODEL --flags`
+    drifting apart: the command only moves the model into --model."""
+    from nanoserve import cli, server
+
+    seen = []
+    monkeypatch.setattr(server, "main", lambda flags, prog: seen.append(flags))
+    cli.main(["serve", "some/model", "--port", "8001", "--api-key", "k"])
+    cli.main(["serve", "--max-model-len", "1024", "--no-enable-prefix-caching"])
+    assert seen == [
+        ["--model", "some/model", "--port", "8001", "--api-key", "k"],
+        ["--max-model-len", "1024", "--no-enable-prefix-caching"],
+    ]
+    for argv in ([], ["run"]):
+        with pytest.raises(SystemExit, match="usage: nanoserve serve"):
+            cli.main(argv)
+
+
+def test_console_command_flags_parse():
+    """Guards against the flags vLLM users type not existing: each parses in the server's own parser (--help)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "nanoserve.cli", "serve", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: nanoserve serve ")
+    for flag in (
+        "--host",
+        "--port",
+        "--api-key",
+        "--served-model-name",
+        "--max-model-len",
+        "--gpu-memory-utilization",
+        "--tensor-parallel-size",
+        "--max-num-seqs",
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+    ):
+        assert flag in r.stdout, flag
