@@ -56,6 +56,8 @@ class LLM:
         config = EngineConfig.from_kwargs(model=model, **kwargs)
         model_dir = loader.resolve_model_dir(model)
         hf_config, args = loader.load_hf_config(model_dir, config)
+        loader.check_checkpoint(model_dir, args)  # here, once: tensor-parallel workers read the same folder
+        loader.check_kv_cache_fits(config, args, config.torch_dtype(loader.checkpoint_dtype(hf_config)))
         tokenizer = loader.load_tokenizer(model_dir)
         eos_token_ids = loader.eos_ids_of(model_dir, hf_config, tokenizer)
         runner = start_runner(config, model_dir, hf_config, args)  # and its tensor-parallel workers, if any
@@ -158,7 +160,7 @@ class LLM:
             request_id = f"req-{next(self._request_ids)}"
         if not isinstance(request_id, str) or request_id in self.requests:
             raise InvalidField("request_id", f"{request_id!r} is not a new string id")
-        ids = self._prompt_ids(prompt)
+        ids = self.prompt_ids(prompt)
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -182,7 +184,9 @@ class LLM:
         for seq in request.seqs:
             del self.request_of[seq.seq_id]
 
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """The prompt as checked token ids (text through the tokenizer). It reads only the tokenizer and the config,
+        so the server calls it on other threads, off the engine's."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidField("prompt", "this model has no tokenizer; pass token ids")

@@ -2,10 +2,11 @@
 the serving dtype with its weights from safetensors. Each parameter loads its own part of a checkpoint tensor
 (its `weight_loader`), so a layer that stores a slice or a fused shard says how, where it is defined.
 
-Everything about a model folder is checked before any weight is read (load_hf_config): config.json present, parseable
-and with positive sizes, then a dry run of the weight loading into the model built on the meta device, fed the
-tensors' names and shapes from the safetensors headers. A broken folder is an InvalidField("model") naming the file,
-the config field or the tensor at fault, never transformers', safetensors' or torch's own error after some loading."""
+Everything about a model folder is checked before any weight is read (load_hf_config, then check_checkpoint in
+the engine process): config.json present, parseable and with positive sizes, then a dry run of the weight loading into
+the model built on the meta device, fed the tensors' names and shapes from the safetensors headers. A broken folder is
+an InvalidField("model") naming the file, the config field or the tensor at fault, never transformers', safetensors'
+or torch's own error after some loading."""
 
 import glob
 import json
@@ -199,17 +200,16 @@ def read_hf_config(model_dir: str) -> PretrainedConfig:
 
 
 def check_kv_cache_fits(config: EngineConfig, args: ModelArgs, dtype: torch.dtype) -> None:
-    """num_kvcache_blocks, when given, within the memory that would hold the pool. bytes = 2 (K, V) x layers x
-    KV heads x head_dim x bytes per element x block_size x blocks."""
+    """num_kvcache_blocks, when given, within the memory that would hold the pool (ModelArgs.kv_bytes_per_token x
+    block_size x blocks)."""
     blocks = config.num_kvcache_blocks
     if blocks is None:
         return
-    block_bytes = 2 * args.num_layers * args.num_kv_heads * args.head_dim * dtype.itemsize * config.kvcache_block_size
-    needed = block_bytes * blocks
-    if config.device == "cuda":
-        needed //= config.tensor_parallel_size  # one rank's share (1/N of the KV heads), on one GPU
+    if config.device == "cuda":  # one rank's share (1/N of the KV heads), on one GPU
+        needed = args.kv_bytes_per_token(dtype, config.tensor_parallel_size) * config.kvcache_block_size * blocks
         memory = torch.cuda.get_device_properties(0).total_memory
     elif hasattr(os, "sysconf"):  # Linux, macOS: the host's RAM holds every rank's share
+        needed = args.kv_bytes_per_token(dtype) * config.kvcache_block_size * blocks
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     else:
         return  # Windows: unchecked
@@ -219,8 +219,8 @@ def check_kv_cache_fits(config: EngineConfig, args: ModelArgs, dtype: torch.dtyp
 
 
 def load_hf_config(model_dir: str, config: EngineConfig) -> tuple[PretrainedConfig, ModelArgs]:
-    """The HF config and our ModelArgs from it, refused (InvalidField) where the engine config cannot serve it, and
-    the checkpoint checked against it (names, shapes, the KV pool's memory) before any weight loads."""
+    """The HF config and our ModelArgs from it, refused (InvalidField) where the engine config cannot serve it.
+    The engine process then checks the checkpoint against it (check_checkpoint, check_kv_cache_fits)."""
     hf_config = read_hf_config(model_dir)
     args = ModelArgs.from_hf(hf_config)
     if config.max_model_len > args.max_position:
@@ -233,6 +233,4 @@ def load_hf_config(model_dir: str, config: EngineConfig) -> tuple[PretrainedConf
         size = getattr(args, name)
         if size % config.tensor_parallel_size:  # (fewer KV heads than ranks: refused, too)
             raise InvalidField("tensor_parallel_size", f"does not divide the model's {name}={size}")
-    check_checkpoint(model_dir, args)
-    check_kv_cache_fits(config, args, config.torch_dtype(checkpoint_dtype(hf_config)))
     return hf_config, args

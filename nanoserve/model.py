@@ -41,6 +41,11 @@ class ModelArgs:
     o_bias: bool
     qk_norm: bool  # Qwen3
 
+    def kv_bytes_per_token(self, dtype: torch.dtype, num_ranks: int = 1) -> int:
+        """Every token keeps a K and a V vector per layer and KV head: 2 x layers x KV heads x head_dim x bytes per
+        element. With tensor parallelism each of num_ranks ranks holds its share of the heads."""
+        return 2 * self.num_layers * (self.num_kv_heads // num_ranks) * self.head_dim * dtype.itemsize
+
     @classmethod
     def from_hf(cls, cfg: PretrainedConfig) -> "ModelArgs":
         if cfg.model_type not in SUPPORTED:

@@ -188,7 +188,7 @@ class ModelRunner:
     # ---- the KV cache -----------------------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.args.num_layers * self.num_kv_heads * self.args.head_dim * self.dtype.itemsize
+        return self.args.kv_bytes_per_token(self.dtype, self.tp.size)  # this rank's share
 
     def kv_account(self) -> str:
         """One line: the per-token formula with this model's numbers, the pool's size, and what sized it."""

@@ -661,7 +661,7 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
     def tokenize(prompts: list) -> list[list[int]]:
         """Each prompt as token ids, checked as the engine checks a prompt, which it does again on the ids, in
         O(length). Safe on any thread: it reads only the tokenizer and the config."""
-        return [llm._prompt_ids(prompt) for prompt in prompts]
+        return [llm.prompt_ids(prompt) for prompt in prompts]
 
     async def serve(http: Request, body: dict, chat: bool, params: SamplingParams, prompts: list) -> Response | dict:
         """Queue the prompts; answer with the whole result, or a stream of chunks."""

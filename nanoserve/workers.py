@@ -261,7 +261,8 @@ def start_runner(config: EngineConfig, model_dir: str, hf_config: PretrainedConf
     size = config.tensor_parallel_size
     if size == 1:
         return ModelRunner(config, model_dir, hf_config, args)
-    if os.environ.get("RANK", "0") != "0":  # torchrun started this process as a worker
+    launched = rank_from_launcher(size)
+    if launched is not None and launched.rank != 0:  # torchrun started this process as a worker
         run_worker(config, model_dir)
         sys.exit(0)
     workers = Workers(config, model_dir)
