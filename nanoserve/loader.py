@@ -76,24 +76,19 @@ def eos_ids_of(
         sources = [GenerationConfig.from_pretrained(model_dir).eos_token_id]
     except OSError:  # no generation_config.json
         sources = []
-    sources.append(getattr(hf_config, "eos_token_id", None))
+    sources.append(hf_config.eos_token_id)
     if all(source is None for source in sources) and tokenizer is not None:
         sources.append(tokenizer.eos_token_id)
     eos_ids = set()
     for source in sources:  # each None, one id, or a list of ids
-        if isinstance(source, int):
-            eos_ids.add(source)
-        elif source:
-            eos_ids.update(source)
+        eos_ids.update([source] if isinstance(source, int) else source or [])
     return frozenset(eos_ids)
 
 
 def checkpoint_dtype(hf_config: PretrainedConfig) -> torch.dtype | None:
-    """The dtype the weights were saved in, if the config says (`dtype`; older transformers name it `torch_dtype`)."""
-    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(dtype, str):  # "bfloat16" in a config read from JSON
-        return getattr(torch, dtype, None)
-    return dtype
+    """The dtype the weights were saved in, if the config says (transformers reads config.json's `dtype`, or the
+    older `torch_dtype`, into a torch.dtype)."""
+    return hf_config.dtype
 
 
 def read_safetensors(model_dir: str, shapes_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -124,8 +119,7 @@ def checkpoint_tensors(name: str) -> list[tuple[str, tuple[int, ...]]]:
     """The checkpoint tensors that fill our parameter `name`, as (HF name, extra weight_loader arguments): q, k and v
     each fill their shard of the fused qkv_proj, gate and up theirs of gate_up_proj; any other parameter is one tensor
     of its own name, copied whole."""
-    module_name, _, param_name = name.rpartition(".")
-    *parent, proj = module_name.split(".")
+    *parent, proj, param_name = name.split(".")  # model.layers.0.self_attn, qkv_proj, weight
     if proj not in FUSED:
         return [(name, ())]
     return [(".".join([*parent, part, param_name]), (index,)) for index, part in enumerate(FUSED[proj])]
@@ -134,10 +128,11 @@ def checkpoint_tensors(name: str) -> list[tuple[str, tuple[int, ...]]]:
 def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """tensors: (HF name, tensor) pairs, each loaded by its parameter's weight_loader. A tensor with no place, one
     whose shape does not fit, or one missing is an InvalidField("model") naming it."""
-    places = {}  # HF name -> (our parameter, extra weight_loader arguments), until its tensor is loaded
-    for name, param in model.named_parameters(remove_duplicate=False):
-        for hf_name, shard in checkpoint_tensors(name):
-            places[hf_name] = (param, shard)
+    places = {  # HF name -> (our parameter, extra weight_loader arguments), until its tensor is loaded
+        hf_name: (param, shard)
+        for name, param in model.named_parameters(remove_duplicate=False)
+        for hf_name, shard in checkpoint_tensors(name)
+    }
     for hf_name, tensor in tensors:
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue  # older checkpoints store RoPE frequencies; we compute them
