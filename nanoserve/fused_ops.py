@@ -52,8 +52,9 @@ def _norm_rope_heads(
     RoPE with this position's cos and sin [HALF] (fp32)."""
     h, d = tl.arange(0, HEADS_PAD)[:, None], tl.arange(0, HALF)[None, :]
     mask = h < num_heads
-    x1 = tl.load(ptr + h * stride_h + d, mask=mask, other=0.0)  # [HEADS_PAD, HALF] first half of each head
-    x2 = tl.load(ptr + h * stride_h + HALF + d, mask=mask, other=0.0)
+    first = ptr + h * stride_h + d  # [HEADS_PAD, HALF] pointers to each head's first half; its second: first + HALF
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
     dtype = x1.dtype
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     if HAS_NORM:
@@ -62,8 +63,8 @@ def _norm_rope_heads(
         w1, w2 = tl.load(weight_ptr + d).to(tl.float32), tl.load(weight_ptr + HALF + d).to(tl.float32)
         x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)  # as RMSNorm rounds
         x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    tl.store(ptr + h * stride_h + d, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(ptr + h * stride_h + HALF + d, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    tl.store(first, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(first + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -217,7 +218,7 @@ def qk_norm_rope_ref(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [rows, 2n] = [gate | up] -> silu(gate) * up, [rows, n]."""
     rows, n = x.shape[0], x.shape[1] // 2
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    out = x.new_empty(rows, n)
     block = min(SILU_BLOCK, triton.next_power_of_2(n))
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
     return out
