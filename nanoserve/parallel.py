@@ -46,8 +46,8 @@ class ColumnParallelLinear(nn.Linear):
             param.weight_loader = self.load_shard
 
     def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: int = 0) -> None:
-        start = sum(self.shard_sizes[:shard])
-        self.tp.loader(0)(param.data[start : start + self.shard_sizes[shard]], tensor)
+        """Projection number `shard` of the fused ones (0: q, 1: k, 2: v), this rank's rows of it."""
+        self.tp.loader(0)(param.data.split(self.shard_sizes)[shard], tensor)
 
 
 class RowParallelLinear(nn.Linear):
