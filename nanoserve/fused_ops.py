@@ -9,6 +9,7 @@ Kernels match their references to within rounding (summation order, the GPU's fa
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from nanoserve.triton_shim import tl, triton
 
@@ -119,9 +120,7 @@ def rms_norm_num_warps(block: int) -> int:
     return min(RMS_NORM_MAX_WARPS, max(1, block // RMS_NORM_ELEMENTS_PER_WARP))
 
 
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """x, residual: [rows, n] -> (RMSNorm(x + residual) * weight, x + residual). The sum OVERWRITES `residual` in
     place (it becomes the next residual stream): pass a tensor that nothing else still needs."""
     rows, n = x.shape
@@ -143,28 +142,26 @@ def add_rms_norm(
     return out, residual
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = x.float()  # the mean of squares in fp32, whatever the model dtype; rounded before the weight, as HF does
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     stream = x + residual  # the next residual stream
     return rms_norm_ref(stream, weight, eps), stream
 
 
 def qk_norm_rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    q_weight: torch.Tensor | None = None,
-    k_weight: torch.Tensor | None = None,
+    q: Tensor,
+    k: Tensor,
+    positions: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    q_weight: Tensor | None = None,
+    k_weight: Tensor | None = None,
     eps: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[Tensor, Tensor]:
     """In place: q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] get, per head, RMSNorm with
     q_weight / k_weight (Qwen3; skipped when None), then RoPE at their positions. cos, sin: [max_pos, head_dim/2]."""
     tokens, num_q_heads, head_dim = q.shape
@@ -193,7 +190,7 @@ def qk_norm_rope(
     return q, k
 
 
-def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_ref(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [tokens, heads, head_dim] in the rotate-half layout; cos, sin: [max_pos, head_dim / 2] fp32."""
     cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -201,21 +198,21 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: t
 
 
 def qk_norm_rope_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    q_weight: torch.Tensor | None = None,
-    k_weight: torch.Tensor | None = None,
+    q: Tensor,
+    k: Tensor,
+    positions: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    q_weight: Tensor | None = None,
+    k_weight: Tensor | None = None,
     eps: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[Tensor, Tensor]:
     if q_weight is not None:
         q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     return rope_ref(q, positions, cos, sin), rope_ref(k, positions, cos, sin)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: Tensor) -> Tensor:
     """x: [rows, 2n] = [gate | up] -> silu(gate) * up, [rows, n]."""
     rows, n = x.shape[0], x.shape[1] // 2
     out = x.new_empty(rows, n)
@@ -224,6 +221,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_ref(x: Tensor) -> Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

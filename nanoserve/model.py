@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from nanoserve.attention import AttentionMetadata
@@ -20,7 +20,7 @@ from nanoserve.parallel import TP, ColumnParallelLinear, RowParallelLinear, Voca
 from nanoserve.sampling_params import InvalidField
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
-KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (K cache, V cache)
+KVCache = tuple[Tensor, Tensor]  # one layer's (K cache, V cache)
 
 
 @dataclass
@@ -96,7 +96,7 @@ class AddRMSNorm(NormWeight):
         self.eps = eps
         self.kernels = kernels
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
@@ -113,7 +113,7 @@ class Rotary(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
 
-def llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+def llama3_scaled(inv_freq: Tensor, scaling: dict) -> Tensor:
     """Llama 3's frequency rescaling: long wavelengths are slowed `factor` times, short ones kept, and those in
     between blended smoothly."""
     old_context_len = scaling["original_max_position_embeddings"]
@@ -138,8 +138,8 @@ class Attention(nn.Module):
         self.k_norm = NormWeight(args.head_dim) if args.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
+        self, x: Tensor, positions: Tensor, rotary: Rotary, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> Tensor:
         qkv = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)  # [num_tokens, q | k | v] of this rank's heads
         # each [num_tokens, its heads, head_dim]: views into the one projection, which the kernel rotates in place
         q, k, v = (part.unflatten(-1, (-1, self.head_dim)) for part in qkv)
@@ -160,7 +160,7 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(args.hidden_size, [args.intermediate_size] * 2, False, tp)
         self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, False, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
@@ -174,13 +174,13 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        positions: torch.Tensor,
+        x: Tensor,
+        residual: Tensor,
+        positions: Tensor,
         rotary: Rotary,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Tensor, Tensor]:
         """The residual stream of a pre-norm layer, written plainly:
             h = x + attn(norm(x))
             out = h + mlp(norm(h))
@@ -202,8 +202,8 @@ class Transformer(nn.Module):
         self.rotary = Rotary(args)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
-    ) -> torch.Tensor:
+        self, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
         x = self.embed_tokens(input_ids)
         residual = torch.zeros_like(x)  # the residual stream starts empty: layer 0's add gives the embeddings
@@ -227,10 +227,10 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
-    ) -> torch.Tensor:
+        self, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: Tensor) -> Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] in the model dtype, the whole vocabulary on every rank."""
         return gather_vocab(self.lm_head(hidden), self.tp)

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 # how a parameter copies its part of a checkpoint tensor: (parameter, checkpoint tensor) -> None
-WeightLoader = Callable[[nn.Parameter, torch.Tensor], None]
+WeightLoader = Callable[[nn.Parameter, Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class TP:
     def loader(self, dim: int) -> WeightLoader:
         """A weight_loader that copies this rank's 1/size slice of a checkpoint tensor along dim."""
 
-        def load_slice(param: nn.Parameter, tensor: torch.Tensor) -> None:
+        def load_slice(param: nn.Parameter, tensor: Tensor) -> None:
             param.data.copy_(tensor.chunk(self.size, dim)[self.rank])
 
         return load_slice
@@ -45,7 +45,7 @@ class ColumnParallelLinear(nn.Linear):
         for param in self.parameters():
             param.weight_loader = self.load_shard
 
-    def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: int = 0) -> None:
+    def load_shard(self, param: nn.Parameter, tensor: Tensor, shard: int = 0) -> None:
         """Projection number `shard` of the fused ones (0: q, 1: k, 2: v), this rank's rows of it."""
         self.tp.loader(0)(param.data.split(self.shard_sizes)[shard], tensor)
 
@@ -58,7 +58,7 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
         self.weight.weight_loader = tp.loader(1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         if self.tp.size == 1:
             return super().forward(x)
         y = F.linear(x, self.weight)
@@ -75,7 +75,7 @@ class VocabParallelEmbedding(nn.Embedding):
         self.first_id = tp.rank * (vocab_size // tp.size)  # the first vocabulary id this rank holds
         self.weight.weight_loader = tp.loader(0)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: Tensor) -> Tensor:
         if self.tp.size == 1:
             return super().forward(ids)
         local = ids - self.first_id
@@ -85,7 +85,7 @@ class VocabParallelEmbedding(nn.Embedding):
         return x
 
 
-def gather_vocab(logits: torch.Tensor, tp: TP) -> torch.Tensor:
+def gather_vocab(logits: Tensor, tp: TP) -> Tensor:
     """[rows, vocab / N] on each rank -> [rows, vocab] on every rank."""
     if tp.size == 1:
         return logits
