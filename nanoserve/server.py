@@ -413,9 +413,15 @@ def check_context(prompts: list[list[int]], max_tokens: int, max_model_len: int,
             )
 
 
+def max_tokens_field(body: dict, chat: bool) -> str | None:
+    """The body's field that gives max_tokens (chat's newer name, max_completion_tokens, first); None: neither."""
+    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+    return next((name for name in names if body.get(name) is not None), None)
+
+
 def client_named(error: InvalidField, body: dict, chat: bool) -> InvalidField:
     """The error under the client's name for the field: chat calls three engine fields differently."""
-    max_tokens = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = max_tokens_field(body, chat) or "max_tokens"
     names = {"max_tokens": max_tokens, "logprobs": "top_logprobs", "prompt": "messages"} if chat else {}
     return InvalidField(names.get(error.field, error.field), error.problem)
 
@@ -424,11 +430,10 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
     """SamplingParams from an OpenAI body. SamplingParams checks every type and range, so the server refuses a
     string temperature or a negative one with the same code as the offline API."""
     kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
-    # max_tokens: chat's newer name first; by default, the whole context (chat) or OpenAI's 16 (completions)
-    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-    given = [body[name] for name in names if body.get(name) is not None]
-    if given:
-        kwargs["max_tokens"] = given[0]
+    # max_tokens: by default, the whole context (chat) or OpenAI's 16 (completions)
+    given = max_tokens_field(body, chat)
+    if given is not None:
+        kwargs["max_tokens"] = body[given]
     elif chat:
         kwargs["max_tokens"] = max_model_len
     else:
@@ -500,10 +505,10 @@ def logprobs_json(
             "bytes": list(token_bytes(tokenizer, token_id)),
         }
 
-    content = []
-    for token_id, position, top in zip(token_ids, logprobs, tops, strict=False):
-        alternatives = [entry(alt, logprob) for alt, logprob in top]
-        content.append({**entry(token_id, position[token_id]), "top_logprobs": alternatives})
+    content = [
+        {**entry(token_id, position[token_id]), "top_logprobs": [entry(alt, logprob) for alt, logprob in top]}
+        for token_id, position, top in zip(token_ids, logprobs, tops, strict=False)
+    ]
     return {"content": content}
 
 
@@ -523,14 +528,15 @@ def choice_json(
     first = len(completion.token_ids) - len(token_ids)  # where these tokens start in the completion
     token_logprobs = None if completion.logprobs is None else completion.logprobs[first:]
     logprobs = logprobs_json(tokenizer, chat, token_ids, token_logprobs, num_top)
+    choice = {"index": index, "logprobs": logprobs, "finish_reason": completion.finish_reason}
     if not chat:
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason}
+        return {**choice, "text": text}
     if first == 0:  # the whole message, or a stream's first chunk: it names the role
         message = {"role": "assistant", "content": text}
     else:
         message = {"content": text}
     key = "delta" if stream else "message"
-    return {"index": index, key: message, "logprobs": logprobs, "finish_reason": completion.finish_reason}
+    return {**choice, key: message}
 
 
 def usage_json(finals: Collection[RequestOutput]) -> dict:
@@ -639,7 +645,7 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
             check_cost(prompts, params, "prompt")
             prompts = await loop.run_in_executor(None, tokenize, prompts)
         # chat's default max_tokens, the whole context, means as much as fits; any other is checked against it
-        if not chat or body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None:
+        if not chat or max_tokens_field(body, chat) is not None:
             check_context(prompts, params.max_tokens, llm.config.max_model_len, "messages" if chat else "prompt")
         return await serve(http, body, chat, params, prompts)
 
