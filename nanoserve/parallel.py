@@ -46,7 +46,7 @@ class ColumnParallelLinear(nn.Linear):
             param.weight_loader = self.load_shard
 
     def load_shard(self, param: nn.Parameter, tensor: Tensor, shard: int = 0) -> None:
-        """Projection number `shard` of the fused ones (0: q, 1: k, 2: v), this rank's rows of it."""
+        """Fused projection number `shard` (q, k, v: 0, 1, 2; gate, up: 0, 1): this rank's rows of it."""
         self.tp.loader(0)(param.data.split(self.shard_sizes)[shard], tensor)
 
 
