@@ -151,12 +151,9 @@ class LLM:
             raise InvalidField("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
         if not all(0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise InvalidField("stop_token_ids", f"token ids must lie in [0, {self.vocab_size})")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise InvalidField("logprobs", f"{params.logprobs} exceeds the vocabulary ({self.vocab_size})")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > self.vocab_size:
-            raise InvalidField(
-                "prompt_logprobs", f"{params.prompt_logprobs} exceeds the vocabulary ({self.vocab_size})"
-            )
+        for field, num in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if num is not None and num > self.vocab_size:
+                raise InvalidField(field, f"{num} exceeds the vocabulary ({self.vocab_size})")
         if params.n > self.config.max_num_seqs:  # each sample is a sequence; a step runs at most max_num_seqs
             raise InvalidField("n", f"{params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         check_flag("stream", stream)

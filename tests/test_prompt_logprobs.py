@@ -151,3 +151,17 @@ def test_over_the_vocabulary_refused_and_engine_usable(llama):
     out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=hf.config.vocab_size), use_tqdm=False)
     assert len(out[0].prompt_logprobs[1]) == hf.config.vocab_size
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_two_ranks(llama):
+    """Guards against tensor-parallel ranks disagreeing on the prompt rows (each slice of logits gathers the
+    vocabulary across ranks: a rank that skipped one would hang or mix rows): two ranks over gloo, several slices."""
+    path, hf = llama
+    llm = nanoserve.LLM(
+        path, device="cpu", tensor_parallel_size=2, max_model_len=128, num_kvcache_blocks=16, max_num_seqs=4
+    )
+    prompts = random_prompts([30, 9])
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=3)
+    for out, prompt in zip(llm.generate(prompts, params, use_tqdm=False), prompts, strict=True):
+        assert_prompt_logprobs_match(hf, prompt, out.prompt_logprobs, 3)
+    llm.close()
