@@ -66,7 +66,7 @@ class Request:
             self.finished,
             first.num_cached_tokens or 0,
             self.metrics,
-            prompt_logprobs=list(first.prompt_logprobs) if first.params.prompt_logprobs is not None else None,
+            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
         )
 
     def _completion(self, index: int, seq: Sequence) -> CompletionOutput:

@@ -90,8 +90,9 @@ class StepInputs:
 
 def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -> StepLists:
     """Per token its id, position and cache slot; per sequence its query start, context length and block table
-    (padded to the longest); the rows whose logits are sampled; and the inputs whose values are still on the device
-    (PENDING decode inputs) with the rows of `previous` that hold them."""
+    (padded to the longest); the rows whose logits are sampled; the inputs whose values are still on the device
+    (PENDING decode inputs) with the rows of `previous` that hold them; and, for sequences that asked for
+    prompt_logprobs, the rows whose logits give them, with the prompt token each gives the logprob of."""
     lists = StepLists(
         input_ids=[],
         positions=[],
@@ -133,9 +134,9 @@ def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -
 
 def prompt_logprob_positions(scheduled: ScheduledSeq) -> range:
     """The prompt positions whose logprobs a scheduled chunk gives (for a sequence that asked for them): the logits of
-    position p give the logprob of the token at p + 1, so a chunk [start, end) gives those of positions start + 1 to
-    end, the next chunk's first token included, within the prompt (the last prompt position's logits pick the first
-    output token instead). Every prompt token but the first is covered once per pass over the prompt."""
+    position p give the logprob of the token at p + 1, so a chunk [start, end) gives those of positions start + 1
+    through end (the next chunk's first token included), within the prompt (the last prompt position's logits pick
+    the first output token instead). Every prompt token but the first is covered once per pass over the prompt."""
     end = scheduled.start + scheduled.num_new_tokens
     return range(scheduled.start + 1, min(end + 1, scheduled.seq.num_prompt_tokens))
 
