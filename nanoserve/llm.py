@@ -151,8 +151,9 @@ class LLM:
             raise InvalidField("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
         if not all(0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise InvalidField("stop_token_ids", f"token ids must lie in [0, {self.vocab_size})")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise InvalidField("logprobs", f"{params.logprobs} exceeds the vocabulary ({self.vocab_size})")
+        for field, num in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if num is not None and num > self.vocab_size:
+                raise InvalidField(field, f"{num} exceeds the vocabulary ({self.vocab_size})")
         if params.n > self.config.max_num_seqs:  # each sample is a sequence; a step runs at most max_num_seqs
             raise InvalidField("n", f"{params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         check_flag("stream", stream)
@@ -245,7 +246,9 @@ class LLM:
     def _read_back(self, in_flight: "InFlightStep") -> list[Request]:
         """Wait for a launched step's tokens, hand them to their sequences, and apply the stop rules. Returns the
         requests that changed, each once, in order."""
-        tokens, logprobs = in_flight.wait()
+        tokens, logprobs, prompt_logprobs = in_flight.wait()
+        for (seq, position), entry in prompt_logprobs:  # by position: a preempted sequence's recompute rewrites its own
+            seq.prompt_logprobs[position] = entry
         now = time.perf_counter()
         changed: dict[str, Request] = {}
         for seq in self.scheduler.update(in_flight.step, tokens, logprobs):
@@ -403,7 +406,9 @@ def check_conversation(conversation: object) -> None:
 
 def sample_params(params: SamplingParams, index: int) -> SamplingParams:
     """The parameters of sample `index` of a request: with a seed, each sample draws its own noise from a seed
-    derived from the request's, so n seeded samples differ from each other yet stay reproducible."""
-    if index == 0 or params.seed is None:
+    derived from the request's, so n seeded samples differ from each other yet stay reproducible. Only the first
+    sample computes the prompt's logprobs (the others share its prompt, and take its KV from the prefix cache)."""
+    if index == 0:
         return params
-    return replace(params, seed=hash((params.seed, index)))
+    seed = hash((params.seed, index)) if params.seed is not None else None
+    return replace(params, seed=seed, prompt_logprobs=None)

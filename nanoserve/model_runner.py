@@ -29,8 +29,10 @@ from nanoserve.scheduler import Step
 from nanoserve.step_inputs import (
     BLOCK_TABLE_WIDTH_MULTIPLE,
     StepHeader,
+    StepInputs,
     StepLists,
     flatten_step,
+    prompt_logprob_positions,
     round_up,
     step_inputs,
     upload,
@@ -68,12 +70,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")  # torch.bfloat16 -> bfloat16
 
 
-def copy_to_host_async(samples: Samples) -> Samples:
-    """A pinned host copy of the samples, queued behind the kernels that compute them: it waits for nothing."""
+def copy_to_host_async(samples: Samples | None) -> Samples | None:
+    """A pinned host copy of a GPU's samples, queued behind the kernels that compute them: it waits for nothing.
+    A CPU's samples (or None) are already on the host."""
 
     def pinned_copy(t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
+    if samples is None or not samples.tokens.is_cuda:
+        return samples
     if samples.logprobs is None:
         return Samples(pinned_copy(samples.tokens))
     logprobs = samples.logprobs
@@ -83,46 +88,58 @@ def copy_to_host_async(samples: Samples) -> Samples:
     return Samples(pinned_copy(samples.tokens), host_logprobs)
 
 
+def logprob_dicts(samples: Samples, nums: list[int | None]) -> list[dict[int, float] | None]:
+    """Host samples with logprobs as one {token: logprob} per row: the top nums[row] and the row's token's own; None
+    for a row that asked for none."""
+    tokens = samples.tokens.tolist()
+    chosen = samples.logprobs.chosen.tolist()
+    top_values = samples.logprobs.top_values.tolist()
+    top_ids = samples.logprobs.top_ids.tolist()
+    dicts = []
+    for row, n in enumerate(nums):
+        row_logprobs = None
+        if n is not None:  # the top n, and the row's own token
+            row_logprobs = dict(zip(top_ids[row][:n], top_values[row][:n], strict=True))
+            row_logprobs[tokens[row]] = chosen[row]
+        dicts.append(row_logprobs)
+    return dicts
+
+
 class InFlightStep:
     """A launched step. Its samples stay on the device (the next step reads its decode inputs there), and their
-    copy to the host is queued behind the step's kernels, so launching the next step need not wait for it."""
+    copy to the host is queued behind the step's kernels, so launching the next step need not wait for it. So is the
+    copy of its prompt logprobs, if a sequence asked for them: Samples whose tokens are the actual prompt tokens."""
 
-    def __init__(self, step: Step, samples: Samples | None) -> None:
+    def __init__(self, step: Step, samples: Samples | None, prompt_samples: Samples | None = None) -> None:
         self.step = step
         sampling_seqs = step.sampling_seqs
         self.params = [seq.params for seq in sampling_seqs]
         self.row_of = {seq.seq_id: row for row, seq in enumerate(sampling_seqs)}  # seq -> row of its sample
         self.device_tokens = samples.tokens if samples is not None else None
-        self.host_samples = samples  # a CPU's samples are already on the host
-        self.ready = None  # on a GPU: the event after which the host copy is complete
-        if samples is not None and samples.tokens.is_cuda:
-            self.host_samples = copy_to_host_async(samples)
+        self.host_samples = copy_to_host_async(samples)
+        self.host_prompt_samples = copy_to_host_async(prompt_samples)
+        self.ready = None  # on a GPU: the event after which the host copies are complete
+        if self.host_samples is not samples or self.host_prompt_samples is not prompt_samples:  # copies were queued
             self.ready = torch.cuda.current_stream().record_event()
 
-    def wait(self) -> tuple[list[int], list[dict[int, float] | None] | None]:
-        """The tokens (waiting for the GPU if needed) and, per row, {token: logprob} if any row asked for them:
-        the chosen token's and the top-N, N as that row asked."""
+    def wait(self) -> tuple[list[int], list[dict[int, float] | None] | None, list[tuple]]:
+        """The tokens (waiting for the GPU if needed); per row, {token: logprob} if any row asked for them: the chosen
+        token's and the top-N, N as that row asked; and ((sequence, prompt position), {token: logprob}) per prompt
+        position this step computed the logprobs of."""
         if self.ready is not None:
             self.ready.synchronize()
+        prompt_logprobs = []
+        if self.host_prompt_samples is not None:
+            asking = [s for s in self.step.scheduled if s.seq.params.prompt_logprobs is not None]
+            positions = [(s.seq, position) for s in asking for position in prompt_logprob_positions(s)]
+            entries = logprob_dicts(self.host_prompt_samples, [seq.params.prompt_logprobs for seq, _ in positions])
+            prompt_logprobs = list(zip(positions, entries, strict=True))
         if self.host_samples is None:
-            return [], None
-        tokens = self.host_samples.tokens.tolist()
-        sampled_logprobs = self.host_samples.logprobs
-        if sampled_logprobs is None:
-            return tokens, None
-        chosen = sampled_logprobs.chosen.tolist()
-        top_values = sampled_logprobs.top_values.tolist()
-        top_ids = sampled_logprobs.top_ids.tolist()
-        logprobs = []
-        for row, params in enumerate(self.params):
-            if params.logprobs is None:
-                logprobs.append(None)
-                continue
-            n = params.logprobs
-            row_logprobs = dict(zip(top_ids[row][:n], top_values[row][:n], strict=True))
-            row_logprobs[tokens[row]] = chosen[row]
-            logprobs.append(row_logprobs)
-        return tokens, logprobs
+            return [], None, prompt_logprobs
+        logprobs = None
+        if self.host_samples.logprobs is not None:
+            logprobs = logprob_dicts(self.host_samples, [params.logprobs for params in self.params])
+        return self.host_samples.tokens.tolist(), logprobs, prompt_logprobs
 
 
 class ModelRunner:
@@ -281,9 +298,10 @@ class ModelRunner:
             if self.workers is not None:  # tensor parallel: every rank runs the step; rank 0 samples
                 self.workers.send_step(header, flat)  # the header as host ints: no copy to the device, no sync
             previous_tokens = previous.device_tokens if previous is not None else None
-            logits = self.execute(header, flat, previous_tokens)
+            prompt_top_n = max(s.seq.params.prompt_logprobs or 0 for s in step.scheduled)
+            logits, prompt_samples = self.execute(header, flat, previous_tokens, prompt_top_n)
             if logits is None:
-                return InFlightStep(step, None)
+                return InFlightStep(step, None, prompt_samples)
             sampling_seqs = step.sampling_seqs
             samples = self.sampler(
                 logits,
@@ -293,24 +311,43 @@ class ModelRunner:
             )
             if self.workers is not None:
                 dist.broadcast(samples.tokens, 0)  # the workers' next decode inputs
-            return InFlightStep(step, samples)
+            return InFlightStep(step, samples, prompt_samples)
         except BaseException as error:  # Ctrl-C too: the workers may be waiting inside the step
             if self.workers is not None:
                 self.workers.failed(error)  # raises, naming the rank at fault
             raise
 
     def execute(
-        self, header: StepHeader, flat: torch.Tensor, previous_tokens: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """Every rank: a step's forward pass (a graph replay if decode-only) and its sampling rows' logits (or None)."""
+        self, header: StepHeader, flat: torch.Tensor, previous_tokens: torch.Tensor | None, prompt_top_n: int = 0
+    ) -> tuple[torch.Tensor | None, Samples | None]:
+        """Every rank: a step's forward pass (a graph replay if decode-only), its sampling rows' logits and its prompt
+        rows' logprobs with the top prompt_top_n (each None if the step has no such rows; a worker's are dropped)."""
         inputs = step_inputs(header, flat, previous_tokens)
         if inputs.meta.decode_only and self.graphs is not None:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        prompt_samples = None
+        if len(inputs.prompt_rows):
+            prompt_samples = self.prompt_logprobs(hidden, inputs, prompt_top_n)
         if len(inputs.sample_rows) == 0:
-            return None
-        return self.model.compute_logits(hidden[inputs.sample_rows])
+            return None, prompt_samples
+        return self.model.compute_logits(hidden[inputs.sample_rows]), prompt_samples
+
+    def prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, top_n: int) -> Samples:
+        """Per prompt row, the next prompt token (as the row's "sample") with its logprob and the top_n, in fp32 from
+        the log_softmax of the row's logits. A step may hold thousands of prompt rows and the vocabulary 152k
+        entries, so the logits are made in slices of max_num_seqs rows, the most warm_up measured memory for (the
+        sampler's rows): they never need memory the KV cache has taken. Every rank makes them (each slice gathers the
+        vocabulary across ranks)."""
+        next_ids = inputs.prompt_next_ids.long()
+        slice_rows = self.config.max_num_seqs
+        pieces = []  # per slice: (chosen, top values, top ids)
+        for rows, ids in zip(inputs.prompt_rows.split(slice_rows), next_ids.split(slice_rows), strict=True):
+            logprobs = self.model.compute_logits(hidden[rows]).float().log_softmax(-1)  # [rows, vocab]
+            pieces.append((logprobs.gather(-1, ids[:, None])[:, 0], *logprobs.topk(top_n, dim=-1)))
+        chosen, top_values, top_ids = (torch.cat(column) for column in zip(*pieces, strict=True))
+        return Samples(next_ids, SampledLogprobs(chosen, top_values, top_ids))
 
     @torch.inference_mode()
     def run_worker_step(self, header: StepHeader, previous_tokens: torch.Tensor | None) -> torch.Tensor | None:
@@ -318,7 +355,7 @@ class ModelRunner:
         receive the tokens rank 0 sampled. Returns the tokens the next step's PENDING inputs come from."""
         flat = torch.empty(header.buffer_len(), dtype=torch.int32, device=self.device)
         dist.broadcast(flat, 0)
-        logits = self.execute(header, flat, previous_tokens)
+        logits, _ = self.execute(header, flat, previous_tokens)
         if logits is None:  # nothing sampled: the previous samples stay the ones to read from
             return previous_tokens
         tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=self.device)

@@ -36,6 +36,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int  # prompt tokens served by the prefix cache (of the first sample)
     metrics: RequestMetrics
+    # per prompt token, when asked for (prompt_logprobs=N): None for the first, then {token_id: logprob} of the
+    # token and the top N at its position, as vLLM; one list for all n samples (they share the prompt)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class Request:
@@ -63,6 +66,7 @@ class Request:
             self.finished,
             first.num_cached_tokens or 0,
             self.metrics,
+            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
         )
 
     def _completion(self, index: int, seq: Sequence) -> CompletionOutput:

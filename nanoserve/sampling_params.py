@@ -88,8 +88,8 @@ def check_token_ids(field: str, ids: object) -> list[int]:
 
 @dataclass
 class SamplingParams:
-    """The ranges, beyond the comments below: counts (n, top_k, max_tokens, logprobs) are at most MAX_INT; any integer
-    seed is taken and kept mod SEED_RANGE, in [0, 2**63), as the sampler uses it anyway."""
+    """The ranges, beyond the comments below: counts (n, top_k, max_tokens, logprobs, prompt_logprobs) are at most
+    MAX_INT; any integer seed is taken and kept mod SEED_RANGE, in [0, 2**63), as the sampler uses it anyway."""
 
     n: int = 1  # completions of the prompt; they share its KV through the prefix cache
     temperature: float = 1.0  # in [0, MAX_TEMPERATURE = 1e30]; 0 means greedy: exact argmax
@@ -103,6 +103,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     seed: int | None = None  # reproducible samples, whatever else is batched; any int, kept mod 2**63: [0, 2**63)
     logprobs: int | None = None  # return the chosen token's logprob and the top-N logprobs
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-N at its position (the first: None)
 
     def __post_init__(self) -> None:
         self.n = check_number("n", self.n, low=1, integer=True)
@@ -119,6 +120,8 @@ class SamplingParams:
             self.seed = check_number("seed", self.seed, low=-math.inf, high=math.inf, integer=True) % SEED_RANGE
         if self.logprobs is not None:
             self.logprobs = check_number("logprobs", self.logprobs, low=0, integer=True)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = check_number("prompt_logprobs", self.prompt_logprobs, low=0, integer=True)
         if isinstance(self.stop, str):
             stop = [self.stop]  # one stop string
         else:

@@ -6,7 +6,7 @@ first: a decoding one costs one token, one still prefilling takes the next chunk
 decodes share one batch and a long prompt never stalls the decodes (chunked prefill). When the pool runs dry, the most
 recently admitted sequence is preempted: its blocks go back (still findable in the prefix cache) and it waits at the
 front of the queue to recompute its tokens later. Leftover budget admits waiting sequences, which first take whatever
-prefix of theirs is cached.
+prefix of theirs is cached (unless they asked for prompt_logprobs, which need logits at every prompt position).
 
 Each sequence's share of a step is booked as it is planned: its tokens count as computed, the full blocks they complete
 become findable at once (a request admitted later in the same step takes them: each layer writes all of a step's K/V
@@ -131,7 +131,9 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:  # a preempted sequence waits for its tokens' values
                 return
-            cached = self.block_manager.find_cached_prefix(seq)
+            cached = []  # prompt_logprobs need every prompt position's logits: cached tokens would have none
+            if seq.params.prompt_logprobs is None:
+                cached = self.block_manager.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, self._budget(step))
             if not self.block_manager.allocate(seq, num_new, cached):
                 return

@@ -1,21 +1,22 @@
 """A step as the device sees it. The scheduler's Step (sequences, with the positions each computes) becomes flat integer
 lists (StepLists: per token its id, position and cache slot; per sequence its query start, context length and block
-table; the rows to sample; the inputs whose values are still on the device), uploaded in one int32 buffer with one
-host-to-device copy, then cut into tensor views (StepInputs) that the model and attention read.
+table; the rows to sample; the inputs whose values are still on the device; the rows whose logits give prompt
+logprobs), uploaded in one int32 buffer with one host-to-device copy, then cut into tensor views (StepInputs) that the
+model and attention read.
 
 Why one buffer: in a decode step, converting Python ints one by one and issuing a copy per tensor is most of the host's
 work. The StepHeader (each list's length, and the longest query and context) is all a reader needs to cut the buffer
 up: it travels beside it, so that tensor-parallel workers can receive a step as header + buffer."""
 
 import array
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import torch
 
 from nanoserve.attention import AttentionMetadata
-from nanoserve.scheduler import Step
+from nanoserve.scheduler import ScheduledSeq, Step
 from nanoserve.sequence import PENDING
 
 if TYPE_CHECKING:
@@ -45,6 +46,9 @@ class StepLists:
     sample_rows: list[int]  # [num_sampling]: token rows whose logits pick a next token
     pending_at: list[int]  # token rows whose input id is the previous step's sample...
     pending_rows: list[int]  # ...and the row of that sample in the previous step's output
+    # prompt_logprobs: token rows whose logits give a prompt token's logprob, and the id of that next prompt token
+    prompt_rows: list[int] = field(default_factory=list)  # [num_prompt_rows]
+    prompt_next_ids: list[int] = field(default_factory=list)  # [num_prompt_rows]
 
     def parts(self) -> list:
         return [getattr(self, f.name) for f in fields(self)]
@@ -80,12 +84,15 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens] int32
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [num_sampling] int32: rows of the hidden states whose logits pick a token
+    prompt_rows: torch.Tensor  # [num_prompt_rows] int32: rows whose logits give prompt logprobs...
+    prompt_next_ids: torch.Tensor  # [num_prompt_rows] int32: ...of these prompt tokens
 
 
 def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -> StepLists:
     """Per token its id, position and cache slot; per sequence its query start, context length and block table
-    (padded to the longest); the rows whose logits are sampled; and the inputs whose values are still on the device
-    (PENDING decode inputs) with the rows of `previous` that hold them."""
+    (padded to the longest); the rows whose logits are sampled; the inputs whose values are still on the device
+    (PENDING decode inputs) with the rows of `previous` that hold them; and, for sequences that asked for
+    prompt_logprobs, the rows whose logits give them, with the prompt token each gives the logprob of."""
     lists = StepLists(
         input_ids=[],
         positions=[],
@@ -101,9 +108,14 @@ def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -
         seq = scheduled.seq
         start = scheduled.start
         end = start + scheduled.num_new_tokens
+        first_row = len(lists.input_ids)
         if seq.token_ids[start] == PENDING:  # a decode of the token the previous step sampled
-            lists.pending_at.append(len(lists.input_ids))
+            lists.pending_at.append(first_row)
             lists.pending_rows.append(previous.row_of[seq.seq_id])
+        if seq.params.prompt_logprobs is not None:  # the rows before the prompt positions this chunk gives logprobs of
+            positions = prompt_logprob_positions(scheduled)
+            lists.prompt_rows += range(first_row, first_row + len(positions))
+            lists.prompt_next_ids += seq.token_ids[positions.start : positions.stop]
         lists.input_ids += seq.token_ids[start:end]
         lists.positions += range(start, end)
         lists.slot_mapping += slots_of(seq.block_table, start, end, block_size)
@@ -118,6 +130,15 @@ def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -
         lists.block_tables += table
         lists.block_tables += padding[: width - len(table)]
     return lists
+
+
+def prompt_logprob_positions(scheduled: ScheduledSeq) -> range:
+    """The prompt positions whose logprobs a scheduled chunk gives (for a sequence that asked for them): the logits of
+    position p give the logprob of the token at p + 1, so a chunk [start, end) gives those of positions start + 1
+    through end (the next chunk's first token included), within the prompt (the last prompt position's logits pick
+    the first output token instead). Every prompt token but the first is covered once per pass over the prompt."""
+    end = scheduled.start + scheduled.num_new_tokens
+    return range(scheduled.start + 1, min(end + 1, scheduled.seq.num_prompt_tokens))
 
 
 def slots_of(block_table: array.array, start: int, end: int, block_size: int) -> list[int]:
@@ -168,4 +189,4 @@ def step_inputs(header: StepHeader, flat: torch.Tensor, previous_tokens: torch.T
         max_context_len=header.max_context_len,
         decode_only=header.max_query_len == 1,
     )
-    return StepInputs(input_ids, views.positions, meta, views.sample_rows)
+    return StepInputs(input_ids, views.positions, meta, views.sample_rows, views.prompt_rows, views.prompt_next_ids)

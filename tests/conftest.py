@@ -114,7 +114,7 @@ class FakeInFlight:
         self.row_of = {seq.seq_id: row for row, seq in enumerate(step.sampling_seqs)}
 
     def wait(self):
-        return list(self.device_tokens), None
+        return list(self.device_tokens), None, []
 
 
 class FakeRunner:
