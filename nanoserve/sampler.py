@@ -16,8 +16,9 @@ import torch
 from nanoserve.sampling_params import MAX_TEMPERATURE, SEED_RANGE, SamplingParams
 from nanoserve.triton_shim import tl, triton
 
-if TYPE_CHECKING:  # for an annotation only: kernels.py imports this file, so this file does not import it at runtime
+if TYPE_CHECKING:  # for annotations only: kernels.py and penalties.py import this file, so it imports neither
     from nanoserve.kernels import Kernels
+    from nanoserve.penalties import StepPenalties
 
 SEED_MIX = 1_000_003  # mixes a request's seed with its length, so each step draws fresh noise
 GUMBEL_TILE = 2048  # vocabulary entries per step of the sampling kernel's loop
@@ -118,12 +119,14 @@ def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return host
 
 
-def ban_tokens(logits: torch.Tensor, banned: list[frozenset[int]]) -> None:
-    """In place: logits[row, id] = -inf for each id in banned[row], in one indexed write for the whole batch."""
-    rows = [row for row, ids in enumerate(banned) for _ in ids]
-    ids = [token for ids_of_row in banned for token in ids_of_row]
-    where = to_device([rows, ids], torch.long, logits.device)  # [2, num_banned]: (row, token id) pairs
-    logits[where[0], where[1]] = float("-inf")
+def add_to_logits(logits: torch.Tensor, offsets: dict[int, dict[int, float]]) -> None:
+    """In place: logits[row, id] += value for each {id: value} of offsets[row], in one indexed write for the batch."""
+    rows = [row for row, values in offsets.items() for _ in values]
+    ids = [token for values in offsets.values() for token in values]
+    where = to_device([rows, ids], torch.long, logits.device)  # [2, n]: (row, token id) pairs, each once
+    logits[where[0], where[1]] += to_device(
+        [v for values in offsets.values() for v in values.values()], logits.dtype, logits.device
+    )
 
 
 class Sampler:
@@ -142,17 +145,31 @@ class Sampler:
         return (params.seed * SEED_MIX + length) % SEED_RANGE
 
     def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], lengths: list[int], banned: list[frozenset[int]]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        lengths: list[int],
+        banned: list[frozenset[int]],
+        penalties: "StepPenalties | None" = None,
     ) -> Samples:
         """logits: [rows, vocab] in the model dtype; lengths: each row's sequence length with the token being
-        sampled; banned: ids a row may not pick (EOS before min_tokens). Returns the tokens and, if any row asked
-        for logprobs, their logprobs, all on the device."""
+        sampled; banned: ids a row may not pick (EOS before min_tokens); penalties: the step's penalized rows
+        (penalties.py), None when no row uses a penalty. Returns the tokens and, if any row asked for logprobs, their
+        logprobs, all on the device. vLLM's order: bias and bans, penalties, then temperature and the filters."""
         want_logprobs = any(p.logprobs is not None for p in params)
         logprobs = None
-        if want_logprobs:  # of the model's own distribution: before bans, filters and temperature
+        if want_logprobs:  # of the model's own distribution (vLLM's default): before bias, penalties, filters and T
             logprobs = logits.float().log_softmax(-1)  # [rows, vocab]
-        if any(banned):
-            ban_tokens(logits, banned)
+        # logit_bias, and -inf for the banned ids (a banned id's bias is dropped: it stays -inf)
+        offsets = {
+            row: p.logit_bias | dict.fromkeys(ids, float("-inf"))
+            for row, (p, ids) in enumerate(zip(params, banned, strict=True))
+            if p.logit_bias or ids
+        }
+        if offsets:
+            add_to_logits(logits, offsets)
+        if penalties is not None:
+            penalties.apply(logits)
         filtered = [row for row, p in enumerate(params) if p.filtered]
         if filtered:
             rows = to_device(filtered, torch.long, logits.device)
@@ -160,6 +177,8 @@ class Sampler:
         seeds = [self.noise_seed(p, length) for p, length in zip(params, lengths, strict=False)]
         temperatures = [sampling_temperature(p.temperature) for p in params]
         tokens = self.kernels.gumbel_argmax(logits, temperatures, seeds)
+        if penalties is not None:
+            penalties.count(tokens)  # on the device: the next step's penalties see these tokens, pending or not
         if logprobs is None:
             return Samples(tokens)
         num_top = max(p.logprobs or 0 for p in params)  # the most any row asked for; 0 gives empty rows

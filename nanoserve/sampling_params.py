@@ -13,6 +13,8 @@ from dataclasses import dataclass
 MAX_INT = 2**63 - 1  # the largest count (or config size) accepted anywhere: it fits a torch.int64
 SEED_RANGE = 2**63  # a seed is used mod this: torch's generators take 64-bit seeds
 MAX_TEMPERATURE = 1e30  # far past where sampling is uniform to float32's precision; logits / T stays finite
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], OpenAI's range
+MAX_LOGIT_BIAS = 100.0  # a logit_bias lies in [-100, 100], OpenAI's range: -100 bans a token in practice
 
 
 class InvalidField(ValueError):
@@ -86,6 +88,16 @@ def check_token_ids(field: str, ids: object) -> list[int]:
     return [int(t) for t in ids]
 
 
+def check_logit_bias(bias: object) -> dict[int, float]:
+    """None or {token id: bias in [-100, 100]}, as plain ints and floats ({} for None). The ids are checked against the
+    vocabulary where the model is known (LLM._make_request)."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict) or not all(is_integer(t) for t in bias):
+        raise InvalidField("logit_bias", f"{shown(bias)} is not a dict of {{integer token id: bias}}")
+    return {int(t): check_number("logit_bias", b, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS) for t, b in bias.items()}
+
+
 @dataclass
 class SamplingParams:
     """The ranges, beyond the comments below: counts (n, top_k, max_tokens, logprobs) are at most MAX_INT; any integer
@@ -102,7 +114,17 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None  # reproducible samples, whatever else is batched; any int, kept mod 2**63: [0, 2**63)
-    logprobs: int | None = None  # return the chosen token's logprob and the top-N logprobs
+    logprobs: int | None = None  # return the chosen token's logprob and the top-N logprobs (of the model's own
+    # distribution: before the bias, penalties, filters and temperature, as vLLM returns them)
+    # Penalties and bias (penalties.py), applied before temperature and the filters, in vLLM's order:
+    repetition_penalty: float = (
+        1.0  # > 0; 1 is off. Ids seen in the prompt or output: logit > 0 divided, < 0 multiplied
+    )
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted from the logit of every id in the output so far
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted once per occurrence of the id in the output so far
+    logit_bias: dict[int, float] | None = None  # {token id: bias in [-100, 100]} added to the logits
+    include_stop_str_in_output: bool = False  # keep the stop string (or the stop id's text) in the text
+    skip_special_tokens: bool = True  # special tokens' text (<|im_end|>, ...) left out of the text
 
     def __post_init__(self) -> None:
         self.n = check_number("n", self.n, low=1, integer=True)
@@ -114,7 +136,8 @@ class SamplingParams:
         self.min_p = check_number("min_p", self.min_p, low=0, high=1)
         self.max_tokens = check_number("max_tokens", self.max_tokens, low=1, integer=True)
         self.min_tokens = check_number("min_tokens", self.min_tokens, low=0, high=self.max_tokens, integer=True)
-        check_flag("ignore_eos", self.ignore_eos)
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            check_flag(flag, getattr(self, flag))
         if self.seed is not None:
             self.seed = check_number("seed", self.seed, low=-math.inf, high=math.inf, integer=True) % SEED_RANGE
         if self.logprobs is not None:
@@ -127,8 +150,21 @@ class SamplingParams:
             raise InvalidField("stop", f"{shown(self.stop)} is not a non-empty string or a list of them")
         self.stop = list(stop)
         self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids or [])
+        self.repetition_penalty = check_number("repetition_penalty", self.repetition_penalty, low=0, above_low=True)
+        self.presence_penalty = check_number(
+            "presence_penalty", self.presence_penalty, low=-MAX_PENALTY, high=MAX_PENALTY
+        )
+        self.frequency_penalty = check_number(
+            "frequency_penalty", self.frequency_penalty, low=-MAX_PENALTY, high=MAX_PENALTY
+        )
+        self.logit_bias = check_logit_bias(self.logit_bias)
 
     @property
     def filtered(self) -> bool:
         """Whether top-k, top-p or min-p trims the distribution before the draw."""
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty applies: the sampler then needs this request's token counts (penalties.py)."""
+        return (self.repetition_penalty, self.presence_penalty, self.frequency_penalty) != (1, 0, 0)
