@@ -25,7 +25,7 @@ MAX_KVCACHE_BLOCK_SIZE = 256
 TRITON_INTERPRET_ON = ("1", "true", "on", "yes")  # values of TRITON_INTERPRET that turn Triton's interpreter on
 # vLLM's engine arguments (EngineArgs, LLM(...)) that nanoserve does not implement: refused as such, not as unknown.
 # Those it takes: its own fields below, block_size (kvcache_block_size), trust_remote_code=False, disable_log_stats.
-VLLM_ONLY_OPTIONS = frozenset(
+VLLM_ONLY = frozenset(
     """
     served_model_name hf_config_path task runner convert skip_tokenizer_init enable_prompt_embeds tokenizer_mode
     allowed_local_media_path allowed_media_domains download_dir load_format config_format revision code_revision
@@ -87,14 +87,13 @@ class EngineConfig:
                 raise InvalidField("block_size", "vLLM's name for kvcache_block_size: give one of the two")
             kwargs["kvcache_block_size"] = kwargs.pop("block_size")
         check_flag("disable_log_stats", kwargs.pop("disable_log_stats", False))
-        check_flag("trust_remote_code", kwargs.get("trust_remote_code", False))
-        if kwargs.pop("trust_remote_code", False):
-            raise InvalidField("trust_remote_code", "nanoserve runs only its own model code (Llama, Qwen2, Qwen3)")
-        for name in sorted(kwargs):
-            if name in VLLM_ONLY_OPTIONS:
-                raise InvalidField(name, "a vLLM option that nanoserve does not implement")
+        if kwargs.pop("trust_remote_code", False) is not False:
+            raise InvalidField("trust_remote_code", "only False: nanoserve runs only its own model code (Llama, Qwen)")
         if unknown := sorted(set(kwargs) - {f.name for f in fields(cls)}):
-            raise InvalidField(unknown[0], f"unknown config keys: {', '.join(unknown)}")
+            problem = f"unknown config keys: {', '.join(unknown)}"
+            if unknown[0] in VLLM_ONLY:
+                problem = "a vLLM option that nanoserve does not implement"
+            raise InvalidField(unknown[0], problem)
         return cls(**kwargs)
 
     def __post_init__(self) -> None:

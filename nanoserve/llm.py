@@ -165,7 +165,7 @@ class LLM:
         if not isinstance(request_id, str) or request_id in self.requests:
             raise InvalidField("request_id", f"{request_id!r} is not a new string id")
         if params.seed is None and self.config.seed is not None:
-            params = replace(params, seed=self.config.seed)  # LLM(seed=...): the default of requests that set none
+            params = replace(params, seed=self.config.seed)  # LLM(seed=...): the seed of requests that set none
         prompt = unwrap_prompt(prompt)
         ids = self.prompt_ids(prompt)
         stop_ids = frozenset(params.stop_token_ids)

@@ -119,14 +119,12 @@ def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return host
 
 
-def add_to_logits(logits: torch.Tensor, offsets: dict[int, dict[int, float]]) -> None:
-    """In place: logits[row, id] += value for each {id: value} of offsets[row], in one indexed write for the batch."""
-    rows = [row for row, values in offsets.items() for _ in values]
-    ids = [token for values in offsets.values() for token in values]
-    where = to_device([rows, ids], torch.long, logits.device)  # [2, n]: (row, token id) pairs, each once
-    logits[where[0], where[1]] += to_device(
-        [v for values in offsets.values() for v in values.values()], logits.dtype, logits.device
-    )
+def ban_tokens(logits: torch.Tensor, banned: list[frozenset[int]]) -> None:
+    """In place: logits[row, id] = -inf for each id in banned[row], in one indexed write for the whole batch."""
+    rows = [row for row, ids in enumerate(banned) for _ in ids]
+    ids = [token for ids_of_row in banned for token in ids_of_row]
+    where = to_device([rows, ids], torch.long, logits.device)  # [2, num_banned]: (row, token id) pairs
+    logits[where[0], where[1]] = float("-inf")
 
 
 class Sampler:
@@ -153,21 +151,15 @@ class Sampler:
         penalties: "StepPenalties | None" = None,
     ) -> Samples:
         """logits: [rows, vocab] in the model dtype; lengths: each row's sequence length with the token being
-        sampled; banned: ids a row may not pick (EOS before min_tokens); penalties: the step's penalized rows
-        (penalties.py), None when no row uses a penalty. Returns the tokens and, if any row asked for logprobs, their
-        logprobs, all on the device. vLLM's order: bias and bans, penalties, then temperature and the filters."""
+        sampled; banned: ids a row may not pick (EOS before min_tokens); penalties: the rows that use a bias or a
+        penalty (penalties.py), or None. Returns the tokens and, if any row asked for logprobs, their logprobs, all on
+        the device. vLLM's order: bans, bias and penalties, then temperature and the filters."""
         want_logprobs = any(p.logprobs is not None for p in params)
         logprobs = None
         if want_logprobs:  # of the model's own distribution (vLLM's default): before bias, penalties, filters and T
             logprobs = logits.float().log_softmax(-1)  # [rows, vocab]
-        # logit_bias, and -inf for the banned ids (a banned id's bias is dropped: it stays -inf)
-        offsets = {
-            row: p.logit_bias | dict.fromkeys(ids, float("-inf"))
-            for row, (p, ids) in enumerate(zip(params, banned, strict=True))
-            if p.logit_bias or ids
-        }
-        if offsets:
-            add_to_logits(logits, offsets)
+        if any(banned):
+            ban_tokens(logits, banned)
         if penalties is not None:
             penalties.apply(logits)
         filtered = [row for row, p in enumerate(params) if p.filtered]

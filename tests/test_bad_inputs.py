@@ -171,7 +171,9 @@ def test_penalty_values_are_stored_as_python_numbers_and_bias_ids_checked(engine
         frequency_penalty=np.int64(-2),
         logit_bias={np.int64(5): np.float16(-1.5), 7: Fraction(3, 2), 9: 100},
     )
-    assert [type(v) for v in (params.repetition_penalty, params.presence_penalty, params.frequency_penalty)] == [float] * 3
+    assert [type(v) for v in (params.repetition_penalty, params.presence_penalty, params.frequency_penalty)] == [
+        float
+    ] * 3
     assert params.logit_bias == {5: -1.5, 7: 1.5, 9: 100.0} and all(type(t) is int for t in params.logit_bias)
     assert all(type(b) is float for b in params.logit_bias.values())
     prompt = random_prompts([5])[0]

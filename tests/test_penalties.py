@@ -157,7 +157,10 @@ def test_default_model_chat(tmp_path):
     llm = LLM(model_dir, device="cpu", max_model_len=256, num_kvcache_blocks=32)
     prompt = llm.chat_prompts([{"role": "user", "content": "List three fruits, then three more."}])[0]
     im_end = llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    cases = [{"repetition_penalty": 1.3}, {"logit_bias": {im_end: -5.0}, "presence_penalty": 0.5, "frequency_penalty": 0.3}]
+    cases = [
+        {"repetition_penalty": 1.3},
+        {"logit_bias": {im_end: -5.0}, "presence_penalty": 0.5, "frequency_penalty": 0.3},
+    ]
     params = [SamplingParams(temperature=0, max_tokens=16, **case) for case in cases]
     outputs = llm.generate([prompt] * 2, params, use_tqdm=False)
     for case, out in zip(cases, outputs, strict=True):

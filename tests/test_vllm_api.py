@@ -109,9 +109,9 @@ def test_prompt_dicts(with_tokenizer):
     """Guards against vLLM's {"prompt": text} and {"prompt_token_ids": ids} being refused, alone or in a list (mixed
     with plain prompts), and against other keys or mismatched types being taken silently."""
     llm, hf = with_tokenizer
-    ids = random_prompts([7])[0]
-    text = llm.tokenizer.decode(ids)
-    assert llm.tokenizer.encode(text) == ids, "a prompt that round-trips through the tokenizer"
+    text = "1+2=3; (a, b)"
+    ids = llm.tokenizer.encode(text)
+    assert max(ids) < 384, "a text the tiny model's vocabulary holds"
     expected = hf_greedy(hf, ids, 6)
     one = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
     several = llm.generate([{"prompt": text}, ids, {"prompt_token_ids": ids}, text], GREEDY, use_tqdm=False)
