@@ -108,8 +108,8 @@ class EngineConfig:
         self._force_eager_where_graphs_cannot_run()
 
     def _check_paths(self) -> None:
-        """model and trace are None or a path (a pathlib.Path becomes its string); trace not a folder, and in a folder
-        we may write to."""
+        """model, trace and tokenizer are None or a path (a pathlib.Path becomes its string); trace not a folder, and in
+        a folder we may write to (the tokenizer folder is checked where it is loaded, before the weights)."""
         for name in ("model", "trace", "tokenizer"):
             value = getattr(self, name)
             if isinstance(value, os.PathLike):

@@ -1,6 +1,7 @@
 """Turns one step's logits into next tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds, and logprobs,
-batched on the device. Nothing here waits for the GPU: what a call returns, Samples (the tokens and, when asked for,
-their logprobs), stays on the device, where the next step reads its inputs, and the model runner copies it back.
+batched on the device, after logit_bias and the repetition, presence and frequency penalties (penalties.py). Nothing
+here waits for the GPU: what a call returns, Samples (the tokens and, when asked for, their logprobs), stays on the
+device, where the next step reads its inputs, and the model runner copies it back.
 
 Every row is drawn the same way: argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T) (the Gumbel-max
 trick), plain argmax when T = 0. Top-k, top-p and min-p only set the logits they drop to -inf first. The Triton kernel

@@ -134,7 +134,7 @@ def test_triton_sampler_in_the_interpreter(tiny_model):
     """Guards against the Triton backend (its sampling kernel) drawing from logits other than the penalized ones."""
     path, hf = tiny_model("qwen3")
     llm = LLM(path, kernels="triton", **ENGINE)
-    check_against_transformers(llm, hf, random_prompts([6, 4]), [CASES[3], CASES[2]])
+    check_against_transformers(llm, hf, random_prompts([6]), [CASES[3]])
 
 
 def test_two_ranks(tiny_model):
@@ -161,10 +161,10 @@ def test_default_model_chat(tmp_path):
         {"repetition_penalty": 1.3},
         {"logit_bias": {im_end: -5.0}, "presence_penalty": 0.5, "frequency_penalty": 0.3},
     ]
-    params = [SamplingParams(temperature=0, max_tokens=16, **case) for case in cases]
+    params = [SamplingParams(temperature=0, max_tokens=12, **case) for case in cases]
     outputs = llm.generate([prompt] * 2, params, use_tqdm=False)
     for case, out in zip(cases, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_penalized(hf, prompt, 16, eos_token_id=im_end, **case), case
+        assert out.outputs[0].token_ids == hf_penalized(hf, prompt, 12, eos_token_id=im_end, **case), case
 
 
 def test_seeded_sampling_is_reproducible_and_llm_seed_is_the_default(tiny_model):
