@@ -48,7 +48,7 @@ class StopChecker:
         if may_stop and newest in seq.stop_token_ids:
             # the stop id's own text is shown only with include_stop_str_in_output (EOS's is empty anyway where
             # skip_special_tokens leaves special tokens out)
-            self._decode(seq, num_out - (not params.include_stop_str_in_output), final=True)
+            self._decode(seq, num_out if params.include_stop_str_in_output else num_out - 1, final=True)
             return "stop"
         if incremental or params.stop:
             self._decode(seq, num_out, final=False)
@@ -85,22 +85,18 @@ class StopChecker:
     @staticmethod
     def _search_stop_strings(seq: Sequence, may_stop: bool) -> bool:
         """Look for a stop string ending in text not searched before (so an occurrence before min_tokens never
-        counts later); the first occurrence found ends the text: where it starts, or where it ends with
-        include_stop_str_in_output."""
+        counts later); the first occurrence found ends the text."""
         decoded = seq.text
         found = []
         for stop in seq.params.stop if may_stop else []:
             # an occurrence ending in the new text starts at most len(stop) - 1 characters before it
             search_from = max(0, decoded.num_searched - len(stop) + 1)
             start = decoded.text.find(stop, search_from)
-            if start >= 0:
-                found.append((start, start + len(stop)))
+            if start >= 0:  # the text ends where the stop string starts, or ends with include_stop_str_in_output
+                found.append(start + len(stop) if seq.params.include_stop_str_in_output else start)
         decoded.num_searched = len(decoded.text)
-        if not found:
-            return False
-        start, end = min(found)
-        decoded.stop_at = end if seq.params.include_stop_str_in_output else start
-        return True
+        decoded.stop_at = min(found, default=None)
+        return decoded.stop_at is not None
 
 
 def longest_stop_prefix_at_end(text: str, stops: list[str]) -> int:
