@@ -21,7 +21,7 @@ from nanoserve.block_manager import BlockManager
 from nanoserve.config import EngineConfig
 from nanoserve.outputs import Request, RequestOutput
 from nanoserve.sampling_params import InvalidField, SamplingParams, check_flag, check_text, check_token_ids, shown
-from nanoserve.scheduler import Scheduler
+from nanoserve.scheduler import Scheduler, Step
 from nanoserve.sequence import Sequence
 from nanoserve.stopping import StopChecker
 
@@ -30,8 +30,9 @@ if TYPE_CHECKING:  # annotations only: the engine loop runs on any runner with l
 
     from nanoserve.model_runner import InFlightStep, ModelRunner
 
-# A prompt: text, or token ids (a list, or a numpy array or tensor of them)
-Prompt = str | list[int]
+# A prompt: text, token ids (a list, or a numpy array or tensor of them), or vLLM's {"prompt": text} or
+# {"prompt_token_ids": ids}
+Prompt = str | list[int] | dict
 Conversation = list[dict]  # chat messages: {"role": ..., "content": ...}
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # the roles chat templates know
 
@@ -58,7 +59,9 @@ class LLM:
         hf_config, args = loader.load_hf_config(model_dir, config)
         loader.check_checkpoint(model_dir, args)  # here, once: tensor-parallel workers read the same folder
         loader.check_kv_cache_fits(config, args, config.torch_dtype(loader.checkpoint_dtype(hf_config)))
-        tokenizer = loader.load_tokenizer(model_dir)
+        tokenizer = loader.load_tokenizer(config.tokenizer or model_dir)
+        if tokenizer is None and config.tokenizer is not None:
+            raise InvalidField("tokenizer", f"no tokenizer files in {config.tokenizer!r}")
         eos_token_ids = loader.eos_ids_of(model_dir, hf_config, tokenizer)
         runner = start_runner(config, model_dir, hf_config, args)  # and its tensor-parallel workers, if any
         self._close = weakref.finalize(self, runner.close)  # closed or garbage-collected: the workers exit
@@ -149,9 +152,11 @@ class LLM:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidField("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
-        if not all(0 <= t < self.vocab_size for t in params.stop_token_ids):
-            raise InvalidField("stop_token_ids", f"token ids must lie in [0, {self.vocab_size})")
-        for field, num in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+        for field in ("stop_token_ids", "logit_bias"):
+            if not all(0 <= t < self.vocab_size for t in getattr(params, field)):
+                raise InvalidField(field, f"token ids must lie in [0, {self.vocab_size})")
+        for field in ("logprobs", "prompt_logprobs"):
+            num = getattr(params, field)
             if num is not None and num > self.vocab_size:
                 raise InvalidField(field, f"{num} exceeds the vocabulary ({self.vocab_size})")
         if params.n > self.config.max_num_seqs:  # each sample is a sequence; a step runs at most max_num_seqs
@@ -161,6 +166,9 @@ class LLM:
             request_id = f"req-{next(self._request_ids)}"
         if not isinstance(request_id, str) or request_id in self.requests:
             raise InvalidField("request_id", f"{request_id!r} is not a new string id")
+        if params.seed is None and self.config.seed is not None:
+            params = replace(params, seed=self.config.seed)  # LLM(seed=...): the seed of requests that set none
+        prompt = unwrap_prompt(prompt)
         ids = self.prompt_ids(prompt)
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
@@ -213,6 +221,7 @@ class LLM:
             # 1) schedule step n+1
             step = self.scheduler.schedule()
             self.counters.computed_tokens += step.num_tokens
+            self._record_first_scheduled(step)
             # 2) launch it: the GPU queues it behind step n, whose samples it takes as inputs on the device
             launched = self.runner.launch(step, self.in_flight) if step.scheduled else None
             if self.trace is not None:
@@ -235,6 +244,15 @@ class LLM:
             self.trace.end(started)
         return self._outputs(changed)
 
+    def _record_first_scheduled(self, step: Step) -> None:
+        """vLLM's first_scheduled_time and time_in_queue of the requests this step starts."""
+        now = time.time()
+        for scheduled in step.scheduled:
+            metrics = self.request_of[scheduled.seq.seq_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+                metrics.time_in_queue = now - metrics.arrival_time
+
     def _forget_failed_step(self) -> None:
         """After a failed step: forget the prefix cache and abort every request a step touched; queued ones stay."""
         self.block_manager.cached.clear()
@@ -249,7 +267,7 @@ class LLM:
         tokens, logprobs, prompt_logprobs = in_flight.wait()
         for (seq, position), entry in prompt_logprobs:  # by position: a preempted sequence's recompute rewrites its own
             seq.prompt_logprobs[position] = entry
-        now = time.perf_counter()
+        now = time.time()
         changed: dict[str, Request] = {}
         for seq in self.scheduler.update(in_flight.step, tokens, logprobs):
             request = self.request_of[seq.seq_id]
@@ -275,7 +293,7 @@ class LLM:
     def _record_finished(self, request: Request) -> None:
         """Its finish time, and its TTFT and mean inter-token latency into the running totals."""
         metrics = request.metrics
-        metrics.finished_time = time.perf_counter()
+        metrics.finished_time = time.time()
         num_tokens = max(len(seq.completion_token_ids) for seq in request.seqs)
         self.counters.finished_requests += 1
         self.counters.ttft_s_sum += metrics.first_token_time - metrics.arrival_time
@@ -380,10 +398,23 @@ class LLM:
 
 
 def is_one_prompt(prompts: object) -> bool:
-    """A single prompt rather than a list of them: a string, a list of token ids, or an array."""
-    if isinstance(prompts, str) or hasattr(prompts, "ndim"):
+    """A single prompt rather than a list of them: a string, a vLLM prompt dict, a list of token ids, or an array."""
+    if isinstance(prompts, (str, dict)) or hasattr(prompts, "ndim"):
         return True
     return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and isinstance(prompts[0], numbers.Integral)
+
+
+def unwrap_prompt(prompt: object) -> object:
+    """vLLM's prompt dicts as what they hold: {"prompt": text} as the text, {"prompt_token_ids": ids} as the ids.
+    Other keys (vLLM's multi_modal_data, cache_salt, ...) are refused by name; anything else is returned as it is."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if len(prompt) == 1 and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"]
+    if len(prompt) == 1 and "prompt_token_ids" in prompt:
+        return check_token_ids("prompt_token_ids", prompt["prompt_token_ids"])
+    keys = ", ".join(map(shown, prompt))
+    raise InvalidField("prompt", f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids' (ids), one: not {keys}")
 
 
 def check_conversation(conversation: object) -> None:

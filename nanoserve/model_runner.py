@@ -23,6 +23,7 @@ from nanoserve.kernels import get_kernels
 from nanoserve.loader import build_model, checkpoint_dtype
 from nanoserve.model import ModelArgs
 from nanoserve.parallel import TP
+from nanoserve.penalties import Penalties
 from nanoserve.sampler import SampledLogprobs, Sampler, Samples
 from nanoserve.sampling_params import InvalidField, SamplingParams
 from nanoserve.scheduler import Step
@@ -168,6 +169,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype(checkpoint_dtype(hf_config))
         self.model = build_model(args, model_dir, self.dtype, self.device, self.kernels, tp)
         self.sampler = Sampler(self.kernels)
+        self.penalties = Penalties(config.max_num_seqs, args.vocab_size, self.device)  # used by rank 0 only
         # 2) the KV cache: as many blocks as the memory left after a warm-up run of 1) holds
         if self.device.type == "cuda":
             self.warm_up()
@@ -308,6 +310,7 @@ class ModelRunner:
                 [seq.params for seq in sampling_seqs],
                 [seq.num_tokens for seq in sampling_seqs],
                 [banned_token_ids(seq) for seq in sampling_seqs],
+                self.penalties.for_step(sampling_seqs),
             )
             if self.workers is not None:
                 dist.broadcast(samples.tokens, 0)  # the workers' next decode inputs

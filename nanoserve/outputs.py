@@ -22,7 +22,11 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
+    """vLLM's request timings: time.time() readings (wall clock, seconds since the epoch), and the wait in between."""
+
     arrival_time: float
+    first_scheduled_time: float | None = None  # the first step that computed any of it
+    time_in_queue: float | None = None  # first_scheduled_time - arrival_time
     first_token_time: float | None = None
     finished_time: float | None = None
 
@@ -47,7 +51,7 @@ class Request:
         self.prompt = prompt
         self.seqs = seqs  # one per sample (n)
         self.stream = stream
-        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+        self.metrics = RequestMetrics(arrival_time=time.time())
 
     @property
     def finished(self) -> bool:

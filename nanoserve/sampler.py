@@ -1,6 +1,7 @@
 """Turns one step's logits into next tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds, and logprobs,
-batched on the device. Nothing here waits for the GPU: what a call returns, Samples (the tokens and, when asked for,
-their logprobs), stays on the device, where the next step reads its inputs, and the model runner copies it back.
+batched on the device, after logit_bias and the repetition, presence and frequency penalties (penalties.py). Nothing
+here waits for the GPU: what a call returns, Samples (the tokens and, when asked for, their logprobs), stays on the
+device, where the next step reads its inputs, and the model runner copies it back.
 
 Every row is drawn the same way: argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T) (the Gumbel-max
 trick), plain argmax when T = 0. Top-k, top-p and min-p only set the logits they drop to -inf first. The Triton kernel
@@ -16,8 +17,9 @@ import torch
 from nanoserve.sampling_params import MAX_TEMPERATURE, SEED_RANGE, SamplingParams
 from nanoserve.triton_shim import tl, triton
 
-if TYPE_CHECKING:  # for an annotation only: kernels.py imports this file, so this file does not import it at runtime
+if TYPE_CHECKING:  # for annotations only: kernels.py and penalties.py import this file, so it imports neither
     from nanoserve.kernels import Kernels
+    from nanoserve.penalties import StepPenalties
 
 SEED_MIX = 1_000_003  # mixes a request's seed with its length, so each step draws fresh noise
 GUMBEL_TILE = 2048  # vocabulary entries per step of the sampling kernel's loop
@@ -142,17 +144,25 @@ class Sampler:
         return (params.seed * SEED_MIX + length) % SEED_RANGE
 
     def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], lengths: list[int], banned: list[frozenset[int]]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        lengths: list[int],
+        banned: list[frozenset[int]],
+        penalties: "StepPenalties | None" = None,
     ) -> Samples:
         """logits: [rows, vocab] in the model dtype; lengths: each row's sequence length with the token being
-        sampled; banned: ids a row may not pick (EOS before min_tokens). Returns the tokens and, if any row asked
-        for logprobs, their logprobs, all on the device."""
+        sampled; banned: ids a row may not pick (EOS before min_tokens); penalties: the rows that use a bias or a
+        penalty (penalties.py), or None. Returns the tokens and, if any row asked for logprobs, their logprobs, all on
+        the device. vLLM's order: bans, bias and penalties, then temperature and the filters."""
         want_logprobs = any(p.logprobs is not None for p in params)
         logprobs = None
-        if want_logprobs:  # of the model's own distribution: before bans, filters and temperature
+        if want_logprobs:  # of the model's own distribution (vLLM's default): before bias, penalties, filters and T
             logprobs = logits.float().log_softmax(-1)  # [rows, vocab]
         if any(banned):
             ban_tokens(logits, banned)
+        if penalties is not None:
+            penalties.apply(logits)
         filtered = [row for row, p in enumerate(params) if p.filtered]
         if filtered:
             rows = to_device(filtered, torch.long, logits.device)
@@ -160,6 +170,8 @@ class Sampler:
         seeds = [self.noise_seed(p, length) for p, length in zip(params, lengths, strict=False)]
         temperatures = [sampling_temperature(p.temperature) for p in params]
         tokens = self.kernels.gumbel_argmax(logits, temperatures, seeds)
+        if penalties is not None:
+            penalties.count(tokens)  # on the device: the next step's penalties see these tokens, pending or not
         if logprobs is None:
             return Samples(tokens)
         num_top = max(p.logprobs or 0 for p in params)  # the most any row asked for; 0 gives empty rows

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 MAX_INT = 2**63 - 1  # the largest count (or config size) accepted anywhere: it fits a torch.int64
 SEED_RANGE = 2**63  # a seed is used mod this: torch's generators take 64-bit seeds
 MAX_TEMPERATURE = 1e30  # far past where sampling is uniform to float32's precision; logits / T stays finite
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], OpenAI's range
+MAX_LOGIT_BIAS = 100.0  # a logit_bias lies in [-100, 100], OpenAI's range: -100 bans a token in practice
 
 
 class InvalidField(ValueError):
@@ -102,7 +104,16 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None  # reproducible samples, whatever else is batched; any int, kept mod 2**63: [0, 2**63)
-    logprobs: int | None = None  # return the chosen token's logprob and the top-N logprobs
+    # the chosen token's logprob and the top-N logprobs, of the model's own distribution (as vLLM returns them):
+    # before the bias, penalties, filters and temperature
+    logprobs: int | None = None
+    # logit_bias and penalties (penalties.py), before temperature and the filters, in vLLM's order
+    logit_bias: dict[int, float] | None = None  # {token id: bias in [-100, 100]} added to the logits
+    repetition_penalty: float = 1.0  # > 0, 1 is off: ids in the prompt or output so far, logit > 0 / it, < 0 x it
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted from the logit of every id in the output so far
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted once per occurrence of the id in the output so far
+    include_stop_str_in_output: bool = False  # keep the stop string (or the stop id's text) in the text
+    skip_special_tokens: bool = True  # special tokens' text (<|im_end|>, ...) left out of the text
     prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-N at its position (the first: None)
 
     def __post_init__(self) -> None:
@@ -115,7 +126,8 @@ class SamplingParams:
         self.min_p = check_number("min_p", self.min_p, low=0, high=1)
         self.max_tokens = check_number("max_tokens", self.max_tokens, low=1, integer=True)
         self.min_tokens = check_number("min_tokens", self.min_tokens, low=0, high=self.max_tokens, integer=True)
-        check_flag("ignore_eos", self.ignore_eos)
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            check_flag(flag, getattr(self, flag))
         if self.seed is not None:
             self.seed = check_number("seed", self.seed, low=-math.inf, high=math.inf, integer=True) % SEED_RANGE
         if self.logprobs is not None:
@@ -130,6 +142,20 @@ class SamplingParams:
             raise InvalidField("stop", f"{shown(self.stop)} is not a non-empty string or a list of them")
         self.stop = list(stop)
         self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids or [])
+        self.repetition_penalty = check_number("repetition_penalty", self.repetition_penalty, low=0, above_low=True)
+        for name in ("presence_penalty", "frequency_penalty"):
+            setattr(self, name, check_number(name, getattr(self, name), low=-MAX_PENALTY, high=MAX_PENALTY))
+        bias = {} if self.logit_bias is None else self.logit_bias
+        if not isinstance(bias, dict) or not all(map(is_integer, bias)):
+            raise InvalidField("logit_bias", f"{shown(bias)} is not a dict of {{integer token id: bias}}")
+        # as plain ints and floats; the ids are checked against the vocabulary where it is known (LLM._make_request)
+        self.logit_bias = {
+            int(t): check_number("logit_bias", b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) for t, b in bias.items()
+        }
+        # derived, read for every row of every step (an attribute: a property cost 40 us a step at 256 rows): whether
+        # a bias or a penalty applies, so that the sampler needs this request's row of counts (penalties.py)
+        penalties = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+        self.penalized = bool(self.logit_bias) or penalties != (1, 0, 0)
 
     @property
     def filtered(self) -> bool:

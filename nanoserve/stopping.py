@@ -46,7 +46,9 @@ class StopChecker:
         may_stop = num_out >= params.min_tokens
         newest = seq.token_ids[seq.num_known_tokens - 1]
         if may_stop and newest in seq.stop_token_ids:
-            self._decode(seq, num_out - 1, final=True)  # the stop id's own text is not shown
+            # the stop id's own text is shown only with include_stop_str_in_output (EOS's is empty anyway where
+            # skip_special_tokens leaves special tokens out)
+            self._decode(seq, num_out if params.include_stop_str_in_output else num_out - 1, final=True)
             return "stop"
         if incremental or params.stop:
             self._decode(seq, num_out, final=False)
@@ -69,14 +71,15 @@ class StopChecker:
             return
         ids = seq.token_ids[seq.num_prompt_tokens : seq.num_prompt_tokens + upto]
         start = max(0, decoded.num_decoded - DETOKENIZE_CONTEXT)
-        before = self.tokenizer.decode(ids[start : decoded.num_decoded], skip_special_tokens=True)
-        after = self.tokenizer.decode(ids[start:], skip_special_tokens=True)
+        skip = seq.params.skip_special_tokens
+        before = self.tokenizer.decode(ids[start : decoded.num_decoded], skip_special_tokens=skip)
+        after = self.tokenizer.decode(ids[start:], skip_special_tokens=skip)
         if after.endswith(INCOMPLETE_CHARACTER) and not final:
             return
         if after.startswith(before):
             decoded.text += after[len(before) :]
         else:  # the new tokens changed how earlier ones read (rare): decode the whole completion again
-            decoded.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            decoded.text = self.tokenizer.decode(ids, skip_special_tokens=skip)
         decoded.num_decoded = upto
 
     @staticmethod
@@ -89,8 +92,8 @@ class StopChecker:
             # an occurrence ending in the new text starts at most len(stop) - 1 characters before it
             search_from = max(0, decoded.num_searched - len(stop) + 1)
             start = decoded.text.find(stop, search_from)
-            if start >= 0:
-                found.append(start)
+            if start >= 0:  # the text ends where the stop string starts, or ends with include_stop_str_in_output
+                found.append(start + len(stop) if seq.params.include_stop_str_in_output else start)
         decoded.num_searched = len(decoded.text)
         decoded.stop_at = min(found, default=None)
         return decoded.stop_at is not None
