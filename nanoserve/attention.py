@@ -3,11 +3,20 @@
 The KV cache of one layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]; a sequence's tokens live in
 the blocks its block table lists, in order, so physical blocks need not be contiguous (PagedAttention, Kwon et al.
 2023). Three Triton jobs: `store_kv` scatters this step's K/V into their slots; a flash-attention kernel
-(FlashAttention-2, Dao 2023: query tiles, online softmax) serves prefill and mixed batches, causal and varlen; a
-split-KV kernel (Flash-Decoding, Dao et al. 2023) serves decode-only batches by splitting each sequence's keys across
-programs and merging their partial softmaxes in a small reduce kernel. Every key is read from the cache, so store_kv
-runs before attention. The PyTorch references at the bottom are the oracle the kernels are tested against, and the CPU's
-fast path. Words: a "block" is a KV-cache page, a "tile" a kernel's compute tile."""
+(FlashAttention-2, Dao 2023: query tiles, online softmax) serves the sequences with several queries (prefill chunks),
+causal and varlen; a split-KV kernel (Flash-Decoding, Dao et al. 2023) serves the sequences with one query (decodes),
+also inside a mixed step, by splitting each sequence's keys across programs and merging their partial softmaxes in a
+small reduce kernel. Each kernel skips the other's sequences, so a mixed step is two launches over one metadata. Every
+key is read from the cache, so store_kv runs before attention. The PyTorch references at the bottom are the oracle the
+kernels are tested against, and the CPU's fast path. Words: a "block" is a KV-cache page, a "tile" a kernel's compute
+tile.
+
+FP8 KV cache (kv_cache_dtype="fp8"): the caches are float8 e4m3 (1 byte per element, half of bf16's), written by a
+saturating round-to-nearest cast, i.e. a scale of 1.0 for K and V in every layer, vLLM's default when a checkpoint
+brings no calibrated scales. e4m3 is a float: 3 mantissa bits at every magnitude from 2^-6 to 448, so a scale would
+only move that range, and K/V activations sit inside it (tests/test_fp8_kv.py measures them). The kernels widen each
+fp8 tile to the query's dtype (exact: every e4m3 value is a bf16, fp16 and fp32 value) and accumulate in fp32; the
+references widen to fp32. Neither kernel nor reference branches on the cache's dtype."""
 
 import functools
 from dataclasses import dataclass, field
@@ -26,7 +35,7 @@ PREFILL_WIDE_TILE_M = 128  # prefill tiles of this many query rows or more run o
 DECODE_TILE_N = 64  # keys per step of a decode split
 DECODE_NUM_WARPS = 4
 PROGRAMS_PER_SM = 4  # decode splits the keys until the grid has about this many programs per SM
-MAX_SPLITS = 64  # the reduce kernel holds all partials of a head, [splits, head_dim] fp32, in registers
+MAX_SPLITS = 64  # the reduce kernel holds all partials of a head, [MAX_SPLITS, head_dim] fp32, in registers
 CPU_NUM_SMS = 4  # SM count assumed under TRITON_INTERPRET: small, yet CPU tests still see several splits
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # powers of two; 256 would overflow the registers of a 128-row tile
 
@@ -40,7 +49,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [num_seqs] int32: keys per sequence after this step (cached + new)
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
     max_query_len: int  # host-side bounds, so launching a kernel never reads the GPU
-    max_context_len: int  # >= every context_len (decode under a CUDA graph: max_model_len)
+    max_context_len: int  # >= every context_len (under a CUDA graph: max_model_len); only the reference reads it
     decode_only: bool  # every sequence has exactly one query token
     # what the PyTorch reference derives from the above: the same for every layer, so made once per step
     _reference_gather: "ReferenceGather | None" = field(default=None, init=False, repr=False, compare=False)
@@ -129,17 +138,17 @@ def _load_kv_tile(
 def _online_softmax_step(acc, row_max, row_sum, q, k, v, visible, qk_scale, MASKED: tl.constexpr):
     """Fold one key tile into the running softmax of each query row (flash attention).
     acc [M, HEAD_DIM] fp32 unnormalised output, row_max [M] running max score, row_sum [M] running sum of
-    exp2(score - row_max); q [M, HEAD_DIM], k and v [N, HEAD_DIM], visible [M, N] (or broadcastable) which keys each
-    row may see, read only if MASKED. Every row must see a key by its first tile, or its max stays -inf and the
-    rescale is NaN. Returns the updated (acc, row_max, row_sum)."""
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [M, N] scores in log2 units; fp32 not tf32
+    exp2(score - row_max); q [M, HEAD_DIM], k and v [N, HEAD_DIM] in the cache's dtype (fp8 ones are widened to
+    q's, exactly), visible [M, N] (or broadcastable) which keys each row may see, read only if MASKED. Every row must
+    see a key by its first tile, or its max stays -inf and the rescale is NaN. Returns (acc, row_max, row_sum)."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale  # [M, N] log2 units; fp32 not tf32
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(s, 1))
     alpha = tl.exp2(row_max - new_max)  # rescales what was summed under the old max
     p = tl.exp2(s - new_max[:, None])  # [M, N] this tile's weights under the new max
     row_sum = row_sum * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
     return acc, new_max, row_sum
 
 
@@ -171,7 +180,7 @@ def _prefill_kernel(
     tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if tile * TILE_M >= q_len:  # the grid is sized for the longest query; this one is shorter
+    if tile * TILE_M >= q_len or q_len == 1:  # shorter than the grid's longest query, or a decode: the decode kernel's
         return
     ctx = tl.load(context_lens_ptr + seq)
     rows = tile * TILE_M + tl.arange(0, TILE_M)  # [TILE_M] query index within the sequence
@@ -242,9 +251,9 @@ def _decode_split_kernel(
     part_out_ptr,
     part_lse_ptr,
     block_tables_ptr,
+    query_start_loc_ptr,
     context_lens_ptr,
     qk_scale,
-    split_len,
     stride_qt,
     stride_qh,
     stride_cb,
@@ -258,16 +267,22 @@ def _decode_split_kernel(
     TILE_N: tl.constexpr,
 ):
     # program (seq, kv_head, split): the GROUP query heads sharing kv_head (rows of one tl.dot, so each K/V byte
-    # is read once) attend to keys [split * split_len, (split + 1) * split_len) of sequence seq (= q row seq)
+    # is read once) attend to the split-th of num_splits equal runs of whole key tiles of sequence seq's context,
+    # if seq has one query (a decode); its split length follows its own context, so a CUDA graph's fixed grid
+    # keeps every split busy whatever the context.
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_row = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:  # several queries: the prefill kernel's
+        return
     ctx = tl.load(context_lens_ptr + seq)
+    split_len = tl.cdiv(ctx, tl.num_programs(2) * TILE_N) * TILE_N
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)  # <= start: the split lies past the context and stays empty
     g = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + g  # [GROUP_PAD] query heads; rows g >= GROUP are padding
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(
-        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0
+        q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0
     )  # [GROUP_PAD, HEAD_DIM]
     # the online softmax's running state per query head: max score, sum of exp2(score - max), unnormalised output
     row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -306,16 +321,20 @@ def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
+    query_start_loc_ptr,
     num_splits,
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):
     # program (seq, head): merge one query head's partial outputs, each weighted by its split's share of the
-    # softmax mass, 2^(lse_s - max lse)
+    # softmax mass, 2^(lse_s - max lse), if seq is a decode (the split kernel wrote nothing for the others)
     seq, head = tl.program_id(0), tl.program_id(1)
-    s, d = tl.arange(0, SPLITS_PAD), tl.arange(0, HEAD_DIM)
+    q_row = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
+        return
+    s, d = tl.arange(0, MAX_SPLITS), tl.arange(0, HEAD_DIM)
     row = (seq * tl.num_programs(1) + head) * num_splits + s  # [SPLITS_PAD]
     lse = tl.load(part_lse_ptr + row, mask=s < num_splits, other=float("-inf"))
     lse_max = tl.max(lse, 0)
@@ -324,7 +343,7 @@ def _decode_reduce_kernel(
     part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=(s < num_splits)[:, None], other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM]; 0 if context_len 0
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + q_row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 def store_kv(
@@ -354,13 +373,14 @@ def store_kv(
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """q: [num_tokens, num_heads, head_dim] -> out, same shape: causal attention over each sequence's cached keys."""
+    """q: [num_tokens, num_heads, head_dim] -> out, same shape: causal attention over each sequence's cached keys.
+    The sequences with one query (decodes) go through the split-KV kernel, the others through the prefill kernel:
+    in a mixed step both launch, each skipping the other's sequences."""
     out = torch.empty_like(q)
     qk_scale = scale * LOG2E  # the kernels' softmax runs on exp2
-    if meta.decode_only:
-        _launch_decode(q, k_cache, v_cache, out, meta, qk_scale)
-    else:
+    if not meta.decode_only:
         _launch_prefill(q, k_cache, v_cache, out, meta, qk_scale)
+    _launch_decode(q, k_cache, v_cache, out, meta, qk_scale)
     return out
 
 
@@ -434,10 +454,11 @@ def _launch_decode(
     meta: AttentionMetadata,
     qk_scale: float,
 ) -> None:
-    num_seqs, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = meta.context_lens.shape[0]
     group = num_heads // num_kv_heads
-    split_len, num_splits = decode_splits(num_seqs, num_kv_heads, meta.max_context_len, _num_sms(q.device))
+    num_splits = decode_splits(num_seqs, num_kv_heads, _num_sms(q.device))
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -447,9 +468,9 @@ def _launch_decode(
         part_out,
         part_lse,
         meta.block_tables,
+        meta.query_start_loc,
         meta.context_lens,
         qk_scale,
-        split_len,
         q.stride(0),
         q.stride(1),
         *k_cache.stride()[:3],  # stride_cb, stride_cs, stride_ch
@@ -465,23 +486,29 @@ def _launch_decode(
         part_out,
         part_lse,
         out,
+        meta.query_start_loc,
         num_splits,
         out.stride(0),
         out.stride(1),
         HEAD_DIM=head_dim,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        MAX_SPLITS=MAX_SPLITS,  # one variant for any number of splits
     )
 
 
-def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> tuple[int, int]:
-    """(keys per split, number of splits) of the decode grid, from host ints only so a CUDA graph can hold it.
-    Unsplit, the grid has num_seqs * num_kv_heads programs: a small batch with long contexts would leave most
-    SMs idle, so the keys are split until about PROGRAMS_PER_SM programs per SM. A split covers whole tiles
-    (not whole blocks: keys find their block one by one); splits past a sequence's context stay empty."""
-    wanted = min(MAX_SPLITS, triton.cdiv(PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads))
-    max_context_len = max(max_context_len, 1)
-    split_len = triton.cdiv(max_context_len, wanted * DECODE_TILE_N) * DECODE_TILE_N
-    return split_len, triton.cdiv(max_context_len, split_len)
+def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """How many splits the decode grid cuts each sequence's keys into, from the batch alone, so a CUDA graph (one
+    per batch size) can hold it. Unsplit, the grid has num_seqs * num_kv_heads programs: a small batch would leave
+    most SMs idle, so the keys are split until about PROGRAMS_PER_SM programs per SM. The kernel then cuts each
+    sequence's own context into that many runs of whole tiles (not whole blocks: keys find their block one by one),
+    so a short context is split as finely as a long one, down to one tile per split."""
+    return min(MAX_SPLITS, triton.cdiv(PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads))
+
+
+def decode_warm_up_batches(max_num_seqs: int, num_kv_heads: int, device: torch.device) -> list[int]:
+    """A batch size for each number of splits decode_splits can choose up to max_num_seqs sequences: a decode step at
+    each compiles every variant of the decode kernels (Triton specialises the reduce's num_splits argument)."""
+    batch_of = {decode_splits(n, num_kv_heads, _num_sms(device)): n for n in range(1, max_num_seqs + 1)}
+    return sorted(batch_of.values())
 
 
 @functools.cache
@@ -497,8 +524,8 @@ def store_kv_ref(
     """k, v: [num_tokens, num_kv_heads, head_dim]; writes each token's K/V into its slot."""
     keep = slot_mapping != PAD_SLOT
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)  # fp8: saturating, to nearest
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
 
 
 @dataclass
@@ -509,8 +536,8 @@ class ReferenceGather:
 
     slots: torch.Tensor  # [num_seqs, max_k] cache slot of each key; padding keys re-read the sequence's own
     visible: torch.Tensor  # [num_seqs, 1, max_q, max_k] bool: which keys each query sees
-    query_rows: torch.Tensor | None  # [num_seqs, max_q] rows of q; None if decode-only (row i is sequence i's)
-    real_queries: torch.Tensor | None  # [num_seqs, max_q] bool: not padding; None if decode-only
+    query_rows: torch.Tensor  # [num_seqs, max_q] rows of q
+    real_queries: torch.Tensor  # [num_seqs, max_q] bool: not padding
 
     @classmethod
     def of(cls, meta: AttentionMetadata, block_size: int) -> "ReferenceGather":
@@ -521,8 +548,6 @@ class ReferenceGather:
         pos = torch.minimum(key_pos, (context_lens[:, None] - 1).clamp(min=0))  # [num_seqs, max_k]
         slots = meta.block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
         in_context = key_pos < context_lens[:, None]  # [num_seqs, max_k]
-        if meta.decode_only:  # one query per sequence, at its last position: it sees its whole context
-            return cls(slots, in_context[:, None, None, :], None, None)
         query_start = meta.query_start_loc.long()
         q_lens = query_start[1:] - query_start[:-1]  # [num_seqs]
         q_idx = torch.arange(meta.max_query_len, device=device)  # [max_q]
@@ -542,10 +567,7 @@ def paged_attention_ref(
     gather = meta.reference_gather(k_cache.shape[1])
     k = k_cache.flatten(0, 1)[gather.slots].float()  # [num_seqs, max_k, num_kv_heads, head_dim]
     v = v_cache.flatten(0, 1)[gather.slots].float()
-    if gather.query_rows is None:
-        queries = q[:, None]  # decode: [num_seqs, 1, num_heads, head_dim], no gather
-    else:
-        queries = q[gather.query_rows]  # [num_seqs, max_q, num_heads, head_dim]
+    queries = q[gather.query_rows]  # [num_seqs, max_q, num_heads, head_dim]
     out = F.scaled_dot_product_attention(
         queries.float().transpose(1, 2),
         k.transpose(1, 2),
@@ -554,8 +576,5 @@ def paged_attention_ref(
         scale=scale,
         enable_gqa=True,
     ).transpose(1, 2)  # [num_seqs, max_q, num_heads, head_dim]
-    if gather.real_queries is None:
-        out = out[:, 0]
-    else:
-        out = out[gather.real_queries]  # padded query rows dropped
+    out = out[gather.real_queries]  # padded query rows dropped
     return out.nan_to_num(0.0).to(q.dtype)  # a context of 0 keys (a padded graph row) gives 0, as the kernels do
