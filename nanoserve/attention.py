@@ -29,10 +29,15 @@ from nanoserve.triton_shim import tl, triton
 PAD_SLOT = -1  # slot_mapping value of a padded token: the KV store skips it
 LOG2E = 1.4426950408889634  # log2(e) = 1/ln(2): softmax runs on exp2, so the score scale absorbs it
 MIN_DOT_ROWS = 16  # tl.dot needs >= 16 rows: small query tiles and decode GQA groups are padded up to this
-PREFILL_TILE_M = 128  # query rows per prefill program (the Triton fused-attention tutorial's H100 choice)
+# Tiles by element size in bytes (bf16 and fp16: 2, fp32: 4, fp8: 1): the largest that build for sm_90 without spilling
+# registers (tests/sm90_build.py). 16-bit dots run on the tensor cores; fp32 ones (IEEE, not tf32) on the FMA units,
+# whose operand tiles sit in registers, and fp8 K/V tiles are widened in registers: both need smaller tiles.
+PREFILL_TILE_M = {2: 128, 4: 32}  # most query rows per prefill program, by the query's element size (16-bit: the
+# Triton fused-attention tutorial's H100 choice)
 PREFILL_TILE_N = 64  # keys per step of the prefill loop
-PREFILL_WIDE_TILE_M = 128  # prefill tiles of this many query rows or more run on 8 warps (2 warpgroups), others on 4
-DECODE_TILE_N = 64  # keys per step of a decode split
+PREFILL_WIDE_TILE_M = {2: 128, 4: 16}  # prefill tiles of this many rows or more run on 8 warps (16-bit: 2 warpgroups)
+DECODE_TILE_N = {(2, 2): 64, (2, 1): 32, (4, 4): 16, (4, 1): 16}  # keys per step of a decode split, by the query's
+# and the cache's element sizes
 DECODE_NUM_WARPS = 4
 PROGRAMS_PER_SM = 4  # decode splits the keys until the grid has about this many programs per SM
 MAX_SPLITS = 64  # the reduce kernel holds all partials of a head, [MAX_SPLITS, head_dim] fp32, in registers
@@ -322,24 +327,28 @@ def _decode_reduce_kernel(
     part_lse_ptr,
     out_ptr,
     query_start_loc_ptr,
-    num_splits,
+    stride_ph,
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
 ):
     # program (seq, head): merge one query head's partial outputs, each weighted by its split's share of the
-    # softmax mass, 2^(lse_s - max lse), if seq is a decode (the split kernel wrote nothing for the others)
+    # softmax mass, 2^(lse_s - max lse), if seq is a decode (the split kernel wrote nothing for the others).
+    # The number of splits arrives as part_out's head stride (num_splits * HEAD_DIM): Triton compiles a variant per
+    # integer argument that is 1 or a multiple of 16, and a count would be either, or neither; this stride is always
+    # a multiple of 16, so one variant serves every batch size (warm-up compiles it, eager runs never wait for one).
     seq, head = tl.program_id(0), tl.program_id(1)
     q_row = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
         return
+    num_splits = stride_ph // HEAD_DIM
     s, d = tl.arange(0, MAX_SPLITS), tl.arange(0, HEAD_DIM)
-    row = (seq * tl.num_programs(1) + head) * num_splits + s  # [SPLITS_PAD]
+    row = (seq * tl.num_programs(1) + head) * num_splits + s  # [MAX_SPLITS]
     lse = tl.load(part_lse_ptr + row, mask=s < num_splits, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # context_len 0: every split is empty
-    w = tl.exp2(lse - lse_max)  # [SPLITS_PAD], 0 for empty splits
+    w = tl.exp2(lse - lse_max)  # [MAX_SPLITS], 0 for empty splits
     part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=(s < num_splits)[:, None], other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM]; 0 if context_len 0
@@ -384,16 +393,16 @@ def paged_attention(
     return out
 
 
-def prefill_tile_m(max_query_len: int) -> int:
-    """Query rows per prefill program: short tiles when every query is short (mixed batches of decodes and small
-    chunks), from MIN_DOT_ROWS up to PREFILL_TILE_M."""
-    return min(PREFILL_TILE_M, max(MIN_DOT_ROWS, triton.next_power_of_2(max_query_len)))
+def prefill_tile_m(max_query_len: int, dtype: torch.dtype) -> int:
+    """Query rows per prefill program: short tiles when every query is short (small chunks), from MIN_DOT_ROWS up to
+    the query dtype's PREFILL_TILE_M."""
+    return min(PREFILL_TILE_M[dtype.itemsize], max(MIN_DOT_ROWS, triton.next_power_of_2(max_query_len)))
 
 
-def prefill_tile_sizes() -> list[int]:
+def prefill_tile_sizes(dtype: torch.dtype) -> list[int]:
     """Every query tile prefill_tile_m can pick: MIN_DOT_ROWS, twice that, ... up to PREFILL_TILE_M (16 ... 128)."""
     sizes = [MIN_DOT_ROWS]
-    while sizes[-1] < PREFILL_TILE_M:
+    while sizes[-1] < PREFILL_TILE_M[dtype.itemsize]:
         sizes.append(sizes[-1] * 2)
     return sizes
 
@@ -408,7 +417,7 @@ def _launch_prefill(
 ) -> None:
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    tile_m = prefill_tile_m(meta.max_query_len)
+    tile_m = prefill_tile_m(meta.max_query_len, q.dtype)
     grid = (triton.cdiv(meta.max_query_len, tile_m), meta.context_lens.shape[0], num_heads)
     _prefill_kernel[grid](
         q,
@@ -430,13 +439,13 @@ def _launch_prefill(
         BLOCK_SIZE=block_size,
         TILE_M=tile_m,
         TILE_N=PREFILL_TILE_N,
-        num_warps=prefill_num_warps(tile_m),
+        num_warps=prefill_num_warps(tile_m, q.dtype),
     )
 
 
-def prefill_num_warps(tile_m: int) -> int:
-    if tile_m >= PREFILL_WIDE_TILE_M:
-        return 8  # 2 warpgroups, each a 64-row wgmma on Hopper
+def prefill_num_warps(tile_m: int, dtype: torch.dtype) -> int:
+    if tile_m >= PREFILL_WIDE_TILE_M[dtype.itemsize]:
+        return 8  # 16-bit: 2 warpgroups, each a 64-row wgmma on Hopper
     return 4
 
 
@@ -479,7 +488,7 @@ def _launch_decode(
         GROUP_PAD=decode_group_pad(group),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        TILE_N=DECODE_TILE_N,
+        TILE_N=DECODE_TILE_N[q.dtype.itemsize, k_cache.dtype.itemsize],
         num_warps=DECODE_NUM_WARPS,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -487,7 +496,7 @@ def _launch_decode(
         part_lse,
         out,
         meta.query_start_loc,
-        num_splits,
+        part_out.stride(1),
         out.stride(0),
         out.stride(1),
         HEAD_DIM=head_dim,
@@ -502,13 +511,6 @@ def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     sequence's own context into that many runs of whole tiles (not whole blocks: keys find their block one by one),
     so a short context is split as finely as a long one, down to one tile per split."""
     return min(MAX_SPLITS, triton.cdiv(PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads))
-
-
-def decode_warm_up_batches(max_num_seqs: int, num_kv_heads: int, device: torch.device) -> list[int]:
-    """A batch size for each number of splits decode_splits can choose up to max_num_seqs sequences: a decode step at
-    each compiles every variant of the decode kernels (Triton specialises the reduce's num_splits argument)."""
-    batch_of = {decode_splits(n, num_kv_heads, _num_sms(device)): n for n in range(1, max_num_seqs + 1)}
-    return sorted(batch_of.values())
 
 
 @functools.cache

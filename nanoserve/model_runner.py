@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
 
-from nanoserve.attention import PAD_SLOT, decode_warm_up_batches, prefill_tile_sizes
+from nanoserve.attention import PAD_SLOT, prefill_tile_sizes
 from nanoserve.config import EngineConfig
 from nanoserve.cuda_graphs import DecodeGraphs
 from nanoserve.kernels import get_kernels
@@ -231,16 +231,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Before the KV cache exists: compile a prefill kernel per query-tile size and the decode kernels for each
-        number of splits (Triton compiles on first use: no request, eager or not, should wait for that), then run
-        the biggest step the scheduler can make (max_num_batched_tokens of prefill; logits and the sampler's
-        costliest path for max_num_seqs rows) to measure the memory left."""
+        """Before the KV cache exists: compile a prefill kernel per query-tile size, and with them the decode kernels
+        (every step launches them; they have one variant for any batch size, so an eager run, too, never waits for a
+        compile: Triton compiles on first use), then run the biggest step the scheduler can make
+        (max_num_batched_tokens of prefill; logits and the sampler's costliest path for max_num_seqs rows) to measure
+        the memory left."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        for tile in prefill_tile_sizes():
+        for tile in prefill_tile_sizes(self.dtype):
             self._dummy_prefill([tile])
-        for num_seqs in decode_warm_up_batches(self.config.max_num_seqs, self.num_kv_heads, self.device):
-            self._dummy_prefill([1] * num_seqs)  # one query per sequence: a decode step
         config = self.config
         # the step budget of prompt tokens, cut into sequences no longer than max_model_len
         budget = config.max_num_batched_tokens

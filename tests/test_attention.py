@@ -29,12 +29,12 @@ from nanoserve.attention import (
     AttentionMetadata,
     _num_sms,
     decode_splits,
-    decode_warm_up_batches,
     paged_attention,
     paged_attention_ref,
     store_kv,
     store_kv_ref,
 )
+from nanoserve.step_inputs import BLOCK_TABLE_WIDTH_MULTIPLE, round_up
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = {torch.float32: 1e-4, torch.float16: 1e-2}  # CPU dtypes; fp16 rounds the softmax weights before P @ V
@@ -102,7 +102,8 @@ def make_batch(
     k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=kv_dtype, device=DEVICE)
     v_cache = torch.full_like(k_cache, float("nan"))
     physical = torch.randperm(num_blocks, dtype=torch.int32, device=DEVICE)
-    block_tables = physical[-1].repeat(num_seqs, max(blocks_per_seq) + 1)  # padding -> the NaN block
+    width = round_up(max(blocks_per_seq) + 1, BLOCK_TABLE_WIDTH_MULTIPLE)  # as the engine pads its block tables
+    block_tables = physical[-1].repeat(num_seqs, width)  # padding -> the NaN block
     slots = []  # per sequence: [context_len] slot of each key
     for i, (first, n, ctx) in enumerate(
         zip(itertools.accumulate([0] + blocks_per_seq), blocks_per_seq, context_lens, strict=False)
@@ -261,7 +262,7 @@ def test_prefill_mixed_batch(dtype, group, head_dim, block_size):
 
 def test_prefill_query_spans_several_tiles():
     """Query tiles after the first keep their own rows and causal bound (a long chunk after a cached prefix)."""
-    query_len = PREFILL_TILE_M + randint(1, 40)
+    query_len = PREFILL_TILE_M[4] + randint(1, 40)  # fp32 tiles
     context_lens = [query_len + randint(1, 50), 3]
     q, k_cache, v_cache, meta = make_batch(
         [query_len, 2], context_lens, **heads(2, 1), head_dim=64, block_size=16, dtype=torch.float32
@@ -298,12 +299,12 @@ def test_decode_graph_sized_grid():
     """A grid from the batch size alone, as a CUDA graph holds it: contexts shorter than one tile per split (empty
     splits) and a context_len-0 slot (a padded graph row) neither leak nor make NaN; max_context_len (max_model_len
     under a graph) changes nothing."""
-    context_lens = [0, 1, randint(2, 100), randint(600, 900)]
+    context_lens = [0, 1, randint(2, 40), randint(600, 900)]
     q, k_cache, v_cache, meta = make_batch(
         [1] * 4, context_lens, **heads(3, 1), head_dim=64, block_size=16, dtype=torch.float32, max_context_len=2048
     )
     num_splits = decode_splits(4, 1, _num_sms(q.device))
-    assert 1 < num_splits and context_lens[2] < num_splits * DECODE_TILE_N  # the short contexts leave splits empty
+    assert 1 < num_splits and context_lens[2] < num_splits * DECODE_TILE_N[4, 4]  # short contexts: empty splits
     out = paged_attention(q, k_cache, v_cache, meta, 0.125)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     assert_close(out[1:], paged_attention_ref(q, k_cache, v_cache, meta, 0.125)[1:], ATOL[torch.float32], "decode")
@@ -312,22 +313,66 @@ def test_decode_graph_sized_grid():
 @pytest.mark.parametrize("num_seqs", [1, 2, 8, 33, 64, 256])
 def test_decode_splits_fill_an_h100(num_seqs):
     """The split count comes from the batch alone (a CUDA graph's grid), stays within MAX_SPLITS, and gives an H100
-    about PROGRAMS_PER_SM programs per SM when the batch alone does not; warm-up visits every count."""
+    about PROGRAMS_PER_SM programs per SM when the batch alone does not."""
     num_kv_heads, h100_sms = 8, 132
     num_splits = decode_splits(num_seqs, num_kv_heads, h100_sms)
     assert 1 <= num_splits <= MAX_SPLITS
     programs = num_seqs * num_kv_heads * num_splits
     assert programs >= PROGRAMS_PER_SM * h100_sms or num_splits == MAX_SPLITS
     assert num_splits == 1 or num_seqs * num_kv_heads * (num_splits - 1) < PROGRAMS_PER_SM * h100_sms  # no more
-    batches = decode_warm_up_batches(256, num_kv_heads, torch.device(DEVICE))
-    counts = {decode_splits(n, num_kv_heads, _num_sms(torch.device(DEVICE))) for n in range(1, 257)}
-    assert {decode_splits(n, num_kv_heads, _num_sms(torch.device(DEVICE))) for n in batches} == counts
+
+
+def triton_variant_key(arg):
+    """What Triton compiles a new variant for: a tensor's dtype and 16-byte alignment, whether an int is 1 or a
+    multiple of 16 (its value otherwise does not matter), a float's type alone; constexprs by value."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, int):
+        return arg == 1, arg % 16 == 0
+    return type(arg)
+
+
+def test_decode_kernels_have_one_variant_for_every_batch(monkeypatch):
+    """Guards against decode kernels compiled in the middle of an eager run (0.5-1 s each on a GPU): warm-up runs
+    prefill steps only, which launch the decode kernels too, so every decode step, whatever its batch size and
+    number of splits (here 1 to 8) or its mix of prefills, must present the same variant keys to Triton."""
+    keys = {}
+
+    class Recorder:  # stands in for a kernel: kernel[grid](*args, **constexprs) records the variant's key
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **constexprs):
+                key = tuple(map(triton_variant_key, args)) + tuple(sorted(constexprs.items()))
+                keys.setdefault(self.name, set()).add(key)
+
+            return launch
+
+    for name in ("_decode_split_kernel", "_decode_reduce_kernel"):
+        monkeypatch.setattr(attention, name, Recorder(name))
+    splits = set()
+    for num_seqs in (1, 2, 3, 5, 16):
+        for query_lens in ([1] * num_seqs, [randint(2, 20)] + [1] * (num_seqs - 1)):
+            context_lens = [randint(20, 300) for _ in range(num_seqs)]
+            q, k_cache, v_cache, meta = make_batch(
+                query_lens, context_lens, **heads(2), head_dim=32, block_size=16, dtype=torch.float16
+            )
+            monkeypatch.setattr(attention, "_launch_prefill", lambda *args: None)
+            paged_attention(q, k_cache, v_cache, meta, 0.125)
+        splits.add(decode_splits(num_seqs, 2, _num_sms(q.device)))
+    assert 1 in splits and len(splits) == 5
+    assert {name: len(variants) for name, variants in keys.items()} == {
+        "_decode_split_kernel": 1,
+        "_decode_reduce_kernel": 1,
+    }
 
 
 def test_decode_any_context_in_a_long_pool():
     """One grid serves contexts from 1 key to 40k (each sequence cuts its own context into the grid's splits),
     in a pool sized for them: a split length from max_model_len, or splits that lose the tail, would show here."""
-    context_lens = [1, DECODE_TILE_N - 1, DECODE_TILE_N + 1, randint(100, 1000), randint(5000, 9000), 40_000]
+    tile = DECODE_TILE_N[4, 4]  # fp32
+    context_lens = [1, tile - 1, tile + 1, randint(100, 1000), randint(5000, 9000), 40_000]
     q, k_cache, v_cache, meta = make_batch(
         [1] * len(context_lens), context_lens, **heads(2, 1), head_dim=16, block_size=16, dtype=torch.float32
     )
