@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 assert not os.environ.get("TRITON_INTERPRET"), "compile for sm_90 needs the real kernels, not the interpreter"
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
@@ -28,6 +29,12 @@ from nanoserve import fused_ops as F  # noqa: E402
 from nanoserve import sampler as S  # noqa: E402
 
 H100 = GPUTarget("cuda", 90, 32)
+TORCH_DTYPES = {
+    "*bf16": torch.bfloat16,
+    "*fp16": torch.float16,
+    "*fp32": torch.float32,
+    "*fp8e4nv": torch.float8_e4m3fn,
+}
 
 
 def build(fn, types: dict, constexprs: dict, num_warps: int) -> dict:
@@ -65,7 +72,9 @@ def build(fn, types: dict, constexprs: dict, num_warps: int) -> dict:
 def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str | None = None):
     """Every kernel configuration the launchers in attention.py can pick for this model shape; with kv_dtype, only
     those that touch the KV cache, with the cache in that type."""
-    cache = {"k_cache_ptr": kv_dtype or dtype, "v_cache_ptr": kv_dtype or dtype}
+    kv_dtype = kv_dtype or dtype
+    cache = {"k_cache_ptr": kv_dtype, "v_cache_ptr": kv_dtype}
+    q_torch, kv_torch = TORCH_DTYPES[dtype], TORCH_DTYPES[kv_dtype]
     yield build(
         A._store_kv_kernel,
         dict(k_ptr=dtype, v_ptr=dtype, **cache, slot_mapping_ptr="*i32"),
@@ -73,7 +82,7 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
         4,
     )
     meta = {"block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32", "context_lens_ptr": "*i32", "qk_scale": "fp32"}
-    for tile_m in A.prefill_tile_sizes():
+    for tile_m in A.prefill_tile_sizes(q_torch):
         yield build(
             A._prefill_kernel,
             dict(q_ptr=dtype, out_ptr=dtype, **cache, **meta),
@@ -84,7 +93,7 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
                 "TILE_M": tile_m,
                 "TILE_N": A.PREFILL_TILE_N,
             },
-            A.prefill_num_warps(tile_m),
+            A.prefill_num_warps(tile_m, q_torch),
         )
     yield build(
         A._decode_split_kernel,
@@ -94,11 +103,11 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
             "GROUP_PAD": A.decode_group_pad(group),
             "HEAD_DIM": head_dim,
             "BLOCK_SIZE": block_size,
-            "TILE_N": A.DECODE_TILE_N,
+            "TILE_N": A.DECODE_TILE_N[q_torch.itemsize, kv_torch.itemsize],
         },
         A.DECODE_NUM_WARPS,
     )
-    if kv_dtype is not None:
+    if kv_dtype != dtype:
         return  # the reduce and the layer kernels never see the cache
     yield build(
         A._decode_reduce_kernel,
@@ -158,5 +167,7 @@ if __name__ == "__main__":
         dtype, head_dim, group, block_size, *kv = shape.split(":")
         kv_dtype = KV_DTYPES[kv[0]] if kv else None
         for report in builds("*" + dtype, int(head_dim), int(group), int(block_size), kv_dtype):
-            row = dict(dtype=dtype, kv=kv[0] if kv else dtype, head_dim=int(head_dim), group=int(group))
-            print(json.dumps(dict(row, block_size=int(block_size), **report)), flush=True)
+            shape_fields = {"shape": shape, "dtype": dtype, "kv": kv[0] if kv else dtype, "head_dim": int(head_dim)}
+            print(
+                json.dumps({**shape_fields, "group": int(group), "block_size": int(block_size), **report}), flush=True
+            )
