@@ -212,3 +212,24 @@ def test_default_model_with_fp8_cache_diverges_only_at_near_ties():
     assert errors[0] < LAYER0_REL_ERROR and max(errors) < LAYER_REL_ERROR
     assert sum(n == NUM_TOKENS for n in agree_for) >= 4 and sum(n >= 8 for n in agree_for) >= 12
     assert auto.stats()["kv_blocks_used"] == fp8.stats()["kv_blocks_used"] == 0
+
+
+def test_bench_kv_report_shows_the_fp8_pool(tmp_path, capsys):
+    """Guards against `bench.py --kv-report` reporting the model dtype's bytes for an fp8 pool: its row and its
+    printed KV account carry the cache's element type and bytes per token (fp8: a quarter of the CPU's fp32)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import bench
+
+    flags = ["--arch", "tiny", "--num-seqs", "2", "--max-input-len", "24", "--max-output-len", "4", "--kv-report"]
+    rows = {}
+    for kv in ("auto", "fp8"):
+        bench.main([*flags, "--kv-cache-dtype", kv, "--json", str(tmp_path / f"{kv}.json")])
+        (rows[kv],) = json.loads((tmp_path / f"{kv}.json").read_text())
+    assert rows["fp8"]["kv_cache_dtype"] == "float8_e4m3fn" and rows["auto"]["kv_cache_dtype"] == "float32"
+    assert rows["fp8"]["kv_bytes_per_token"] * 4 == rows["auto"]["kv_bytes_per_token"]
+    assert rows["fp8"]["kv_pool_tokens"] >= rows["auto"]["kv_pool_tokens"] > 0
+    assert "x 1 bytes (float8_e4m3fn)" in capsys.readouterr().out
