@@ -12,8 +12,9 @@ kernels are tested against, and the CPU's fast path. Words: a "block" is a KV-ca
 tile.
 
 FP8 KV cache (kv_cache_dtype="fp8"): the caches are float8 e4m3 (1 byte per element, half of bf16's), written by a
-saturating round-to-nearest cast, i.e. a scale of 1.0 for K and V in every layer, vLLM's default when a checkpoint
-brings no calibrated scales. e4m3 is a float: 3 mantissa bits at every magnitude from 2^-6 to 448, so a scale would
+saturating round-to-nearest cast (on a GPU and in torch; Triton's CPU interpreter rounds roughly, so its tests feed
+it fp8-exact values), i.e. a scale of 1.0 for K and V in every layer, vLLM's default when a checkpoint brings no
+calibrated scales. e4m3 is a float: 3 mantissa bits at every magnitude from 2^-6 to 448, so a scale would
 only move that range, and K/V activations sit inside it (tests/test_fp8_kv.py measures them). The kernels widen each
 fp8 tile to the query's dtype (exact: every e4m3 value is a bf16, fp16 and fp32 value) and accumulate in fp32; the
 references widen to fp32. Neither kernel nor reference branches on the cache's dtype."""
@@ -400,7 +401,8 @@ def prefill_tile_m(max_query_len: int, dtype: torch.dtype) -> int:
 
 
 def prefill_tile_sizes(dtype: torch.dtype) -> list[int]:
-    """Every query tile prefill_tile_m can pick: MIN_DOT_ROWS, twice that, ... up to PREFILL_TILE_M (16 ... 128)."""
+    """Every query tile prefill_tile_m can pick: MIN_DOT_ROWS, twice that, ... up to PREFILL_TILE_M (16-bit: 16 ... 128;
+    fp32: 16, 32)."""
     sizes = [MIN_DOT_ROWS]
     while sizes[-1] < PREFILL_TILE_M[dtype.itemsize]:
         sizes.append(sizes[-1] * 2)
