@@ -3,11 +3,21 @@
 The KV cache of one layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]; a sequence's tokens live in
 the blocks its block table lists, in order, so physical blocks need not be contiguous (PagedAttention, Kwon et al.
 2023). Three Triton jobs: `store_kv` scatters this step's K/V into their slots; a flash-attention kernel
-(FlashAttention-2, Dao 2023: query tiles, online softmax) serves prefill and mixed batches, causal and varlen; a
-split-KV kernel (Flash-Decoding, Dao et al. 2023) serves decode-only batches by splitting each sequence's keys across
-programs and merging their partial softmaxes in a small reduce kernel. Every key is read from the cache, so store_kv
-runs before attention. The PyTorch references at the bottom are the oracle the kernels are tested against, and the CPU's
-fast path. Words: a "block" is a KV-cache page, a "tile" a kernel's compute tile."""
+(FlashAttention-2, Dao 2023: query tiles, online softmax) serves the sequences with several queries (prefill chunks),
+causal and varlen; a split-KV kernel (Flash-Decoding, Dao et al. 2023) serves the sequences with one query (decodes),
+also inside a mixed step, by splitting each sequence's keys across programs and merging their partial softmaxes in a
+small reduce kernel. Each kernel skips the other's sequences, so a mixed step is two launches over one metadata. Every
+key is read from the cache, so store_kv runs before attention. The PyTorch references at the bottom are the oracle the
+kernels are tested against, and the CPU's fast path. Words: a "block" is a KV-cache page, a "tile" a kernel's compute
+tile.
+
+FP8 KV cache (kv_cache_dtype="fp8"): the caches are float8 e4m3 (1 byte per element, half of bf16's), written by a
+saturating round-to-nearest cast (on a GPU and in torch; Triton's CPU interpreter rounds roughly, so its tests feed
+it fp8-exact values), i.e. a scale of 1.0 for K and V in every layer, vLLM's default when a checkpoint brings no
+calibrated scales. e4m3 is a float: 3 mantissa bits at every magnitude from 2^-6 to 448, so a scale would
+only move that range, and K/V activations sit inside it (tests/test_fp8_kv.py measures them). The kernels widen each
+fp8 tile to the query's dtype (exact: every e4m3 value is a bf16, fp16 and fp32 value) and accumulate in fp32; the
+references widen to fp32. Neither kernel nor reference branches on the cache's dtype."""
 
 import functools
 from dataclasses import dataclass, field
@@ -20,13 +30,18 @@ from nanoserve.triton_shim import tl, triton
 PAD_SLOT = -1  # slot_mapping value of a padded token: the KV store skips it
 LOG2E = 1.4426950408889634  # log2(e) = 1/ln(2): softmax runs on exp2, so the score scale absorbs it
 MIN_DOT_ROWS = 16  # tl.dot needs >= 16 rows: small query tiles and decode GQA groups are padded up to this
-PREFILL_TILE_M = 128  # query rows per prefill program (the Triton fused-attention tutorial's H100 choice)
+# Tiles by element size in bytes (bf16 and fp16: 2, fp32: 4, fp8: 1): the largest that build for sm_90 without spilling
+# registers (tests/sm90_build.py). 16-bit dots run on the tensor cores; fp32 ones (IEEE, not tf32) on the FMA units,
+# whose operand tiles sit in registers, and fp8 K/V tiles are widened in registers: both need smaller tiles.
+PREFILL_TILE_M = {2: 128, 4: 32}  # most query rows per prefill program, by the query's element size (16-bit: the
+# Triton fused-attention tutorial's H100 choice)
 PREFILL_TILE_N = 64  # keys per step of the prefill loop
-PREFILL_WIDE_TILE_M = 128  # prefill tiles of this many query rows or more run on 8 warps (2 warpgroups), others on 4
-DECODE_TILE_N = 64  # keys per step of a decode split
+PREFILL_WIDE_TILE_M = {2: 128, 4: 16}  # prefill tiles of this many rows or more run on 8 warps (16-bit: 2 warpgroups)
+DECODE_TILE_N = {(2, 2): 64, (2, 1): 32, (4, 4): 16, (4, 1): 16}  # keys per step of a decode split, by the query's
+# and the cache's element sizes
 DECODE_NUM_WARPS = 4
 PROGRAMS_PER_SM = 4  # decode splits the keys until the grid has about this many programs per SM
-MAX_SPLITS = 64  # the reduce kernel holds all partials of a head, [splits, head_dim] fp32, in registers
+MAX_SPLITS = 64  # the reduce kernel holds all partials of a head, [MAX_SPLITS, head_dim] fp32, in registers
 CPU_NUM_SMS = 4  # SM count assumed under TRITON_INTERPRET: small, yet CPU tests still see several splits
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # powers of two; 256 would overflow the registers of a 128-row tile
 
@@ -40,7 +55,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [num_seqs] int32: keys per sequence after this step (cached + new)
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
     max_query_len: int  # host-side bounds, so launching a kernel never reads the GPU
-    max_context_len: int  # >= every context_len (decode under a CUDA graph: max_model_len)
+    max_context_len: int  # >= every context_len (under a CUDA graph: max_model_len); only the reference reads it
     decode_only: bool  # every sequence has exactly one query token
     # what the PyTorch reference derives from the above: the same for every layer, so made once per step
     _reference_gather: "ReferenceGather | None" = field(default=None, init=False, repr=False, compare=False)
@@ -129,17 +144,17 @@ def _load_kv_tile(
 def _online_softmax_step(acc, row_max, row_sum, q, k, v, visible, qk_scale, MASKED: tl.constexpr):
     """Fold one key tile into the running softmax of each query row (flash attention).
     acc [M, HEAD_DIM] fp32 unnormalised output, row_max [M] running max score, row_sum [M] running sum of
-    exp2(score - row_max); q [M, HEAD_DIM], k and v [N, HEAD_DIM], visible [M, N] (or broadcastable) which keys each
-    row may see, read only if MASKED. Every row must see a key by its first tile, or its max stays -inf and the
-    rescale is NaN. Returns the updated (acc, row_max, row_sum)."""
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [M, N] scores in log2 units; fp32 not tf32
+    exp2(score - row_max); q [M, HEAD_DIM], k and v [N, HEAD_DIM] in the cache's dtype (fp8 ones are widened to
+    q's, exactly), visible [M, N] (or broadcastable) which keys each row may see, read only if MASKED. Every row must
+    see a key by its first tile, or its max stays -inf and the rescale is NaN. Returns (acc, row_max, row_sum)."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale  # [M, N] log2 units; fp32 not tf32
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(s, 1))
     alpha = tl.exp2(row_max - new_max)  # rescales what was summed under the old max
     p = tl.exp2(s - new_max[:, None])  # [M, N] this tile's weights under the new max
     row_sum = row_sum * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
     return acc, new_max, row_sum
 
 
@@ -171,7 +186,7 @@ def _prefill_kernel(
     tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if tile * TILE_M >= q_len:  # the grid is sized for the longest query; this one is shorter
+    if tile * TILE_M >= q_len or q_len == 1:  # shorter than the grid's longest query, or a decode: the decode kernel's
         return
     ctx = tl.load(context_lens_ptr + seq)
     rows = tile * TILE_M + tl.arange(0, TILE_M)  # [TILE_M] query index within the sequence
@@ -242,9 +257,9 @@ def _decode_split_kernel(
     part_out_ptr,
     part_lse_ptr,
     block_tables_ptr,
+    query_start_loc_ptr,
     context_lens_ptr,
     qk_scale,
-    split_len,
     stride_qt,
     stride_qh,
     stride_cb,
@@ -258,16 +273,22 @@ def _decode_split_kernel(
     TILE_N: tl.constexpr,
 ):
     # program (seq, kv_head, split): the GROUP query heads sharing kv_head (rows of one tl.dot, so each K/V byte
-    # is read once) attend to keys [split * split_len, (split + 1) * split_len) of sequence seq (= q row seq)
+    # is read once) attend to the split-th of num_splits equal runs of whole key tiles of sequence seq's context,
+    # if seq has one query (a decode); its split length follows its own context, so a CUDA graph's fixed grid
+    # keeps every split busy whatever the context.
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_row = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:  # several queries: the prefill kernel's
+        return
     ctx = tl.load(context_lens_ptr + seq)
+    split_len = tl.cdiv(ctx, tl.num_programs(2) * TILE_N) * TILE_N
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)  # <= start: the split lies past the context and stays empty
     g = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + g  # [GROUP_PAD] query heads; rows g >= GROUP are padding
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(
-        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0
+        q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0
     )  # [GROUP_PAD, HEAD_DIM]
     # the online softmax's running state per query head: max score, sum of exp2(score - max), unnormalised output
     row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -306,25 +327,33 @@ def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
-    num_splits,
+    query_start_loc_ptr,
+    stride_ph,
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):
     # program (seq, head): merge one query head's partial outputs, each weighted by its split's share of the
-    # softmax mass, 2^(lse_s - max lse)
+    # softmax mass, 2^(lse_s - max lse), if seq is a decode (the split kernel wrote nothing for the others).
+    # The number of splits arrives as part_out's head stride (num_splits * HEAD_DIM): Triton compiles a variant per
+    # integer argument that is 1 or a multiple of 16, and a count would be either, or neither; this stride is always
+    # a multiple of 16, so one variant serves every batch size (warm-up compiles it, eager runs never wait for one).
     seq, head = tl.program_id(0), tl.program_id(1)
-    s, d = tl.arange(0, SPLITS_PAD), tl.arange(0, HEAD_DIM)
-    row = (seq * tl.num_programs(1) + head) * num_splits + s  # [SPLITS_PAD]
+    q_row = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
+        return
+    num_splits = stride_ph // HEAD_DIM
+    s, d = tl.arange(0, MAX_SPLITS), tl.arange(0, HEAD_DIM)
+    row = (seq * tl.num_programs(1) + head) * num_splits + s  # [MAX_SPLITS]
     lse = tl.load(part_lse_ptr + row, mask=s < num_splits, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # context_len 0: every split is empty
-    w = tl.exp2(lse - lse_max)  # [SPLITS_PAD], 0 for empty splits
+    w = tl.exp2(lse - lse_max)  # [MAX_SPLITS], 0 for empty splits
     part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=(s < num_splits)[:, None], other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM]; 0 if context_len 0
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + q_row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 def store_kv(
@@ -354,26 +383,28 @@ def store_kv(
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """q: [num_tokens, num_heads, head_dim] -> out, same shape: causal attention over each sequence's cached keys."""
+    """q: [num_tokens, num_heads, head_dim] -> out, same shape: causal attention over each sequence's cached keys.
+    The sequences with one query (decodes) go through the split-KV kernel, the others through the prefill kernel:
+    in a mixed step both launch, each skipping the other's sequences."""
     out = torch.empty_like(q)
     qk_scale = scale * LOG2E  # the kernels' softmax runs on exp2
-    if meta.decode_only:
-        _launch_decode(q, k_cache, v_cache, out, meta, qk_scale)
-    else:
+    if not meta.decode_only:
         _launch_prefill(q, k_cache, v_cache, out, meta, qk_scale)
+    _launch_decode(q, k_cache, v_cache, out, meta, qk_scale)
     return out
 
 
-def prefill_tile_m(max_query_len: int) -> int:
-    """Query rows per prefill program: short tiles when every query is short (mixed batches of decodes and small
-    chunks), from MIN_DOT_ROWS up to PREFILL_TILE_M."""
-    return min(PREFILL_TILE_M, max(MIN_DOT_ROWS, triton.next_power_of_2(max_query_len)))
+def prefill_tile_m(max_query_len: int, dtype: torch.dtype) -> int:
+    """Query rows per prefill program: short tiles when every query is short (small chunks), from MIN_DOT_ROWS up to
+    the query dtype's PREFILL_TILE_M."""
+    return min(PREFILL_TILE_M[dtype.itemsize], max(MIN_DOT_ROWS, triton.next_power_of_2(max_query_len)))
 
 
-def prefill_tile_sizes() -> list[int]:
-    """Every query tile prefill_tile_m can pick: MIN_DOT_ROWS, twice that, ... up to PREFILL_TILE_M (16 ... 128)."""
+def prefill_tile_sizes(dtype: torch.dtype) -> list[int]:
+    """Every query tile prefill_tile_m can pick: MIN_DOT_ROWS, twice that, ... up to PREFILL_TILE_M (16-bit: 16 ... 128;
+    fp32: 16, 32)."""
     sizes = [MIN_DOT_ROWS]
-    while sizes[-1] < PREFILL_TILE_M:
+    while sizes[-1] < PREFILL_TILE_M[dtype.itemsize]:
         sizes.append(sizes[-1] * 2)
     return sizes
 
@@ -388,7 +419,7 @@ def _launch_prefill(
 ) -> None:
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    tile_m = prefill_tile_m(meta.max_query_len)
+    tile_m = prefill_tile_m(meta.max_query_len, q.dtype)
     grid = (triton.cdiv(meta.max_query_len, tile_m), meta.context_lens.shape[0], num_heads)
     _prefill_kernel[grid](
         q,
@@ -410,13 +441,13 @@ def _launch_prefill(
         BLOCK_SIZE=block_size,
         TILE_M=tile_m,
         TILE_N=PREFILL_TILE_N,
-        num_warps=prefill_num_warps(tile_m),
+        num_warps=prefill_num_warps(tile_m, q.dtype),
     )
 
 
-def prefill_num_warps(tile_m: int) -> int:
-    if tile_m >= PREFILL_WIDE_TILE_M:
-        return 8  # 2 warpgroups, each a 64-row wgmma on Hopper
+def prefill_num_warps(tile_m: int, dtype: torch.dtype) -> int:
+    if tile_m >= PREFILL_WIDE_TILE_M[dtype.itemsize]:
+        return 8  # 16-bit: 2 warpgroups, each a 64-row wgmma on Hopper
     return 4
 
 
@@ -434,10 +465,11 @@ def _launch_decode(
     meta: AttentionMetadata,
     qk_scale: float,
 ) -> None:
-    num_seqs, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = meta.context_lens.shape[0]
     group = num_heads // num_kv_heads
-    split_len, num_splits = decode_splits(num_seqs, num_kv_heads, meta.max_context_len, _num_sms(q.device))
+    num_splits = decode_splits(num_seqs, num_kv_heads, _num_sms(q.device))
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -447,9 +479,9 @@ def _launch_decode(
         part_out,
         part_lse,
         meta.block_tables,
+        meta.query_start_loc,
         meta.context_lens,
         qk_scale,
-        split_len,
         q.stride(0),
         q.stride(1),
         *k_cache.stride()[:3],  # stride_cb, stride_cs, stride_ch
@@ -458,30 +490,29 @@ def _launch_decode(
         GROUP_PAD=decode_group_pad(group),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        TILE_N=DECODE_TILE_N,
+        TILE_N=DECODE_TILE_N[q.dtype.itemsize, k_cache.dtype.itemsize],
         num_warps=DECODE_NUM_WARPS,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out,
         part_lse,
         out,
-        num_splits,
+        meta.query_start_loc,
+        part_out.stride(1),
         out.stride(0),
         out.stride(1),
         HEAD_DIM=head_dim,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        MAX_SPLITS=MAX_SPLITS,  # one variant for any number of splits
     )
 
 
-def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> tuple[int, int]:
-    """(keys per split, number of splits) of the decode grid, from host ints only so a CUDA graph can hold it.
-    Unsplit, the grid has num_seqs * num_kv_heads programs: a small batch with long contexts would leave most
-    SMs idle, so the keys are split until about PROGRAMS_PER_SM programs per SM. A split covers whole tiles
-    (not whole blocks: keys find their block one by one); splits past a sequence's context stay empty."""
-    wanted = min(MAX_SPLITS, triton.cdiv(PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads))
-    max_context_len = max(max_context_len, 1)
-    split_len = triton.cdiv(max_context_len, wanted * DECODE_TILE_N) * DECODE_TILE_N
-    return split_len, triton.cdiv(max_context_len, split_len)
+def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """How many splits the decode grid cuts each sequence's keys into, from the batch alone, so a CUDA graph (one
+    per batch size) can hold it. Unsplit, the grid has num_seqs * num_kv_heads programs: a small batch would leave
+    most SMs idle, so the keys are split until about PROGRAMS_PER_SM programs per SM. The kernel then cuts each
+    sequence's own context into that many runs of whole tiles (not whole blocks: keys find their block one by one),
+    so a short context is split as finely as a long one, down to one tile per split."""
+    return min(MAX_SPLITS, triton.cdiv(PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads))
 
 
 @functools.cache
@@ -497,8 +528,8 @@ def store_kv_ref(
     """k, v: [num_tokens, num_kv_heads, head_dim]; writes each token's K/V into its slot."""
     keep = slot_mapping != PAD_SLOT
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)  # fp8: saturating, to nearest
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
 
 
 @dataclass
@@ -509,8 +540,8 @@ class ReferenceGather:
 
     slots: torch.Tensor  # [num_seqs, max_k] cache slot of each key; padding keys re-read the sequence's own
     visible: torch.Tensor  # [num_seqs, 1, max_q, max_k] bool: which keys each query sees
-    query_rows: torch.Tensor | None  # [num_seqs, max_q] rows of q; None if decode-only (row i is sequence i's)
-    real_queries: torch.Tensor | None  # [num_seqs, max_q] bool: not padding; None if decode-only
+    query_rows: torch.Tensor  # [num_seqs, max_q] rows of q
+    real_queries: torch.Tensor  # [num_seqs, max_q] bool: not padding
 
     @classmethod
     def of(cls, meta: AttentionMetadata, block_size: int) -> "ReferenceGather":
@@ -521,8 +552,6 @@ class ReferenceGather:
         pos = torch.minimum(key_pos, (context_lens[:, None] - 1).clamp(min=0))  # [num_seqs, max_k]
         slots = meta.block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
         in_context = key_pos < context_lens[:, None]  # [num_seqs, max_k]
-        if meta.decode_only:  # one query per sequence, at its last position: it sees its whole context
-            return cls(slots, in_context[:, None, None, :], None, None)
         query_start = meta.query_start_loc.long()
         q_lens = query_start[1:] - query_start[:-1]  # [num_seqs]
         q_idx = torch.arange(meta.max_query_len, device=device)  # [max_q]
@@ -542,10 +571,7 @@ def paged_attention_ref(
     gather = meta.reference_gather(k_cache.shape[1])
     k = k_cache.flatten(0, 1)[gather.slots].float()  # [num_seqs, max_k, num_kv_heads, head_dim]
     v = v_cache.flatten(0, 1)[gather.slots].float()
-    if gather.query_rows is None:
-        queries = q[:, None]  # decode: [num_seqs, 1, num_heads, head_dim], no gather
-    else:
-        queries = q[gather.query_rows]  # [num_seqs, max_q, num_heads, head_dim]
+    queries = q[gather.query_rows]  # [num_seqs, max_q, num_heads, head_dim]
     out = F.scaled_dot_product_attention(
         queries.float().transpose(1, 2),
         k.transpose(1, 2),
@@ -554,8 +580,5 @@ def paged_attention_ref(
         scale=scale,
         enable_gqa=True,
     ).transpose(1, 2)  # [num_seqs, max_q, num_heads, head_dim]
-    if gather.real_queries is None:
-        out = out[:, 0]
-    else:
-        out = out[gather.real_queries]  # padded query rows dropped
+    out = out[gather.real_queries]  # padded query rows dropped
     return out.nan_to_num(0.0).to(q.dtype)  # a context of 0 keys (a padded graph row) gives 0, as the kernels do

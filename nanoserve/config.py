@@ -10,7 +10,12 @@ from nanoserve.sampling_params import MAX_INT, InvalidField, SamplingParams, che
 from nanoserve.triton_shim import HAVE_TRITON
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-CHOICES = {"dtype": ("auto", *DTYPES), "device": ("auto", "cpu", "cuda"), "kernels": ("auto", "triton", "torch")}
+CHOICES = {
+    "dtype": ("auto", *DTYPES),
+    "device": ("auto", "cpu", "cuda"),
+    "kernels": ("auto", "triton", "torch"),
+    "kv_cache_dtype": ("auto", "fp8"),
+}
 LEAST = {
     "max_model_len": 2,
     "max_num_seqs": 1,
@@ -76,6 +81,7 @@ class EngineConfig:
     kernels: str = "auto"  # triton: our kernels; torch: their PyTorch references; auto: triton on cuda
     seed: int | None = None  # the seed of requests that set none (vLLM's LLM(seed=)); any int, kept mod 2**63
     tokenizer: str | None = None  # a tokenizer folder (str or os.PathLike) other than the model's
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: float8 e4m3, 1 byte per element (attention.py)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":
@@ -105,6 +111,7 @@ class EngineConfig:
         self._check_requested_backends_exist()
         self._resolve_device()
         self._resolve_kernels()
+        self._check_fp8_kv_cache_works()
         self._force_eager_where_graphs_cannot_run()
 
     def _check_paths(self) -> None:
@@ -183,6 +190,22 @@ class EngineConfig:
             self.kernels = "triton" if self.device == "cuda" and HAVE_TRITON else "torch"
         if self.kernels == "triton" and self.device == "cpu" and not triton_interpreter_enabled():
             raise InvalidField("kernels", "'triton' on a CPU needs TRITON_INTERPRET=1 set before nanoserve is imported")
+
+    def _check_fp8_kv_cache_works(self) -> None:
+        """kv_cache_dtype 'fp8' needs torch's float8 e4m3 type, and on a GPU the Triton kernels need its conversions,
+        which NVIDIA GPUs have from sm_89 (Ada, Hopper) on."""
+        if self.kv_cache_dtype != "fp8":
+            return
+        if not hasattr(torch, "float8_e4m3fn"):
+            raise InvalidField("kv_cache_dtype", f"'fp8' needs float8 types, which torch {torch.__version__} lacks")
+        if self.device == "cuda" and self.kernels == "triton" and torch.cuda.get_device_capability() < (8, 9):
+            raise InvalidField("kv_cache_dtype", "'fp8' needs an sm_89+ GPU for the Triton kernels: kernels='torch'")
+
+    def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's element type: the model's, or float8 e4m3 for 'fp8'."""
+        if self.kv_cache_dtype == "fp8":
+            return torch.float8_e4m3fn
+        return model_dtype
 
     def _force_eager_where_graphs_cannot_run(self) -> None:
         """enforce_eager on a CPU or with the PyTorch kernels: CUDA graphs need a GPU and the sync-free Triton ones."""

@@ -40,8 +40,10 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def forward(self, size: int) -> None:
-        """The decode forward on the first `size` rows of the static buffers; a replay cannot change its grid, so
-        attention is sized for max_model_len."""
+        """The decode forward on the first `size` rows of the static buffers. A replay cannot change its grid: the
+        decode kernel's grid depends on the batch size alone, and each sequence cuts its own context into the grid's
+        splits, so a short context keeps every split busy (max_context_len, read only by the PyTorch reference, is
+        max_model_len here)."""
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
             query_start_loc=self.query_start_loc[: size + 1],

@@ -196,10 +196,11 @@ def read_hf_config(model_dir: str) -> PretrainedConfig:
 
 def check_kv_cache_fits(config: EngineConfig, args: ModelArgs, dtype: torch.dtype) -> None:
     """num_kvcache_blocks, when given, within the memory that would hold the pool (ModelArgs.kv_bytes_per_token x
-    block_size x blocks)."""
+    block_size x blocks). dtype: the model's; the pool's is config.kv_cache_dtype's (fp8: 1 byte)."""
     blocks = config.num_kvcache_blocks
     if blocks is None:
         return
+    dtype = config.kv_cache_torch_dtype(dtype)
     if config.device == "cuda":  # one rank's share (1/N of the KV heads), on one GPU
         needed = args.kv_bytes_per_token(dtype, config.tensor_parallel_size) * config.kvcache_block_size * blocks
         memory = torch.cuda.get_device_properties(0).total_memory

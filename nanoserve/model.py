@@ -43,7 +43,8 @@ class ModelArgs:
 
     def kv_bytes_per_token(self, dtype: torch.dtype, num_ranks: int = 1) -> int:
         """Every token keeps a K and a V vector per layer and KV head: 2 x layers x KV heads x head_dim x bytes per
-        element. With tensor parallelism each of num_ranks ranks holds its share of the heads."""
+        element. dtype is the KV cache's: the model's, or float8 (1 byte) with kv_cache_dtype="fp8". With tensor
+        parallelism each of num_ranks ranks holds its share of the heads."""
         return 2 * self.num_layers * (self.num_kv_heads // num_ranks) * self.head_dim * dtype.itemsize
 
     @classmethod

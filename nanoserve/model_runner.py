@@ -4,9 +4,11 @@ InFlightStep without waiting: the samples stay on the device as the next step's 
 
 KV cache size: every token keeps a K and a V vector per layer and KV head, so
     bytes per token = 2 x num_layers x num_kv_heads x head_dim x bytes per element,
-and the pool is as many blocks of `block_size` tokens as the memory left after weights and activations holds."""
+and the pool is as many blocks of `block_size` tokens as the memory left after weights and activations holds. The
+element is the model's dtype, or 1 byte with kv_cache_dtype="fp8": twice bf16's tokens in the same memory."""
 
 import array
+import itertools
 import logging
 import os
 import time
@@ -167,6 +169,7 @@ class ModelRunner:
         # 1) the model in the serving dtype, and the sampler
         self.kernels = get_kernels(config.kernels)
         self.dtype = config.torch_dtype(checkpoint_dtype(hf_config))
+        self.kv_dtype = config.kv_cache_torch_dtype(self.dtype)
         self.model = build_model(args, model_dir, self.dtype, self.device, self.kernels, tp)
         self.sampler = Sampler(self.kernels)
         self.penalties = Penalties(config.max_num_seqs, args.vocab_size, self.device)  # used by rank 0 only
@@ -187,7 +190,7 @@ class ModelRunner:
             self.block_size,
             self.num_kv_heads,
             args.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(args.num_layers)]
@@ -207,7 +210,7 @@ class ModelRunner:
     # ---- the KV cache -----------------------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.args.kv_bytes_per_token(self.dtype, self.tp.size)  # this rank's share
+        return self.args.kv_bytes_per_token(self.kv_dtype, self.tp.size)  # this rank's share
 
     def kv_account(self) -> str:
         """One line: the per-token formula with this model's numbers, the pool's size, and what sized it."""
@@ -221,8 +224,8 @@ class ModelRunner:
             sized_by = f"{self.config.gpu_memory_utilization:.0%} of the GPU less weights, activations"
         return (
             f"KV cache: 2 (K, V) x {args.num_layers} layers x {self.num_kv_heads} KV heads x {args.head_dim} "
-            f"x {self.dtype.itemsize} bytes ({dtype_name(self.dtype)}) = {self.kv_bytes_per_token / 1024:.1f} KiB per "
-            f"token; {self.num_kvcache_blocks} blocks x {self.block_size} = {num_tokens:,} tokens, "
+            f"x {self.kv_dtype.itemsize} bytes ({dtype_name(self.kv_dtype)}) = {self.kv_bytes_per_token / 1024:.1f} "
+            f"KiB per token; {self.num_kvcache_blocks} blocks x {self.block_size} = {num_tokens:,} tokens, "
             f"{num_tokens * self.kv_bytes_per_token / 2**30:.2f} GiB ({sized_by})"
         )
 
@@ -247,12 +250,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Before the KV cache exists: compile a prefill kernel per query-tile size (Triton compiles on first use: no
-        request should wait for that), then run the biggest step the scheduler can make (max_num_batched_tokens of
-        prefill; logits and the sampler's costliest path for max_num_seqs rows) to measure the memory left."""
+        """Before the KV cache exists: compile a prefill kernel per query-tile size, and with them the decode kernels
+        (every step launches them; they have one variant for any batch size, so an eager run, too, never waits for a
+        compile: Triton compiles on first use), then run the biggest step the scheduler can make
+        (max_num_batched_tokens of prefill; logits and the sampler's costliest path for max_num_seqs rows) to measure
+        the memory left."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        for tile in prefill_tile_sizes():
+        for tile in prefill_tile_sizes(self.dtype):
             self._dummy_prefill([tile])
         config = self.config
         # the step budget of prompt tokens, cut into sequences no longer than max_model_len
@@ -267,16 +272,13 @@ class ModelRunner:
         """A prefill whose K/V go nowhere (padded slots, one zeroed scratch block): warm-up without the real cache."""
         num_tokens = sum(seq_lens)
         scratch = torch.zeros(
-            2, 1, self.block_size, self.num_kv_heads, self.args.head_dim, dtype=self.dtype, device=self.device
+            2, 1, self.block_size, self.num_kv_heads, self.args.head_dim, dtype=self.kv_dtype, device=self.device
         )
-        query_start_loc = [0]
-        for seq_len in seq_lens:
-            query_start_loc.append(query_start_loc[-1] + seq_len)
         lists = StepLists(
             input_ids=[0] * num_tokens,
             positions=[0] * num_tokens,
             slot_mapping=[PAD_SLOT] * num_tokens,
-            query_start_loc=query_start_loc,
+            query_start_loc=[0, *itertools.accumulate(seq_lens)],
             context_lens=seq_lens,
             block_tables=array.array("i", bytes(4 * len(seq_lens) * self.max_blocks_per_seq)),  # all block 0
             sample_rows=[0],

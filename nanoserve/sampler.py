@@ -5,8 +5,10 @@ device, where the next step reads its inputs, and the model runner copies it bac
 
 Every row is drawn the same way: argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T) (the Gumbel-max
 trick), plain argmax when T = 0. Top-k, top-p and min-p only set the logits they drop to -inf first. The Triton kernel
-draws each row in one pass over its logits, making the noise in registers from a per-row seed; its PyTorch reference
-writes the noise out with a seeded generator per row: the backends draw different (equally valid) samples for a seed."""
+reads each row's logits once, split over many programs (each a chunk of the vocabulary: its best entry and value), and
+makes the noise in registers from a per-row seed, four uniforms per Philox call; a small second pass keeps each row's
+best chunk. Its PyTorch reference writes the noise out with a seeded generator per row: the backends draw different
+(equally valid) samples for a seed."""
 
 import random
 from dataclasses import dataclass
@@ -22,8 +24,8 @@ if TYPE_CHECKING:  # for annotations only: kernels.py and penalties.py import th
     from nanoserve.penalties import StepPenalties
 
 SEED_MIX = 1_000_003  # mixes a request's seed with its length, so each step draws fresh noise
-GUMBEL_TILE = 2048  # vocabulary entries per step of the sampling kernel's loop
-GUMBEL_NUM_WARPS = 8
+GUMBEL_TILE = 1024  # vocabulary entries per program of the sampling kernel: ~150 programs per row of a 152k vocabulary
+GUMBEL_NUM_WARPS = 4
 # A temperature T > 0 is used clamped into [MIN_TEMPERATURE, MAX_TEMPERATURE], so that logits / T stays finite and
 # never NaN (a huge T made -inf / inf = NaN, which argmax picks; a tiny one made every top logit +inf, a tie the noise
 # could not break). Below MIN_TEMPERATURE the draw is already the argmax unless two logits lie within ~1e-5 of each
@@ -50,23 +52,25 @@ class Samples:
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, out_ptr, vocab_size, TILE: tl.constexpr):
-    # program r: row r's token, argmax(logits / T - log(E)) with E ~ Exp(1), a draw from softmax(logits / T);
-    # plain argmax when T = 0. Column c's noise depends only on (seed, c): the tile size cannot change a draw.
-    row = tl.program_id(0)
+def _gumbel_argmax_kernel(
+    logits_ptr, stride, temperature_ptr, seed_ptr, chunk_best_ptr, chunk_id_ptr, vocab_size, TILE: tl.constexpr
+):
+    # program (row, chunk): the best entry of the row's columns [chunk * TILE, (chunk + 1) * TILE) by
+    # logits / T - log(E) with E ~ Exp(1) (the argmax over all chunks is a draw from softmax(logits / T)); by the
+    # plain logits when T = 0. The best value and its column go to chunk_best and chunk_id, [rows, chunks].
+    row, chunk = tl.program_id(0), tl.program_id(1)
     temperature, seed = tl.load(temperature_ptr + row), tl.load(seed_ptr + row)
-    best, best_id = tl.full([], float("-inf"), tl.float32), tl.full([], 0, tl.int32)
-    for start in range(0, vocab_size, TILE):
-        cols = start + tl.arange(0, TILE)
-        x = tl.load(logits_ptr + row * stride + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
-        if temperature > 0:
-            exp_noise = -tl.log(tl.rand(seed, cols))  # -log(u), u ~ U[0, 1): E ~ Exp(1)
-            x = x / temperature - tl.log(exp_noise)  # -log(E) is Gumbel noise
-        tile_best = tl.max(x, 0)
-        take = tile_best > best  # strict: the first of equal maxima wins, as in torch.argmax
-        best_id = tl.where(take, start + tl.argmax(x, 0), best_id)
-        best = tl.where(take, tile_best, best)
-    tl.store(out_ptr + row, best_id)
+    cols = chunk * TILE + tl.arange(0, TILE)
+    x = tl.load(logits_ptr + row * stride + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+    if temperature > 0:
+        # one Philox call (counter c // 4) gives the uniforms of columns c .. c + 3: a column's noise depends only on
+        # (seed, column), never on the tile size
+        u0, u1, u2, u3 = tl.rand4x(seed, chunk * (TILE // 4) + tl.arange(0, TILE // 4))  # 4 x [TILE / 4] in [0, 1)
+        u = tl.interleave(tl.interleave(u0, u2), tl.interleave(u1, u3))  # [TILE]: u0[0], u1[0], u2[0], u3[0], u0[1]..
+        x = x / temperature - tl.log(-tl.log(u))  # -log(u) ~ Exp(1); -log of that is Gumbel noise
+    best, best_col = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)  # first of equal maxima
+    tl.store(chunk_best_ptr + row * tl.num_programs(1) + chunk, best)
+    tl.store(chunk_id_ptr + row * tl.num_programs(1) + chunk, chunk * TILE + best_col)
 
 
 def sampling_temperature(temperature: float) -> float:
@@ -79,18 +83,22 @@ def sampling_temperature(temperature: float) -> float:
 def gumbel_argmax(logits: torch.Tensor, temperatures: list[float], seeds: list[int]) -> torch.Tensor:
     """logits: [rows, vocab] -> [rows] int64 token ids, one draw per row from softmax(logits / T)."""
     num_rows, vocab_size = logits.shape
-    tokens = torch.empty(num_rows, dtype=torch.int32, device=logits.device)
-    _gumbel_argmax_kernel[(num_rows,)](
+    num_chunks = triton.cdiv(vocab_size, GUMBEL_TILE)
+    chunk_best = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
+    chunk_id = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=logits.device)
+    _gumbel_argmax_kernel[(num_rows, num_chunks)](
         logits,
         logits.stride(0),
         to_device(temperatures, torch.float32, logits.device),
         to_device(seeds, torch.int64, logits.device),
-        tokens,
+        chunk_best,
+        chunk_id,
         vocab_size,
         TILE=GUMBEL_TILE,
         num_warps=GUMBEL_NUM_WARPS,
     )
-    return tokens.long()
+    best_chunk = chunk_best.argmax(-1, keepdim=True)  # the second pass: the first of equal maxima, as in a chunk
+    return chunk_id.gather(-1, best_chunk)[:, 0]
 
 
 def gumbel_argmax_ref(logits: torch.Tensor, temperatures: list[float], seeds: list[int]) -> torch.Tensor:
@@ -98,17 +106,12 @@ def gumbel_argmax_ref(logits: torch.Tensor, temperatures: list[float], seeds: li
     Greedy rows (T = 0) take the plain argmax: no noise is drawn for them and nothing is divided, which is most of
     the sampler's time on a CPU. A sampled row's noise depends on its own seed only, whatever rows sit beside it."""
     tokens = logits.argmax(-1)  # every row's greedy token; the sampled rows are overwritten below
-    sampled = [row for row, t in enumerate(temperatures) if t > 0]
-    if not sampled:
-        return tokens
     generator = torch.Generator(logits.device)
-    noise = torch.empty(len(sampled), logits.shape[1], dtype=torch.float32, device=logits.device)
-    for i, row in enumerate(sampled):  # E ~ Exp(1) per entry; -log(E) is Gumbel noise
-        noise[i].exponential_(generator=generator.manual_seed(seeds[row]))
-    t = torch.tensor([temperatures[row] for row in sampled], device=logits.device)[:, None]
-    rows = torch.tensor(sampled, device=logits.device)
-    drawn = (logits[rows].float() / t - noise.log()).argmax(-1)
-    tokens[rows] = drawn
+    for row, (t, seed) in enumerate(zip(temperatures, seeds, strict=True)):
+        if t > 0:
+            generator.manual_seed(seed)
+            noise = torch.empty(logits.shape[1], device=logits.device).exponential_(generator=generator)  # E ~ Exp(1)
+            tokens[row] = (logits[row].float() / t - noise.log()).argmax()  # -log(E) is Gumbel noise
     return tokens
 
 
