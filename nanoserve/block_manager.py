@@ -65,8 +65,10 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of seq's longest cached prefix; the last token is always left to compute, for its logits."""
-        if not self.enable_prefix_caching:
+        """Block ids of seq's longest cached prefix; the last token is always left to compute, for its logits. None
+        for a sequence that asked for prompt_logprobs: they need every prompt position's logits, and cached tokens
+        would have none."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         hits, parent = [], None
         for i in range((seq.num_tokens - 1) // self.block_size):
@@ -90,11 +92,11 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             parent_prefix_id = self.blocks[seq.block_table[i - 1]].prefix_id if i > 0 else None
             block.key = (parent_prefix_id, seq.block_tokens(i))
-            owner_id = self.cached.setdefault(block.key, block.block_id)
-            if owner_id == block.block_id:  # a new prefix: a new name
+            owner = self.blocks[self.cached.setdefault(block.key, block.block_id)]  # the block the cache holds
+            if owner is block:  # a new prefix: a new name
                 block.prefix_id = next(self._prefix_ids)
             else:  # the same prefix computed twice (two sequences admitted together): one entry, one name
-                block.prefix_id = self.blocks[owner_id].prefix_id
+                block.prefix_id = owner.prefix_id
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
         """Give seq the blocks it needs to hold num_new_tokens more tokens, after taking cached_blocks (a prefix
@@ -111,9 +113,8 @@ class BlockManager:
             self.prefix_hit_tokens += seq.num_cached_tokens
         self.num_hit_blocks += len(cached_blocks)
         self.num_revived += num_revived
-        for block_id in cached_blocks:  # one more user; a free one is taken back from the pool
-            if self.blocks[block_id].ref_count == 0:
-                del self.free_ids[block_id]
+        for block_id in cached_blocks:  # one more user; a free one (ref count 0) is taken back from the pool
+            self.free_ids.pop(block_id, None)
             self.blocks[block_id].ref_count += 1
         seq.block_table.extend(cached_blocks)
         seq.num_computed_tokens = num_computed
@@ -135,7 +136,7 @@ class BlockManager:
     def _take_fresh(self) -> int:
         block_id, _ = self.free_ids.popitem(last=False)  # least recently freed
         block = self.blocks[block_id]
-        if block.key is not None and self.cached.get(block.key) == block_id:
+        if self.cached.get(block.key) == block_id:  # (a block never keyed finds None)
             del self.cached[block.key]  # evict: its prefix is no longer findable
         block.key = None
         block.prefix_id = None

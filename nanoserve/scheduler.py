@@ -131,9 +131,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:  # a preempted sequence waits for its tokens' values
                 return
-            cached = []  # prompt_logprobs need every prompt position's logits: cached tokens would have none
-            if seq.params.prompt_logprobs is None:
-                cached = self.block_manager.find_cached_prefix(seq)
+            cached = self.block_manager.find_cached_prefix(seq)  # none if it asked for prompt_logprobs
             num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, self._budget(step))
             if not self.block_manager.allocate(seq, num_new, cached):
                 return
