@@ -29,6 +29,7 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -46,16 +47,12 @@ class BlockManager:
         self.num_revived = 0  # of those, blocks taken back from the free pool
 
     @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    @property
     def num_free_blocks(self) -> int:
         return len(self.free_ids)
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self.blocks) - len(self.free_ids)
+        return self.num_blocks - self.num_free_blocks
 
     def count_cached_free_blocks(self) -> int:
         """Free blocks that still hold a findable prefix (evicted only when a block is needed). Scans the pool."""
@@ -135,12 +132,10 @@ class BlockManager:
 
     def _take_fresh(self) -> int:
         block_id, _ = self.free_ids.popitem(last=False)  # least recently freed
-        block = self.blocks[block_id]
-        if self.cached.get(block.key) == block_id:  # (a block never keyed finds None)
-            del self.cached[block.key]  # evict: its prefix is no longer findable
-        block.key = None
-        block.prefix_id = None
-        block.ref_count = 1
+        key = self.blocks[block_id].key
+        if self.cached.get(key) == block_id:  # (a block never keyed finds None)
+            del self.cached[key]  # evict: its prefix is no longer findable
+        self.blocks[block_id] = Block(block_id, ref_count=1)  # no key, no prefix name, one user
         self.num_allocated += 1
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return block_id

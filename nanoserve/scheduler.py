@@ -43,17 +43,15 @@ class Step:
         return [s.seq for s in self.scheduled if s.picks_next_token]
 
 
+@dataclass(eq=False)  # the constructor is written for us; schedulers compare by identity
 class Scheduler:
-    def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
-    ) -> None:
-        self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the last one is preempted first
-        self.num_preemptions = 0
+    block_manager: BlockManager
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    waiting: deque[Sequence] = field(default_factory=deque)
+    running: list[Sequence] = field(default_factory=list)  # in admission order: the last one is preempted first
+    num_preemptions: int = 0
 
     def check_fits(self, seq: Sequence) -> None:
         """Refuse a request that could not fit in the whole pool even alone: it would never finish."""
@@ -144,7 +142,7 @@ class Scheduler:
         tokens. Returns the sequences that got one (those finished meanwhile drop it)."""
         got_token = []
         for row, seq in enumerate(step.sampling_seqs):
-            if seq.status == SequenceStatus.FINISHED:
+            if seq.is_finished:
                 continue
             seq.resolve_pending(tokens[row], logprobs[row] if logprobs else None)
             if seq.status == SequenceStatus.RUNNING:  # a block completed by a then-pending token is findable now

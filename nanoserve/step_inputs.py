@@ -52,7 +52,7 @@ class StepLists:
     prompt_next_ids: list[int] = field(default_factory=list)  # [num_prompt_rows]
 
     def parts(self) -> list:
-        return [getattr(self, f.name) for f in fields(self)]
+        return list(vars(self).values())  # the fields, in order
 
 
 NUM_PARTS = len(fields(StepLists))
