@@ -99,13 +99,14 @@ class BlockManager:
         """Give seq the blocks it needs to hold num_new_tokens more tokens, after taking cached_blocks (a prefix
         hit, only for a sequence with nothing computed yet). False, changing nothing, if the pool is short."""
         cached_blocks = cached_blocks or []
-        num_computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
+        hit_tokens = len(cached_blocks) * self.block_size
+        num_computed = seq.num_computed_tokens + hit_tokens
         num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(seq.block_table) - len(cached_blocks)
         num_revived = sum(self.blocks[b].ref_count == 0 for b in cached_blocks)
         if num_new_blocks + num_revived > self.num_free_blocks:
             return False
         if seq.num_cached_tokens is None:  # first admission; a preempted sequence's recompute is not a query
-            seq.num_cached_tokens = len(cached_blocks) * self.block_size
+            seq.num_cached_tokens = hit_tokens
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += seq.num_cached_tokens
         self.num_hit_blocks += len(cached_blocks)

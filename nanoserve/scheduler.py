@@ -145,8 +145,8 @@ class Scheduler:
             if seq.is_finished:
                 continue
             seq.resolve_pending(tokens[row], logprobs[row] if logprobs else None)
-            if seq.status == SequenceStatus.RUNNING:  # a block completed by a then-pending token is findable now
-                self.block_manager.cache_full_blocks(seq)
+            # a block completed by a then-pending token is findable now (a preempted sequence holds none: no-op)
+            self.block_manager.cache_full_blocks(seq)
             got_token.append(seq)
         return got_token
 
