@@ -27,24 +27,26 @@ class Block:
     prefix_id: int | None = None  # names the whole token prefix ending in this block
 
 
+@dataclass(eq=False)  # the constructor is written for us (num_blocks, block_size, enable_prefix_caching)
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    # Counters, for stats() and the trace (they start at 0). Used blocks = allocated - freed + revived.
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
+    prefix_hit_tokens: int = 0  # of those, tokens served from it
+    peak_used_blocks: int = 0  # the most blocks ever in use at once
+    num_allocated: int = 0  # blocks ever handed out fresh
+    num_freed: int = 0  # blocks ever returned to the pool
+    num_hit_blocks: int = 0  # blocks reused through the prefix cache
+    num_revived: int = 0  # of those, blocks taken back from the free pool
+
+    def __post_init__(self) -> None:
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
         # the free pool, least recently freed first (an OrderedDict: O(1) removal of a revived block)
-        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_blocks))
         self.cached: dict[PrefixKey, int] = {}  # the prefix cache: key -> block id
         self._prefix_ids = count()
-        # Counters, for stats() and the trace. Used blocks = allocated - freed + revived.
-        self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache (first admissions)
-        self.prefix_hit_tokens = 0  # of those, tokens served from it
-        self.peak_used_blocks = 0  # the most blocks ever in use at once
-        self.num_allocated = 0  # blocks ever handed out fresh
-        self.num_freed = 0  # blocks ever returned to the pool
-        self.num_hit_blocks = 0  # blocks reused through the prefix cache
-        self.num_revived = 0  # of those, blocks taken back from the free pool
 
     @property
     def num_free_blocks(self) -> int:

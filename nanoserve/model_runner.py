@@ -82,10 +82,8 @@ def copy_to_host_async(samples: Samples | None) -> Samples | None:
     if samples is None or not samples.tokens.is_cuda:
         return samples
     logprobs = samples.logprobs
-    if logprobs is not None:
-        logprobs = SampledLogprobs(
-            pinned_copy(logprobs.chosen), pinned_copy(logprobs.top_values), pinned_copy(logprobs.top_ids)
-        )
+    if logprobs is not None:  # every field of SampledLogprobs is a tensor
+        logprobs = SampledLogprobs(*map(pinned_copy, vars(logprobs).values()))
     return Samples(pinned_copy(samples.tokens), logprobs)
 
 
@@ -333,7 +331,7 @@ class ModelRunner:
         prompt_samples = None
         if len(inputs.prompt_rows):
             prompt_samples = self.prompt_logprobs(hidden, inputs, prompt_top_n)
-        if len(inputs.sample_rows) == 0:
+        if not len(inputs.sample_rows):
             return None, prompt_samples
         return self.model.compute_logits(hidden[inputs.sample_rows]), prompt_samples
 
@@ -361,6 +359,6 @@ class ModelRunner:
         logits, _ = self.execute(header, flat, previous_tokens)
         if logits is None:  # nothing sampled: the previous samples stay the ones to read from
             return previous_tokens
-        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=self.device)
+        tokens = logits.new_empty(len(logits), dtype=torch.int64)  # one per sampling row
         dist.broadcast(tokens, 0)
         return tokens

@@ -51,9 +51,6 @@ class StepLists:
     prompt_rows: list[int] = field(default_factory=list)  # [num_prompt_rows]
     prompt_next_ids: list[int] = field(default_factory=list)  # [num_prompt_rows]
 
-    def parts(self) -> list:
-        return list(vars(self).values())  # the fields, in order
-
 
 NUM_PARTS = len(fields(StepLists))
 HEADER_LEN = NUM_PARTS + 2  # the part lengths, then max_query_len and max_context_len
@@ -154,15 +151,16 @@ def slots_of(block_table: array.array, start: int, end: int, block_size: int) ->
 def upload(lists: StepLists, device: torch.device) -> tuple[StepHeader, Tensor]:
     """All of a step's integer inputs in one int32 buffer and one host-to-device copy (asynchronous on a GPU: the
     source is pinned). Returns the header that says how to cut it up, and the buffer on the device."""
+    parts = list(vars(lists).values())  # StepLists' fields, in order
     flat = array.array("i")
-    for part in lists.parts():
+    for part in parts:
         flat.extend(part)  # a list int by int; an int32 array (the block tables) in one copy
         flat.extend([0] * (-len(flat) % INTS_PER_16_BYTES))  # the next view 16-byte aligned
     host = torch.frombuffer(flat, dtype=torch.int32)
     if device.type == "cuda":
         host = host.pin_memory()  # a pinned source lets the copy run asynchronously
     header = StepHeader(
-        part_lengths=[len(part) for part in lists.parts()],
+        part_lengths=[len(part) for part in parts],
         max_query_len=max(end - start for start, end in pairwise(lists.query_start_loc)),
         max_context_len=max(lists.context_lens),
     )
