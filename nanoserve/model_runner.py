@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from transformers import PretrainedConfig
 
 from nanoserve.attention import PAD_SLOT, prefill_tile_sizes
@@ -57,16 +58,17 @@ def free_cores() -> int:
         cores = len(os.sched_getaffinity(0))
     else:
         cores = os.cpu_count() or 1
-    if not os.path.exists("/proc/loadavg"):  # macOS: the last minute's average number of busy cores; Windows: none
-        busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
-        return max(1, cores - busy)
-    running = []
-    for _ in range(5):  # Linux: processes running right now ("running/total"; less this one), fewest of 5 looks
-        with open("/proc/loadavg") as f:
-            running_and_total = f.read().split()[3]
-        running.append(int(running_and_total.split("/")[0]) - 1)
-        time.sleep(0.01)
-    return max(1, cores - min(running))
+    busy = 0  # Windows: no measure
+    if os.path.exists("/proc/loadavg"):  # Linux: processes running right now, less this one; fewest of 5 looks
+        looks = []
+        for _ in range(5):
+            with open("/proc/loadavg") as f:  # "0.52 0.58 0.59 running/total last_pid"
+                looks.append(int(f.read().split()[3].split("/")[0]) - 1)
+            time.sleep(0.01)
+        busy = min(looks)
+    elif hasattr(os, "getloadavg"):  # macOS: the last minute's average number of busy cores
+        busy = round(os.getloadavg()[0])
+    return max(1, cores - busy)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -77,18 +79,15 @@ def copy_to_host_async(samples: Samples | None) -> Samples | None:
     """A pinned host copy of a GPU's samples, queued behind the kernels that compute them: it waits for nothing.
     A CPU's samples (or None) are already on the host."""
 
-    def pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    def pinned_copy(t: Tensor) -> Tensor:
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
     if samples is None or not samples.tokens.is_cuda:
         return samples
-    if samples.logprobs is None:
-        return Samples(pinned_copy(samples.tokens))
     logprobs = samples.logprobs
-    host_logprobs = SampledLogprobs(
-        pinned_copy(logprobs.chosen), pinned_copy(logprobs.top_values), pinned_copy(logprobs.top_ids)
-    )
-    return Samples(pinned_copy(samples.tokens), host_logprobs)
+    if logprobs is not None:  # every field of SampledLogprobs is a tensor
+        logprobs = SampledLogprobs(*map(pinned_copy, vars(logprobs).values()))
+    return Samples(pinned_copy(samples.tokens), logprobs)
 
 
 def logprob_dicts(samples: Samples, nums: list[int | None]) -> list[dict[int, float] | None]:
@@ -113,11 +112,9 @@ class InFlightStep:
     copy to the host is queued behind the step's kernels, so launching the next step need not wait for it. So is the
     copy of its prompt logprobs, if a sequence asked for them: Samples whose tokens are the actual prompt tokens."""
 
-    def __init__(self, step: Step, samples: Samples | None, prompt_samples: Samples | None = None) -> None:
+    def __init__(self, step: Step, samples: Samples | None, prompt_samples: Samples | None) -> None:
         self.step = step
-        sampling_seqs = step.sampling_seqs
-        self.params = [seq.params for seq in sampling_seqs]
-        self.row_of = {seq.seq_id: row for row, seq in enumerate(sampling_seqs)}  # seq -> row of its sample
+        self.row_of = {seq.seq_id: row for row, seq in enumerate(step.sampling_seqs)}  # seq -> row of its sample
         self.device_tokens = samples.tokens if samples is not None else None
         self.host_samples = copy_to_host_async(samples)
         self.host_prompt_samples = copy_to_host_async(prompt_samples)
@@ -133,15 +130,19 @@ class InFlightStep:
             self.ready.synchronize()
         prompt_logprobs = []
         if self.host_prompt_samples is not None:
-            asking = [s for s in self.step.scheduled if s.seq.params.prompt_logprobs is not None]
-            positions = [(s.seq, position) for s in asking for position in prompt_logprob_positions(s)]
+            positions = [  # of the sequences that asked for them
+                (s.seq, position)
+                for s in self.step.scheduled
+                if s.seq.params.prompt_logprobs is not None
+                for position in prompt_logprob_positions(s)
+            ]
             entries = logprob_dicts(self.host_prompt_samples, [seq.params.prompt_logprobs for seq, _ in positions])
             prompt_logprobs = list(zip(positions, entries, strict=True))
         if self.host_samples is None:
             return [], None, prompt_logprobs
         logprobs = None
         if self.host_samples.logprobs is not None:
-            logprobs = logprob_dicts(self.host_samples, [params.logprobs for params in self.params])
+            logprobs = logprob_dicts(self.host_samples, [seq.params.logprobs for seq in self.step.sampling_seqs])
         return self.host_samples.tokens.tolist(), logprobs, prompt_logprobs
 
 
@@ -323,8 +324,8 @@ class ModelRunner:
             raise
 
     def execute(
-        self, header: StepHeader, flat: torch.Tensor, previous_tokens: torch.Tensor | None, prompt_top_n: int = 0
-    ) -> tuple[torch.Tensor | None, Samples | None]:
+        self, header: StepHeader, flat: Tensor, previous_tokens: Tensor | None, prompt_top_n: int = 0
+    ) -> tuple[Tensor | None, Samples | None]:
         """Every rank: a step's forward pass (a graph replay if decode-only), its sampling rows' logits and its prompt
         rows' logprobs with the top prompt_top_n (each None if the step has no such rows; a worker's are dropped)."""
         inputs = step_inputs(header, flat, previous_tokens)
@@ -335,11 +336,11 @@ class ModelRunner:
         prompt_samples = None
         if len(inputs.prompt_rows):
             prompt_samples = self.prompt_logprobs(hidden, inputs, prompt_top_n)
-        if len(inputs.sample_rows) == 0:
+        if not len(inputs.sample_rows):
             return None, prompt_samples
         return self.model.compute_logits(hidden[inputs.sample_rows]), prompt_samples
 
-    def prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, top_n: int) -> Samples:
+    def prompt_logprobs(self, hidden: Tensor, inputs: StepInputs, top_n: int) -> Samples:
         """Per prompt row, the next prompt token (as the row's "sample") with its logprob and the top_n, in fp32 from
         the log_softmax of the row's logits. A step may hold thousands of prompt rows and the vocabulary 152k
         entries, so the logits are made in slices of max_num_seqs rows, the most warm_up measured memory for (the
@@ -351,11 +352,11 @@ class ModelRunner:
         for rows, ids in zip(inputs.prompt_rows.split(slice_rows), next_ids.split(slice_rows), strict=True):
             logprobs = self.model.compute_logits(hidden[rows]).float().log_softmax(-1)  # [rows, vocab]
             pieces.append((logprobs.gather(-1, ids[:, None])[:, 0], *logprobs.topk(top_n, dim=-1)))
-        chosen, top_values, top_ids = (torch.cat(column) for column in zip(*pieces, strict=True))
-        return Samples(next_ids, SampledLogprobs(chosen, top_values, top_ids))
+        columns = zip(*pieces, strict=True)  # chosen, top values, top ids: each concatenated over the slices
+        return Samples(next_ids, SampledLogprobs(*(torch.cat(column) for column in columns)))
 
     @torch.inference_mode()
-    def run_worker_step(self, header: StepHeader, previous_tokens: torch.Tensor | None) -> torch.Tensor | None:
+    def run_worker_step(self, header: StepHeader, previous_tokens: Tensor | None) -> Tensor | None:
         """A worker rank's step, once rank 0 has sent its header (workers.py): receive the step's buffer, run it, and
         receive the tokens rank 0 sampled. Returns the tokens the next step's PENDING inputs come from."""
         flat = torch.empty(header.buffer_len(), dtype=torch.int32, device=self.device)
@@ -363,6 +364,6 @@ class ModelRunner:
         logits, _ = self.execute(header, flat, previous_tokens)
         if logits is None:  # nothing sampled: the previous samples stay the ones to read from
             return previous_tokens
-        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=self.device)
+        tokens = logits.new_empty(len(logits), dtype=torch.int64)  # one per sampling row
         dist.broadcast(tokens, 0)
         return tokens

@@ -43,17 +43,15 @@ class Step:
         return [s.seq for s in self.scheduled if s.picks_next_token]
 
 
+@dataclass(eq=False)  # the constructor is written for us; schedulers compare by identity
 class Scheduler:
-    def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
-    ) -> None:
-        self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the last one is preempted first
-        self.num_preemptions = 0
+    block_manager: BlockManager
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    waiting: deque[Sequence] = field(default_factory=deque)
+    running: list[Sequence] = field(default_factory=list)  # in admission order: the last one is preempted first
+    num_preemptions: int = 0
 
     def check_fits(self, seq: Sequence) -> None:
         """Refuse a request that could not fit in the whole pool even alone: it would never finish."""
@@ -131,9 +129,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:  # a preempted sequence waits for its tokens' values
                 return
-            cached = []  # prompt_logprobs need every prompt position's logits: cached tokens would have none
-            if seq.params.prompt_logprobs is None:
-                cached = self.block_manager.find_cached_prefix(seq)
+            cached = self.block_manager.find_cached_prefix(seq)  # none if it asked for prompt_logprobs
             num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, self._budget(step))
             if not self.block_manager.allocate(seq, num_new, cached):
                 return
@@ -146,11 +142,11 @@ class Scheduler:
         tokens. Returns the sequences that got one (those finished meanwhile drop it)."""
         got_token = []
         for row, seq in enumerate(step.sampling_seqs):
-            if seq.status == SequenceStatus.FINISHED:
+            if seq.is_finished:
                 continue
             seq.resolve_pending(tokens[row], logprobs[row] if logprobs else None)
-            if seq.status == SequenceStatus.RUNNING:  # a block completed by a then-pending token is findable now
-                self.block_manager.cache_full_blocks(seq)
+            # a block completed by a then-pending token is findable now (a preempted sequence holds none: no-op)
+            self.block_manager.cache_full_blocks(seq)
             got_token.append(seq)
         return got_token
 

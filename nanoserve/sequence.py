@@ -34,9 +34,7 @@ class DecodedText:
 
     @property
     def final(self) -> str:
-        """What the caller is shown: the text up to the stop string, if one matched."""
-        if self.stop_at is None:
-            return self.text
+        """What the caller is shown: the text up to the stop string, if one matched (text[:None] is all of it)."""
         return self.text[: self.stop_at]
 
 

@@ -14,6 +14,7 @@ from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 
 from nanoserve.attention import AttentionMetadata
 from nanoserve.scheduler import ScheduledSeq, Step
@@ -50,9 +51,6 @@ class StepLists:
     prompt_rows: list[int] = field(default_factory=list)  # [num_prompt_rows]
     prompt_next_ids: list[int] = field(default_factory=list)  # [num_prompt_rows]
 
-    def parts(self) -> list:
-        return [getattr(self, f.name) for f in fields(self)]
-
 
 NUM_PARTS = len(fields(StepLists))
 HEADER_LEN = NUM_PARTS + 2  # the part lengths, then max_query_len and max_context_len
@@ -71,7 +69,7 @@ class StepHeader:
 
     @classmethod
     def from_list(cls, ints: list[int]) -> "StepHeader":
-        return cls(ints[:NUM_PARTS], ints[NUM_PARTS], ints[NUM_PARTS + 1])
+        return cls(ints[:NUM_PARTS], *ints[NUM_PARTS:])  # the part lengths, then the two bounds
 
     def buffer_len(self) -> int:
         """int32s in the uploaded buffer: every part padded to 16 bytes."""
@@ -80,12 +78,12 @@ class StepHeader:
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens] int32
-    positions: torch.Tensor  # [num_tokens] int32
+    input_ids: Tensor  # [num_tokens] int32
+    positions: Tensor  # [num_tokens] int32
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # [num_sampling] int32: rows of the hidden states whose logits pick a token
-    prompt_rows: torch.Tensor  # [num_prompt_rows] int32: rows whose logits give prompt logprobs...
-    prompt_next_ids: torch.Tensor  # [num_prompt_rows] int32: ...of these prompt tokens
+    sample_rows: Tensor  # [num_sampling] int32: rows of the hidden states whose logits pick a token
+    prompt_rows: Tensor  # [num_prompt_rows] int32: rows whose logits give prompt logprobs...
+    prompt_next_ids: Tensor  # [num_prompt_rows] int32: ...of these prompt tokens
 
 
 def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -> StepLists:
@@ -123,12 +121,11 @@ def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -
         lists.context_lens.append(end)
         if scheduled.picks_next_token:
             lists.sample_rows.append(len(lists.input_ids) - 1)
-    width = round_up(max(len(s.seq.block_table) for s in step.scheduled), BLOCK_TABLE_WIDTH_MULTIPLE)
+    tables = [s.seq.block_table for s in step.scheduled]
+    width = round_up(max(map(len, tables)), BLOCK_TABLE_WIDTH_MULTIPLE)
     padding = array.array("i", bytes(4 * width))
-    for scheduled in step.scheduled:  # int32 arrays: copied row by row, never converted entry by entry
-        table = scheduled.seq.block_table
-        lists.block_tables += table
-        lists.block_tables += padding[: width - len(table)]
+    for table in tables:  # int32 arrays: copied row by row, never converted entry by entry
+        lists.block_tables += table + padding[len(table) :]
     return lists
 
 
@@ -145,33 +142,32 @@ def slots_of(block_table: array.array, start: int, end: int, block_size: int) ->
     """The cache slots of positions [start, end): block by block (a range per block), not token by token."""
     slots = []
     for block_start in range(start - start % block_size, end, block_size):  # the first position of each block
-        first_slot = block_table[block_start // block_size] * block_size  # the slot of position block_start
-        first = max(start, block_start)
-        last = min(end, block_start + block_size)  # exclusive
-        slots += range(first_slot + first - block_start, first_slot + last - block_start)
+        # within one block, slot = position + offset (the block's first slot less its first position)
+        offset = block_table[block_start // block_size] * block_size - block_start
+        slots += range(max(start, block_start) + offset, min(end, block_start + block_size) + offset)
     return slots
 
 
-def upload(lists: StepLists, device: torch.device) -> tuple[StepHeader, torch.Tensor]:
+def upload(lists: StepLists, device: torch.device) -> tuple[StepHeader, Tensor]:
     """All of a step's integer inputs in one int32 buffer and one host-to-device copy (asynchronous on a GPU: the
     source is pinned). Returns the header that says how to cut it up, and the buffer on the device."""
+    parts = list(vars(lists).values())  # StepLists' fields, in order
     flat = array.array("i")
-    for part in lists.parts():
-        flat += part if isinstance(part, array.array) else array.array("i", part)
-        flat += array.array("i", bytes(4 * (-len(flat) % INTS_PER_16_BYTES)))  # the next view 16-byte aligned
+    for part in parts:
+        flat.extend(part)  # a list int by int; an int32 array (the block tables) in one copy
+        flat.extend([0] * (-len(flat) % INTS_PER_16_BYTES))  # the next view 16-byte aligned
     host = torch.frombuffer(flat, dtype=torch.int32)
     if device.type == "cuda":
         host = host.pin_memory()  # a pinned source lets the copy run asynchronously
-    query_lens = [end - start for start, end in pairwise(lists.query_start_loc)]
     header = StepHeader(
-        part_lengths=[len(part) for part in lists.parts()],
-        max_query_len=max(query_lens),
+        part_lengths=[len(part) for part in parts],
+        max_query_len=max(end - start for start, end in pairwise(lists.query_start_loc)),
         max_context_len=max(lists.context_lens),
     )
     return header, host.to(device, non_blocking=True)
 
 
-def step_inputs(header: StepHeader, flat: torch.Tensor, previous_tokens: torch.Tensor | None) -> StepInputs:
+def step_inputs(header: StepHeader, flat: Tensor, previous_tokens: Tensor | None) -> StepInputs:
     """Views into the uploaded buffer; PENDING decode inputs filled in on the device from the last step's tokens."""
     lengths = header.part_lengths
     padded = flat.split([round_up(n, INTS_PER_16_BYTES) for n in lengths])
@@ -179,12 +175,11 @@ def step_inputs(header: StepHeader, flat: torch.Tensor, previous_tokens: torch.T
     input_ids = views.input_ids
     if len(views.pending_at):
         input_ids[views.pending_at.long()] = previous_tokens[views.pending_rows.long()].int()
-    num_seqs = len(views.context_lens)
     meta = AttentionMetadata(
         slot_mapping=views.slot_mapping,
         query_start_loc=views.query_start_loc,
         context_lens=views.context_lens,
-        block_tables=views.block_tables.view(num_seqs, -1),
+        block_tables=views.block_tables.view(len(views.context_lens), -1),  # [num_seqs, width]
         max_query_len=header.max_query_len,
         max_context_len=header.max_context_len,
         decode_only=header.max_query_len == 1,
