@@ -86,9 +86,14 @@ SAMPLING_FIELDS = (
     "stop",
     "stop_token_ids",
     "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
 )  # named alike in OpenAI's body (with vLLM's extras) and SamplingParams
 # The body's fields. Honoured: SAMPLING_FIELDS and these. Anything in no table is refused, as OpenAI does.
-HONOURED = ("model", "max_tokens", "logprobs", "stream", "stream_options", *SAMPLING_FIELDS)
+HONOURED = ("model", "max_tokens", "logprobs", "logit_bias", "stream", "stream_options", *SAMPLING_FIELDS)
 CHAT_HONOURED = ("messages", "max_completion_tokens", "top_logprobs", *HONOURED)
 COMPLETION_HONOURED = ("prompt", *HONOURED)
 # Accepted and ignored: they change nothing the client gets (parallel_tool_calls: tools are refused; the prompt cache
@@ -139,11 +144,7 @@ NOT_IMPLEMENTED = dict.fromkeys(
         "vllm_xargs",
     )
 ) | {  # these values ask for nothing: what the engine does anyway
-    "frequency_penalty": 0,
-    "presence_penalty": 0,
-    "repetition_penalty": 1,
     "length_penalty": 1,
-    "logit_bias": {},
     "best_of": 1,
     "echo": False,
     "use_beam_search": False,
@@ -152,8 +153,6 @@ NOT_IMPLEMENTED = dict.fromkeys(
     "function_call": "none",
     "modalities": ["text"],
     "bad_words": [],
-    "include_stop_str_in_output": False,
-    "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "add_generation_prompt": True,
     "continue_final_message": False,
@@ -426,6 +425,13 @@ def client_named(error: InvalidField, body: dict, chat: bool) -> InvalidField:
     return InvalidField(names.get(error.field, error.field), error.problem)
 
 
+def token_id_keys(bias: dict) -> dict:
+    """OpenAI's logit_bias, {"token id as a string": bias}, as SamplingParams takes it: integer keys."""
+    if not all(isinstance(key, str) and key.isdecimal() for key in bias):
+        raise InvalidField("logit_bias", 'keys must be token ids written as decimal strings, e.g. {"50256": -100}')
+    return {int(key): value for key, value in bias.items()}
+
+
 def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParams:
     """SamplingParams from an OpenAI body. SamplingParams checks every type and range, so the server refuses a
     string temperature or a negative one with the same code as the offline API."""
@@ -438,6 +444,8 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
         kwargs["max_tokens"] = max_model_len
     else:
         kwargs["max_tokens"] = COMPLETION_MAX_TOKENS
+    if body.get("logit_bias") is not None:
+        kwargs["logit_bias"] = token_id_keys(field(body, "logit_bias", dict, {}))
     if not chat:  # `logprobs` is how many alternatives
         kwargs["logprobs"] = body.get("logprobs")
     elif field(body, "logprobs", bool, False):  # chat: `logprobs` says whether, `top_logprobs` how many

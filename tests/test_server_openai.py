@@ -54,10 +54,6 @@ def served():
 # ---- every field honoured, accepted, or refused by name ---------------------------------------------------------
 REFUSED = [  # (endpoint, fields added to a good body, the param the 400 names)
     # not implemented yet: refused, never silently ignored
-    ("completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
-    ("completions", {"presence_penalty": -1}, "presence_penalty"),
-    ("completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
-    ("completions", {"logit_bias": {"5": -100}}, "logit_bias"),
     ("completions", {"echo": True}, "echo"),
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "end"}, "suffix"),
@@ -82,6 +78,12 @@ REFUSED = [  # (endpoint, fields added to a good body, the param the 400 names)
     ("completions", {"top_p": 1.5}, "top_p"),
     ("completions", {"frequency_penalty": 2.5}, "frequency_penalty"),
     ("completions", {"presence_penalty": -3}, "presence_penalty"),
+    ("completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("completions", {"logit_bias": {"five": 1}}, "logit_bias"),
+    ("completions", {"logit_bias": {"100000": 1}}, "logit_bias"),  # outside the vocabulary
+    ("completions", {"logit_bias": [5, 1]}, "logit_bias"),
+    ("chat/completions", {"skip_special_tokens": "no"}, "skip_special_tokens"),
     ("completions", {"logprobs": 6}, "logprobs"),
     ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
@@ -123,8 +125,8 @@ def test_the_official_client_sees_refusals_with_their_param(fake_url):
     the message says the feature is not implemented rather than that the value is wrong."""
     client = client_for(fake_url)
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt=TOKENS, max_tokens=2, frequency_penalty=1.0)
-    assert e.value.param == "frequency_penalty" and "does not implement" in e.value.message
+        client.completions.create(model=MODEL, prompt=TOKENS, max_tokens=2, best_of=2)
+    assert e.value.param == "best_of" and "does not implement" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=TOKENS, max_tokens=2, extra_body={"temperatur": 0.5})
     assert e.value.param == "temperatur" and "unrecognized" in e.value.message
@@ -282,6 +284,31 @@ def test_logprob_bytes_join_to_the_reply(served, request_text):
     assert b"".join(bytes(e.bytes) for e in entries).decode(errors="replace") == content
     for e in entries:  # greedy: the most likely alternative is the chosen token, bytes and all
         assert e.top_logprobs[0].bytes == e.bytes
+
+
+# ---- penalties and bias, honoured as the offline engine does ---------------------------------------------------------
+def test_logit_bias_and_penalties_change_the_reply_as_offline(served):
+    """Guards against penalties or a bias accepted and ignored, or applied differently from the offline engine: +100
+    on a token makes every greedy token that token; a frequency, presence and repetition penalty on a repetitive
+    greedy answer changes it, and the served tokens equal LLM.generate's with the same SamplingParams."""
+    from nanoserve import LLM, SamplingParams
+
+    base_url, tokenizer = served
+    client = client_for(base_url)
+    prompt = "Repeat after me five times: apple apple apple apple apple"
+    forced = tokenizer.encode(" banana")[0]
+    biased = client.completions.create(prompt=prompt, logit_bias={str(forced): 100}, **{**GREEDY, "max_tokens": 4})
+    assert biased.choices[0].text == tokenizer.decode([forced] * 4)
+    penalties = {"frequency_penalty": 1.5, "presence_penalty": 0.5}
+    plain = client.completions.create(prompt=prompt, **{**GREEDY, "max_tokens": 16})
+    served_reply = client.completions.create(
+        prompt=prompt, extra_body={"repetition_penalty": 1.3}, **penalties, **{**GREEDY, "max_tokens": 16}
+    )
+    assert served_reply.choices[0].text != plain.choices[0].text
+    llm = LLM(max_model_len=512, num_kvcache_blocks=64)
+    offline = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3, **penalties))
+    llm.close()
+    assert served_reply.choices[0].text == offline[0].outputs[0].text
 
 
 # ---- the API key ----------------------------------------------------------------------------------------------------
