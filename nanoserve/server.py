@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection, Iterator
-from dataclasses import Field, dataclass, fields
+from dataclasses import Field, dataclass, fields, replace
 from itertools import accumulate
 from types import FrameType
 from typing import TYPE_CHECKING, TypeVar, get_args
@@ -95,7 +95,7 @@ SAMPLING_FIELDS = (
 # The body's fields. Honoured: SAMPLING_FIELDS and these. Anything in no table is refused, as OpenAI does.
 HONOURED = ("model", "max_tokens", "logprobs", "logit_bias", "stream", "stream_options", *SAMPLING_FIELDS)
 CHAT_HONOURED = ("messages", "max_completion_tokens", "top_logprobs", *HONOURED)
-COMPLETION_HONOURED = ("prompt", *HONOURED)
+COMPLETION_HONOURED = ("prompt", "echo", *HONOURED)
 # Accepted and ignored: they change nothing the client gets (parallel_tool_calls: tools are refused; the prompt cache
 # is automatic and shared, so its key and retention are hints)
 IGNORED = (
@@ -146,7 +146,6 @@ NOT_IMPLEMENTED = dict.fromkeys(
 ) | {  # these values ask for nothing: what the engine does anyway
     "length_penalty": 1,
     "best_of": 1,
-    "echo": False,
     "use_beam_search": False,
     "response_format": {"type": "text"},
     "tool_choice": "none",
@@ -366,6 +365,8 @@ def check_fields(body: dict, chat: bool) -> None:
     for name in field(body, "stream_options", dict, {}):
         if name != "include_usage":
             raise InvalidField(f"stream_options.{name}", "nanoserve does not implement this field yet")
+    if field(body, "echo", bool, False) and field(body, "stream", bool, False):
+        raise InvalidField("echo", "nanoserve does not implement echo in a stream yet")
     if chat and body.get("top_logprobs") is not None and body.get("logprobs") is not True:
         raise InvalidField("top_logprobs", "needs logprobs: true")
 
@@ -446,8 +447,11 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
         kwargs["max_tokens"] = COMPLETION_MAX_TOKENS
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = token_id_keys(field(body, "logit_bias", dict, {}))
-    if not chat:  # `logprobs` is how many alternatives
+    if not chat:  # `logprobs` is how many alternatives; with echo, of the prompt's tokens too
         kwargs["logprobs"] = body.get("logprobs")
+        if field(body, "echo", bool, False):
+            kwargs["prompt_logprobs"] = kwargs["logprobs"]
+            kwargs["max_tokens"] = max(kwargs["max_tokens"], 1)  # 0: the prompt's logprobs only (one token, dropped)
     elif field(body, "logprobs", bool, False):  # chat: `logprobs` says whether, `top_logprobs` how many
         kwargs["logprobs"] = body.get("top_logprobs") or 0
     else:
@@ -497,13 +501,15 @@ def logprobs_json(
     """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: the legacy parallel lists."""
     if logprobs is None:
         return None
-    # per position, its num_top most likely (token id, logprob), most likely first
-    tops = [sorted(position.items(), key=lambda item: -item[1])[:num_top] for position in logprobs]
+    # per position, its num_top most likely (token id, logprob), most likely first (an echoed prompt's first: None)
+    tops = [position and sorted(position.items(), key=lambda item: -item[1])[:num_top] for position in logprobs]
     if not chat:
+        tokens = [tokenizer.decode([token_id]) for token_id in token_ids]
         return {
-            "tokens": [tokenizer.decode([token_id]) for token_id in token_ids],
-            "token_logprobs": [position[token_id] for token_id, position in zip(token_ids, logprobs, strict=False)],
-            "top_logprobs": [{tokenizer.decode([alt]): logprob for alt, logprob in top} for top in tops],
+            "tokens": tokens,
+            "token_logprobs": [position and position[t] for t, position in zip(token_ids, logprobs, strict=False)],
+            "top_logprobs": [top and {tokenizer.decode([alt]): logprob for alt, logprob in top} for top in tops],
+            "text_offset": [0, *accumulate(map(len, tokens))][: len(tokens)],
         }
 
     def entry(token_id: int, logprob: float) -> dict:
@@ -527,14 +533,21 @@ def choice_json(
     index: int,
     completion: CompletionOutput,
     num_top: int | None,
+    echo: RequestOutput | None = None,
 ) -> dict:
-    """A choice: the whole completion, or in a stream its new text and tokens (a chat stream names the role first)."""
+    """A choice: the whole completion, or in a stream its new text and tokens (a chat stream names the role first).
+    With `echo` (completions, not streamed): the prompt's text and tokens, and their logprobs, before the completion."""
     if stream:
         text, token_ids = completion.text_delta, completion.token_ids_delta
     else:
         text, token_ids = completion.text, completion.token_ids
     first = len(completion.token_ids) - len(token_ids)  # where these tokens start in the completion
     token_logprobs = None if completion.logprobs is None else completion.logprobs[first:]
+    if echo is not None:
+        text = tokenizer.decode(echo.prompt_token_ids) + text
+        token_ids = echo.prompt_token_ids + token_ids
+        if token_logprobs is not None:
+            token_logprobs = echo.prompt_logprobs + token_logprobs
     logprobs = logprobs_json(tokenizer, chat, token_ids, token_logprobs, num_top)
     choice = {"index": index, "logprobs": logprobs, "finish_reason": completion.finish_reason}
     if not chat:
@@ -706,8 +719,20 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
         finals = {index: out async for index, out in results if out.finished}  # prompt index -> its final output
         if len(finals) < len(prompts):
             return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads this
+        echo = field(body, "echo", bool, False)
+        if echo and body.get("max_tokens") == 0:  # the prompt's logprobs only: the one token run for them is dropped
+            for out in finals.values():
+                out.outputs = [replace(s, text="", token_ids=[], logprobs=s.logprobs and []) for s in out.outputs]
         choices = [
-            choice_json(llm.tokenizer, chat, False, index * params.n + sample.index, sample, params.logprobs)
+            choice_json(
+                llm.tokenizer,
+                chat,
+                False,
+                index * params.n + sample.index,
+                sample,
+                params.logprobs,
+                out if echo else None,
+            )
             for index, out in sorted(finals.items())
             for sample in out.outputs
         ]  # OpenAI: index = prompt x n + sample

@@ -54,7 +54,7 @@ def served():
 # ---- every field honoured, accepted, or refused by name ---------------------------------------------------------
 REFUSED = [  # (endpoint, fields added to a good body, the param the 400 names)
     # not implemented yet: refused, never silently ignored
-    ("completions", {"echo": True}, "echo"),
+    ("completions", {"echo": True, "stream": True}, "echo"),
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "end"}, "suffix"),
     ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
@@ -309,6 +309,37 @@ def test_logit_bias_and_penalties_change_the_reply_as_offline(served):
     offline = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3, **penalties))
     llm.close()
     assert served_reply.choices[0].text == offline[0].outputs[0].text
+
+
+# ---- echo: the prompt's log-likelihood, as evaluation harnesses score choices ------------------------------------------
+def test_echo_with_logprobs_equals_transformers_log_softmax(served):
+    """Guards against echo being ignored (a harness scoring choices by their log-likelihood would read zeros) or its
+    logprobs shifted by a position: echo=True, logprobs=2, max_tokens=0 returns the prompt's text and tokens, None for
+    the first token and then each token's logprob equal to transformers' log-softmax over the prompt, the top-2 among
+    them, and text offsets that index the text; with max_tokens=1 the completion's one token follows."""
+    import torch
+    from conftest import default_model_or_skip
+    from transformers import AutoModelForCausalLM
+
+    base_url, tokenizer = served
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    ids = tokenizer.encode(prompt)
+    client = client_for(base_url)
+    echoed = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=0)
+    choice = echoed.choices[0]
+    assert choice.text == tokenizer.decode(ids) and echoed.usage.completion_tokens == 0
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(ids) and logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    hf = AutoModelForCausalLM.from_pretrained(default_model_or_skip(), dtype=torch.float32)
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    for position in range(1, len(ids)):
+        assert abs(logprobs.token_logprobs[position] - expected[position - 1, ids[position]].item()) < 1e-3
+        assert len(logprobs.top_logprobs[position]) <= 3  # the top 2, and the token itself where it is not among them
+    assert all(choice.text[o:].startswith(t) for o, t in zip(logprobs.text_offset, logprobs.tokens, strict=True))
+    one = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    assert one.choices[0].text.startswith(choice.text) and len(one.choices[0].logprobs.tokens) == len(ids) + 1
+    assert one.choices[0].logprobs.token_logprobs[1:-1] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-4)
 
 
 # ---- the API key ----------------------------------------------------------------------------------------------------
