@@ -124,10 +124,10 @@ class EngineConfig:
                 raise InvalidField(name, f"{shown(value)} is not a path")
             setattr(self, name, value)
         if self.trace is not None:
+            path = Path(self.trace).absolute()  # "" is the working folder: refused as a folder
             # the nearest folder that exists: the trace writer makes the missing ones below it
-            folder = next(p for p in Path(self.trace).absolute().parents if p.exists())
-            writable = folder.is_dir() and os.access(folder, os.W_OK)
-            if not self.trace or os.path.isdir(self.trace) or not writable:
+            folder = next(p for p in path.parents if p.exists())
+            if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
                 raise InvalidField("trace", f"cannot write {self.trace!r} (a folder, or no writable folder there)")
 
     def _check_numbers(self) -> None:
@@ -196,8 +196,10 @@ class EngineConfig:
             self.enforce_eager = True
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-        """The serving dtype: the one asked for; 'auto' is float32 on a CPU, on a GPU the checkpoint's if 16-bit."""
+        """The serving dtype: the one asked for; 'auto' is float32 on a CPU, and on a GPU float16 for a float16
+        checkpoint, else bfloat16."""
         if self.dtype != "auto":
             return DTYPES[self.dtype]
-        half = checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-        return torch.float32 if self.device == "cpu" else half
+        if self.device == "cpu":
+            return torch.float32
+        return checkpoint_dtype if checkpoint_dtype == torch.float16 else torch.bfloat16  # bf16 stays bf16 too

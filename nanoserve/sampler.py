@@ -179,9 +179,8 @@ class Sampler:
         if logprobs is None:
             return Samples(tokens)
         num_top = max(p.logprobs or 0 for p in params)  # the most any row asked for; 0 gives empty rows
-        top_values, top_ids = logprobs.topk(num_top, dim=-1)
         chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
-        return Samples(tokens, SampledLogprobs(chosen, top_values, top_ids))
+        return Samples(tokens, SampledLogprobs(chosen, *logprobs.topk(num_top, dim=-1)))  # and the top values, ids
 
 
 def drop_filtered(logits: Tensor, params: list[SamplingParams]) -> Tensor:
@@ -189,16 +188,12 @@ def drop_filtered(logits: Tensor, params: list[SamplingParams]) -> Tensor:
     softmax(logits / T) renormalised over what top-k kept; min-p on the ratio to the top token, which top-k does
     not change. logits: [rows, vocab] fp32."""
     device, vocab = logits.device, logits.shape[-1]
-    t, top_k, top_p, min_p = to_device(
-        [
-            [sampling_temperature(p.temperature) or 1.0 for p in params],
-            [p.top_k if p.top_k > 0 else vocab for p in params],
-            [p.top_p for p in params],
-            [p.min_p for p in params],
-        ],
-        torch.float32,
-        device,
-    )[:, :, None]  # each a [rows, 1] column
+    # per row (T, top-k, top-p, min-p), with greedy rows' T as 1 and top-k -1 as the whole vocabulary
+    rows = [
+        (sampling_temperature(p.temperature) or 1.0, p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p)
+        for p in params
+    ]
+    t, top_k, top_p, min_p = to_device(rows, torch.float32, device).T[:, :, None]  # each a [rows, 1] column
     # sorted by the raw logits: the order cannot depend on T (a huge T used to round every scaled logit to one value)
     sorted_raw, order = logits.sort(-1, descending=True)
     sorted_logits = sorted_raw / t
@@ -207,5 +202,5 @@ def drop_filtered(logits: Tensor, params: list[SamplingParams]) -> Tensor:
     drop |= (top_p < 1) & (probs.cumsum(-1) - probs >= top_p)  # keep while the mass before < top_p
     drop |= sorted_logits < sorted_logits[:, :1] + min_p.log()  # p < min_p x p_max, in log space
     drop[:, 0] = False  # the most likely token always stays
-    drop_by_id = torch.zeros_like(drop).scatter(-1, order, drop)  # from sorted order back to vocabulary order
-    return logits.masked_fill(drop_by_id, float("-inf"))
+    kept = sorted_raw.masked_fill(drop, float("-inf"))
+    return logits.scatter(-1, order, kept)  # from sorted order back to vocabulary order (every entry is written)

@@ -106,9 +106,9 @@ def is_integer(value: object) -> bool:
 
 def check_token_ids(field: str, ids: object) -> list[int]:
     """A list of integer token ids (a numpy array or tensor of them is fine): returned as plain ints."""
-    if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):
+    if hasattr(ids, "tolist"):
         ids = ids.tolist()  # a numpy array or a tensor
-    if not isinstance(ids, (list, tuple)) or not all(is_integer(t) for t in ids):
+    if not isinstance(ids, (list, tuple)) or not all(map(is_integer, ids)):
         raise InvalidField(field, "expected a list of integer token ids")
     return [int(t) for t in ids]
 
@@ -166,8 +166,5 @@ class SamplingParams:
         # a bias or a penalty applies, so that the sampler needs this request's row of counts (penalties.py)
         penalties = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
         self.penalized = bool(self.logit_bias) or penalties != (1, 0, 0)
-
-    @property
-    def filtered(self) -> bool:
-        """Whether top-k, top-p or min-p trims the distribution before the draw."""
-        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+        # derived too: whether top-k, top-p or min-p trims the distribution before the draw (sampler.drop_filtered)
+        self.filtered = self.top_k > 0 or self.top_p < 1 or self.min_p > 0
