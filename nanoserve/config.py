@@ -16,13 +16,7 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "kernels": ("auto", "triton", "torch"),
     "kv_cache_dtype": ("auto", "fp8"),
-    "kvcache_block_size": (
-        16,
-        32,
-        64,
-        128,
-        256,
-    ),  # the powers of two from 16 to 256 (a plain int by then: _check_numbers)
+    "kvcache_block_size": (16, 32, 64, 128, 256),  # powers of two; a plain int by then (_check_numbers)
 }
 LEAST = {
     "max_model_len": 2,
