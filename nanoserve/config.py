@@ -3,10 +3,11 @@
 
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 
-from nanoserve.sampling_params import MAX_INT, InvalidField, SamplingParams, check_flag, check_number, shown
+from nanoserve.sampling_params import InvalidField, SamplingParams, check_flag, check_numbers, shown
 from nanoserve.triton_shim import HAVE_TRITON
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -15,6 +16,7 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "kernels": ("auto", "triton", "torch"),
     "kv_cache_dtype": ("auto", "fp8"),
+    "kvcache_block_size": (16, 32, 64, 128, 256),  # powers of two; a plain int by then (_check_numbers)
 }
 LEAST = {
     "max_model_len": 2,
@@ -24,9 +26,7 @@ LEAST = {
     "num_kvcache_blocks": 1,
     "tensor_parallel_size": 1,
     "threads": 1,
-}  # integer fields and their least values
-CHOSEN_AT_STARTUP = ("num_kvcache_blocks", "threads")  # integer fields whose None means: chosen when the engine starts
-MAX_KVCACHE_BLOCK_SIZE = 256
+}  # integer fields and their least values (None, the default of num_kvcache_blocks and threads: chosen at startup)
 TRITON_INTERPRET_ON = ("1", "true", "on", "yes")  # values of TRITON_INTERPRET that turn Triton's interpreter on
 # vLLM's engine arguments (EngineArgs, LLM(...)) that nanoserve does not implement: refused as such, not as unknown.
 # Those it takes: its own fields below, block_size (kvcache_block_size), trust_remote_code=False, disable_log_stats.
@@ -108,7 +108,6 @@ class EngineConfig:
         self._check_numbers()
         self._check_flags()
         self._check_choices()
-        self._check_requested_backends_exist()
         self._resolve_device()
         self._resolve_kernels()
         self._check_fp8_kv_cache_works()
@@ -121,37 +120,24 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, os.PathLike):
                 value = os.fspath(value)
-                setattr(self, name, value)
             if value is not None and not isinstance(value, str):
                 raise InvalidField(name, f"{shown(value)} is not a path")
+            setattr(self, name, value)
         if self.trace is not None:
-            folder = os.path.dirname(os.path.abspath(self.trace))
-            while not os.path.exists(folder):  # the trace writer makes the folders that are missing
-                folder = os.path.dirname(folder)
-            writable = os.path.isdir(folder) and os.access(folder, os.W_OK)
-            if not self.trace or os.path.isdir(self.trace) or not writable:
+            path = Path(self.trace).absolute()  # "" is the working folder: refused as a folder
+            # the nearest folder that exists: the trace writer makes the missing ones below it
+            folder = next(p for p in path.parents if p.exists())
+            if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
                 raise InvalidField("trace", f"cannot write {self.trace!r} (a folder, or no writable folder there)")
 
     def _check_numbers(self) -> None:
-        """The integer fields in [LEAST, MAX_INT] (threads: at most the machine's cores), the KV block size a power of
-        two, the memory share in (0, 1]; each stored as a plain int or float."""
-        for name, least in LEAST.items():
-            value = getattr(self, name)
-            if value is None and name in CHOSEN_AT_STARTUP:
-                continue
-            most = (os.cpu_count() or 1) if name == "threads" else MAX_INT
-            setattr(self, name, check_number(name, value, low=least, high=most, integer=True))
-        size = self.kvcache_block_size
-        is_power_of_two = (size & (size - 1)) == 0  # one bit set; size - 1 has only the bits below it
-        if size > MAX_KVCACHE_BLOCK_SIZE or not is_power_of_two:
-            raise InvalidField(
-                "kvcache_block_size",
-                f"{size} is not a power of two in [{LEAST['kvcache_block_size']}, {MAX_KVCACHE_BLOCK_SIZE}]",
-            )
-        self.gpu_memory_utilization = check_number(
-            "gpu_memory_utilization", self.gpu_memory_utilization, low=0, high=1, above_low=True
-        )
-        self.seed = SamplingParams(seed=self.seed).seed  # checked as a request's seed is
+        """The integer fields in [LEAST, MAX_INT] (threads: at most the machine's cores), the memory share in (0, 1];
+        each stored as a plain int or float. The seed is checked as a request's seed is."""
+        limits = {name: {"low": least, "integer": True} for name, least in LEAST.items()}
+        limits["threads"]["high"] = os.cpu_count() or 1
+        limits["gpu_memory_utilization"] = {"low": 0, "high": 1, "above_low": True}
+        check_numbers(self, limits)
+        self.seed = SamplingParams(seed=self.seed).seed
 
     def _check_flags(self) -> None:
         """The on/off fields are bools (a string "no" would be truthy)."""
@@ -159,21 +145,17 @@ class EngineConfig:
             check_flag(name, getattr(self, name))
 
     def _check_choices(self) -> None:
-        """dtype, device and kernels are among their CHOICES."""
+        """dtype, device, kernels, kv_cache_dtype and the KV block size are among their CHOICES."""
         for name, allowed in CHOICES.items():
             value = getattr(self, name)
             if value not in allowed:
-                raise InvalidField(name, f"{shown(value)} is not one of {', '.join(allowed)}")
-
-    def _check_requested_backends_exist(self) -> None:
-        """kernels='triton' needs triton installed, device='cuda' a visible GPU."""
-        if self.kernels == "triton" and not HAVE_TRITON:
-            raise InvalidField("kernels", "'triton' needs the triton package (Linux only); use kernels='torch'")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise InvalidField("device", "'cuda' but no GPU is visible to torch")
+                raise InvalidField(name, f"{shown(value)} is not one of {', '.join(map(str, allowed))}")
 
     def _resolve_device(self) -> None:
-        """device 'auto' becomes cuda when a GPU is visible, else cpu; on cuda, one GPU per tensor-parallel rank."""
+        """device 'cuda' needs a visible GPU, and 'auto' becomes cuda when one is visible, else cpu; on cuda, one GPU
+        per tensor-parallel rank."""
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise InvalidField("device", "'cuda' but no GPU is visible to torch")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         # the ranks on this machine: all of them, unless a launcher (torchrun) spreads them over several machines
@@ -185,7 +167,10 @@ class EngineConfig:
             )
 
     def _resolve_kernels(self) -> None:
-        """kernels 'auto' becomes triton on cuda (when installed), else torch; triton on a CPU needs its interpreter."""
+        """kernels 'triton' needs the triton package, and on a CPU its interpreter; 'auto' becomes triton on cuda
+        (when installed), else torch."""
+        if self.kernels == "triton" and not HAVE_TRITON:
+            raise InvalidField("kernels", "'triton' needs the triton package (Linux only); use kernels='torch'")
         if self.kernels == "auto":
             self.kernels = "triton" if self.device == "cuda" and HAVE_TRITON else "torch"
         if self.kernels == "triton" and self.device == "cpu" and not triton_interpreter_enabled():
@@ -203,9 +188,7 @@ class EngineConfig:
 
     def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's element type: the model's, or float8 e4m3 for 'fp8'."""
-        if self.kv_cache_dtype == "fp8":
-            return torch.float8_e4m3fn
-        return model_dtype
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else model_dtype
 
     def _force_eager_where_graphs_cannot_run(self) -> None:
         """enforce_eager on a CPU or with the PyTorch kernels: CUDA graphs need a GPU and the sync-free Triton ones."""
@@ -213,8 +196,10 @@ class EngineConfig:
             self.enforce_eager = True
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-        """The serving dtype: the one asked for; 'auto' is float32 on a CPU, on a GPU the checkpoint's if 16-bit."""
+        """The serving dtype: the one asked for; 'auto' is float32 on a CPU, and on a GPU float16 for a float16
+        checkpoint, else bfloat16."""
         if self.dtype != "auto":
             return DTYPES[self.dtype]
-        half = checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-        return torch.float32 if self.device == "cpu" else half
+        if self.device == "cpu":
+            return torch.float32
+        return checkpoint_dtype if checkpoint_dtype == torch.float16 else torch.bfloat16  # bf16 stays bf16 too

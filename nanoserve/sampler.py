@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 
 from nanoserve.sampling_params import MAX_TEMPERATURE, SEED_RANGE, SamplingParams
 from nanoserve.triton_shim import tl, triton
@@ -38,16 +39,16 @@ MIN_TEMPERATURE = 1e-6
 class SampledLogprobs:
     """Per row: the chosen token's logprob and the top-N logprobs with their ids (N = the most any row asked for)."""
 
-    chosen: torch.Tensor  # [rows] fp32
-    top_values: torch.Tensor  # [rows, N] fp32
-    top_ids: torch.Tensor  # [rows, N] int64
+    chosen: Tensor  # [rows] fp32
+    top_values: Tensor  # [rows, N] fp32
+    top_ids: Tensor  # [rows, N] int64
 
 
 @dataclass
 class Samples:
     """One step's draws, on the device: the next step reads its decode inputs from `tokens` there."""
 
-    tokens: torch.Tensor  # [rows] int64
+    tokens: Tensor  # [rows] int64
     logprobs: SampledLogprobs | None = None  # None when no row asked for logprobs
 
 
@@ -69,8 +70,9 @@ def _gumbel_argmax_kernel(
         u = tl.interleave(tl.interleave(u0, u2), tl.interleave(u1, u3))  # [TILE]: u0[0], u1[0], u2[0], u3[0], u0[1]..
         x = x / temperature - tl.log(-tl.log(u))  # -log(u) ~ Exp(1); -log of that is Gumbel noise
     best, best_col = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)  # first of equal maxima
-    tl.store(chunk_best_ptr + row * tl.num_programs(1) + chunk, best)
-    tl.store(chunk_id_ptr + row * tl.num_programs(1) + chunk, chunk * TILE + best_col)
+    out = row * tl.num_programs(1) + chunk  # (row, chunk) in the [rows, chunks] outputs
+    tl.store(chunk_best_ptr + out, best)
+    tl.store(chunk_id_ptr + out, chunk * TILE + best_col)
 
 
 def sampling_temperature(temperature: float) -> float:
@@ -80,12 +82,12 @@ def sampling_temperature(temperature: float) -> float:
     return min(max(temperature, MIN_TEMPERATURE), MAX_TEMPERATURE)
 
 
-def gumbel_argmax(logits: torch.Tensor, temperatures: list[float], seeds: list[int]) -> torch.Tensor:
+def gumbel_argmax(logits: Tensor, temperatures: list[float], seeds: list[int]) -> Tensor:
     """logits: [rows, vocab] -> [rows] int64 token ids, one draw per row from softmax(logits / T)."""
     num_rows, vocab_size = logits.shape
     num_chunks = triton.cdiv(vocab_size, GUMBEL_TILE)
-    chunk_best = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
-    chunk_id = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=logits.device)
+    chunk_best = logits.new_empty(num_rows, num_chunks, dtype=torch.float32)
+    chunk_id = logits.new_empty(num_rows, num_chunks, dtype=torch.int64)
     _gumbel_argmax_kernel[(num_rows, num_chunks)](
         logits,
         logits.stride(0),
@@ -101,7 +103,7 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: list[float], seeds: list[i
     return chunk_id.gather(-1, best_chunk)[:, 0]
 
 
-def gumbel_argmax_ref(logits: torch.Tensor, temperatures: list[float], seeds: list[int]) -> torch.Tensor:
+def gumbel_argmax_ref(logits: Tensor, temperatures: list[float], seeds: list[int]) -> Tensor:
     """logits: [rows, vocab] -> [rows] int64: the same draw as gumbel_argmax, its noise from a generator per row.
     Greedy rows (T = 0) take the plain argmax: no noise is drawn for them and nothing is divided, which is most of
     the sampler's time on a CPU. A sampled row's noise depends on its own seed only, whatever rows sit beside it."""
@@ -115,7 +117,7 @@ def gumbel_argmax_ref(logits: torch.Tensor, temperatures: list[float], seeds: li
     return tokens
 
 
-def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A host list as a tensor on device, without waiting for the GPU."""
     host = torch.tensor(rows, dtype=dtype)
     if device.type == "cuda":
@@ -123,12 +125,11 @@ def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return host
 
 
-def ban_tokens(logits: torch.Tensor, banned: list[frozenset[int]]) -> None:
+def ban_tokens(logits: Tensor, banned: list[frozenset[int]]) -> None:
     """In place: logits[row, id] = -inf for each id in banned[row], in one indexed write for the whole batch."""
-    rows = [row for row, ids in enumerate(banned) for _ in ids]
-    ids = [token for ids_of_row in banned for token in ids_of_row]
-    where = to_device([rows, ids], torch.long, logits.device)  # [2, num_banned]: (row, token id) pairs
-    logits[where[0], where[1]] = float("-inf")
+    pairs = [(row, token) for row, ids in enumerate(banned) for token in ids]
+    rows, ids = to_device(pairs, torch.long, logits.device).T  # [num_banned, 2] (row, token id) pairs, transposed
+    logits[rows, ids] = float("-inf")
 
 
 class Sampler:
@@ -148,7 +149,7 @@ class Sampler:
 
     def __call__(
         self,
-        logits: torch.Tensor,
+        logits: Tensor,
         params: list[SamplingParams],
         lengths: list[int],
         banned: list[frozenset[int]],
@@ -158,9 +159,9 @@ class Sampler:
         sampled; banned: ids a row may not pick (EOS before min_tokens); penalties: the rows that use a bias or a
         penalty (penalties.py), or None. Returns the tokens and, if any row asked for logprobs, their logprobs, all on
         the device. vLLM's order: bans, bias and penalties, then temperature and the filters."""
-        want_logprobs = any(p.logprobs is not None for p in params)
         logprobs = None
-        if want_logprobs:  # of the model's own distribution (vLLM's default): before bias, penalties, filters and T
+        if any(p.logprobs is not None for p in params):
+            # of the model's own distribution (vLLM's default): before bias, penalties, filters and T
             logprobs = logits.float().log_softmax(-1)  # [rows, vocab]
         if any(banned):
             ban_tokens(logits, banned)
@@ -178,33 +179,28 @@ class Sampler:
         if logprobs is None:
             return Samples(tokens)
         num_top = max(p.logprobs or 0 for p in params)  # the most any row asked for; 0 gives empty rows
-        top_values, top_ids = logprobs.topk(num_top, dim=-1)
         chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
-        return Samples(tokens, SampledLogprobs(chosen, top_values, top_ids))
+        return Samples(tokens, SampledLogprobs(chosen, *logprobs.topk(num_top, dim=-1)))  # and the top values, ids
 
 
-def drop_filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def drop_filtered(logits: Tensor, params: list[SamplingParams]) -> Tensor:
     """Set to -inf what top-k, top-p and min-p drop, in that order (as vLLM and transformers do): top-p judged on
     softmax(logits / T) renormalised over what top-k kept; min-p on the ratio to the top token, which top-k does
     not change. logits: [rows, vocab] fp32."""
     device, vocab = logits.device, logits.shape[-1]
-    t, top_k, top_p, min_p = to_device(
-        [
-            [sampling_temperature(p.temperature) or 1.0 for p in params],
-            [p.top_k if p.top_k > 0 else vocab for p in params],
-            [p.top_p for p in params],
-            [p.min_p for p in params],
-        ],
-        torch.float32,
-        device,
-    )
+    # per row (T, top-k, top-p, min-p), with greedy rows' T as 1 and top-k -1 as the whole vocabulary
+    rows = [
+        (sampling_temperature(p.temperature) or 1.0, p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p)
+        for p in params
+    ]
+    t, top_k, top_p, min_p = to_device(rows, torch.float32, device).T[:, :, None]  # each a [rows, 1] column
     # sorted by the raw logits: the order cannot depend on T (a huge T used to round every scaled logit to one value)
     sorted_raw, order = logits.sort(-1, descending=True)
-    sorted_logits = sorted_raw / t[:, None]
-    drop = torch.arange(vocab, device=device) >= top_k[:, None]
+    sorted_logits = sorted_raw / t
+    drop = torch.arange(vocab, device=device) >= top_k
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-    drop |= (top_p[:, None] < 1) & (probs.cumsum(-1) - probs >= top_p[:, None])  # keep while the mass before < top_p
-    drop |= sorted_logits < sorted_logits[:, :1] + min_p[:, None].log()  # p < min_p x p_max, in log space
+    drop |= (top_p < 1) & (probs.cumsum(-1) - probs >= top_p)  # keep while the mass before < top_p
+    drop |= sorted_logits < sorted_logits[:, :1] + min_p.log()  # p < min_p x p_max, in log space
     drop[:, 0] = False  # the most likely token always stays
-    drop_by_id = torch.zeros_like(drop).scatter(-1, order, drop)  # from sorted order back to vocabulary order
-    return logits.masked_fill(drop_by_id, float("-inf"))
+    kept = sorted_raw.masked_fill(drop, float("-inf"))
+    return logits.scatter(-1, order, kept)  # from sorted order back to vocabulary order (every entry is written)
