@@ -16,7 +16,7 @@ class Kernels:
     add_rms_norm: Callable  # (x, residual, weight, eps) -> (RMSNorm(x + residual) * weight, x + residual)
     qk_norm_rope: Callable  # (q, k, positions, cos, sin, q_weight, k_weight, eps) -> (q, k), rotated
     silu_and_mul: Callable  # [rows, 2n] = [gate | up] -> silu(gate) * up, [rows, n]
-    store_kv: Callable  # (k, v, k_cache, v_cache, slot_mapping): this step's K/V into their slots
+    store_kv: Callable  # (k, v, k_cache, v_cache, slot_mapping): this step's K/V into their slots (cast: fp8 too)
     paged_attention: Callable  # (q, k_cache, v_cache, meta, scale) -> out: through the block tables
     gumbel_argmax: Callable  # (logits, temperatures, seeds) -> tokens: a draw from softmax(logits / T)
 

@@ -216,7 +216,7 @@ def test_default_model_with_fp8_cache_diverges_only_at_near_ties():
 
 def test_bench_kv_report_shows_the_fp8_pool(tmp_path, capsys):
     """Guards against `bench.py --kv-report` reporting the model dtype's bytes for an fp8 pool: its row and its
-    printed KV account carry the cache's element type and bytes per token (fp8: a quarter of the CPU's fp32)."""
+    printed KV account carry the cache's element type and bytes per token (fp8: a quarter of fp32's)."""
     import json
     import sys
     from pathlib import Path
@@ -225,6 +225,7 @@ def test_bench_kv_report_shows_the_fp8_pool(tmp_path, capsys):
     import bench
 
     flags = ["--arch", "tiny", "--num-seqs", "2", "--max-input-len", "24", "--max-output-len", "4", "--kv-report"]
+    flags += ["--dtype", "float32"]  # the same model dtype on a GPU as on a CPU
     rows = {}
     for kv in ("auto", "fp8"):
         bench.main([*flags, "--kv-cache-dtype", kv, "--json", str(tmp_path / f"{kv}.json")])
