@@ -71,10 +71,6 @@ def free_cores() -> int:
     return max(1, cores - busy)
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")  # torch.bfloat16 -> bfloat16
-
-
 def copy_to_host_async(samples: Samples | None) -> Samples | None:
     """A pinned host copy of a GPU's samples, queued behind the kernels that compute them: it waits for nothing.
     A CPU's samples (or None) are already on the host."""
@@ -225,8 +221,9 @@ class ModelRunner:
             sized_by = f"{self.config.gpu_memory_utilization:.0%} of the GPU less weights, activations"
         return (
             f"KV cache: 2 (K, V) x {args.num_layers} layers x {self.num_kv_heads} KV heads x {args.head_dim} "
-            f"x {self.kv_dtype.itemsize} bytes ({dtype_name(self.kv_dtype)}) = {self.kv_bytes_per_token / 1024:.1f} "
-            f"KiB per token; {self.num_kvcache_blocks} blocks x {self.block_size} = {num_tokens:,} tokens, "
+            f"x {self.kv_dtype.itemsize} bytes ({str(self.kv_dtype).removeprefix('torch.')}) "
+            f"= {self.kv_bytes_per_token / 1024:.1f} KiB per token; "
+            f"{self.num_kvcache_blocks} blocks x {self.block_size} = {num_tokens:,} tokens, "
             f"{num_tokens * self.kv_bytes_per_token / 2**30:.2f} GiB ({sized_by})"
         )
 
