@@ -19,21 +19,20 @@ RMS_NORM_MAX_WARPS = 16  # reached at 4k columns; wider rows give each thread mo
 
 
 @triton.jit
-def _add_rms_norm_kernel(
-    x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, stride_r, stride_o, n, eps, BLOCK: tl.constexpr
-):
-    # program r: row r's residual stream becomes x + residual (written back in place), then is normalised
+def _add_rms_norm_kernel(x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, stride_r, n, eps, BLOCK: tl.constexpr):
+    # program r: row r's residual stream becomes x + residual (written back in place), then is normalised into row r
+    # of out (contiguous: made by the launcher). A product or sum of two model-dtype numbers is computed as torch
+    # does, rounded once to the model dtype (Triton keeps fp16 * fp16 in fp16); statistics are fp32.
     row, cols = tl.program_id(0), tl.arange(0, BLOCK)
     mask = cols < n
+    stream_ptrs = residual_ptr + row * stride_r + cols  # read, then overwritten with the sum
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
-    x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)  # rounded like a plain add in the model dtype
-    tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
-    xf = x.to(tl.float32)
+    stream = x + tl.load(stream_ptrs, mask=mask, other=0.0)
+    tl.store(stream_ptrs, stream, mask=mask)
+    xf = stream.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
-    normed = (xf * inv_rms).to(x.dtype).to(tl.float32)  # transformers rounds before scaling by the weight
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(x.dtype), mask=mask)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * n + cols, (xf * inv_rms).to(x.dtype) * w, mask=mask)  # rounded before the weight, as HF
 
 
 @triton.jit
@@ -54,18 +53,18 @@ def _norm_rope_heads(
     h, d = tl.arange(0, HEADS_PAD)[:, None], tl.arange(0, HALF)[None, :]
     mask = h < num_heads
     first = ptr + h * stride_h + d  # [HEADS_PAD, HALF] pointers to each head's first half; its second: first + HALF
-    x1 = tl.load(first, mask=mask, other=0.0)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0)
-    dtype = x1.dtype
-    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
         sum_sq = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)  # [HEADS_PAD] over both halves: the whole head
         inv_rms = 1.0 / tl.sqrt(sum_sq / (2 * HALF) + eps)[:, None]
-        w1, w2 = tl.load(weight_ptr + d).to(tl.float32), tl.load(weight_ptr + HALF + d).to(tl.float32)
-        x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)  # as RMSNorm rounds
-        x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    tl.store(first, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(first + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+        w1, w2 = tl.load(weight_ptr + d), tl.load(weight_ptr + HALF + d)  # in the model dtype
+        # as RMSNorm rounds: the normed head to the model dtype, then its product with the weight, in that dtype
+        x1 = ((x1 * inv_rms).to(w1.dtype) * w1).to(tl.float32)
+        x2 = ((x2 * inv_rms).to(w2.dtype) * w2).to(tl.float32)
+    # the fp32 rotation, rounded once by the store to the heads' dtype
+    tl.store(first, x1 * cos - x2 * sin, mask=mask)
+    tl.store(first + HALF, x2 * cos + x1 * sin, mask=mask)
 
 
 @triton.jit
@@ -103,16 +102,17 @@ def _qk_norm_rope_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
-    # program (row, chunk): out = silu(gate) * up for BLOCK columns, where x's row is [gate | up]
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
+    # program (row, chunk): out = silu(gate) * up for BLOCK columns, where x's row is [gate | up] and out is
+    # contiguous (made by the launcher)
     row, chunk = tl.program_id(0), tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # silu, rounded as F.silu's output is
-    tl.store(out_ptr + row * stride_o + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu in fp32, rounded as F.silu's output is
+    tl.store(out_ptr + row * n + cols, act * up, mask=mask)  # in the model dtype: one rounding, as torch's product
 
 
 def rms_norm_num_warps(block: int) -> int:
@@ -124,7 +124,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
     """x, residual: [rows, n] -> (RMSNorm(x + residual) * weight, x + residual). The sum OVERWRITES `residual` in
     place (it becomes the next residual stream): pass a tensor that nothing else still needs."""
     rows, n = x.shape
-    out = torch.empty_like(x)
+    out = x.new_empty(rows, n)
     block = triton.next_power_of_2(n)
     _add_rms_norm_kernel[(rows,)](
         x,
@@ -133,7 +133,6 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
         weight,
         x.stride(0),
         residual.stride(0),
-        out.stride(0),
         n,
         eps,
         BLOCK=block,
@@ -217,7 +216,7 @@ def silu_and_mul(x: Tensor) -> Tensor:
     rows, n = x.shape[0], x.shape[1] // 2
     out = x.new_empty(rows, n)
     block = min(SILU_BLOCK, triton.next_power_of_2(n))
-    _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), n, BLOCK=block)
     return out
 
 
