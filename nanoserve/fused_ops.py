@@ -165,15 +165,14 @@ def qk_norm_rope(
     q_weight / k_weight (Qwen3; skipped when None), then RoPE at their positions. cos, sin: [max_pos, head_dim/2]."""
     tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
-    has_norm = q_weight is not None
     _qk_norm_rope_kernel[(tokens,)](
         q,
         k,
         positions,
         cos,
         sin,
-        q_weight if has_norm else q,  # without the norm the weights are never read: any pointer serves
-        k_weight if has_norm else k,
+        q_weight,  # None without the norm: Triton makes it a constant, never read
+        k_weight,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -184,7 +183,7 @@ def qk_norm_rope(
         Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
         K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
         HALF=head_dim // 2,
-        HAS_NORM=has_norm,
+        HAS_NORM=q_weight is not None,
     )
     return q, k
 

@@ -114,10 +114,11 @@ def checkpoint_tensors(name: str) -> list[tuple[str, tuple[int, ...]]]:
     """The checkpoint tensors that fill our parameter `name`, as (HF name, extra weight_loader arguments): q, k and v
     each fill their shard of the fused qkv_proj, gate and up theirs of gate_up_proj; any other parameter is one tensor
     of its own name, copied whole."""
-    *parent, proj, param_name = name.split(".")  # model.layers.0.self_attn, qkv_proj, weight
+    proj = name.split(".")[-2]  # model.layers.0.self_attn.qkv_proj.weight: qkv_proj
     if proj not in FUSED:
         return [(name, ())]
-    return [(".".join([*parent, part, param_name]), (index,)) for index, part in enumerate(FUSED[proj])]
+    # model.layers.0.self_attn.q_proj.weight fills shard 0 of model.layers.0.self_attn.qkv_proj.weight, and so on
+    return [(name.replace(proj, part), (index,)) for index, part in enumerate(FUSED[proj])]
 
 
 @torch.no_grad()  # parameters are copied into in place, which autograd would refuse

@@ -144,8 +144,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)  # [num_tokens, q | k | v] of this rank's heads
         # each [num_tokens, its heads, head_dim]: views into the one projection, which the kernel rotates in place
         q, k, v = (part.unflatten(-1, (-1, self.head_dim)) for part in qkv)
-        norm_weights = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-        q, k = self.kernels.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, *norm_weights, self.qk_norm_eps)
+        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.qk_norm_eps) if self.q_norm is not None else ()
+        q, k = self.kernels.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, *qk_norm)
         k_cache, v_cache = kv_cache
         # All of the step's K/V are stored before any is read: a sequence may read blocks another sequence
         # computes in this same step (a shared prefix admitted together).
