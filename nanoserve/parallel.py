@@ -66,7 +66,7 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, vocab_size: int, dim: int, tp: TP) -> None:
         super().__init__(vocab_size // tp.size, dim)
         self.tp = tp
-        self.first_id = tp.rank * (vocab_size // tp.size)  # the first vocabulary id this rank holds
+        self.first_id = tp.rank * self.num_embeddings  # the first vocabulary id this rank holds
         self.weight.weight_loader = tp.load_slice
 
     def forward(self, ids: Tensor) -> Tensor:
