@@ -90,7 +90,7 @@ def _qk_norm_rope_kernel(
 ):
     # program t: every q and k head of token t, which share its position's cos and sin
     t = tl.program_id(0)
-    pos = tl.load(positions_ptr + t).to(tl.int64)
+    pos = tl.load(positions_ptr + t)  # int32: pos * HALF stays far below 2**31
     d = tl.arange(0, HALF)[None, :]
     cos, sin = tl.load(cos_ptr + pos * HALF + d), tl.load(sin_ptr + pos * HALF + d)
     _norm_rope_heads(
@@ -173,10 +173,8 @@ def qk_norm_rope(
         sin,
         q_weight,  # None without the norm: Triton makes it a constant, never read
         k_weight,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
+        *q.stride()[:2],  # its token and head strides (a head's elements are adjacent)
+        *k.stride()[:2],
         num_q_heads,
         num_k_heads,
         eps,

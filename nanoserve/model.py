@@ -210,8 +210,7 @@ class Transformer(nn.Module):
         residual = torch.zeros_like(x)  # the residual stream starts empty: layer 0's add gives the embeddings
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
-        normed, _ = self.norm(x, residual)  # the last MLP's output added, then the final norm
-        return normed
+        return self.norm(x, residual)[0]  # the last MLP's output added, then the final norm (the stream is dropped)
 
 
 class CausalLM(nn.Module):
@@ -221,7 +220,6 @@ class CausalLM(nn.Module):
     def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP = TP()) -> None:  # noqa: B008 (frozen: one of one)
         super().__init__()
         self.args = args
-        self.tp = tp
         self.model = Transformer(args, kernels, tp)
         self.lm_head = ColumnParallelLinear(args.hidden_size, [args.vocab_size], False, tp)  # split over the vocab
         if args.tie_word_embeddings:
@@ -234,4 +232,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] in the model dtype, the whole vocabulary on every rank."""
-        return gather_vocab(self.lm_head(hidden), self.tp)
+        return gather_vocab(self.lm_head(hidden), self.lm_head.tp)
