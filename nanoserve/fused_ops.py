@@ -22,7 +22,7 @@ RMS_NORM_MAX_WARPS = 16  # reached at 4k columns; wider rows give each thread mo
 def _add_rms_norm_kernel(x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, stride_r, n, eps, BLOCK: tl.constexpr):
     # program r: row r's residual stream becomes x + residual (written back in place), then is normalised into row r
     # of out (contiguous: made by the launcher). A product or sum of two model-dtype numbers is computed as torch
-    # does, rounded once to the model dtype (Triton keeps fp16 * fp16 in fp16); statistics are fp32.
+    # does, rounded once to the model dtype (Triton keeps fp16 arithmetic in fp16); statistics are fp32.
     row, cols = tl.program_id(0), tl.arange(0, BLOCK)
     mask = cols < n
     stream_ptrs = residual_ptr + row * stride_r + cols  # read, then overwritten with the sum
@@ -91,8 +91,8 @@ def _qk_norm_rope_kernel(
     # program t: every q and k head of token t, which share its position's cos and sin
     t = tl.program_id(0)
     pos = tl.load(positions_ptr + t)  # int32: pos * HALF stays far below 2**31
-    d = tl.arange(0, HALF)[None, :]
-    cos, sin = tl.load(cos_ptr + pos * HALF + d), tl.load(sin_ptr + pos * HALF + d)
+    row = pos * HALF + tl.arange(0, HALF)[None, :]  # this position's row of the cos and sin tables
+    cos, sin = tl.load(cos_ptr + row), tl.load(sin_ptr + row)
     _norm_rope_heads(
         q_ptr + t * stride_qt, stride_qh, num_q_heads, q_weight_ptr, cos, sin, eps, Q_HEADS_PAD, HALF, HAS_NORM
     )
@@ -108,8 +108,9 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
     row, chunk = tl.program_id(0), tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
+    gate_ptrs = x_ptr + row * stride_x + cols
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0)
+    up = tl.load(gate_ptrs + n, mask=mask, other=0.0)  # up's columns: n after gate's
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu in fp32, rounded as F.silu's output is
     tl.store(out_ptr + row * n + cols, act * up, mask=mask)  # in the model dtype: one rounding, as torch's product
