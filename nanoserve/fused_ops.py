@@ -19,21 +19,20 @@ RMS_NORM_MAX_WARPS = 16  # reached at 4k columns; wider rows give each thread mo
 
 
 @triton.jit
-def _add_rms_norm_kernel(
-    x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, stride_r, stride_o, n, eps, BLOCK: tl.constexpr
-):
-    # program r: row r's residual stream becomes x + residual (written back in place), then is normalised
+def _add_rms_norm_kernel(x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, stride_r, n, eps, BLOCK: tl.constexpr):
+    # program r: row r's residual stream becomes x + residual (written back in place), then is normalised into row r
+    # of out (contiguous: made by the launcher). A product or sum of two model-dtype numbers is computed as torch
+    # does, rounded once to the model dtype (Triton keeps fp16 arithmetic in fp16); statistics are fp32.
     row, cols = tl.program_id(0), tl.arange(0, BLOCK)
     mask = cols < n
+    stream_ptrs = residual_ptr + row * stride_r + cols  # read, then overwritten with the sum
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
-    x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)  # rounded like a plain add in the model dtype
-    tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
-    xf = x.to(tl.float32)
+    stream = x + tl.load(stream_ptrs, mask=mask, other=0.0)
+    tl.store(stream_ptrs, stream, mask=mask)
+    xf = stream.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
-    normed = (xf * inv_rms).to(x.dtype).to(tl.float32)  # transformers rounds before scaling by the weight
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(x.dtype), mask=mask)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * n + cols, (xf * inv_rms).to(x.dtype) * w, mask=mask)  # rounded before the weight, as HF
 
 
 @triton.jit
@@ -54,18 +53,18 @@ def _norm_rope_heads(
     h, d = tl.arange(0, HEADS_PAD)[:, None], tl.arange(0, HALF)[None, :]
     mask = h < num_heads
     first = ptr + h * stride_h + d  # [HEADS_PAD, HALF] pointers to each head's first half; its second: first + HALF
-    x1 = tl.load(first, mask=mask, other=0.0)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0)
-    dtype = x1.dtype
-    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
         sum_sq = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)  # [HEADS_PAD] over both halves: the whole head
         inv_rms = 1.0 / tl.sqrt(sum_sq / (2 * HALF) + eps)[:, None]
-        w1, w2 = tl.load(weight_ptr + d).to(tl.float32), tl.load(weight_ptr + HALF + d).to(tl.float32)
-        x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)  # as RMSNorm rounds
-        x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    tl.store(first, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(first + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+        w1, w2 = tl.load(weight_ptr + d), tl.load(weight_ptr + HALF + d)  # in the model dtype
+        # as RMSNorm rounds: the normed head to the model dtype, then its product with the weight, in that dtype
+        x1 = ((x1 * inv_rms).to(w1.dtype) * w1).to(tl.float32)
+        x2 = ((x2 * inv_rms).to(w2.dtype) * w2).to(tl.float32)
+    # the fp32 rotation, rounded once by the store to the heads' dtype
+    tl.store(first, x1 * cos - x2 * sin, mask=mask)
+    tl.store(first + HALF, x2 * cos + x1 * sin, mask=mask)
 
 
 @triton.jit
@@ -91,9 +90,9 @@ def _qk_norm_rope_kernel(
 ):
     # program t: every q and k head of token t, which share its position's cos and sin
     t = tl.program_id(0)
-    pos = tl.load(positions_ptr + t).to(tl.int64)
-    d = tl.arange(0, HALF)[None, :]
-    cos, sin = tl.load(cos_ptr + pos * HALF + d), tl.load(sin_ptr + pos * HALF + d)
+    pos = tl.load(positions_ptr + t)  # int32: pos * HALF stays far below 2**31
+    row = pos * HALF + tl.arange(0, HALF)[None, :]  # this position's row of the cos and sin tables
+    cos, sin = tl.load(cos_ptr + row), tl.load(sin_ptr + row)
     _norm_rope_heads(
         q_ptr + t * stride_qt, stride_qh, num_q_heads, q_weight_ptr, cos, sin, eps, Q_HEADS_PAD, HALF, HAS_NORM
     )
@@ -103,16 +102,18 @@ def _qk_norm_rope_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
-    # program (row, chunk): out = silu(gate) * up for BLOCK columns, where x's row is [gate | up]
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
+    # program (row, chunk): out = silu(gate) * up for BLOCK columns, where x's row is [gate | up] and out is
+    # contiguous (made by the launcher)
     row, chunk = tl.program_id(0), tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
+    gate_ptrs = x_ptr + row * stride_x + cols
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0)
+    up = tl.load(gate_ptrs + n, mask=mask, other=0.0)  # up's columns: n after gate's
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # silu, rounded as F.silu's output is
-    tl.store(out_ptr + row * stride_o + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu in fp32, rounded as F.silu's output is
+    tl.store(out_ptr + row * n + cols, act * up, mask=mask)  # in the model dtype: one rounding, as torch's product
 
 
 def rms_norm_num_warps(block: int) -> int:
@@ -124,7 +125,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
     """x, residual: [rows, n] -> (RMSNorm(x + residual) * weight, x + residual). The sum OVERWRITES `residual` in
     place (it becomes the next residual stream): pass a tensor that nothing else still needs."""
     rows, n = x.shape
-    out = torch.empty_like(x)
+    out = x.new_empty(rows, n)
     block = triton.next_power_of_2(n)
     _add_rms_norm_kernel[(rows,)](
         x,
@@ -133,7 +134,6 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
         weight,
         x.stride(0),
         residual.stride(0),
-        out.stride(0),
         n,
         eps,
         BLOCK=block,
@@ -166,26 +166,23 @@ def qk_norm_rope(
     q_weight / k_weight (Qwen3; skipped when None), then RoPE at their positions. cos, sin: [max_pos, head_dim/2]."""
     tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
-    has_norm = q_weight is not None
     _qk_norm_rope_kernel[(tokens,)](
         q,
         k,
         positions,
         cos,
         sin,
-        q_weight if has_norm else q,  # without the norm the weights are never read: any pointer serves
-        k_weight if has_norm else k,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
+        q_weight,  # None without the norm: Triton makes it a constant, never read
+        k_weight,
+        *q.stride()[:2],  # its token and head strides (a head's elements are adjacent)
+        *k.stride()[:2],
         num_q_heads,
         num_k_heads,
         eps,
         Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
         K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
         HALF=head_dim // 2,
-        HAS_NORM=has_norm,
+        HAS_NORM=q_weight is not None,
     )
     return q, k
 
@@ -217,7 +214,7 @@ def silu_and_mul(x: Tensor) -> Tensor:
     rows, n = x.shape[0], x.shape[1] // 2
     out = x.new_empty(rows, n)
     block = min(SILU_BLOCK, triton.next_power_of_2(n))
-    _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), n, BLOCK=block)
     return out
 
 

@@ -144,8 +144,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)  # [num_tokens, q | k | v] of this rank's heads
         # each [num_tokens, its heads, head_dim]: views into the one projection, which the kernel rotates in place
         q, k, v = (part.unflatten(-1, (-1, self.head_dim)) for part in qkv)
-        norm_weights = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-        q, k = self.kernels.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, *norm_weights, self.qk_norm_eps)
+        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.qk_norm_eps) if self.q_norm is not None else ()
+        q, k = self.kernels.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, *qk_norm)
         k_cache, v_cache = kv_cache
         # All of the step's K/V are stored before any is read: a sequence may read blocks another sequence
         # computes in this same step (a shared prefix admitted together).
@@ -210,8 +210,7 @@ class Transformer(nn.Module):
         residual = torch.zeros_like(x)  # the residual stream starts empty: layer 0's add gives the embeddings
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
-        normed, _ = self.norm(x, residual)  # the last MLP's output added, then the final norm
-        return normed
+        return self.norm(x, residual)[0]  # the last MLP's output added, then the final norm (the stream is dropped)
 
 
 class CausalLM(nn.Module):
@@ -221,7 +220,6 @@ class CausalLM(nn.Module):
     def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP = TP()) -> None:  # noqa: B008 (frozen: one of one)
         super().__init__()
         self.args = args
-        self.tp = tp
         self.model = Transformer(args, kernels, tp)
         self.lm_head = ColumnParallelLinear(args.hidden_size, [args.vocab_size], False, tp)  # split over the vocab
         if args.tie_word_embeddings:
@@ -234,4 +232,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] in the model dtype, the whole vocabulary on every rank."""
-        return gather_vocab(self.lm_head(hidden), self.tp)
+        return gather_vocab(self.lm_head(hidden), self.lm_head.tp)

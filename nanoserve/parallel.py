@@ -7,16 +7,13 @@ gloo on CPUs). Each rank holds 1/N of every projection and of the KV cache's hea
 This file holds the layers, which the model, the loader and the runner import; the processes that run the ranks are in
 workers.py. With one rank nothing communicates."""
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-# how a parameter copies its part of a checkpoint tensor: (parameter, checkpoint tensor) -> None
-WeightLoader = Callable[[nn.Parameter, Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -25,13 +22,10 @@ class TP:
     size: int = 1
     local_rank: int = 0  # this rank's GPU among its machine's (torchrun's LOCAL_RANK)
 
-    def loader(self, dim: int) -> WeightLoader:
-        """A weight_loader that copies this rank's 1/size slice of a checkpoint tensor along dim."""
-
-        def load_slice(param: nn.Parameter, tensor: Tensor) -> None:
-            param.data.copy_(tensor.chunk(self.size, dim)[self.rank])
-
-        return load_slice
+    def load_slice(self, param: Tensor, tensor: Tensor, dim: int = 0) -> None:
+        """A weight_loader (how a parameter copies its part of a checkpoint tensor): this rank's 1/size slice of
+        the tensor along dim."""
+        param.data.copy_(tensor.chunk(self.size, dim)[self.rank])
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -47,7 +41,7 @@ class ColumnParallelLinear(nn.Linear):
 
     def load_shard(self, param: nn.Parameter, tensor: Tensor, shard: int = 0) -> None:
         """Fused projection number `shard` (q, k, v: 0, 1, 2; gate, up: 0, 1): this rank's rows of it."""
-        self.tp.loader(0)(param.data.split(self.shard_sizes)[shard], tensor)
+        self.tp.load_slice(param.data.split(self.shard_sizes)[shard], tensor)
 
 
 class RowParallelLinear(nn.Linear):
@@ -56,7 +50,7 @@ class RowParallelLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TP) -> None:
         super().__init__(in_features // tp.size, out_features, bias=bias)
         self.tp = tp
-        self.weight.weight_loader = tp.loader(1)
+        self.weight.weight_loader = partial(tp.load_slice, dim=1)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.tp.size == 1:
@@ -72,8 +66,8 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, vocab_size: int, dim: int, tp: TP) -> None:
         super().__init__(vocab_size // tp.size, dim)
         self.tp = tp
-        self.first_id = tp.rank * (vocab_size // tp.size)  # the first vocabulary id this rank holds
-        self.weight.weight_loader = tp.loader(0)
+        self.first_id = tp.rank * self.num_embeddings  # the first vocabulary id this rank holds
+        self.weight.weight_loader = tp.load_slice
 
     def forward(self, ids: Tensor) -> Tensor:
         if self.tp.size == 1:
