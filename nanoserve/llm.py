@@ -11,7 +11,7 @@ right after it is launched: the plain synchronous loop, with the same outputs.""
 import numbers
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from itertools import count
 from typing import TYPE_CHECKING
 
@@ -68,18 +68,12 @@ class LLM:
         self._start(config, runner, tokenizer, eos_token_ids, args.vocab_size)
 
     @classmethod
-    def from_runner(
-        cls,
-        config: EngineConfig,
-        runner: "ModelRunner",
-        vocab_size: int,
-        tokenizer: "PreTrainedTokenizerBase | None" = None,
-        eos_token_ids: frozenset[int] = frozenset(),
-    ) -> "LLM":
-        """The engine around any runner with launch() and num_kvcache_blocks: how tests run the loop on a fake."""
+    def from_runner(cls, config: EngineConfig, runner: "ModelRunner", vocab_size: int) -> "LLM":
+        """The engine around any runner with launch() and num_kvcache_blocks, without a tokenizer or EOS ids: how
+        tests run the loop on a fake."""
         llm = cls.__new__(cls)
         llm._close = lambda: None
-        llm._start(config, runner, tokenizer, eos_token_ids, vocab_size)
+        llm._start(config, runner, None, frozenset(), vocab_size)
         return llm
 
     def _start(
@@ -93,7 +87,7 @@ class LLM:
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.block_manager = BlockManager(
             runner.num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching
@@ -268,17 +262,17 @@ class LLM:
         for (seq, position), entry in prompt_logprobs:  # by position: a preempted sequence's recompute rewrites its own
             seq.prompt_logprobs[position] = entry
         now = time.time()
-        changed: dict[str, Request] = {}
+        changed: dict[Request, None] = {}  # an ordered set
         for seq in self.scheduler.update(in_flight.step, tokens, logprobs):
             request = self.request_of[seq.seq_id]
-            changed[request.request_id] = request
+            changed[request] = None
             reason = self.stop_checker.check(seq, incremental=request.stream)
             if reason is not None:
                 self.scheduler.finish_sequence(seq, reason)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             self.counters.generated_tokens += 1
-        return list(changed.values())
+        return list(changed)
 
     def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
         outputs = []
@@ -312,10 +306,7 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise InvalidField("prompts", "expected a string, token ids, or a list of them")
-        if isinstance(sampling_params, list):
-            params = sampling_params
-        else:
-            params = [sampling_params] * len(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidField("sampling_params", f"{len(params)} given for {len(prompts)} prompts")
         check_flag("use_tqdm", use_tqdm)
@@ -324,7 +315,7 @@ class LLM:
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        generated = self.counters.generated_tokens
+        generated_before = self.counters.generated_tokens  # the bar counts this batch's tokens: bar.n of them so far
         bar = tqdm(
             total=sum(len(r.seqs) * r.seqs[0].params.max_tokens for r in requests),
             unit="tok",
@@ -339,8 +330,7 @@ class LLM:
                 for out in self.step():
                     if out.finished:
                         finished[out.request_id] = out
-                bar.update(self.counters.generated_tokens - generated)
-                generated = self.counters.generated_tokens
+                bar.update(self.counters.generated_tokens - generated_before - bar.n)
                 bar.set_postfix_str(f"{len(finished)}/{len(requests)} requests", refresh=False)
         finally:
             bar.total = bar.n  # outputs that ended early (EOS) never reach max_tokens
@@ -360,12 +350,11 @@ class LLM:
 
     def chat_prompts(self, messages: Conversation | list[Conversation]) -> list[list[int]]:
         """Each conversation through the chat template, as token ids (the template adds the special tokens)."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        if self.tokenizer is None or not self.tokenizer.chat_template:
             raise InvalidField("model", "this model has no chat template")
-        is_one = isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict)
-        conversations = [messages] if is_one else messages
-        if not isinstance(conversations, (list, tuple)) or not conversations:
-            raise InvalidField("messages", "expected a non-empty list of {'role': str, 'content': str} dicts")
+        # a list of conversations, or one (anything else is one too, which check_conversation then refuses)
+        is_many = isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], (list, tuple))
+        conversations = messages if is_many else [messages]
         prompt_ids = []
         for conversation in conversations:
             check_conversation(conversation)
@@ -389,9 +378,7 @@ class LLM:
             "preemptions": self.scheduler.num_preemptions,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
-            "computed_tokens": counters.computed_tokens,
-            "generated_tokens": counters.generated_tokens,
-            "finished_requests": counters.finished_requests,
+            **asdict(counters),  # computed and generated tokens, finished requests, the sums behind the means
             "mean_ttft_s": counters.ttft_s_sum / num_finished,
             "mean_itl_s": counters.itl_s_sum / num_finished,
         }

@@ -16,7 +16,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" (EOS, stop id, stop string), "length", "abort"; None while running
     logprobs: list[dict[int, float]] | None  # per token: {token_id: logprob}, the top-N and the chosen
     cumulative_logprob: float | None
-    text_delta: str = ""  # streaming: the text added since this request's previous output
+    text_delta: str = ""  # the text added since this request's previous output (all of it, the first time)
     token_ids_delta: list[int] = field(default_factory=list)
 
 
@@ -45,13 +45,13 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
+@dataclass(eq=False)  # a request is itself, never equal to another one
 class Request:
-    def __init__(self, request_id: str, prompt: str | None, seqs: list[Sequence], stream: bool) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.seqs = seqs  # one per sample (n)
-        self.stream = stream
-        self.metrics = RequestMetrics(arrival_time=time.time())
+    request_id: str
+    prompt: str | None
+    seqs: list[Sequence]  # one per sample (n)
+    stream: bool
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
 
     @property
     def finished(self) -> bool:
@@ -76,7 +76,7 @@ class Request:
     def _completion(self, index: int, seq: Sequence) -> CompletionOutput:
         decoded = seq.text
         token_ids = seq.completion_token_ids
-        text_delta = take_stream_delta(seq) if self.stream else ""  # advances decoded.num_streamed
+        text_delta = take_stream_delta(seq)  # advances decoded.num_streamed (without streaming: all of it, at the end)
         token_ids_delta = token_ids[decoded.num_tokens_streamed :]
         decoded.num_tokens_streamed = len(token_ids)
         wants_logprobs = seq.params.logprobs is not None

@@ -91,10 +91,10 @@ class Penalties:
         self.row_of[seq] = row
         bias = seq.params.logit_bias
         tokens = seq.token_ids[: seq.num_known_tokens]
-        num_output = len(tokens) - seq.num_prompt_tokens
-        planes = [BIAS] * len(bias) + [PROMPT_COUNTS] * seq.num_prompt_tokens + [OUTPUT_COUNTS] * num_output
+        num_prompt = seq.num_prompt_tokens
+        planes = [BIAS] * len(bias) + [PROMPT_COUNTS] * num_prompt + [OUTPUT_COUNTS] * (len(tokens) - num_prompt)
         at = to_device([planes, [*bias, *tokens]], torch.long, self.device)  # [2, n]: (plane, id) pairs
         values = to_device([*bias.values()] + [1.0] * len(tokens), torch.float32, self.device)
         self.table[row] = 0  # a reused row forgets its last sequence
-        self.table[row].index_put_((at[0], at[1]), values, accumulate=True)
+        self.table[row].index_put_(tuple(at), values, accumulate=True)
         return row

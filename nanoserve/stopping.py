@@ -12,6 +12,7 @@ Text is decoded incrementally: a few tokens before the new ones are decoded agai
 several tokens appears whole, once its last byte arrives. A streamed delta never contains the start of what could still
 become a stop string, so a stop string is never streamed, even in part."""
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 from nanoserve.sequence import Sequence
@@ -71,15 +72,15 @@ class StopChecker:
             return
         ids = seq.token_ids[seq.num_prompt_tokens : seq.num_prompt_tokens + upto]
         start = max(0, decoded.num_decoded - DETOKENIZE_CONTEXT)
-        skip = seq.params.skip_special_tokens
-        before = self.tokenizer.decode(ids[start : decoded.num_decoded], skip_special_tokens=skip)
-        after = self.tokenizer.decode(ids[start:], skip_special_tokens=skip)
+        decode = partial(self.tokenizer.decode, skip_special_tokens=seq.params.skip_special_tokens)
+        before = decode(ids[start : decoded.num_decoded])
+        after = decode(ids[start:])
         if after.endswith(INCOMPLETE_CHARACTER) and not final:
             return
         if after.startswith(before):
             decoded.text += after[len(before) :]
         else:  # the new tokens changed how earlier ones read (rare): decode the whole completion again
-            decoded.text = self.tokenizer.decode(ids, skip_special_tokens=skip)
+            decoded.text = decode(ids)
         decoded.num_decoded = upto
 
     @staticmethod
@@ -102,13 +103,7 @@ class StopChecker:
 def longest_stop_prefix_at_end(text: str, stops: list[str]) -> int:
     """The length of the longest tail of text that is the beginning of a stop string (shorter than it): those
     characters may still turn out to be a stop string, so they are held back from the stream."""
-    longest = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:k]):
-                longest = k
-                break
-    return longest
+    return max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
 
 
 def take_stream_delta(seq: Sequence) -> str:
