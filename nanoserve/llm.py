@@ -8,7 +8,6 @@ One step() has three numbered phases:
 So the host's work on one step overlaps the GPU's work on the previous one. With overlap=False each step is finished
 right after it is launched: the plain synchronous loop, with the same outputs."""
 
-import numbers
 import time
 import weakref
 from dataclasses import asdict, dataclass, replace
@@ -20,7 +19,15 @@ from tqdm.auto import tqdm
 from nanoserve.block_manager import BlockManager
 from nanoserve.config import EngineConfig
 from nanoserve.outputs import Request, RequestOutput
-from nanoserve.sampling_params import InvalidField, SamplingParams, check_flag, check_text, check_token_ids, shown
+from nanoserve.sampling_params import (
+    InvalidField,
+    SamplingParams,
+    check_flag,
+    check_text,
+    check_token_ids,
+    is_integer,
+    shown,
+)
 from nanoserve.scheduler import Scheduler, Step
 from nanoserve.sequence import Sequence
 from nanoserve.stopping import StopChecker
@@ -121,13 +128,13 @@ class LLM:
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is (queued, prefilling, decoding, preempted): its blocks return at once.
-        A request that has already finished (or an unknown id) is left as it is."""
+        A request that has already finished (or an unknown id) is left as it is. It returns no output, so its text
+        is not decoded further."""
         request = self.requests.get(request_id)
         if request is None:
             return
         for seq in request.seqs:
             if not seq.is_finished:
-                self.stop_checker.flush(seq)
                 self.scheduler.finish_sequence(seq, "abort")
         self._forget(request)
 
@@ -355,12 +362,10 @@ class LLM:
         # a list of conversations, or one (anything else is one too, which check_conversation then refuses)
         is_many = isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], (list, tuple))
         conversations = messages if is_many else [messages]
-        prompt_ids = []
         for conversation in conversations:
             check_conversation(conversation)
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-            prompt_ids.append(self.tokenizer.encode(text, add_special_tokens=False))
-        return prompt_ids
+        # all at once, as token ids (return_dict=False: a list of id lists, not a BatchEncoding)
+        return self.tokenizer.apply_chat_template(conversations, add_generation_prompt=True, return_dict=False)
 
     def stats(self) -> dict[str, int | float]:
         bm = self.block_manager
@@ -388,7 +393,7 @@ def is_one_prompt(prompts: object) -> bool:
     """A single prompt rather than a list of them: a string, a vLLM prompt dict, a list of token ids, or an array."""
     if isinstance(prompts, (str, dict)) or hasattr(prompts, "ndim"):
         return True
-    return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and isinstance(prompts[0], numbers.Integral)
+    return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and is_integer(prompts[0])
 
 
 def unwrap_prompt(prompt: object) -> object:

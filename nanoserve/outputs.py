@@ -82,7 +82,7 @@ class Request:
         wants_logprobs = seq.params.logprobs is not None
         return CompletionOutput(
             index=index,
-            text=decoded.final if seq.is_finished else decoded.text[: decoded.num_streamed],
+            text=decoded.text[: decoded.num_streamed],  # finished: all of decoded.final, streamed by now
             token_ids=token_ids,
             finish_reason=seq.finish_reason,
             logprobs=list(seq.logprobs) if wants_logprobs else None,

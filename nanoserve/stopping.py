@@ -60,10 +60,6 @@ class StopChecker:
             return "length"
         return None
 
-    def flush(self, seq: Sequence) -> None:
-        """Finished another way (aborted): the text of every token read back."""
-        self._decode(seq, seq.num_known_tokens - seq.num_prompt_tokens, final=True)
-
     def _decode(self, seq: Sequence, upto: int, final: bool) -> None:
         """Fold the text of completion tokens [text.num_decoded, upto) into seq.text. Not final: wait while the
         last character is incomplete."""
