@@ -104,7 +104,7 @@ class LLM:
         )
         self.stop_checker = StopChecker(tokenizer, config.max_model_len)
         self.requests: dict[str, Request] = {}
-        self.request_of: dict[int, Request] = {}  # seq_id -> its request
+        self.request_of: dict[Sequence, Request] = {}  # each sequence's request
         self.in_flight: InFlightStep | None = None  # with overlap: the launched step not yet read back
         self.trace = None
         if config.trace is not None:  # opt-in: the trace writer lives with its pictures, in the optional plots.py
@@ -167,24 +167,22 @@ class LLM:
             request_id = f"req-{next(self._request_ids)}"
         if not isinstance(request_id, str) or request_id in self.requests:
             raise InvalidField("request_id", f"{request_id!r} is not a new string id")
-        if params.seed is None and self.config.seed is not None:
-            params = replace(params, seed=self.config.seed)  # LLM(seed=...): the seed of requests that set none
         prompt = unwrap_prompt(prompt)
         ids = self.prompt_ids(prompt)
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         seqs = [
-            Sequence(ids, sample_params(params, i), self.config.kvcache_block_size, stop_ids) for i in range(params.n)
+            Sequence(ids, sample_params(params, i, self.config.seed), self.config.kvcache_block_size, stop_ids)
+            for i in range(params.n)
         ]
         self.scheduler.check_fits(seqs[0])
-        prompt_text = prompt if isinstance(prompt, str) else None
-        return Request(request_id, prompt_text, seqs, stream)
+        return Request(request_id, prompt if isinstance(prompt, str) else None, seqs, stream)
 
     def _queue(self, request: Request) -> str:
         self.requests[request.request_id] = request
         for seq in request.seqs:
-            self.request_of[seq.seq_id] = request
+            self.request_of[seq] = request
             self.scheduler.add(seq)
         return request.request_id
 
@@ -192,7 +190,7 @@ class LLM:
         """The request no longer exists for the engine: every sequence of it has finished."""
         del self.requests[request.request_id]
         for seq in request.seqs:
-            del self.request_of[seq.seq_id]
+            del self.request_of[seq]
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """The prompt as checked token ids (text through the tokenizer). It reads only the tokenizer and the config,
@@ -237,19 +235,19 @@ class LLM:
                 to_read_back = launched
             if to_read_back is None and launched is None and self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler found nothing to run")  # a bug, never a state
-            changed = self._read_back(to_read_back) if to_read_back is not None else []
+            outputs = self._finish(to_read_back) if to_read_back is not None else []
         except BaseException:  # a failed or interrupted step: blocks it planned were findable before their K/V existed
             self._forget_failed_step()
             raise
         if self.trace is not None:
             self.trace.end(started)
-        return self._outputs(changed)
+        return outputs
 
     def _record_first_scheduled(self, step: Step) -> None:
         """vLLM's first_scheduled_time and time_in_queue of the requests this step starts."""
         now = time.time()
         for scheduled in step.scheduled:
-            metrics = self.request_of[scheduled.seq.seq_id].metrics
+            metrics = self.request_of[scheduled.seq].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
                 metrics.time_in_queue = now - metrics.arrival_time
@@ -262,16 +260,17 @@ class LLM:
         for request in touched:
             self.abort(request.request_id)
 
-    def _read_back(self, in_flight: "InFlightStep") -> list[Request]:
-        """Wait for a launched step's tokens, hand them to their sequences, and apply the stop rules. Returns the
-        requests that changed, each once, in order."""
+    def _finish(self, in_flight: "InFlightStep") -> list[RequestOutput]:
+        """Finish a launched step: wait for its tokens, hand them to their sequences, apply the stop rules, and forget
+        the requests that finished. Returns the outputs of the requests that changed, each once, in order: every
+        streaming one, and the others once they have finished."""
         tokens, logprobs, prompt_logprobs = in_flight.wait()
         for (seq, position), entry in prompt_logprobs:  # by position: a preempted sequence's recompute rewrites its own
             seq.prompt_logprobs[position] = entry
         now = time.time()
         changed: dict[Request, None] = {}  # an ordered set
         for seq in self.scheduler.update(in_flight.step, tokens, logprobs):
-            request = self.request_of[seq.seq_id]
+            request = self.request_of[seq]
             changed[request] = None
             reason = self.stop_checker.check(seq, incremental=request.stream)
             if reason is not None:
@@ -279,9 +278,6 @@ class LLM:
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             self.counters.generated_tokens += 1
-        return list(changed)
-
-    def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
         outputs = []
         for request in changed:
             if request.finished:
@@ -427,11 +423,14 @@ def check_conversation(conversation: object) -> None:
         check_text("messages", message["content"])
 
 
-def sample_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The parameters of sample `index` of a request: with a seed, each sample draws its own noise from a seed
-    derived from the request's, so n seeded samples differ from each other yet stay reproducible. Only the first
-    sample computes the prompt's logprobs (the others share its prompt, and take its KV from the prefix cache)."""
+def sample_params(params: SamplingParams, index: int, engine_seed: int | None) -> SamplingParams:
+    """The parameters of sample `index` of a request. Its seed is the request's, or the engine's (LLM(seed=...)) for
+    a request that sets none; with a seed, each later sample draws its own noise from a seed derived from it, so n
+    seeded samples differ from each other yet stay reproducible. Only the first sample computes the prompt's
+    logprobs (the others share its prompt, and take its KV from the prefix cache)."""
+    seed = engine_seed if params.seed is None else params.seed
     if index == 0:
-        return params
-    seed = hash((params.seed, index)) if params.seed is not None else None
+        return replace(params, seed=seed)
+    if seed is not None:
+        seed = hash((seed, index))
     return replace(params, seed=seed, prompt_logprobs=None)
