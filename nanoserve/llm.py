@@ -58,8 +58,7 @@ class EngineCounters:
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: object) -> None:
-        from nanoserve import loader
-        from nanoserve.workers import start_runner
+        from nanoserve import loader, workers
 
         config = EngineConfig.from_kwargs(model=model, **kwargs)
         model_dir = loader.resolve_model_dir(model)
@@ -70,7 +69,7 @@ class LLM:
         if tokenizer is None and config.tokenizer is not None:
             raise InvalidField("tokenizer", f"no tokenizer files in {config.tokenizer!r}")
         eos_token_ids = loader.eos_ids_of(model_dir, hf_config, tokenizer)
-        runner = start_runner(config, model_dir, hf_config, args)  # and its tensor-parallel workers, if any
+        runner = workers.start_runner(config, model_dir, hf_config, args)  # and its tensor-parallel workers, if any
         self._close = weakref.finalize(self, runner.close)  # closed or garbage-collected: the workers exit
         self._start(config, runner, tokenizer, eos_token_ids, args.vocab_size)
 
@@ -320,7 +319,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         generated_before = self.counters.generated_tokens  # the bar counts this batch's tokens: bar.n of them so far
         bar = tqdm(
-            total=sum(len(r.seqs) * r.seqs[0].params.max_tokens for r in requests),
+            total=sum(seq.params.max_tokens for request in requests for seq in request.seqs),
             unit="tok",
             desc="Generating",
             disable=not use_tqdm,
@@ -334,7 +333,6 @@ class LLM:
                     if out.finished:
                         finished[out.request_id] = out
                 bar.update(self.counters.generated_tokens - generated_before - bar.n)
-                bar.set_postfix_str(f"{len(finished)}/{len(requests)} requests", refresh=False)
         finally:
             bar.total = bar.n  # outputs that ended early (EOS) never reach max_tokens
             bar.close()

@@ -70,7 +70,7 @@ class Request:
             self.finished,
             first.num_cached_tokens or 0,
             self.metrics,
-            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+            list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
         )
 
     def _completion(self, index: int, seq: Sequence) -> CompletionOutput:
@@ -80,13 +80,13 @@ class Request:
         token_ids_delta = token_ids[decoded.num_tokens_streamed :]
         decoded.num_tokens_streamed = len(token_ids)
         wants_logprobs = seq.params.logprobs is not None
-        return CompletionOutput(
-            index=index,
-            text=decoded.text[: decoded.num_streamed],  # finished: all of decoded.final, streamed by now
-            token_ids=token_ids,
-            finish_reason=seq.finish_reason,
-            logprobs=list(seq.logprobs) if wants_logprobs else None,
-            cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-            text_delta=text_delta,
-            token_ids_delta=token_ids_delta,
+        return CompletionOutput(  # in the fields' order
+            index,
+            decoded.text[: decoded.num_streamed],  # the text: once finished, all of decoded.final, streamed by now
+            token_ids,
+            seq.finish_reason,
+            list(seq.logprobs) if wants_logprobs else None,
+            seq.cumulative_logprob if wants_logprobs else None,
+            text_delta,
+            token_ids_delta,
         )

@@ -53,7 +53,7 @@ class StopChecker:
             return "stop"
         if incremental or params.stop:
             self._decode(seq, num_out, final=False)
-        if params.stop and self._search_stop_strings(seq, may_stop):
+        if search_stop_strings(seq, may_stop):  # without stop strings: nothing to find
             return "stop"
         if num_out >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:
             self._decode(seq, num_out, final=True)
@@ -66,7 +66,7 @@ class StopChecker:
         decoded = seq.text
         if self.tokenizer is None or upto <= decoded.num_decoded:
             return
-        ids = seq.token_ids[seq.num_prompt_tokens : seq.num_prompt_tokens + upto]
+        ids = seq.completion_token_ids[:upto]
         start = max(0, decoded.num_decoded - DETOKENIZE_CONTEXT)
         decode = partial(self.tokenizer.decode, skip_special_tokens=seq.params.skip_special_tokens)
         before = decode(ids[start : decoded.num_decoded])
@@ -79,21 +79,21 @@ class StopChecker:
             decoded.text = decode(ids)
         decoded.num_decoded = upto
 
-    @staticmethod
-    def _search_stop_strings(seq: Sequence, may_stop: bool) -> bool:
-        """Look for a stop string ending in text not searched before (so an occurrence before min_tokens never
-        counts later); the first occurrence found ends the text."""
-        decoded = seq.text
-        found = []
-        for stop in seq.params.stop if may_stop else []:
-            # an occurrence ending in the new text starts at most len(stop) - 1 characters before it
-            search_from = max(0, decoded.num_searched - len(stop) + 1)
-            start = decoded.text.find(stop, search_from)
-            if start >= 0:  # the text ends where the stop string starts, or ends with include_stop_str_in_output
-                found.append(start + len(stop) if seq.params.include_stop_str_in_output else start)
-        decoded.num_searched = len(decoded.text)
-        decoded.stop_at = min(found, default=None)
-        return decoded.stop_at is not None
+
+def search_stop_strings(seq: Sequence, may_stop: bool) -> bool:
+    """Look for a stop string ending in text not searched before (so an occurrence before min_tokens never
+    counts later); the first occurrence found ends the text."""
+    decoded = seq.text
+    found = []
+    for stop in seq.params.stop if may_stop else []:
+        # an occurrence ending in the new text starts at most len(stop) - 1 characters before it
+        search_from = max(0, decoded.num_searched - len(stop) + 1)
+        start = decoded.text.find(stop, search_from)
+        if start >= 0:  # the text ends where the stop string starts, or ends with include_stop_str_in_output
+            found.append(start + len(stop) if seq.params.include_stop_str_in_output else start)
+    decoded.num_searched = len(decoded.text)
+    decoded.stop_at = min(found, default=None)
+    return decoded.stop_at is not None
 
 
 def longest_stop_prefix_at_end(text: str, stops: list[str]) -> int:
