@@ -290,7 +290,7 @@ class LLM:
         """Its finish time, and its TTFT and mean inter-token latency into the running totals."""
         metrics = request.metrics
         metrics.finished_time = time.time()
-        num_tokens = max(len(seq.completion_token_ids) for seq in request.seqs)
+        num_tokens = max(seq.num_completion_tokens for seq in request.seqs)
         self.counters.finished_requests += 1
         self.counters.ttft_s_sum += metrics.first_token_time - metrics.arrival_time
         self.counters.itl_s_sum += (metrics.finished_time - metrics.first_token_time) / max(num_tokens - 1, 1)
@@ -303,7 +303,9 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either; sampling_params: one for all, or one per
-        prompt. Every prompt is checked before any is queued; the outputs come back in prompt order."""
+        prompt. Every prompt is checked before any is queued; then the engine steps until all have finished, and the
+        outputs come back in prompt order. The progress bar counts output tokens."""
+        # 1) check everything: a bad prompt or parameter refuses the whole batch before any work
         if is_one_prompt(prompts):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -313,9 +315,7 @@ class LLM:
             raise InvalidField("sampling_params", f"{len(params)} given for {len(prompts)} prompts")
         check_flag("use_tqdm", use_tqdm)
         requests = [self._make_request(p, sp, None, stream=False) for p, sp in zip(prompts, params, strict=True)]
-        return self._run(requests, use_tqdm)
-
-    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        # 2) queue them all and step until each has finished
         finished: dict[str, RequestOutput] = {}
         generated_before = self.counters.generated_tokens  # the bar counts this batch's tokens: bar.n of them so far
         bar = tqdm(
