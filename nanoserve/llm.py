@@ -234,7 +234,7 @@ class LLM:
                 to_read_back = launched
             if to_read_back is None and launched is None and self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler found nothing to run")  # a bug, never a state
-            outputs = self._finish(to_read_back) if to_read_back is not None else []
+            outputs = self._read_back(to_read_back) if to_read_back is not None else []
         except BaseException:  # a failed or interrupted step: blocks it planned were findable before their K/V existed
             self._forget_failed_step()
             raise
@@ -259,7 +259,7 @@ class LLM:
         for request in touched:
             self.abort(request.request_id)
 
-    def _finish(self, in_flight: "InFlightStep") -> list[RequestOutput]:
+    def _read_back(self, in_flight: "InFlightStep") -> list[RequestOutput]:
         """Finish a launched step: wait for its tokens, hand them to their sequences, apply the stop rules, and forget
         the requests that finished. Returns the outputs of the requests that changed, each once, in order: every
         streaming one, and the others once they have finished."""
