@@ -23,6 +23,7 @@ samples (model_runner.py), so with tensor parallelism only rank 0 makes it."""
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from nanoserve.sampler import to_device
 from nanoserve.sequence import Sequence, SequenceStatus
@@ -34,11 +35,11 @@ BIAS, PROMPT_COUNTS, OUTPUT_COUNTS = range(3)  # the planes of a row
 class StepPenalties:
     """The rows of one step's logits that use a bias or a penalty: their rows in the table, and their penalties."""
 
-    table: torch.Tensor  # [max_num_seqs, 3, vocab] fp32: Penalties.table
-    rows: torch.Tensor  # [2, p] int64: each such row of the step's logits, and its sequence's row in the table
-    values: torch.Tensor  # [3, p, 1] fp32: the rows' repetition, presence and frequency penalties
+    table: Tensor  # [max_num_seqs, 3, vocab] fp32: Penalties.table
+    rows: Tensor  # [2, p] int64: each such row of the step's logits, and its sequence's row in the table
+    values: Tensor  # [3, p, 1] fp32: the rows' repetition, presence and frequency penalties
 
-    def apply(self, logits: torch.Tensor) -> None:
+    def apply(self, logits: Tensor) -> None:
         """In place on logits [rows, vocab], in fp32, in vLLM's order: bias, repetition, frequency and presence."""
         logit_rows, table_rows = self.rows
         repetition, presence, frequency = self.values
@@ -49,7 +50,7 @@ class StepPenalties:
         x -= frequency * counts + presence * (counts > 0)
         logits[logit_rows] = x.to(logits.dtype)
 
-    def count(self, tokens: torch.Tensor) -> None:
+    def count(self, tokens: Tensor) -> None:
         """Add the step's sampled tokens ([rows] int64, on the device) to their output counts, with one indexed add
         queued behind the draw (a sequence has one row, so no (row, id) pair repeats)."""
         logit_rows, table_rows = self.rows
@@ -91,10 +92,10 @@ class Penalties:
         self.row_of[seq] = row
         bias = seq.params.logit_bias
         tokens = seq.token_ids[: seq.num_known_tokens]
-        num_output = len(tokens) - seq.num_prompt_tokens
-        planes = [BIAS] * len(bias) + [PROMPT_COUNTS] * seq.num_prompt_tokens + [OUTPUT_COUNTS] * num_output
+        num_prompt = seq.num_prompt_tokens
+        planes = [BIAS] * len(bias) + [PROMPT_COUNTS] * num_prompt + [OUTPUT_COUNTS] * (len(tokens) - num_prompt)
         at = to_device([planes, [*bias, *tokens]], torch.long, self.device)  # [2, n]: (plane, id) pairs
         values = to_device([*bias.values()] + [1.0] * len(tokens), torch.float32, self.device)
         self.table[row] = 0  # a reused row forgets its last sequence
-        self.table[row].index_put_((at[0], at[1]), values, accumulate=True)
+        self.table[row].index_put_(tuple(at), values, accumulate=True)
         return row
