@@ -18,6 +18,8 @@ CHOICES = {
     "kv_cache_dtype": ("auto", "fp8"),
     "kvcache_block_size": (16, 32, 64, 128, 256),  # powers of two; a plain int by then (_check_numbers)
 }
+GPU_STEP_TOKENS = 8192  # vLLM's default step budget with chunked prefill
+CPU_STEP_TOKENS = 512  # a CPU step of ~0.5-1 s with SmolLM2-135M on 2 cores (BENCHMARKS.md, 2026-11-24: TTFT, ITL)
 LEAST = {
     "max_model_len": 2,
     "max_num_seqs": 1,
@@ -66,13 +68,17 @@ class EngineConfig:
     model: str | None = None  # HF directory (a str or os.PathLike) or hub id; None is the embedded default model
     max_model_len: int = 4096  # longest sequence, prompt plus output
     max_num_seqs: int = 256  # sequences in one step
-    max_num_batched_tokens: int = 8192  # tokens in one step: the budget that chunked prefill splits by
+    # tokens in one step, the budget that chunked prefill splits by; None: GPU_STEP_TOKENS on a GPU, CPU_STEP_TOKENS on
+    # a CPU, where a step of 8,192 prompt tokens takes tens of seconds and no stream advances meanwhile
+    max_num_batched_tokens: int | None = None
     kvcache_block_size: int = 16  # tokens per KV block
     num_kvcache_blocks: int | None = None  # None: size the pool from memory
     gpu_memory_utilization: float = 0.9  # share of the GPU that weights, activations and KV may use
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs
-    overlap: bool = True  # launch step n+1 before reading step n back; False: the plain loop
+    # launch step n+1 before reading step n back; False: the plain loop. None: on with a GPU, off on a CPU, where host
+    # and "device" are the same cores (nothing to overlap) and a new request's first token would wait one more step
+    overlap: bool | None = None
     trace: str | None = None  # a path we may write (str or os.PathLike): one JSON line per step goes there (plots.py)
     tensor_parallel_size: int = 1  # processes (GPUs) the model is split across (parallel.py)
     threads: int | None = None  # CPU: torch threads, at most os.cpu_count(); None: the cores others leave free
@@ -106,9 +112,10 @@ class EngineConfig:
         # The checks run in this order, so a config with several faults names the first of them.
         self._check_paths()
         self._check_numbers()
-        self._check_flags()
         self._check_choices()
         self._resolve_device()
+        self._choose_device_defaults()
+        self._check_flags()
         self._resolve_kernels()
         self._check_fp8_kv_cache_works()
         self._force_eager_where_graphs_cannot_run()
@@ -138,6 +145,14 @@ class EngineConfig:
         limits["gpu_memory_utilization"] = {"low": 0, "high": 1, "above_low": True}
         check_numbers(self, limits)
         self.seed = SamplingParams(seed=self.seed).seed
+
+    def _choose_device_defaults(self) -> None:
+        """overlap and the step budget, where not given: their best value differs between a GPU and a CPU."""
+        on_gpu = self.device == "cuda"
+        if self.overlap is None:
+            self.overlap = on_gpu
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = GPU_STEP_TOKENS if on_gpu else CPU_STEP_TOKENS
 
     def _check_flags(self) -> None:
         """The on/off fields are bools (a string "no" would be truthy)."""

@@ -837,7 +837,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     server_fields = list(fields(ServerConfig))
     for config_field in engine_fields + server_fields:
         flag = "--" + config_field.name.replace("_", "-")
-        if config_field.type is bool:
+        if bool in (config_field.type, *get_args(config_field.type)):
             parser.add_argument(flag, default=None, action=argparse.BooleanOptionalAction)  # --x and --no-x
         else:
             parser.add_argument(flag, default=None, type=flag_type(config_field.type))

@@ -311,7 +311,7 @@ def test_logit_bias_and_penalties_change_the_reply_as_offline(served):
     assert served_reply.choices[0].text == offline[0].outputs[0].text
 
 
-# ---- echo: the prompt's log-likelihood, as evaluation harnesses score choices ------------------------------------------
+# ---- echo: the prompt's log-likelihood, as evaluation harnesses score choices ----------------------------------------
 def test_echo_with_logprobs_equals_transformers_log_softmax(served):
     """Guards against echo being ignored (a harness scoring choices by their log-likelihood would read zeros) or its
     logprobs shifted by a position: echo=True, logprobs=2, max_tokens=0 returns the prompt's text and tokens, None for
