@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection, Iterator
-from dataclasses import Field, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from itertools import accumulate
 from types import FrameType
 from typing import TYPE_CHECKING, TypeVar, get_args
@@ -75,74 +75,30 @@ CLOSE = {"Connection": "close"}  # with a 408 or 413: the rest of the body is ne
 JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escaped quotes included
 NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # opening: +1, closing: -1 (as signed bytes)
-SAMPLING_FIELDS = (
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "min_tokens",
-    "ignore_eos",
-    "stop",
-    "stop_token_ids",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-)  # named alike in OpenAI's body (with vLLM's extras) and SamplingParams
+# Named alike in OpenAI's body (with vLLM's extras) and SamplingParams
+SAMPLING_FIELDS = """
+    n temperature top_p top_k min_p min_tokens ignore_eos stop stop_token_ids seed presence_penalty frequency_penalty
+    repetition_penalty include_stop_str_in_output skip_special_tokens
+""".split()
 # The body's fields. Honoured: SAMPLING_FIELDS and these. Anything in no table is refused, as OpenAI does.
-HONOURED = ("model", "max_tokens", "logprobs", "logit_bias", "stream", "stream_options", *SAMPLING_FIELDS)
-CHAT_HONOURED = ("messages", "max_completion_tokens", "top_logprobs", *HONOURED)
-COMPLETION_HONOURED = ("prompt", "echo", *HONOURED)
+HONOURED = "model max_tokens logprobs logit_bias stream stream_options".split() + SAMPLING_FIELDS
+CHAT_HONOURED = "messages max_completion_tokens top_logprobs".split() + HONOURED
+COMPLETION_HONOURED = "prompt echo".split() + HONOURED
 # Accepted and ignored: they change nothing the client gets (parallel_tool_calls: tools are refused; the prompt cache
 # is automatic and shared, so its key and retention are hints)
-IGNORED = (
-    "user",
-    "metadata",
-    "store",
-    "service_tier",
-    "safety_identifier",
-    "prompt_cache_key",
-    "prompt_cache_retention",
-    "prompt_cache_options",
-    "parallel_tool_calls",
-)
+IGNORED = """
+    user metadata store service_tier safety_identifier prompt_cache_key prompt_cache_retention prompt_cache_options
+    parallel_tool_calls
+""".split()
 # Known but not implemented yet (OpenAI's, then vLLM's extras): refused with a 400, unless the value asks for nothing
 NOT_IMPLEMENTED = dict.fromkeys(
-    (
-        "suffix",
-        "tools",
-        "functions",
-        "audio",
-        "prediction",
-        "reasoning_effort",
-        "verbosity",
-        "web_search_options",
-        "moderation",
-        "prompt_logprobs",
-        "allowed_token_ids",
-        "logits_processors",
-        "truncate_prompt_tokens",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "guided_decoding_backend",
-        "guided_whitespace_pattern",
-        "structural_tag",
-        "structured_outputs",
-        "chat_template",
-        "chat_template_kwargs",
-        "documents",
-        "mm_processor_kwargs",
-        "add_special_tokens",
-        "request_id",
-        "cache_salt",
-        "kv_transfer_params",
-        "vllm_xargs",
-    )
+    """
+    suffix tools functions audio prediction reasoning_effort verbosity web_search_options moderation
+    prompt_logprobs allowed_token_ids logits_processors truncate_prompt_tokens guided_json guided_regex guided_choice
+    guided_grammar guided_decoding_backend guided_whitespace_pattern structural_tag structured_outputs chat_template
+    chat_template_kwargs documents mm_processor_kwargs add_special_tokens request_id cache_salt kv_transfer_params
+    vllm_xargs
+    """.split()
 ) | {  # these values ask for nothing: what the engine does anyway
     "length_penalty": 1,
     "best_of": 1,
@@ -160,8 +116,8 @@ NOT_IMPLEMENTED = dict.fromkeys(
     "priority": 0,
 }
 RANGES = {"temperature": (0, 2), "frequency_penalty": (-2, 2), "presence_penalty": (-2, 2)}  # OpenAI's, inclusive
-GAUGES = ("running", "waiting", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_total", "prefix_hit_rate")
-COUNTERS = ("preemptions", "generated_tokens", "finished_requests", "prefix_hit_tokens", "prefix_queried_tokens")
+GAUGES = "running waiting kv_blocks_used kv_blocks_cached kv_blocks_total prefix_hit_rate".split()  # LLM.stats() keys
+COUNTERS = "preemptions generated_tokens finished_requests prefix_hit_tokens prefix_queried_tokens".split()
 
 
 @dataclass
@@ -191,8 +147,7 @@ class EngineLoop:
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
-        # (concurrent future, function, args), or None: stop
-        self.commands: queue.Queue[tuple[concurrent.futures.Future, Callable, tuple] | None] = queue.Queue()
+        self.commands = queue.Queue()  # (concurrent future, function, args), or None: stop
         self.sinks: dict[str, Sink] = {}  # request_id -> its sink, used on the engine thread only
         self.deadline: float | None = None  # set at shutdown (time.monotonic()): requests still open then fail
         self.thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
@@ -209,7 +164,7 @@ class EngineLoop:
         """One engine request per prompt: yields None once all are queued (bad input raises before a response
         starts), then (prompt index, output) as they come; aborts what is left if the client or the caller quits."""
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        outputs = asyncio.Queue()  # what sink gets: this request's outputs, or the exception that failed it
 
         def sink(out: RequestOutput | Exception) -> None:  # called on the engine thread: hand over to this loop
             loop.call_soon_threadsafe(outputs.put_nowait, out)
@@ -335,7 +290,7 @@ def text_length(value: object) -> int:
     if isinstance(value, str):
         return len(value)
     if isinstance(value, dict):
-        return sum(text_length(item) for item in value.values())
+        value = list(value.values())
     if isinstance(value, list):  # nested at most MAX_JSON_DEPTH deep: the recursion is bounded
         return sum(text_length(item) for item in value)
     return 0
@@ -365,7 +320,7 @@ def check_fields(body: dict, chat: bool) -> None:
     for name in field(body, "stream_options", dict, {}):
         if name != "include_usage":
             raise InvalidField(f"stream_options.{name}", "nanoserve does not implement this field yet")
-    if field(body, "echo", bool, False) and field(body, "stream", bool, False):
+    if body.get("echo") and body.get("stream"):  # either not a bool is refused by name later, too
         raise InvalidField("echo", "nanoserve does not implement echo in a stream yet")
     if chat and body.get("top_logprobs") is not None and body.get("logprobs") is not True:
         raise InvalidField("top_logprobs", "needs logprobs: true")
@@ -384,10 +339,13 @@ def message_text(content: list, name: str) -> str:
     return "\n".join(texts)
 
 
-def normalized(messages: list) -> list:
+def normalized(messages: object) -> object:
     """Messages in any form of OpenAI's chat API as the engine takes them: content parts joined into one text, and an
     assistant turn with content null (it made tool_calls) given "" as content. Other keys (name, tool_calls,
-    tool_call_id) go to the chat template as they are; the engine checks roles and text."""
+    tool_call_id) go to the chat template as they are; the engine checks roles and text, and refuses anything that is
+    not a conversation (a list of messages) as "messages"."""
+    if not isinstance(messages, list):
+        return messages
     out = []
     for i, message in enumerate(messages):
         if isinstance(message, dict):
@@ -438,13 +396,10 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
     string temperature or a negative one with the same code as the offline API."""
     kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
     # max_tokens: by default, the whole context (chat) or OpenAI's 16 (completions)
+    kwargs["max_tokens"] = max_model_len if chat else COMPLETION_MAX_TOKENS
     given = max_tokens_field(body, chat)
     if given is not None:
         kwargs["max_tokens"] = body[given]
-    elif chat:
-        kwargs["max_tokens"] = max_model_len
-    else:
-        kwargs["max_tokens"] = COMPLETION_MAX_TOKENS
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = token_id_keys(field(body, "logit_bias", dict, {}))
     if not chat:  # `logprobs` is how many alternatives; with echo, of the prompt's tokens too
@@ -458,15 +413,12 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
         kwargs["logprobs"] = None
     try:
         params = SamplingParams(**kwargs)
-    except InvalidField as e:
+        # OpenAI's caps: each alternative costs a decode and a JSON entry per token (a 49,152 would build megabytes)
+        cap = MAX_TOP_LOGPROBS if chat else MAX_COMPLETION_LOGPROBS
+        if params.logprobs is not None and params.logprobs > cap:
+            raise InvalidField("logprobs", f"{params.logprobs} is over {cap}, OpenAI's limit")
+    except InvalidField as e:  # under the client's name: chat's `logprobs` count is its top_logprobs
         raise client_named(e, body, chat) from None
-    # OpenAI's caps: each alternative costs a decode and a JSON entry per token (a 49,152 would build megabytes)
-    if chat:
-        name, cap = "top_logprobs", MAX_TOP_LOGPROBS
-    else:
-        name, cap = "logprobs", MAX_COMPLETION_LOGPROBS
-    if params.logprobs is not None and params.logprobs > cap:
-        raise InvalidField(name, f"{params.logprobs} is over {cap}, OpenAI's limit")
     return params
 
 
@@ -542,7 +494,7 @@ def choice_json(
     else:
         text, token_ids = completion.text, completion.token_ids
     first = len(completion.token_ids) - len(token_ids)  # where these tokens start in the completion
-    token_logprobs = None if completion.logprobs is None else completion.logprobs[first:]
+    token_logprobs = completion.logprobs and completion.logprobs[first:]  # None: no logprobs asked for
     if echo is not None:
         text = tokenizer.decode(echo.prompt_token_ids) + text
         token_ids = echo.prompt_token_ids + token_ids
@@ -637,7 +589,7 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
         chat = http.url.path.endswith("/chat/completions")
         body = await read_json(http, config)
         if not isinstance(body, dict):
-            return error_response(400, "the body must be a JSON object")
+            raise ValueError("the body must be a JSON object")
         check_fields(body, chat)
         if body.get("model") is not None and body["model"] != model_name:
             return error_response(
@@ -647,27 +599,23 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
                 "model_not_found",
             )
         params = sampling_params(body, chat, llm.config.max_model_len)
-        loop = asyncio.get_running_loop()
-        if chat:
-            messages = body.get("messages")  # one conversation (chat_prompts would also take a list of them)
-            if isinstance(messages, list) and messages and isinstance(messages[0], dict):
-                messages = normalized(messages)
-            else:
-                messages = None  # not one conversation: refused as "messages"
-            check_cost([messages], params, "messages")
-            # tokenized on the executor, as below: the engine thread, and with it every stream, does not wait for it
-            prompts = await loop.run_in_executor(None, llm.chat_prompts, messages)
+        prompt_field = "messages" if chat else "prompt"
+        if chat:  # one conversation, as a list of one: chat_prompts takes a list of conversations
+            prompts = [normalized(body.get("messages"))]
+            to_ids = llm.chat_prompts
         else:  # a string, token ids, or a list of either; the engine refuses anything else as "prompt"
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompts = prompt  # a list of prompts
             else:
                 prompts = [prompt]  # one prompt: text or token ids
-            check_cost(prompts, params, "prompt")
-            prompts = await loop.run_in_executor(None, tokenize, prompts)
+            to_ids = tokenize
+        check_cost(prompts, params, prompt_field)
+        # tokenized on the executor: the engine thread, and with it every stream, does not wait for it
+        prompts = await asyncio.get_running_loop().run_in_executor(None, to_ids, prompts)
         # chat's default max_tokens, the whole context, means as much as fits; any other is checked against it
         if not chat or max_tokens_field(body, chat) is not None:
-            check_context(prompts, params.max_tokens, llm.config.max_model_len, "messages" if chat else "prompt")
+            check_context(prompts, params.max_tokens, llm.config.max_model_len, prompt_field)
         return await serve(http, body, chat, params, prompts)
 
     def authorize(http: Request) -> None:
@@ -695,6 +643,7 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
         stream = field(body, "stream", bool, False)
         options = field(body, "stream_options", dict, {})
         usage = field(options, "include_usage", bool, False)  # checked before anything is queued
+        echo = field(body, "echo", bool, False)  # never in a stream: check_fields refuses it
         results = engine.generate(http, prompts, params, stream)
         try:
             await anext(results)  # queues every prompt, or raises why not
@@ -712,60 +661,46 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
             "created": int(time.time()),
             "model": model_name,
         }
-        if stream:
-            return StreamingResponse(
-                stream_chunks(results, head, chat, params, len(prompts), usage), media_type="text/event-stream"
+
+        def choice(index: int, out: RequestOutput, sample: CompletionOutput) -> dict:
+            """One sample of prompt `index` as a choice; OpenAI numbers them prompt x n + sample."""
+            choice_index = index * params.n + sample.index
+            return choice_json(
+                llm.tokenizer, chat, stream, choice_index, sample, params.logprobs, out if echo else None
             )
+
+        async def chunks() -> AsyncIterator[str]:
+            """A chunk per choice with new tokens (finish_reason rides on a choice's last), the usage if asked,
+            [DONE]."""
+            finals = {}  # prompt index -> its final output
+            try:
+                async for index, out in results:
+                    if out.finished:
+                        finals[index] = out
+                    for sample in out.outputs:
+                        if sample.token_ids_delta:
+                            chunk = {**head, "choices": [choice(index, out, sample)]}
+                            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            except RuntimeError as e:  # the engine failed, or shutdown came, after the 200: say so in the stream
+                yield f"data: {error_response(500, str(e)).body.decode()}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            if len(finals) < len(prompts):
+                return  # the client went away
+            if usage:
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage_json(finals.values())})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        if stream:
+            return StreamingResponse(chunks(), media_type="text/event-stream")
         finals = {index: out async for index, out in results if out.finished}  # prompt index -> its final output
         if len(finals) < len(prompts):
             return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads this
-        echo = field(body, "echo", bool, False)
         if echo and body.get("max_tokens") == 0:  # the prompt's logprobs only: the one token run for them is dropped
             for out in finals.values():
                 out.outputs = [replace(s, text="", token_ids=[], logprobs=s.logprobs and []) for s in out.outputs]
-        choices = [
-            choice_json(
-                llm.tokenizer,
-                chat,
-                False,
-                index * params.n + sample.index,
-                sample,
-                params.logprobs,
-                out if echo else None,
-            )
-            for index, out in sorted(finals.items())
-            for sample in out.outputs
-        ]  # OpenAI: index = prompt x n + sample
+        choices = [choice(index, out, sample) for index, out in sorted(finals.items()) for sample in out.outputs]
         return {**head, "choices": choices, "usage": usage_json(finals.values())}
-
-    async def stream_chunks(
-        results: AsyncIterator[tuple[int, RequestOutput]],
-        head: dict,
-        chat: bool,
-        params: SamplingParams,
-        num_prompts: int,
-        usage: bool,
-    ) -> AsyncIterator[str]:
-        """A chunk per choice with new tokens (finish_reason rides on a choice's last), the usage if asked, [DONE]."""
-        finals = {}  # prompt index -> its final output
-        try:
-            async for index, out in results:
-                if out.finished:
-                    finals[index] = out
-                for sample in out.outputs:
-                    if sample.token_ids_delta:
-                        choice_index = index * params.n + sample.index  # OpenAI: prompt x n + sample
-                        choice = choice_json(llm.tokenizer, chat, True, choice_index, sample, params.logprobs)
-                        yield f"data: {json.dumps({**head, 'choices': [choice]}, ensure_ascii=False)}\n\n"
-        except RuntimeError as e:  # the engine failed, or shutdown came, after the 200: say so in the stream
-            yield f"data: {error_response(500, str(e)).body.decode()}\n\n"
-            yield "data: [DONE]\n\n"
-            return
-        if len(finals) < num_prompts:
-            return  # the client went away
-        if usage:
-            yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage_json(finals.values())})}\n\n"
-        yield "data: [DONE]\n\n"
 
     return app
 
@@ -774,8 +709,8 @@ class Server(uvicorn.Server):
     """uvicorn's server, with a bounded drain at shutdown and a second Ctrl+C that exits at once."""
 
     def __init__(self, app: FastAPI, host: str, port: int, log_level: str | None = None) -> None:
-        self.engine: EngineLoop = app.state.engine
-        self.shutdown_timeout: float = app.state.config.shutdown_timeout
+        self.engine = app.state.engine  # an EngineLoop
+        self.shutdown_timeout = app.state.config.shutdown_timeout
         grace = self.shutdown_timeout + SHUTDOWN_GRACE_S  # then uvicorn cancels whatever still runs
         super().__init__(uvicorn.Config(app, host, port, log_level=log_level, timeout_graceful_shutdown=grace))
 
@@ -820,33 +755,33 @@ def flag_type(annotation: type) -> type:
     return str
 
 
-def given(args: argparse.Namespace, config_fields: list[Field]) -> dict:
-    """The fields given on the command line; one left out keeps its dataclass's default."""
-    return {f.name: getattr(args, f.name) for f in config_fields if getattr(args, f.name) is not None}
-
-
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """The command line: every EngineConfig and ServerConfig field is a flag; one left out keeps its default. prog:
     the command's name in --help (`nanoserve serve` from cli.py)."""
-    parser = argparse.ArgumentParser(prog, description="nanoserve's OpenAI-compatible server")
+    # argument_default=SUPPRESS: a flag left out is missing from the parsed arguments, so its field keeps its default
+    parser = argparse.ArgumentParser(
+        prog, description="nanoserve's OpenAI-compatible server", argument_default=argparse.SUPPRESS
+    )
     parser.add_argument("--model", help="HF model directory or hub id (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default=LOCALHOST, help="0.0.0.0 serves every interface")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--served-model-name", help="the `model` clients ask for (default: --model)")
-    engine_fields = [config_field for config_field in fields(EngineConfig) if config_field.name != "model"]
-    server_fields = list(fields(ServerConfig))
-    for config_field in engine_fields + server_fields:
+    parser.add_argument("--served-model-name", default=None, help="the `model` clients ask for (default: --model)")
+    server_fields = fields(ServerConfig)
+    for config_field in fields(EngineConfig) + server_fields:
+        if config_field.name == "model":
+            continue  # its flag, with its help, is above
         flag = "--" + config_field.name.replace("_", "-")
         if config_field.type is bool:
-            parser.add_argument(flag, default=None, action=argparse.BooleanOptionalAction)  # --x and --no-x
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction)  # --x and --no-x
         else:
-            parser.add_argument(flag, default=None, type=flag_type(config_field.type))
-    args = parser.parse_args(argv)
-    args.api_key = args.api_key or os.environ.get(API_KEY_ENV)
+            parser.add_argument(flag, type=flag_type(config_field.type))
+    parser.set_defaults(api_key=os.environ.get(API_KEY_ENV))  # the key from the environment, unless --api-key
+    args = vars(parser.parse_args(argv))
+    host, port, model_name = args.pop("host"), args.pop("port"), args.pop("served_model_name")
+    config = ServerConfig(**{f.name: args.pop(f.name) for f in server_fields if f.name in args})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    config = ServerConfig(**given(args, server_fields))
-    llm = LLM(args.model, **given(args, engine_fields))
-    server = Server(build_app(llm, args.served_model_name, config), args.host, args.port)
+    llm = LLM(**args)  # what is left: the EngineConfig fields given, --model among them
+    server = Server(build_app(llm, model_name, config), host, port)
     with contextlib.suppress(KeyboardInterrupt):  # after a Ctrl+C's drain, uvicorn raises it again
         server.run()
 
