@@ -8,6 +8,7 @@ token each): a small max_num_batched_tokens cuts a long prompt into chunks that 
 and waiting queues. block_tables.png: the first sequences' block tables, one cell per physical block labelled with its
 id; orange cells are shared through the prefix cache (one copy of a common prefix, computed once)."""
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -147,17 +148,19 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
             tables[q["id"]] = max(tables.get(q["id"], []), q["block_table"], key=len)
     ids, rows = list(tables), [t[:MAX_CELLS] for t in tables.values()]
     width = max(map(len, rows), default=1)
-    grid = np.array([[0.0] * len(t) + [np.nan] * (width - len(t)) for t in rows]).reshape(-1, width)  # 1: shared
-    for i, j in ((i, j) for i in range(len(rows)) for j in range(len(rows)) if i != j):
-        n = next(
-            (k for k, (u, v) in enumerate(zip(rows[i], rows[j], strict=False)) if u != v),
-            min(len(rows[i]), len(rows[j])),
-        )
-        grid[i, : min(n, max(hits[ids[i]], hits[ids[j]]))] = 1  # same blocks, found in the cache
+    grid = np.full((len(rows), width), np.nan)  # per cell: 0 private, 1 shared, NaN past the table's end
+    for i, row in enumerate(rows):
+        grid[i, : len(row)] = 0
+        for j, block in enumerate(row):  # each cell labelled with its physical block id
+            ax.text(j + 0.5, i + 0.5, str(block), ha="center", va="center", fontsize=9 if width <= 16 else 6)
+    # Row i's block k is shared when another row holds the same blocks up to k, and one of the two found them cached
+    for i, j in itertools.permutations(range(len(rows)), 2):
+        for k in range(min(len(rows[i]), len(rows[j]), max(hits[ids[i]], hits[ids[j]]))):
+            if rows[i][k] != rows[j][k]:
+                break
+            grid[i, k] = 1
     colors = pyplot().matplotlib.colors.ListedColormap(["lightsteelblue", "orange"])  # private, shared
     ax.pcolormesh(np.ma.masked_invalid(grid), cmap=colors, vmin=0, vmax=1, edgecolors="white", linewidth=3)
-    for i, j in np.argwhere(~np.isnan(grid)):
-        ax.text(j + 0.5, i + 0.5, str(rows[i][j]), ha="center", va="center", fontsize=9 if width <= 16 else 6)
     ax.set_xticks(np.arange(width) + 0.5, range(width))
     ax.set_yticks(np.arange(len(rows)) + 0.5, [f"seq {i}" for i in ids])
     ax.set(
@@ -172,8 +175,8 @@ def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
     steps = [json.loads(line) for line in Path(trace_path).read_text().splitlines() if line.strip()]
     plt = pyplot()
     out_dir = Path(out_dir)
-    paths = []
     out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
     for name, draw, panels in (
         ("kv_blocks", plot_kv_blocks, 1),
         ("batches", plot_batches, 2),
@@ -183,7 +186,7 @@ def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
         draw(steps, *axes[:, 0])
         for ax in axes[:, 0] if name != "block_tables" else []:  # the block tables' colours are in their title
             ax.legend(loc="upper right", fontsize=8)
-        fig.savefig(out_dir / f"{name}.png", dpi=100)
-        plt.close(fig)
         paths.append(out_dir / f"{name}.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
     return paths
