@@ -13,10 +13,10 @@ ServerConfig.shutdown_timeout seconds to finish and then fail (a stream ends wit
 Ctrl+C exits at once.
 
 Every field of a body is honoured or refused by name (the tables below): a client never silently gets less than it
-asked for. A field the engine does not implement yet (penalties, logit_bias, tools, structured outputs) is refused
-with a 400 naming it, unless its value asks for nothing (frequency_penalty 0); an unknown one is refused as OpenAI
-does; metadata that changes nothing the client gets (user, store) is accepted. With ServerConfig.api_key set, every
-/v1 request needs `Authorization: Bearer KEY`."""
+asked for. A field the engine does not implement yet (tools, structured outputs, beam search) is refused with a
+400 naming it, unless its value asks for nothing (best_of 1); an unknown one is refused as OpenAI does; metadata that
+changes nothing the client gets (user, store) is accepted. With ServerConfig.api_key set, every /v1 request needs
+`Authorization: Bearer KEY`."""
 
 import argparse
 import asyncio
@@ -78,10 +78,10 @@ BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # opening: +1, cl
 # Named alike in OpenAI's body (with vLLM's extras) and SamplingParams
 SAMPLING_FIELDS = """
     n temperature top_p top_k min_p min_tokens ignore_eos stop stop_token_ids seed presence_penalty frequency_penalty
-    repetition_penalty include_stop_str_in_output skip_special_tokens
+    repetition_penalty logit_bias include_stop_str_in_output skip_special_tokens
 """.split()
 # The body's fields. Honoured: SAMPLING_FIELDS and these. Anything in no table is refused, as OpenAI does.
-HONOURED = "model max_tokens logprobs logit_bias stream stream_options".split() + SAMPLING_FIELDS
+HONOURED = "model max_tokens logprobs stream stream_options".split() + SAMPLING_FIELDS
 CHAT_HONOURED = "messages max_completion_tokens top_logprobs".split() + HONOURED
 COMPLETION_HONOURED = "prompt echo".split() + HONOURED
 # Accepted and ignored: they change nothing the client gets (parallel_tool_calls: tools are refused; the prompt cache
@@ -115,7 +115,8 @@ NOT_IMPLEMENTED = dict.fromkeys(
     "return_token_ids": False,
     "priority": 0,
 }
-RANGES = {"temperature": (0, 2), "frequency_penalty": (-2, 2), "presence_penalty": (-2, 2)}  # OpenAI's, inclusive
+# OpenAI's ranges, inclusive, where SamplingParams allows more (it holds the penalties to OpenAI's [-2, 2] itself)
+RANGES = {"temperature": (0, 2)}
 GAUGES = "running waiting kv_blocks_used kv_blocks_cached kv_blocks_total prefix_hit_rate".split()  # LLM.stats() keys
 COUNTERS = "preemptions generated_tokens finished_requests prefix_hit_tokens prefix_queried_tokens".split()
 
@@ -384,13 +385,6 @@ def client_named(error: InvalidField, body: dict, chat: bool) -> InvalidField:
     return InvalidField(names.get(error.field, error.field), error.problem)
 
 
-def token_id_keys(bias: dict) -> dict:
-    """OpenAI's logit_bias, {"token id as a string": bias}, as SamplingParams takes it: integer keys."""
-    if not all(isinstance(key, str) and key.isdecimal() for key in bias):
-        raise InvalidField("logit_bias", 'keys must be token ids written as decimal strings, e.g. {"50256": -100}')
-    return {int(key): value for key, value in bias.items()}
-
-
 def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParams:
     """SamplingParams from an OpenAI body. SamplingParams checks every type and range, so the server refuses a
     string temperature or a negative one with the same code as the offline API."""
@@ -400,8 +394,9 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
     given = max_tokens_field(body, chat)
     if given is not None:
         kwargs["max_tokens"] = body[given]
-    if body.get("logit_bias") is not None:
-        kwargs["logit_bias"] = token_id_keys(field(body, "logit_bias", dict, {}))
+    bias = kwargs.get("logit_bias")
+    if isinstance(bias, dict):  # JSON's keys are strings: OpenAI's token ids come as "50256"; others are refused
+        kwargs["logit_bias"] = {int(key) if key.isdecimal() else key: value for key, value in bias.items()}
     if not chat:  # `logprobs` is how many alternatives; with echo, of the prompt's tokens too
         kwargs["logprobs"] = body.get("logprobs")
         if field(body, "echo", bool, False):
