@@ -109,18 +109,20 @@ def pyplot() -> ModuleType:
 
 
 def plot_kv_blocks(steps: list[dict], ax: "Axes") -> None:
-    x, b = [s["step"] for s in steps], [s["blocks"] for s in steps]  # "free" counts the cached blocks too
+    x = [s["step"] for s in steps]
+    # per step; "free" counts the cached blocks too
+    used, cached, free = np.array([[s["blocks"][key] for key in ("used", "cached", "free")] for s in steps]).T
     ax.stackplot(
         x,
-        [c["used"] for c in b],
-        [c["cached"] for c in b],
-        [c["free"] - c["cached"] for c in b],
+        used,
+        cached,
+        free - cached,
         labels=["used", "cached (free, prefix kept)", "free"],
         colors=["tab:blue", "tab:orange", "0.9"],
     )
     for i, s in enumerate(s for s in steps if s["preempted"]):
         ax.axvline(s["step"], color="red", lw=0.8, ls="--", label=None if i else "preemption")
-    total, top = b[0]["used"] + b[0]["free"], max(c["used"] + c["cached"] for c in b)
+    total, top = used[0] + free[0], max(used + cached)
     ax.set_ylim(0, min(total, 2 * top + 4))  # in a big pool, the free blocks above this are cut off
     ax.set(xlabel="step", ylabel="KV blocks", title=f"KV block pool after each step (of {total} blocks)")
 

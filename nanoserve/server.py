@@ -372,15 +372,15 @@ def check_context(prompts: list[list[int]], max_tokens: int, max_model_len: int,
             )
 
 
-def max_tokens_field(body: dict, chat: bool) -> str | None:
-    """The body's field that gives max_tokens (chat's newer name, max_completion_tokens, first); None: neither."""
-    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-    return next((name for name in names if body.get(name) is not None), None)
+def max_tokens_field(body: dict) -> str | None:
+    """The body's field that gives max_tokens (chat's newer name, max_completion_tokens, first: check_fields refuses it
+    in a completions body); None: neither."""
+    return next((name for name in ("max_completion_tokens", "max_tokens") if body.get(name) is not None), None)
 
 
 def client_named(error: InvalidField, body: dict, chat: bool) -> InvalidField:
     """The error under the client's name for the field: chat calls three engine fields differently."""
-    max_tokens = max_tokens_field(body, chat) or "max_tokens"
+    max_tokens = max_tokens_field(body) or "max_tokens"
     names = {"max_tokens": max_tokens, "logprobs": "top_logprobs", "prompt": "messages"} if chat else {}
     return InvalidField(names.get(error.field, error.field), error.problem)
 
@@ -391,7 +391,7 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
     kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
     # max_tokens: by default, the whole context (chat) or OpenAI's 16 (completions)
     kwargs["max_tokens"] = max_model_len if chat else COMPLETION_MAX_TOKENS
-    given = max_tokens_field(body, chat)
+    given = max_tokens_field(body)
     if given is not None:
         kwargs["max_tokens"] = body[given]
     bias = kwargs.get("logit_bias")
@@ -404,8 +404,6 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
             kwargs["max_tokens"] = max(kwargs["max_tokens"], 1)  # 0: the prompt's logprobs only (one token, dropped)
     elif field(body, "logprobs", bool, False):  # chat: `logprobs` says whether, `top_logprobs` how many
         kwargs["logprobs"] = body.get("top_logprobs") or 0
-    else:
-        kwargs["logprobs"] = None
     try:
         params = SamplingParams(**kwargs)
         # OpenAI's caps: each alternative costs a decode and a JSON entry per token (a 49,152 would build megabytes)
@@ -609,7 +607,7 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
         # tokenized on the executor: the engine thread, and with it every stream, does not wait for it
         prompts = await asyncio.get_running_loop().run_in_executor(None, to_ids, prompts)
         # chat's default max_tokens, the whole context, means as much as fits; any other is checked against it
-        if not chat or max_tokens_field(body, chat) is not None:
+        if not chat or max_tokens_field(body) is not None:
             check_context(prompts, params.max_tokens, llm.config.max_model_len, prompt_field)
         return await serve(http, body, chat, params, prompts)
 
@@ -724,11 +722,10 @@ class Server(uvicorn.Server):
 
 
 @contextlib.contextmanager
-def serve_in_background(
-    llm: LLM, host: str = LOCALHOST, port: int = 0, model_name: str | None = None, config: ServerConfig | None = None
-) -> Iterator[str]:
-    """Serve llm from a thread (tests, benchmarks); yields the base URL "http://host:port/v1" (port 0: any free)."""
-    server = Server(build_app(llm, model_name, config), host, port, log_level="warning")
+def serve_in_background(llm: LLM, config: ServerConfig | None = None) -> Iterator[str]:
+    """Serve llm from a thread (tests, benchmarks) on a free port of 127.0.0.1; yields the base URL
+    "http://127.0.0.1:PORT/v1"."""
+    server = Server(build_app(llm, config=config), LOCALHOST, 0, log_level="warning")  # port 0: any free one
     thread = threading.Thread(target=server.run, name="nanoserve-http", daemon=True)
     thread.start()
     while not server.started and thread.is_alive():  # started: the engine thread runs and the socket listens
@@ -736,7 +733,7 @@ def serve_in_background(
     if not server.started:
         raise RuntimeError("the server did not start (see uvicorn's log)")
     try:
-        yield f"http://{host}:{server.servers[0].sockets[0].getsockname()[1]}/v1"
+        yield f"http://{LOCALHOST}:{server.servers[0].sockets[0].getsockname()[1]}/v1"
     finally:
         server.should_exit = True  # then the drain: open requests get config.shutdown_timeout to finish
         thread.join()
