@@ -174,7 +174,7 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
 
 def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
     """Write kv_blocks.png, batches.png and block_tables.png for the trace into out_dir; returns their paths."""
-    steps = [json.loads(line) for line in Path(trace_path).read_text().splitlines() if line.strip()]
+    steps = [json.loads(line) for line in Path(trace_path).read_text().splitlines()]
     plt = pyplot()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -214,11 +214,9 @@ class EngineLoop:
         """One engine step; each output goes to its request's sink."""
         try:
             for out in self.llm.step():
-                if out.finished:
-                    sink = self.sinks.pop(out.request_id)  # its last output: the sink is dropped
-                else:
-                    sink = self.sinks[out.request_id]
-                sink(out)
+                self.sinks[out.request_id](out)
+                if out.finished:  # its last output: the sink is dropped
+                    del self.sinks[out.request_id]
         except Exception as error:  # a bug or a device error: every request in flight fails; the server serves on
             logging.getLogger(__name__).exception("an engine step failed; failing the requests in flight")
             for request_id, sink in list(self.sinks.items()):
@@ -261,14 +259,12 @@ async def read_body(http: Request, max_bytes: int) -> bytes:
     too_large = HTTPException(413, f"the body is over {max_bytes} bytes", CLOSE)
     if int(http.headers.get("content-length", 0)) > max_bytes:  # the server has checked it is a number
         raise too_large
-    chunks = []
-    size = 0
+    body = bytearray()
     async for chunk in http.stream():
-        size += len(chunk)
-        if size > max_bytes:
+        body += chunk
+        if len(body) > max_bytes:
             raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return bytes(body)
 
 
 async def read_json(http: Request, config: ServerConfig) -> object:
@@ -584,7 +580,7 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
         if not isinstance(body, dict):
             raise ValueError("the body must be a JSON object")
         check_fields(body, chat)
-        if body.get("model") is not None and body["model"] != model_name:
+        if body.get("model") not in (None, model_name):
             return error_response(
                 404,
                 f"model {body['model']!r} does not exist; this server has {model_name!r}",
