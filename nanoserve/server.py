@@ -289,7 +289,7 @@ def text_length(value: object) -> int:
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, list):  # nested at most MAX_JSON_DEPTH deep: the recursion is bounded
-        return sum(text_length(item) for item in value)
+        return sum(map(text_length, value))
     return 0
 
 
@@ -305,7 +305,8 @@ def field(body: dict, name: str, kind: type[T], default: T) -> T:
 
 def check_fields(body: dict, chat: bool) -> None:
     """Every field of the body is honoured, ignorable, or refused by name: unknown, out of OpenAI's range, or not
-    implemented yet (a value that asks for nothing, such as frequency_penalty 0, is fine). stream_options too."""
+    implemented yet (a value that asks for nothing, such as best_of 1, is fine). stream_options too. The honoured
+    fields' types and ranges are SamplingParams' to check (sampling_params), except OpenAI's narrower RANGES."""
     known = (CHAT_HONOURED if chat else COMPLETION_HONOURED) + IGNORED
     for name, value in body.items():
         if name not in known and name not in NOT_IMPLEMENTED:
@@ -474,7 +475,7 @@ def choice_json(
     index: int,
     completion: CompletionOutput,
     num_top: int | None,
-    echo: RequestOutput | None = None,
+    echo: RequestOutput | None,
 ) -> dict:
     """A choice: the whole completion, or in a stream its new text and tokens (a chat stream names the role first).
     With `echo` (completions, not streamed): the prompt's text and tokens, and their logprobs, before the completion."""
