@@ -109,24 +109,6 @@ def _store_kv_kernel(
 
 
 @triton.jit
-def _online_softmax_step(row_max, row_sum, acc, q, k, v, visible, qk_scale, MASKED: tl.constexpr):
-    """Fold one key tile into the running softmax of each query row (flash attention).
-    row_max [M] running max score, row_sum [M] running sum of exp2(score - row_max), acc [M, HEAD_DIM] fp32
-    unnormalised output; q [M, HEAD_DIM], k and v [N, HEAD_DIM] in the cache's dtype (fp8 ones are widened to
-    q's, exactly), visible [M, N] (or broadcastable) which keys each row may see, read only if MASKED. Every row must
-    see a key by its first tile, or its max stays -inf and the rescale is NaN. Returns (row_max, row_sum, acc)."""
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale  # [M, N] log2 units; fp32 not tf32
-    if MASKED:
-        s = tl.where(visible, s, float("-inf"))
-    new_max = tl.maximum(row_max, tl.max(s, 1))
-    alpha = tl.exp2(row_max - new_max)  # rescales what was summed under the old max
-    p = tl.exp2(s - new_max[:, None])  # [M, N] this tile's weights under the new max
-    row_sum = row_sum * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
-    return new_max, row_sum, acc
-
-
-@triton.jit
 def _attend_key_tiles(
     row_max,
     row_sum,
@@ -148,15 +130,19 @@ def _attend_key_tiles(
     TILE_N: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """Fold the keys of one sequence at positions [start, end), TILE_N at a time, into the running softmax of q's
-    rows (_online_softmax_step); returns (row_max, row_sum, acc). Each key position looks up its own block in the
-    sequence's block table, so a tile may span several small blocks or part of a big one.
+    """Fold the keys of one sequence at positions [start, end), TILE_N at a time, into the running softmax of each of
+    q's rows (flash attention); returns the new (row_max, row_sum, acc).
+    row_max [M] running max score, row_sum [M] running sum of exp2(score - row_max), acc [M, HEAD_DIM] fp32
+    unnormalised output; q [M, HEAD_DIM]. K/V tiles come in the cache's dtype and are widened to q's (exact for fp8).
+    Each key position looks up its own block in the sequence's block table, so a tile may span several small blocks
+    or part of a big one.
     MASKED: row i sees the keys at positions <= last_key[i] (last_key: [M, 1], or one scalar for every row), and
     positions >= end load 0, since their slots may hold garbage and 0 * garbage can be NaN. Unmasked, for keys known
-    to lie below end and below every row's last key, no load is predicated and every key is seen."""
+    to lie below end and below every row's last key, no load is predicated and every key is seen. Every row must see
+    a key by its first tile, or its max stays -inf and the rescale is NaN."""
     for n in range(start, end, TILE_N):
         pos = n + tl.arange(0, TILE_N)  # [TILE_N] key positions
-        # [TILE_N, HEAD_DIM] offsets in the caches, of which the blocks' come next
+        # [TILE_N, HEAD_DIM] offsets of the keys within their blocks; the blocks' own offsets are added next
         offs = tl.arange(0, HEAD_DIM)[None, :] + kv_head * stride_ch + (pos % BLOCK_SIZE)[:, None] * stride_cs
         if MASKED:
             valid = pos < end
@@ -164,12 +150,20 @@ def _attend_key_tiles(
             offs += block[:, None] * stride_cb
             k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
             v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
+            visible = pos[None, :] <= last_key  # [M, TILE_N] or [1, TILE_N]
         else:
             offs += tl.load(block_table_ptr + pos // BLOCK_SIZE).to(tl.int64)[:, None] * stride_cb
             k = tl.load(k_cache_ptr + offs)
             v = tl.load(v_cache_ptr + offs)
-        visible = pos[None, :] <= last_key  # [M, TILE_N] or [1, TILE_N]; unmasked, unused (and compiled away)
-        row_max, row_sum, acc = _online_softmax_step(row_max, row_sum, acc, q, k, v, visible, qk_scale, MASKED)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale  # [M, N] log2 units; fp32 not tf32
+        if MASKED:
+            s = tl.where(visible, s, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(s, 1))
+        alpha = tl.exp2(row_max - new_max)  # rescales what was summed under the old max
+        p = tl.exp2(s - new_max[:, None])  # [M, N] this tile's weights under the new max
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+        row_max = new_max
     return row_max, row_sum, acc
 
 
@@ -206,11 +200,10 @@ def _prefill_kernel(
     ctx = tl.load(context_lens_ptr + seq)
     rows = tile * TILE_M + tl.arange(0, TILE_M)  # [TILE_M] query index within the sequence
     q_pos = ctx - q_len + rows  # the queries are the sequence's last tokens
+    real_rows = (rows < q_len)[:, None]  # [TILE_M, 1]: rows past the sequence's last query are padding
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(
-        q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
-        mask=(rows < q_len)[:, None],
-        other=0.0,
+        q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :], mask=real_rows, other=0.0
     )  # [TILE_M, HEAD_DIM]
     # the online softmax's running state per query row: max score, sum of exp2(score - max), unnormalised output
     row_max = tl.full([TILE_M], float("-inf"), tl.float32)
@@ -269,7 +262,7 @@ def _prefill_kernel(
     tl.store(
         out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
         (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty),
-        mask=(rows < q_len)[:, None],
+        mask=real_rows,
     )
 
 
@@ -309,10 +302,11 @@ def _decode_split_kernel(
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)  # <= start: the split lies past the context and stays empty
     g = tl.arange(0, GROUP_PAD)
-    heads = kv_head * GROUP + g  # [GROUP_PAD] query heads; rows g >= GROUP are padding
+    heads = kv_head * GROUP + g  # [GROUP_PAD] query heads
+    real_rows = g < GROUP  # [GROUP_PAD]: rows g >= GROUP are padding
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(
-        q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0
+        q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=real_rows[:, None], other=0.0
     )  # [GROUP_PAD, HEAD_DIM]
     # the online softmax's running state per query head: max score, sum of exp2(score - max), unnormalised output
     row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -345,8 +339,8 @@ def _decode_split_kernel(
     out = acc / row_sum[:, None]
     # partials are contiguous: part_lse [num_seqs, num_heads, num_splits], part_out [..., HEAD_DIM]
     row = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split  # [GROUP_PAD]
-    tl.store(part_lse_ptr + row, lse, mask=g < GROUP)
-    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=(g < GROUP)[:, None])
+    tl.store(part_lse_ptr + row, lse, mask=real_rows)
+    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=real_rows[:, None])
 
 
 @triton.jit
@@ -478,7 +472,7 @@ def _launch_decode(args: tuple, shape: dict, out: Tensor, meta: AttentionMetadat
     num_seqs, num_kv_heads = meta.context_lens.shape[0], k_cache.shape[2]
     num_splits = decode_splits(num_seqs, num_kv_heads, _num_sms(out.device))
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=out.device)
-    part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=out.device)
+    part_lse = torch.empty(part_out.shape[:3], dtype=torch.float32, device=out.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         *args,
         part_out,
