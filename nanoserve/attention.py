@@ -367,11 +367,12 @@ def _decode_reduce_kernel(
     num_splits = stride_ph // HEAD_DIM
     s, d = tl.arange(0, MAX_SPLITS), tl.arange(0, HEAD_DIM)
     row = (seq * tl.num_programs(1) + head) * num_splits + s  # [MAX_SPLITS]
-    lse = tl.load(part_lse_ptr + row, mask=s < num_splits, other=float("-inf"))
+    real_splits = s < num_splits  # [MAX_SPLITS]: the others are padding
+    lse = tl.load(part_lse_ptr + row, mask=real_splits, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # context_len 0: every split is empty
     w = tl.exp2(lse - lse_max)  # [MAX_SPLITS], 0 for empty splits
-    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=(s < num_splits)[:, None], other=0.0)
+    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=real_splits[:, None], other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM]; 0 if context_len 0
     tl.store(out_ptr + q_row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
@@ -424,15 +425,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     return out
 
 
-def prefill_tile_m(max_query_len: int, dtype: torch.dtype) -> int:
-    """Query rows per prefill program: short tiles when every query is short (small chunks), from MIN_DOT_ROWS up to
-    the query dtype's PREFILL_TILE_M."""
-    return min(PREFILL_TILE_M[dtype.itemsize], max(MIN_DOT_ROWS, triton.next_power_of_2(max_query_len)))
-
-
 def prefill_tile_sizes(dtype: torch.dtype) -> list[int]:
-    """Every query tile prefill_tile_m can pick: MIN_DOT_ROWS, twice that, ... up to PREFILL_TILE_M (16-bit: 16 ... 128;
-    fp32: 16, 32)."""
+    """Every query tile _launch_prefill can pick: MIN_DOT_ROWS, twice that, ... up to PREFILL_TILE_M (16-bit:
+    16 ... 128; fp32: 16, 32)."""
     sizes = [MIN_DOT_ROWS]
     while sizes[-1] < PREFILL_TILE_M[dtype.itemsize]:
         sizes.append(sizes[-1] * 2)
@@ -446,7 +441,9 @@ def prefill_num_warps(tile_m: int, dtype: torch.dtype) -> int:
 
 def _launch_prefill(args: tuple, shape: dict, out: Tensor, meta: AttentionMetadata) -> None:
     """The prefill kernel over every sequence with several queries; args and shape: paged_attention's."""
-    tile_m = prefill_tile_m(meta.max_query_len, out.dtype)
+    # query rows per program: short tiles when every query is short (small chunks), from MIN_DOT_ROWS up to the query
+    # dtype's PREFILL_TILE_M
+    tile_m = min(PREFILL_TILE_M[out.dtype.itemsize], max(MIN_DOT_ROWS, triton.next_power_of_2(meta.max_query_len)))
     grid = (triton.cdiv(meta.max_query_len, tile_m), meta.context_lens.shape[0], out.shape[1])
     _prefill_kernel[grid](
         *args,
@@ -538,8 +535,8 @@ class ReferenceGather:
         slots = meta.block_tables.gather(1, pos // block_size) * block_size + pos % block_size
         q_lens = meta.query_start_loc.diff()[:, None]  # [num_seqs, 1]
         q_idx = torch.arange(meta.max_query_len, device=device)  # [max_q]
-        num_tokens = meta.slot_mapping.shape[0]  # known on the host: no sync
-        query_rows = (meta.query_start_loc[:-1, None] + q_idx).clamp(max=num_tokens - 1)  # [num_seqs, max_q]
+        # [num_seqs, max_q]; padding rows re-read the last token (num_tokens is known on the host: no sync)
+        query_rows = (meta.query_start_loc[:-1, None] + q_idx).clamp(max=meta.slot_mapping.shape[0] - 1)
         q_pos = meta.context_lens[:, None] - q_lens + q_idx  # [num_seqs, max_q] positions of the queries
         visible = (key_pos <= q_pos[..., None]) & in_context[:, None, :]  # [num_seqs, max_q, max_k]: causal, in context
         return cls(slots, visible[:, None], query_rows, q_idx < q_lens)
