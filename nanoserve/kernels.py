@@ -22,23 +22,24 @@ class Kernels:
 
 
 def get_kernels(name: str) -> Kernels:
-    """The Triton kernels for name "triton"; the PyTorch references for any other name."""
+    """The Triton kernels for name "triton"; the PyTorch references for any other name. Each argument is the function
+    of the field with its name, in the fields' order."""
     if name == "triton":
         return Kernels(
-            name="triton",
-            add_rms_norm=fused_ops.add_rms_norm,
-            qk_norm_rope=fused_ops.qk_norm_rope,
-            silu_and_mul=fused_ops.silu_and_mul,
-            store_kv=attention.store_kv,
-            paged_attention=attention.paged_attention,
-            gumbel_argmax=sampler.gumbel_argmax,
+            "triton",
+            fused_ops.add_rms_norm,
+            fused_ops.qk_norm_rope,
+            fused_ops.silu_and_mul,
+            attention.store_kv,
+            attention.paged_attention,
+            sampler.gumbel_argmax,
         )
     return Kernels(
-        name="torch",
-        add_rms_norm=fused_ops.add_rms_norm_ref,
-        qk_norm_rope=fused_ops.qk_norm_rope_ref,
-        silu_and_mul=fused_ops.silu_and_mul_ref,
-        store_kv=attention.store_kv_ref,
-        paged_attention=attention.paged_attention_ref,
-        gumbel_argmax=sampler.gumbel_argmax_ref,
+        "torch",
+        fused_ops.add_rms_norm_ref,
+        fused_ops.qk_norm_rope_ref,
+        fused_ops.silu_and_mul_ref,
+        attention.store_kv_ref,
+        attention.paged_attention_ref,
+        sampler.gumbel_argmax_ref,
     )
