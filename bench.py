@@ -557,6 +557,8 @@ def run_engine(args, model_dir, cpu_default):
         threads=args.threads,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        overlap=args.overlap,
     )
     try:
         workload = None if args.prefix or args.latency else build_workload(args, llm)
@@ -665,6 +667,10 @@ def parse_args(argv=None):
         default="auto",
         choices=["auto", "fp8"],
         help="the KV cache's element type: the model's (auto), or float8 e4m3 (fp8: 1 byte, twice bf16's tokens)",
+    )
+    ap.add_argument("--max-num-batched-tokens", type=int, help="the step's token budget (default: the engine's)")
+    ap.add_argument(
+        "--overlap", action=argparse.BooleanOptionalAction, help="host/GPU overlap (default: the engine's, per device)"
     )
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     ap.add_argument("--threads", type=int, help="CPU torch threads (default: the engine's, the free cores)")
