@@ -72,18 +72,19 @@ class Penalties:
         or None if none does. First frees the rows of sequences no longer running and fills one for each newcomer."""
         for seq in [s for s in self.row_of if s.status != SequenceStatus.RUNNING]:
             self.free_rows.append(self.row_of.pop(seq))
-        logit_rows = [row for row, seq in enumerate(seqs) if seq.params.penalized]
-        if not logit_rows:
+        penalized = [(row, seq) for row, seq in enumerate(seqs) if seq.params.penalized]
+        if not penalized:
             return None
         if self.table is None:
             self.table = torch.zeros(self.shape, device=self.device)
-        penalized = [seqs[row] for row in logit_rows]
-        table_rows = [self.row_of[seq] if seq in self.row_of else self._fill_row(seq) for seq in penalized]
-        rows = to_device([logit_rows, table_rows], torch.long, self.device)
-        values = [
-            [s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty] for s in penalized
-        ]
-        return StepPenalties(self.table, rows, to_device(values, torch.float32, self.device).T[:, :, None])
+        # per such row: (its row of the logits, its sequence's row of the table), and its three penalties
+        rows = [(row, self.row_of[seq] if seq in self.row_of else self._fill_row(seq)) for row, seq in penalized]
+        values = [seq.params.penalties for _, seq in penalized]
+        return StepPenalties(
+            self.table,
+            to_device(rows, torch.long, self.device).T,  # [2, p]
+            to_device(values, torch.float32, self.device).T[:, :, None],  # [3, p, 1]
+        )
 
     def _fill_row(self, seq: Sequence) -> int:
         """Give seq a row, filled from its bias and its tokens so far in one indexed add, and return it. The tokens'
