@@ -163,10 +163,11 @@ class EngineConfig:
     def _resolve_device(self) -> None:
         """device 'cuda' needs a visible GPU, and 'auto' becomes cuda when one is visible, else cpu; on cuda, one GPU
         per tensor-parallel rank."""
-        if self.device == "cuda" and not torch.cuda.is_available():
+        gpu_visible = torch.cuda.is_available()
+        if self.device == "cuda" and not gpu_visible:
             raise InvalidField("device", "'cuda' but no GPU is visible to torch")
         if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.device = "cuda" if gpu_visible else "cpu"
         # the ranks on this machine: all of them, unless a launcher (torchrun) spreads them over several machines
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.tensor_parallel_size))
         if self.device == "cuda" and local_ranks > torch.cuda.device_count():

@@ -92,9 +92,9 @@ class Penalties:
         row = self.free_rows.pop()
         self.row_of[seq] = row
         bias = seq.params.logit_bias
-        tokens = seq.token_ids[: seq.num_known_tokens]
-        num_prompt = seq.num_prompt_tokens
-        planes = [BIAS] * len(bias) + [PROMPT_COUNTS] * num_prompt + [OUTPUT_COUNTS] * (len(tokens) - num_prompt)
+        tokens = seq.token_ids[: seq.num_known_tokens]  # the prompt, then the output so far
+        num_output = len(seq.completion_token_ids)
+        planes = [BIAS] * len(bias) + [PROMPT_COUNTS] * seq.num_prompt_tokens + [OUTPUT_COUNTS] * num_output
         at = to_device([planes, [*bias, *tokens]], torch.long, self.device)  # [2, n]: (plane, id) pairs
         values = to_device([*bias.values()] + [1.0] * len(tokens), torch.float32, self.device)
         self.table[row] = 0  # a reused row forgets its last sequence

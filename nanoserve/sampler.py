@@ -87,7 +87,7 @@ def gumbel_argmax(logits: Tensor, temperatures: list[float], seeds: list[int]) -
     num_rows, vocab_size = logits.shape
     num_chunks = triton.cdiv(vocab_size, GUMBEL_TILE)
     chunk_best = logits.new_empty(num_rows, num_chunks, dtype=torch.float32)
-    chunk_id = logits.new_empty(num_rows, num_chunks, dtype=torch.int64)
+    chunk_id = torch.empty_like(chunk_best, dtype=torch.int64)
     _gumbel_argmax_kernel[(num_rows, num_chunks)](
         logits,
         logits.stride(0),
@@ -112,8 +112,9 @@ def gumbel_argmax_ref(logits: Tensor, temperatures: list[float], seeds: list[int
     for row, (t, seed) in enumerate(zip(temperatures, seeds, strict=True)):
         if t > 0:
             generator.manual_seed(seed)
-            noise = torch.empty(logits.shape[1], device=logits.device).exponential_(generator=generator)  # E ~ Exp(1)
-            tokens[row] = (logits[row].float() / t - noise.log()).argmax()  # -log(E) is Gumbel noise
+            row_logits = logits[row].float()
+            noise = torch.empty_like(row_logits).exponential_(generator=generator)  # E ~ Exp(1)
+            tokens[row] = (row_logits / t - noise.log()).argmax()  # -log(E) is Gumbel noise
     return tokens
 
 
