@@ -58,11 +58,6 @@ VLLM_ONLY = frozenset(
 )
 
 
-def triton_interpreter_enabled() -> bool:
-    """Whether TRITON_INTERPRET asks Triton to run kernels in its CPU interpreter (read now, not at import)."""
-    return os.environ.get("TRITON_INTERPRET", "").lower() in TRITON_INTERPRET_ON
-
-
 @dataclass
 class EngineConfig:
     model: str | None = None  # HF directory (a str or os.PathLike) or hub id; None is the embedded default model
@@ -125,11 +120,10 @@ class EngineConfig:
         a folder we may write to (the tokenizer folder is checked where it is loaded, before the weights)."""
         for name in ("model", "trace", "tokenizer"):
             value = getattr(self, name)
-            if isinstance(value, os.PathLike):
-                value = os.fspath(value)
-            if value is not None and not isinstance(value, str):
-                raise InvalidField(name, f"{shown(value)} is not a path")
-            setattr(self, name, value)
+            if value is not None:
+                if not isinstance(value, (str, os.PathLike)):
+                    raise InvalidField(name, f"{shown(value)} is not a path")
+                setattr(self, name, os.fspath(value))
         if self.trace is not None:
             path = Path(self.trace).absolute()  # "" is the working folder: refused as a folder
             # the nearest folder that exists: the trace writer makes the missing ones below it
@@ -169,10 +163,11 @@ class EngineConfig:
     def _resolve_device(self) -> None:
         """device 'cuda' needs a visible GPU, and 'auto' becomes cuda when one is visible, else cpu; on cuda, one GPU
         per tensor-parallel rank."""
-        if self.device == "cuda" and not torch.cuda.is_available():
+        gpu_visible = torch.cuda.is_available()
+        if self.device == "cuda" and not gpu_visible:
             raise InvalidField("device", "'cuda' but no GPU is visible to torch")
         if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.device = "cuda" if gpu_visible else "cpu"
         # the ranks on this machine: all of them, unless a launcher (torchrun) spreads them over several machines
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.tensor_parallel_size))
         if self.device == "cuda" and local_ranks > torch.cuda.device_count():
@@ -188,7 +183,9 @@ class EngineConfig:
             raise InvalidField("kernels", "'triton' needs the triton package (Linux only); use kernels='torch'")
         if self.kernels == "auto":
             self.kernels = "triton" if self.device == "cuda" and HAVE_TRITON else "torch"
-        if self.kernels == "triton" and self.device == "cpu" and not triton_interpreter_enabled():
+        # whether TRITON_INTERPRET asks Triton to run kernels in its CPU interpreter (read now, not at import)
+        interpreted = os.environ.get("TRITON_INTERPRET", "").lower() in TRITON_INTERPRET_ON
+        if self.kernels == "triton" and self.device == "cpu" and not interpreted:
             raise InvalidField("kernels", "'triton' on a CPU needs TRITON_INTERPRET=1 set before nanoserve is imported")
 
     def _check_fp8_kv_cache_works(self) -> None:

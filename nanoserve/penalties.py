@@ -72,18 +72,19 @@ class Penalties:
         or None if none does. First frees the rows of sequences no longer running and fills one for each newcomer."""
         for seq in [s for s in self.row_of if s.status != SequenceStatus.RUNNING]:
             self.free_rows.append(self.row_of.pop(seq))
-        logit_rows = [row for row, seq in enumerate(seqs) if seq.params.penalized]
-        if not logit_rows:
+        penalized = [(row, seq) for row, seq in enumerate(seqs) if seq.params.penalized]
+        if not penalized:
             return None
         if self.table is None:
             self.table = torch.zeros(self.shape, device=self.device)
-        penalized = [seqs[row] for row in logit_rows]
-        table_rows = [self.row_of[seq] if seq in self.row_of else self._fill_row(seq) for seq in penalized]
-        rows = to_device([logit_rows, table_rows], torch.long, self.device)
-        values = [
-            [s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty] for s in penalized
-        ]
-        return StepPenalties(self.table, rows, to_device(values, torch.float32, self.device).T[:, :, None])
+        # per such row: (its row of the logits, its sequence's row of the table), and its three penalties
+        rows = [(row, self.row_of[seq] if seq in self.row_of else self._fill_row(seq)) for row, seq in penalized]
+        values = [seq.params.penalties for _, seq in penalized]
+        return StepPenalties(
+            self.table,
+            to_device(rows, torch.long, self.device).T,  # [2, p]
+            to_device(values, torch.float32, self.device).T[:, :, None],  # [3, p, 1]
+        )
 
     def _fill_row(self, seq: Sequence) -> int:
         """Give seq a row, filled from its bias and its tokens so far in one indexed add, and return it. The tokens'
@@ -91,9 +92,9 @@ class Penalties:
         row = self.free_rows.pop()
         self.row_of[seq] = row
         bias = seq.params.logit_bias
-        tokens = seq.token_ids[: seq.num_known_tokens]
-        num_prompt = seq.num_prompt_tokens
-        planes = [BIAS] * len(bias) + [PROMPT_COUNTS] * num_prompt + [OUTPUT_COUNTS] * (len(tokens) - num_prompt)
+        tokens = seq.token_ids[: seq.num_known_tokens]  # the prompt, then the output so far
+        num_output = len(seq.completion_token_ids)
+        planes = [BIAS] * len(bias) + [PROMPT_COUNTS] * seq.num_prompt_tokens + [OUTPUT_COUNTS] * num_output
         at = to_device([planes, [*bias, *tokens]], torch.long, self.device)  # [2, n]: (plane, id) pairs
         values = to_device([*bias.values()] + [1.0] * len(tokens), torch.float32, self.device)
         self.table[row] = 0  # a reused row forgets its last sequence

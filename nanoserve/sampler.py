@@ -87,7 +87,7 @@ def gumbel_argmax(logits: Tensor, temperatures: list[float], seeds: list[int]) -
     num_rows, vocab_size = logits.shape
     num_chunks = triton.cdiv(vocab_size, GUMBEL_TILE)
     chunk_best = logits.new_empty(num_rows, num_chunks, dtype=torch.float32)
-    chunk_id = logits.new_empty(num_rows, num_chunks, dtype=torch.int64)
+    chunk_id = torch.empty_like(chunk_best, dtype=torch.int64)
     _gumbel_argmax_kernel[(num_rows, num_chunks)](
         logits,
         logits.stride(0),
@@ -112,24 +112,16 @@ def gumbel_argmax_ref(logits: Tensor, temperatures: list[float], seeds: list[int
     for row, (t, seed) in enumerate(zip(temperatures, seeds, strict=True)):
         if t > 0:
             generator.manual_seed(seed)
-            noise = torch.empty(logits.shape[1], device=logits.device).exponential_(generator=generator)  # E ~ Exp(1)
-            tokens[row] = (logits[row].float() / t - noise.log()).argmax()  # -log(E) is Gumbel noise
+            row_logits = logits[row].float()
+            noise = torch.empty_like(row_logits).exponential_(generator=generator)  # E ~ Exp(1)
+            tokens[row] = (row_logits / t - noise.log()).argmax()  # -log(E) is Gumbel noise
     return tokens
 
 
 def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A host list as a tensor on device, without waiting for the GPU."""
-    host = torch.tensor(rows, dtype=dtype)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)  # from pinned memory the copy is asynchronous
-    return host
-
-
-def ban_tokens(logits: Tensor, banned: list[frozenset[int]]) -> None:
-    """In place: logits[row, id] = -inf for each id in banned[row], in one indexed write for the whole batch."""
-    pairs = [(row, token) for row, ids in enumerate(banned) for token in ids]
-    rows, ids = to_device(pairs, torch.long, logits.device).T  # [num_banned, 2] (row, token id) pairs, transposed
-    logits[rows, ids] = float("-inf")
+    host = torch.tensor(rows, dtype=dtype, pin_memory=device.type == "cuda")  # from pinned memory the copy is async
+    return host.to(device, non_blocking=True)  # host itself when device is the CPU
 
 
 class Sampler:
@@ -164,7 +156,10 @@ class Sampler:
             # of the model's own distribution (vLLM's default): before bias, penalties, filters and T
             logprobs = logits.float().log_softmax(-1)  # [rows, vocab]
         if any(banned):
-            ban_tokens(logits, banned)
+            # logits[row, id] = -inf for each id in banned[row], in one indexed write for the whole batch
+            pairs = [(row, token) for row, ids in enumerate(banned) for token in ids]
+            banned_rows, banned_ids = to_device(pairs, torch.long, logits.device).T  # [num_banned, 2], transposed
+            logits[banned_rows, banned_ids] = float("-inf")
         if penalties is not None:
             penalties.apply(logits)
         filtered = [row for row, p in enumerate(params) if p.filtered]
@@ -187,17 +182,17 @@ def drop_filtered(logits: Tensor, params: list[SamplingParams]) -> Tensor:
     """Set to -inf what top-k, top-p and min-p drop, in that order (as vLLM and transformers do): top-p judged on
     softmax(logits / T) renormalised over what top-k kept; min-p on the ratio to the top token, which top-k does
     not change. logits: [rows, vocab] fp32."""
-    device, vocab = logits.device, logits.shape[-1]
+    vocab = logits.shape[-1]
     # per row (T, top-k, top-p, min-p), with greedy rows' T as 1 and top-k -1 as the whole vocabulary
     rows = [
         (sampling_temperature(p.temperature) or 1.0, p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p)
         for p in params
     ]
-    t, top_k, top_p, min_p = to_device(rows, torch.float32, device).T[:, :, None]  # each a [rows, 1] column
+    t, top_k, top_p, min_p = to_device(rows, torch.float32, logits.device).T[:, :, None]  # each a [rows, 1] column
     # sorted by the raw logits: the order cannot depend on T (a huge T used to round every scaled logit to one value)
     sorted_raw, order = logits.sort(-1, descending=True)
     sorted_logits = sorted_raw / t
-    drop = torch.arange(vocab, device=device) >= top_k
+    drop = torch.arange(vocab, device=logits.device) >= top_k
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     drop |= (top_p < 1) & (probs.cumsum(-1) - probs >= top_p)  # keep while the mass before < top_p
     drop |= sorted_logits < sorted_logits[:, :1] + min_p.log()  # p < min_p x p_max, in log space

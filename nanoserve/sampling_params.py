@@ -145,7 +145,7 @@ class SamplingParams:
         check_numbers(self, NUMBER_LIMITS)
         if self.top_k == 0:
             raise InvalidField("top_k", "0 is out of range: -1 keeps all tokens, k >= 1 keeps k")
-        self.min_tokens = check_number("min_tokens", self.min_tokens, low=0, high=self.max_tokens, integer=True)
+        self.min_tokens = check_number("min_tokens", self.min_tokens, 0, self.max_tokens, integer=True)
         if self.seed is not None:
             self.seed %= SEED_RANGE
         for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
@@ -162,9 +162,10 @@ class SamplingParams:
         self.logit_bias = {
             int(t): check_number("logit_bias", b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) for t, b in bias.items()
         }
-        # derived, read for every row of every step (an attribute: a property cost 40 us a step at 256 rows): whether
-        # a bias or a penalty applies, so that the sampler needs this request's row of counts (penalties.py)
-        penalties = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
-        self.penalized = bool(self.logit_bias) or penalties != (1, 0, 0)
+        # derived, read for every row of every step (attributes: a property cost 40 us a step at 256 rows): the three
+        # penalties in the order penalties.py reads them, and whether a bias or a penalty applies, so that the sampler
+        # needs this request's row of counts (penalties.py)
+        self.penalties = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+        self.penalized = bool(self.logit_bias) or self.penalties != (1, 0, 0)
         # derived too: whether top-k, top-p or min-p trims the distribution before the draw (sampler.drop_filtered)
         self.filtered = self.top_k > 0 or self.top_p < 1 or self.min_p > 0
