@@ -8,7 +8,6 @@ and the pool is as many blocks of `block_size` tokens as the memory left after w
 element is the model's dtype, or 1 byte with kv_cache_dtype="fp8": twice bf16's tokens in the same memory."""
 
 import array
-import itertools
 import logging
 import os
 import time
@@ -19,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 from transformers import PretrainedConfig
 
-from nanoserve.attention import PAD_SLOT, prefill_tile_sizes
+from nanoserve.attention import prefill_tile_sizes
 from nanoserve.config import EngineConfig
 from nanoserve.cuda_graphs import DecodeGraphs
 from nanoserve.kernels import get_kernels
@@ -29,7 +28,8 @@ from nanoserve.parallel import TP
 from nanoserve.penalties import Penalties
 from nanoserve.sampler import SampledLogprobs, Sampler, Samples
 from nanoserve.sampling_params import InvalidField, SamplingParams
-from nanoserve.scheduler import Step
+from nanoserve.scheduler import ScheduledSeq, Step
+from nanoserve.sequence import Sequence
 from nanoserve.step_inputs import (
     BLOCK_TABLE_WIDTH_MULTIPLE,
     StepHeader,
@@ -89,16 +89,14 @@ def copy_to_host_async(samples: Samples | None) -> Samples | None:
 def logprob_dicts(samples: Samples, nums: list[int | None]) -> list[dict[int, float] | None]:
     """Host samples with logprobs as one {token: logprob} per row: the top nums[row] and the row's token's own; None
     for a row that asked for none."""
-    tokens = samples.tokens.tolist()
-    chosen = samples.logprobs.chosen.tolist()
-    top_values = samples.logprobs.top_values.tolist()
-    top_ids = samples.logprobs.top_ids.tolist()
+    logprobs = samples.logprobs
+    columns = [samples.tokens, logprobs.chosen, logprobs.top_ids, logprobs.top_values]  # each one .tolist() call
     dicts = []
-    for row, n in enumerate(nums):
+    for n, token, chosen, top_ids, top_values in zip(nums, *(c.tolist() for c in columns), strict=True):
         row_logprobs = None
         if n is not None:  # the top n, and the row's own token
-            row_logprobs = dict(zip(top_ids[row][:n], top_values[row][:n], strict=True))
-            row_logprobs[tokens[row]] = chosen[row]
+            row_logprobs = dict(zip(top_ids[:n], top_values[:n], strict=True))
+            row_logprobs[token] = chosen
         dicts.append(row_logprobs)
     return dicts
 
@@ -164,11 +162,11 @@ class ModelRunner:
         max_blocks = -(-config.max_model_len // self.block_size)
         self.max_blocks_per_seq = round_up(max_blocks, BLOCK_TABLE_WIDTH_MULTIPLE)
         # 1) the model in the serving dtype, and the sampler
-        self.kernels = get_kernels(config.kernels)
+        kernels = get_kernels(config.kernels)
         self.dtype = config.torch_dtype(checkpoint_dtype(hf_config))
         self.kv_dtype = config.kv_cache_torch_dtype(self.dtype)
-        self.model = build_model(args, model_dir, self.dtype, self.device, self.kernels, tp)
-        self.sampler = Sampler(self.kernels)
+        self.model = build_model(args, model_dir, self.dtype, self.device, kernels, tp)
+        self.sampler = Sampler(kernels)
         self.penalties = Penalties(config.max_num_seqs, args.vocab_size, self.device)  # used by rank 0 only
         # 2) the KV cache: as many blocks as the memory left after a warm-up run of 1) holds
         if self.device.type == "cuda":
@@ -190,7 +188,7 @@ class ModelRunner:
             dtype=self.kv_dtype,
             device=self.device,
         )
-        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(args.num_layers)]
+        self.kv_caches = list(zip(*self.kv_cache, strict=True))  # per layer i: (kv_cache[0, i], kv_cache[1, i])
         logger.info(self.kv_account())
         # 3) the decode graphs, captured over that cache
         self.graphs = None
@@ -266,24 +264,18 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[:1].expand(n, -1))
         self.sampler(logits, [PROFILE_SAMPLING] * n, [1] * n, [frozenset()] * n)  # the allocator counts at launch
 
-    def _dummy_prefill(self, seq_lens: list[int]) -> torch.Tensor:
-        """A prefill whose K/V go nowhere (padded slots, one zeroed scratch block): warm-up without the real cache."""
-        num_tokens = sum(seq_lens)
+    def _dummy_prefill(self, seq_lens: list[int]) -> Tensor:
+        """A prefill of sequences of token 0 whose K/V go nowhere that matters: every entry of their block tables is
+        block 0 of a zeroed scratch cache, so warm-up runs the real step path without the real cache."""
         scratch = torch.zeros(
             2, 1, self.block_size, self.num_kv_heads, self.args.head_dim, dtype=self.kv_dtype, device=self.device
         )
-        lists = StepLists(
-            input_ids=[0] * num_tokens,
-            positions=[0] * num_tokens,
-            slot_mapping=[PAD_SLOT] * num_tokens,
-            query_start_loc=[0, *itertools.accumulate(seq_lens)],
-            context_lens=seq_lens,
-            block_tables=array.array("i", bytes(4 * len(seq_lens) * self.max_blocks_per_seq)),  # all block 0
-            sample_rows=[0],
-            pending_at=[],
-            pending_rows=[],
-        )
-        inputs = step_inputs(*upload(lists, self.device), previous_tokens=None)
+        step = Step()
+        for n in seq_lens:
+            seq = Sequence([0] * n, SamplingParams(), self.block_size)
+            seq.block_table = array.array("i", bytes(4 * self.max_blocks_per_seq))  # all block 0
+            step.scheduled.append(ScheduledSeq(seq, start=0, num_new_tokens=n, picks_next_token=False))
+        inputs = step_inputs(*upload(flatten_step(step, self.block_size, None), self.device), previous_tokens=None)
         return self.model(inputs.input_ids, inputs.positions, [tuple(scratch)] * self.args.num_layers, inputs.meta)
 
     # ---- one step ---------------------------------------------------------------------------------
