@@ -87,18 +87,14 @@ def copy_to_host_async(samples: Samples | None) -> Samples | None:
 
 
 def logprob_dicts(samples: Samples, nums: list[int | None]) -> list[dict[int, float] | None]:
-    """Host samples with logprobs as one {token: logprob} per row: the top nums[row] and the row's token's own; None
-    for a row that asked for none."""
+    """Host samples with logprobs as one {token: logprob} per row: the top nums[row], then the row's own token (its
+    entry again if it is among them); None for a row that asked for none."""
     logprobs = samples.logprobs
     columns = [samples.tokens, logprobs.chosen, logprobs.top_ids, logprobs.top_values]  # each one .tolist() call
-    dicts = []
-    for n, token, chosen, top_ids, top_values in zip(nums, *(c.tolist() for c in columns), strict=True):
-        row_logprobs = None
-        if n is not None:  # the top n, and the row's own token
-            row_logprobs = dict(zip(top_ids[:n], top_values[:n], strict=True))
-            row_logprobs[token] = chosen
-        dicts.append(row_logprobs)
-    return dicts
+    return [
+        None if n is None else dict(zip(top_ids[:n] + [token], top_values[:n] + [chosen], strict=True))
+        for n, token, chosen, top_ids, top_values in zip(nums, *(c.tolist() for c in columns), strict=True)
+    ]
 
 
 class InFlightStep:
@@ -230,18 +226,18 @@ class ModelRunner:
         # More blocks than every sequence at full length need only feed the prefix cache, and each costs a
         # Python object in the block manager: small models would otherwise get millions.
         enough = self.config.max_num_seqs * self.max_blocks_per_seq
-        if self.device.type == "cpu":
-            return min(CPU_KV_CACHE_BYTES // block_bytes, enough)
-        free, total = torch.cuda.mem_get_info()
-        outside_torch = total - free - torch.cuda.memory_reserved()  # CUDA context, other processes
-        peak = torch.cuda.max_memory_allocated()  # weights + the largest step's activations (warm_up's)
-        budget = total * self.config.gpu_memory_utilization - outside_torch - peak
-        if budget < block_bytes:
-            raise InvalidField(
-                "gpu_memory_utilization",
-                f"{self.config.gpu_memory_utilization} leaves no memory "
-                f"for the KV cache (weights and activations take {peak / 2**30:.1f} GiB)",
-            )
+        budget = CPU_KV_CACHE_BYTES
+        if self.device.type == "cuda":  # the share of the GPU given to the engine, less what is taken already
+            free, total = torch.cuda.mem_get_info()
+            outside_torch = total - free - torch.cuda.memory_reserved()  # CUDA context, other processes
+            peak = torch.cuda.max_memory_allocated()  # weights + the largest step's activations (warm_up's)
+            budget = total * self.config.gpu_memory_utilization - outside_torch - peak
+            if budget < block_bytes:
+                raise InvalidField(
+                    "gpu_memory_utilization",
+                    f"{self.config.gpu_memory_utilization} leaves no memory "
+                    f"for the KV cache (weights and activations take {peak / 2**30:.1f} GiB)",
+                )
         return min(int(budget // block_bytes), enough)
 
     @torch.inference_mode()
@@ -294,18 +290,18 @@ class ModelRunner:
             previous_tokens = previous.device_tokens if previous is not None else None
             prompt_top_n = max(s.seq.params.prompt_logprobs or 0 for s in step.scheduled)
             logits, prompt_samples = self.execute(header, flat, previous_tokens, prompt_top_n)
-            if logits is None:
-                return InFlightStep(step, None, prompt_samples)
-            sampling_seqs = step.sampling_seqs
-            samples = self.sampler(
-                logits,
-                [seq.params for seq in sampling_seqs],
-                [seq.num_tokens for seq in sampling_seqs],
-                [banned_token_ids(seq) for seq in sampling_seqs],
-                self.penalties.for_step(sampling_seqs),
-            )
-            if self.workers is not None:
-                dist.broadcast(samples.tokens, 0)  # the workers' next decode inputs
+            samples = None  # a step of prompt chunks only samples nothing
+            if logits is not None:
+                sampling_seqs = step.sampling_seqs
+                samples = self.sampler(
+                    logits,
+                    [seq.params for seq in sampling_seqs],
+                    [seq.num_tokens for seq in sampling_seqs],
+                    [banned_token_ids(seq) for seq in sampling_seqs],
+                    self.penalties.for_step(sampling_seqs),
+                )
+                if self.workers is not None:
+                    dist.broadcast(samples.tokens, 0)  # the workers' next decode inputs
             return InFlightStep(step, samples, prompt_samples)
         except BaseException as error:  # Ctrl-C too: the workers may be waiting inside the step
             if self.workers is not None:
