@@ -1,5 +1,5 @@
 """The ModelRunner owns the model and its KV cache on the device. Each step it turns the scheduler's Step into flat
-tensors (StepInputs), runs the model (replaying a CUDA graph when the step is decode-only), samples, and returns an
+tensors (step_inputs.py), runs the model (replaying a CUDA graph when the step is decode-only), samples, and returns an
 InFlightStep without waiting: the samples stay on the device as the next step's inputs while a copy travels to the host.
 
 KV cache size: every token keeps a K and a V vector per layer and KV head, so
@@ -33,7 +33,6 @@ from nanoserve.sequence import Sequence
 from nanoserve.step_inputs import (
     BLOCK_TABLE_WIDTH_MULTIPLE,
     StepHeader,
-    StepInputs,
     StepLists,
     flatten_step,
     prompt_logprob_positions,
@@ -271,8 +270,8 @@ class ModelRunner:
             seq = Sequence([0] * n, SamplingParams(), self.block_size)
             seq.block_table = array.array("i", bytes(4 * self.max_blocks_per_seq))  # all block 0
             step.scheduled.append(ScheduledSeq(seq, start=0, num_new_tokens=n, picks_next_token=False))
-        inputs = step_inputs(*upload(flatten_step(step, self.block_size, None), self.device), previous_tokens=None)
-        return self.model(inputs.input_ids, inputs.positions, [tuple(scratch)] * self.args.num_layers, inputs.meta)
+        views, meta = step_inputs(*upload(flatten_step(step, self.block_size, None), self.device), previous_tokens=None)
+        return self.model(views.input_ids, views.positions, [tuple(scratch)] * self.args.num_layers, meta)
 
     # ---- one step ---------------------------------------------------------------------------------
     def prepare(self, step: Step, previous: InFlightStep | None) -> StepLists:
@@ -313,28 +312,28 @@ class ModelRunner:
     ) -> tuple[Tensor | None, Samples | None]:
         """Every rank: a step's forward pass (a graph replay if decode-only), its sampling rows' logits and its prompt
         rows' logprobs with the top prompt_top_n (each None if the step has no such rows; a worker's are dropped)."""
-        inputs = step_inputs(header, flat, previous_tokens)
-        if inputs.meta.decode_only and self.graphs is not None:
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        views, meta = step_inputs(header, flat, previous_tokens)  # StepLists of int32 views on the device
+        if meta.decode_only and self.graphs is not None:
+            hidden = self.graphs.run(views.input_ids, views.positions, meta)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            hidden = self.model(views.input_ids, views.positions, self.kv_caches, meta)
         prompt_samples = None
-        if len(inputs.prompt_rows):
-            prompt_samples = self.prompt_logprobs(hidden, inputs, prompt_top_n)
-        if not len(inputs.sample_rows):
+        if len(views.prompt_rows):
+            prompt_samples = self.prompt_logprobs(hidden, views.prompt_rows, views.prompt_next_ids, prompt_top_n)
+        if not len(views.sample_rows):
             return None, prompt_samples
-        return self.model.compute_logits(hidden[inputs.sample_rows]), prompt_samples
+        return self.model.compute_logits(hidden[views.sample_rows]), prompt_samples
 
-    def prompt_logprobs(self, hidden: Tensor, inputs: StepInputs, top_n: int) -> Samples:
+    def prompt_logprobs(self, hidden: Tensor, prompt_rows: Tensor, next_ids: Tensor, top_n: int) -> Samples:
         """Per prompt row, the next prompt token (as the row's "sample") with its logprob and the top_n, in fp32 from
         the log_softmax of the row's logits. A step may hold thousands of prompt rows and the vocabulary 152k
         entries, so the logits are made in slices of max_num_seqs rows, the most warm_up measured memory for (the
         sampler's rows): they never need memory the KV cache has taken. Every rank makes them (each slice gathers the
         vocabulary across ranks)."""
-        next_ids = inputs.prompt_next_ids.long()
+        next_ids = next_ids.long()
         slice_rows = self.config.max_num_seqs
         pieces = []  # per slice: (chosen, top values, top ids)
-        for rows, ids in zip(inputs.prompt_rows.split(slice_rows), next_ids.split(slice_rows), strict=True):
+        for rows, ids in zip(prompt_rows.split(slice_rows), next_ids.split(slice_rows), strict=True):
             logprobs = self.model.compute_logits(hidden[rows]).float().log_softmax(-1)  # [rows, vocab]
             pieces.append((logprobs.gather(-1, ids[:, None])[:, 0], *logprobs.topk(top_n, dim=-1)))
         columns = zip(*pieces, strict=True)  # chosen, top values, top ids: each concatenated over the slices
