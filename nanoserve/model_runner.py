@@ -1,5 +1,5 @@
 """The ModelRunner owns the model and its KV cache on the device. Each step it turns the scheduler's Step into flat
-tensors (StepInputs), runs the model (replaying a CUDA graph when the step is decode-only), samples, and returns an
+tensors (step_inputs.py), runs the model (replaying a CUDA graph when the step is decode-only), samples, and returns an
 InFlightStep without waiting: the samples stay on the device as the next step's inputs while a copy travels to the host.
 
 KV cache size: every token keeps a K and a V vector per layer and KV head, so
@@ -8,7 +8,6 @@ and the pool is as many blocks of `block_size` tokens as the memory left after w
 element is the model's dtype, or 1 byte with kv_cache_dtype="fp8": twice bf16's tokens in the same memory."""
 
 import array
-import itertools
 import logging
 import os
 import time
@@ -19,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 from transformers import PretrainedConfig
 
-from nanoserve.attention import PAD_SLOT, prefill_tile_sizes
+from nanoserve.attention import prefill_tile_sizes
 from nanoserve.config import EngineConfig
 from nanoserve.cuda_graphs import DecodeGraphs
 from nanoserve.kernels import get_kernels
@@ -29,11 +28,11 @@ from nanoserve.parallel import TP
 from nanoserve.penalties import Penalties
 from nanoserve.sampler import SampledLogprobs, Sampler, Samples
 from nanoserve.sampling_params import InvalidField, SamplingParams
-from nanoserve.scheduler import Step
+from nanoserve.scheduler import ScheduledSeq, Step
+from nanoserve.sequence import Sequence
 from nanoserve.step_inputs import (
     BLOCK_TABLE_WIDTH_MULTIPLE,
     StepHeader,
-    StepInputs,
     StepLists,
     flatten_step,
     prompt_logprob_positions,
@@ -87,20 +86,14 @@ def copy_to_host_async(samples: Samples | None) -> Samples | None:
 
 
 def logprob_dicts(samples: Samples, nums: list[int | None]) -> list[dict[int, float] | None]:
-    """Host samples with logprobs as one {token: logprob} per row: the top nums[row] and the row's token's own; None
-    for a row that asked for none."""
-    tokens = samples.tokens.tolist()
-    chosen = samples.logprobs.chosen.tolist()
-    top_values = samples.logprobs.top_values.tolist()
-    top_ids = samples.logprobs.top_ids.tolist()
-    dicts = []
-    for row, n in enumerate(nums):
-        row_logprobs = None
-        if n is not None:  # the top n, and the row's own token
-            row_logprobs = dict(zip(top_ids[row][:n], top_values[row][:n], strict=True))
-            row_logprobs[tokens[row]] = chosen[row]
-        dicts.append(row_logprobs)
-    return dicts
+    """Host samples with logprobs as one {token: logprob} per row: the top nums[row], then the row's own token (its
+    entry again if it is among them); None for a row that asked for none."""
+    logprobs = samples.logprobs
+    columns = [samples.tokens, logprobs.chosen, logprobs.top_ids, logprobs.top_values]  # each one .tolist() call
+    return [
+        None if n is None else dict(zip(top_ids[:n] + [token], top_values[:n] + [chosen], strict=True))
+        for n, token, chosen, top_ids, top_values in zip(nums, *(c.tolist() for c in columns), strict=True)
+    ]
 
 
 class InFlightStep:
@@ -164,11 +157,11 @@ class ModelRunner:
         max_blocks = -(-config.max_model_len // self.block_size)
         self.max_blocks_per_seq = round_up(max_blocks, BLOCK_TABLE_WIDTH_MULTIPLE)
         # 1) the model in the serving dtype, and the sampler
-        self.kernels = get_kernels(config.kernels)
+        kernels = get_kernels(config.kernels)
         self.dtype = config.torch_dtype(checkpoint_dtype(hf_config))
         self.kv_dtype = config.kv_cache_torch_dtype(self.dtype)
-        self.model = build_model(args, model_dir, self.dtype, self.device, self.kernels, tp)
-        self.sampler = Sampler(self.kernels)
+        self.model = build_model(args, model_dir, self.dtype, self.device, kernels, tp)
+        self.sampler = Sampler(kernels)
         self.penalties = Penalties(config.max_num_seqs, args.vocab_size, self.device)  # used by rank 0 only
         # 2) the KV cache: as many blocks as the memory left after a warm-up run of 1) holds
         if self.device.type == "cuda":
@@ -190,7 +183,7 @@ class ModelRunner:
             dtype=self.kv_dtype,
             device=self.device,
         )
-        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(args.num_layers)]
+        self.kv_caches = list(zip(*self.kv_cache, strict=True))  # per layer i: (kv_cache[0, i], kv_cache[1, i])
         logger.info(self.kv_account())
         # 3) the decode graphs, captured over that cache
         self.graphs = None
@@ -232,18 +225,18 @@ class ModelRunner:
         # More blocks than every sequence at full length need only feed the prefix cache, and each costs a
         # Python object in the block manager: small models would otherwise get millions.
         enough = self.config.max_num_seqs * self.max_blocks_per_seq
-        if self.device.type == "cpu":
-            return min(CPU_KV_CACHE_BYTES // block_bytes, enough)
-        free, total = torch.cuda.mem_get_info()
-        outside_torch = total - free - torch.cuda.memory_reserved()  # CUDA context, other processes
-        peak = torch.cuda.max_memory_allocated()  # weights + the largest step's activations (warm_up's)
-        budget = total * self.config.gpu_memory_utilization - outside_torch - peak
-        if budget < block_bytes:
-            raise InvalidField(
-                "gpu_memory_utilization",
-                f"{self.config.gpu_memory_utilization} leaves no memory "
-                f"for the KV cache (weights and activations take {peak / 2**30:.1f} GiB)",
-            )
+        budget = CPU_KV_CACHE_BYTES
+        if self.device.type == "cuda":  # the share of the GPU given to the engine, less what is taken already
+            free, total = torch.cuda.mem_get_info()
+            outside_torch = total - free - torch.cuda.memory_reserved()  # CUDA context, other processes
+            peak = torch.cuda.max_memory_allocated()  # weights + the largest step's activations (warm_up's)
+            budget = total * self.config.gpu_memory_utilization - outside_torch - peak
+            if budget < block_bytes:
+                raise InvalidField(
+                    "gpu_memory_utilization",
+                    f"{self.config.gpu_memory_utilization} leaves no memory "
+                    f"for the KV cache (weights and activations take {peak / 2**30:.1f} GiB)",
+                )
         return min(int(budget // block_bytes), enough)
 
     @torch.inference_mode()
@@ -266,25 +259,19 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[:1].expand(n, -1))
         self.sampler(logits, [PROFILE_SAMPLING] * n, [1] * n, [frozenset()] * n)  # the allocator counts at launch
 
-    def _dummy_prefill(self, seq_lens: list[int]) -> torch.Tensor:
-        """A prefill whose K/V go nowhere (padded slots, one zeroed scratch block): warm-up without the real cache."""
-        num_tokens = sum(seq_lens)
+    def _dummy_prefill(self, seq_lens: list[int]) -> Tensor:
+        """A prefill of sequences of token 0 whose K/V go nowhere that matters: every entry of their block tables is
+        block 0 of a zeroed scratch cache, so warm-up runs the real step path without the real cache."""
         scratch = torch.zeros(
             2, 1, self.block_size, self.num_kv_heads, self.args.head_dim, dtype=self.kv_dtype, device=self.device
         )
-        lists = StepLists(
-            input_ids=[0] * num_tokens,
-            positions=[0] * num_tokens,
-            slot_mapping=[PAD_SLOT] * num_tokens,
-            query_start_loc=[0, *itertools.accumulate(seq_lens)],
-            context_lens=seq_lens,
-            block_tables=array.array("i", bytes(4 * len(seq_lens) * self.max_blocks_per_seq)),  # all block 0
-            sample_rows=[0],
-            pending_at=[],
-            pending_rows=[],
-        )
-        inputs = step_inputs(*upload(lists, self.device), previous_tokens=None)
-        return self.model(inputs.input_ids, inputs.positions, [tuple(scratch)] * self.args.num_layers, inputs.meta)
+        step = Step()
+        for n in seq_lens:
+            seq = Sequence([0] * n, SamplingParams(), self.block_size)
+            seq.block_table = array.array("i", bytes(4 * self.max_blocks_per_seq))  # all block 0
+            step.scheduled.append(ScheduledSeq(seq, start=0, num_new_tokens=n, picks_next_token=False))
+        views, meta = step_inputs(*upload(flatten_step(step, self.block_size, None), self.device), previous_tokens=None)
+        return self.model(views.input_ids, views.positions, [tuple(scratch)] * self.args.num_layers, meta)
 
     # ---- one step ---------------------------------------------------------------------------------
     def prepare(self, step: Step, previous: InFlightStep | None) -> StepLists:
@@ -302,18 +289,18 @@ class ModelRunner:
             previous_tokens = previous.device_tokens if previous is not None else None
             prompt_top_n = max(s.seq.params.prompt_logprobs or 0 for s in step.scheduled)
             logits, prompt_samples = self.execute(header, flat, previous_tokens, prompt_top_n)
-            if logits is None:
-                return InFlightStep(step, None, prompt_samples)
-            sampling_seqs = step.sampling_seqs
-            samples = self.sampler(
-                logits,
-                [seq.params for seq in sampling_seqs],
-                [seq.num_tokens for seq in sampling_seqs],
-                [banned_token_ids(seq) for seq in sampling_seqs],
-                self.penalties.for_step(sampling_seqs),
-            )
-            if self.workers is not None:
-                dist.broadcast(samples.tokens, 0)  # the workers' next decode inputs
+            samples = None  # a step of prompt chunks only samples nothing
+            if logits is not None:
+                sampling_seqs = step.sampling_seqs
+                samples = self.sampler(
+                    logits,
+                    [seq.params for seq in sampling_seqs],
+                    [seq.num_tokens for seq in sampling_seqs],
+                    [banned_token_ids(seq) for seq in sampling_seqs],
+                    self.penalties.for_step(sampling_seqs),
+                )
+                if self.workers is not None:
+                    dist.broadcast(samples.tokens, 0)  # the workers' next decode inputs
             return InFlightStep(step, samples, prompt_samples)
         except BaseException as error:  # Ctrl-C too: the workers may be waiting inside the step
             if self.workers is not None:
@@ -325,28 +312,28 @@ class ModelRunner:
     ) -> tuple[Tensor | None, Samples | None]:
         """Every rank: a step's forward pass (a graph replay if decode-only), its sampling rows' logits and its prompt
         rows' logprobs with the top prompt_top_n (each None if the step has no such rows; a worker's are dropped)."""
-        inputs = step_inputs(header, flat, previous_tokens)
-        if inputs.meta.decode_only and self.graphs is not None:
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        views, meta = step_inputs(header, flat, previous_tokens)  # StepLists of int32 views on the device
+        if meta.decode_only and self.graphs is not None:
+            hidden = self.graphs.run(views.input_ids, views.positions, meta)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            hidden = self.model(views.input_ids, views.positions, self.kv_caches, meta)
         prompt_samples = None
-        if len(inputs.prompt_rows):
-            prompt_samples = self.prompt_logprobs(hidden, inputs, prompt_top_n)
-        if not len(inputs.sample_rows):
+        if len(views.prompt_rows):
+            prompt_samples = self.prompt_logprobs(hidden, views.prompt_rows, views.prompt_next_ids, prompt_top_n)
+        if not len(views.sample_rows):
             return None, prompt_samples
-        return self.model.compute_logits(hidden[inputs.sample_rows]), prompt_samples
+        return self.model.compute_logits(hidden[views.sample_rows]), prompt_samples
 
-    def prompt_logprobs(self, hidden: Tensor, inputs: StepInputs, top_n: int) -> Samples:
+    def prompt_logprobs(self, hidden: Tensor, prompt_rows: Tensor, next_ids: Tensor, top_n: int) -> Samples:
         """Per prompt row, the next prompt token (as the row's "sample") with its logprob and the top_n, in fp32 from
         the log_softmax of the row's logits. A step may hold thousands of prompt rows and the vocabulary 152k
         entries, so the logits are made in slices of max_num_seqs rows, the most warm_up measured memory for (the
         sampler's rows): they never need memory the KV cache has taken. Every rank makes them (each slice gathers the
         vocabulary across ranks)."""
-        next_ids = inputs.prompt_next_ids.long()
+        next_ids = next_ids.long()
         slice_rows = self.config.max_num_seqs
         pieces = []  # per slice: (chosen, top values, top ids)
-        for rows, ids in zip(inputs.prompt_rows.split(slice_rows), next_ids.split(slice_rows), strict=True):
+        for rows, ids in zip(prompt_rows.split(slice_rows), next_ids.split(slice_rows), strict=True):
             logprobs = self.model.compute_logits(hidden[rows]).float().log_softmax(-1)  # [rows, vocab]
             pieces.append((logprobs.gather(-1, ids[:, None])[:, 0], *logprobs.topk(top_n, dim=-1)))
         columns = zip(*pieces, strict=True)  # chosen, top values, top ids: each concatenated over the slices

@@ -1,8 +1,8 @@
 """A step as the device sees it. The scheduler's Step (sequences, with the positions each computes) becomes flat integer
 lists (StepLists: per token its id, position and cache slot; per sequence its query start, context length and block
 table; the rows to sample; the inputs whose values are still on the device; the rows whose logits give prompt
-logprobs), uploaded in one int32 buffer with one host-to-device copy, then cut into tensor views (StepInputs) that the
-model and attention read.
+logprobs), uploaded in one int32 buffer with one host-to-device copy, then cut back into the same StepLists fields as
+int32 tensor views of that buffer (with the AttentionMetadata built from them), which the model and attention read.
 
 Why one buffer: in a decode step, converting Python ints one by one and issuing a copy per tensor is most of the host's
 work. The StepHeader (each list's length, and the longest query and context) is all a reader needs to cut the buffer
@@ -36,7 +36,9 @@ def round_up(n: int, multiple: int) -> int:
 
 @dataclass
 class StepLists:
-    """One step's integers, in upload order. Each becomes one int32 view of the uploaded buffer."""
+    """One step's integers, in upload order. On the host (flatten_step) each field is a list (the block tables an int32
+    array); on the device (step_inputs) the same fields are int32 tensor views of the uploaded buffer, one per field:
+    the annotations say the host form."""
 
     input_ids: list[int]  # [num_tokens]; PENDING where the value is still on the device
     positions: list[int]  # [num_tokens]
@@ -74,16 +76,6 @@ class StepHeader:
     def buffer_len(self) -> int:
         """int32s in the uploaded buffer: every part padded to 16 bytes."""
         return sum(round_up(n, INTS_PER_16_BYTES) for n in self.part_lengths)
-
-
-@dataclass
-class StepInputs:
-    input_ids: Tensor  # [num_tokens] int32
-    positions: Tensor  # [num_tokens] int32
-    meta: AttentionMetadata
-    sample_rows: Tensor  # [num_sampling] int32: rows of the hidden states whose logits pick a token
-    prompt_rows: Tensor  # [num_prompt_rows] int32: rows whose logits give prompt logprobs...
-    prompt_next_ids: Tensor  # [num_prompt_rows] int32: ...of these prompt tokens
 
 
 def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -> StepLists:
@@ -167,14 +159,16 @@ def upload(lists: StepLists, device: torch.device) -> tuple[StepHeader, Tensor]:
     return header, host.to(device, non_blocking=True)
 
 
-def step_inputs(header: StepHeader, flat: Tensor, previous_tokens: Tensor | None) -> StepInputs:
-    """Views into the uploaded buffer; PENDING decode inputs filled in on the device from the last step's tokens."""
+def step_inputs(
+    header: StepHeader, flat: Tensor, previous_tokens: Tensor | None
+) -> tuple[StepLists, AttentionMetadata]:
+    """The uploaded buffer cut back into its StepLists, each field now an int32 view on the device (`input_ids` with
+    its PENDING decode inputs filled in there from the last step's tokens), and the step's attention metadata."""
     lengths = header.part_lengths
     padded = flat.split([round_up(n, INTS_PER_16_BYTES) for n in lengths])
     views = StepLists(*(view[:n] for view, n in zip(padded, lengths, strict=True)))
-    input_ids = views.input_ids
     if len(views.pending_at):
-        input_ids[views.pending_at.long()] = previous_tokens[views.pending_rows.long()].int()
+        views.input_ids[views.pending_at.long()] = previous_tokens[views.pending_rows.long()].int()
     meta = AttentionMetadata(
         slot_mapping=views.slot_mapping,
         query_start_loc=views.query_start_loc,
@@ -184,4 +178,4 @@ def step_inputs(header: StepHeader, flat: Tensor, previous_tokens: Tensor | None
         max_context_len=header.max_context_len,
         decode_only=header.max_query_len == 1,
     )
-    return StepInputs(input_ids, views.positions, meta, views.sample_rows, views.prompt_rows, views.prompt_next_ids)
+    return views, meta
