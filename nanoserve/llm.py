@@ -255,9 +255,9 @@ class LLM:
         """After a failed step: forget the prefix cache and abort every request a step touched; queued ones stay."""
         self.block_manager.cached.clear()
         self.in_flight = None
-        touched = [r for r in self.requests.values() if not all(seq.is_queued for seq in r.seqs)]
-        for request in touched:
-            self.abort(request.request_id)
+        for request in list(self.requests.values()):  # a copy: abort() forgets requests
+            if not all(seq.is_queued for seq in request.seqs):
+                self.abort(request.request_id)
 
     def _read_back(self, in_flight: "InFlightStep") -> list[RequestOutput]:
         """Finish a launched step: wait for its tokens, hand them to their sequences, apply the stop rules, and forget

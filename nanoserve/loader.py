@@ -198,7 +198,6 @@ def check_kv_cache_fits(config: EngineConfig, args: ModelArgs, dtype: torch.dtyp
     blocks = config.num_kvcache_blocks
     if blocks is None:
         return
-    dtype = config.kv_cache_torch_dtype(dtype)
     # the memory that must hold 1/split of the pool's KV heads
     if config.device == "cuda":  # one GPU holds one rank's share
         split = config.tensor_parallel_size
@@ -208,7 +207,7 @@ def check_kv_cache_fits(config: EngineConfig, args: ModelArgs, dtype: torch.dtyp
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     else:
         return  # Windows: unchecked
-    needed = args.kv_bytes_per_token(dtype, split) * config.kvcache_block_size * blocks
+    needed = args.kv_bytes_per_token(config.kv_cache_torch_dtype(dtype), split) * config.kvcache_block_size * blocks
     if needed > memory:
         problem = f"{blocks} blocks need {needed / 2**30:.1f} GiB; the {config.device} has {memory / 2**30:.1f} GiB"
         raise InvalidField("num_kvcache_blocks", problem)

@@ -24,7 +24,7 @@ class CompletionOutput:
 class RequestMetrics:
     """vLLM's request timings: time.time() readings (wall clock, seconds since the epoch), and the wait in between."""
 
-    arrival_time: float
+    arrival_time: float = field(default_factory=time.time)  # when the request was made
     first_scheduled_time: float | None = None  # the first step that computed any of it
     time_in_queue: float | None = None  # first_scheduled_time - arrival_time
     first_token_time: float | None = None
@@ -51,7 +51,7 @@ class Request:
     prompt: str | None
     seqs: list[Sequence]  # one per sample (n)
     stream: bool
-    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     @property
     def finished(self) -> bool:

@@ -155,7 +155,7 @@ class Scheduler:
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq)
-        elif seq.status == SequenceStatus.WAITING:  # holds no blocks
+        else:  # waiting (never finished twice): it holds no blocks
             self.waiting.remove(seq)
         seq.drop_pending()
         seq.status = SequenceStatus.FINISHED

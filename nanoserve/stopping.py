@@ -110,6 +110,6 @@ def take_stream_delta(seq: Sequence) -> str:
         end = len(decoded.final)
     else:
         end = len(decoded.text) - longest_stop_prefix_at_end(decoded.text, seq.params.stop)
-    delta = decoded.text[decoded.num_streamed : max(end, decoded.num_streamed)]
+    delta = decoded.text[decoded.num_streamed : end]  # empty if end is not past the cursor
     decoded.num_streamed += len(delta)
     return delta
