@@ -73,16 +73,7 @@ class LLM:
         self._close = weakref.finalize(self, runner.close)  # closed or garbage-collected: the workers exit
         self._start(config, runner, tokenizer, eos_token_ids, args.vocab_size)
 
-    @classmethod
-    def from_runner(cls, config: EngineConfig, runner: "ModelRunner", vocab_size: int) -> "LLM":
-        """The engine around any runner with launch() and num_kvcache_blocks, without a tokenizer or EOS ids: how
-        tests run the loop on a fake."""
-        llm = cls.__new__(cls)
-        llm._close = lambda: None
-        llm._start(config, runner, None, frozenset(), vocab_size)
-        return llm
-
-    def _start(
+    def _start(  # the engine around a runner; tests start it around a fake runner (tests/conftest.py's FakeEngine)
         self,
         config: EngineConfig,
         runner: "ModelRunner",

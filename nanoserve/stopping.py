@@ -12,6 +12,7 @@ Text is decoded incrementally: a few tokens before the new ones are decoded agai
 several tokens appears whole, once its last byte arrives. A streamed delta never contains the start of what could still
 become a stop string, so a stop string is never streamed, even in part."""
 
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -34,10 +35,10 @@ def banned_token_ids(seq: Sequence) -> frozenset[int]:
     return seq.stop_token_ids if seq.num_completion_tokens <= seq.params.min_tokens else frozenset()
 
 
+@dataclass
 class StopChecker:
-    def __init__(self, tokenizer: "PreTrainedTokenizerBase | None", max_model_len: int) -> None:
-        self.tokenizer = tokenizer  # None (a weights-only model): no text
-        self.max_model_len = max_model_len
+    tokenizer: "PreTrainedTokenizerBase | None"  # None (a weights-only model): no text
+    max_model_len: int
 
     def check(self, seq: Sequence, incremental: bool) -> str | None:
         """After seq's oldest pending token is read back: "stop", "length" or None. Keeps seq.text up to date

@@ -127,9 +127,9 @@ def example_module():
 
 def test_fp8_kv_cache_holds_more_tokens_and_mostly_agrees(llama, prompts):
     """Experiment 6. Guards against an fp8 pool that is not one byte per element (a token must take a quarter of
-    fp32's bytes, so the same memory holds four times the tokens; the KV account must say 1 byte) and against an fp8 path that is wrong rather than rounded: the
-    greedy outputs start the same as the fp32 cache's (the first tokens agree in most prompts; fp8 drifts later, at
-    near-ties), and the pool is empty afterwards."""
+    fp32's bytes, so the same memory holds four times the tokens; the KV account must say 1 byte) and against an fp8
+    path that is wrong rather than rounded: the greedy outputs start the same as the fp32 cache's (the first tokens
+    agree in most prompts; fp8 drifts later, at near-ties), and the pool is empty afterwards."""
     auto, llm_auto, _, _ = run(llama, prompts)
     fp8, llm_fp8, _, _ = run(llama, prompts, kv_cache_dtype="fp8")
     assert llm_fp8.runner.kv_bytes_per_token * 4 == llm_auto.runner.kv_bytes_per_token  # a pool of any size
