@@ -234,10 +234,12 @@ class LLM:
         return outputs
 
     def _record_first_scheduled(self, step: Step) -> None:
-        """vLLM's first_scheduled_time and time_in_queue of the requests this step starts."""
+        """vLLM's first_scheduled_time and time_in_queue of the requests this step starts: a request starts when its
+        first sequence is admitted (a readmission after preemption changes nothing), so only admissions are looked at,
+        not every scheduled sequence of every decode step."""
         now = time.time()
-        for scheduled in step.scheduled:
-            metrics = self.request_of[scheduled.seq].metrics
+        for seq in step.admitted:
+            metrics = self.request_of[seq].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
                 metrics.time_in_queue = now - metrics.arrival_time

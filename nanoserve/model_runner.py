@@ -282,12 +282,15 @@ class ModelRunner:
     def launch(self, step: Step, previous: InFlightStep | None) -> InFlightStep:
         """Queue one step on the device and return without waiting for it. `previous`, the step launched before
         and maybe not yet read back, holds the values of this step's PENDING decode inputs."""
-        header, flat = upload(self.prepare(step, previous), self.device)
+        lists = self.prepare(step, previous)
+        header, flat = upload(lists, self.device)
         try:
             if self.workers is not None:  # tensor parallel: every rank runs the step; rank 0 samples
                 self.workers.send_step(header, flat)  # the header as host ints: no copy to the device, no sync
             previous_tokens = previous.device_tokens if previous is not None else None
-            prompt_top_n = max(s.seq.params.prompt_logprobs or 0 for s in step.scheduled)
+            prompt_top_n = 0  # the most top logprobs a prompt row asks for; ordinary steps skip the look
+            if lists.prompt_rows:
+                prompt_top_n = max(s.seq.params.prompt_logprobs or 0 for s in step.scheduled)
             logits, prompt_samples = self.execute(header, flat, previous_tokens, prompt_top_n)
             samples = None  # a step of prompt chunks only samples nothing
             if logits is not None:

@@ -35,6 +35,7 @@ class ScheduledSeq:
 class Step:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue this step
     num_tokens: int = 0  # tokens computed in the step, counted as they are planned
 
     @property
@@ -135,6 +136,7 @@ class Scheduler:
                 return
             self.running.append(self.waiting.popleft())
             seq.status = SequenceStatus.RUNNING
+            step.admitted.append(seq)
             self._plan(step, seq, num_new)
 
     def update(self, step: Step, tokens: list[int], logprobs: list[dict[int, float] | None] | None) -> list[Sequence]:
