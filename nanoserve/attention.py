@@ -59,12 +59,13 @@ class AttentionMetadata:
     max_context_len: int  # >= every context_len (under a CUDA graph: max_model_len); only the reference reads it
     decode_only: bool  # every sequence has exactly one query token
     # what the PyTorch reference derives from the above: the same for every layer, so made once per step
-    _reference_gather: "ReferenceGather | None" = field(default=None, init=False, repr=False, compare=False)
+    _reference_gather: tuple | None = field(default=None, init=False)
 
-    def reference_gather(self, block_size: int) -> "ReferenceGather":
-        """The PyTorch reference's gather indices and mask for this step, computed by its first layer."""
+    def reference_gather(self, block_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The PyTorch reference's gather indices and mask for this step (gather_for_reference), computed by its
+        first layer and reused by the others."""
         if self._reference_gather is None:
-            self._reference_gather = ReferenceGather.of(self, block_size)
+            self._reference_gather = gather_for_reference(self, block_size)
         return self._reference_gather
 
     def __post_init__(self) -> None:
@@ -126,16 +127,15 @@ def _attend_key_tiles(
     stride_ch,
     qk_scale,
     BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
     TILE_N: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     """Fold the keys of one sequence at positions [start, end), TILE_N at a time, into the running softmax of each of
     q's rows (flash attention); returns the new (row_max, row_sum, acc).
     row_max [M] running max score, row_sum [M] running sum of exp2(score - row_max), acc [M, HEAD_DIM] fp32
-    unnormalised output; q [M, HEAD_DIM]. K/V tiles come in the cache's dtype and are widened to q's (exact for fp8).
-    Each key position looks up its own block in the sequence's block table, so a tile may span several small blocks
-    or part of a big one.
+    unnormalised output; q [M, HEAD_DIM], HEAD_DIM read from q.shape[1]. K/V tiles come in the cache's dtype and
+    are widened to q's (exact for fp8). Each key position looks up its own block in the sequence's block table, so
+    a tile may span several small blocks or part of a big one.
     MASKED: row i sees the keys at positions <= last_key[i] (last_key: [M, 1], or one scalar for every row), and
     positions >= end load 0, since their slots may hold garbage and 0 * garbage can be NaN. Unmasked, for keys known
     to lie below end and below every row's last key, no load is predicated and every key is seen. Every row must see
@@ -143,7 +143,7 @@ def _attend_key_tiles(
     for n in range(start, end, TILE_N):
         pos = n + tl.arange(0, TILE_N)  # [TILE_N] key positions
         # [TILE_N, HEAD_DIM] offsets of the keys within their blocks; the blocks' own offsets are added next
-        offs = tl.arange(0, HEAD_DIM)[None, :] + kv_head * stride_ch + (pos % BLOCK_SIZE)[:, None] * stride_cs
+        offs = tl.arange(0, q.shape[1])[None, :] + kv_head * stride_ch + (pos % BLOCK_SIZE)[:, None] * stride_cs
         if MASKED:
             valid = pos < end
             block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
@@ -215,47 +215,46 @@ def _prefill_kernel(
     unmasked_end = (first_q_pos + 1) // TILE_N * TILE_N  # whole key tiles at positions <= first_q_pos
     kv_end = tl.minimum(ctx, first_q_pos + TILE_M)  # one past the tile's last query
     block_table_ptr = block_tables_ptr + seq * stride_bt
+    last_key = q_pos[:, None]  # [TILE_M, 1]: the causal mask, a query sees the keys up to its own position
+    kv_head = head // GROUP
     row_max, row_sum, acc = _attend_key_tiles(
         row_max,
         row_sum,
         acc,
         q,
-        q_pos[:, None],
+        last_key,
         0,
         unmasked_end,
         k_cache_ptr,
         v_cache_ptr,
         block_table_ptr,
-        head // GROUP,
+        kv_head,
         stride_cb,
         stride_cs,
         stride_ch,
         qk_scale,
         BLOCK_SIZE,
-        HEAD_DIM,
         TILE_N,
         MASKED=False,
     )
-    # the diagonal: the causal mask (a query sees the keys up to its own position) also hides keys >= kv_end from
-    # real queries
+    # the diagonal: the causal mask also hides keys >= kv_end from real queries
     row_max, row_sum, acc = _attend_key_tiles(
         row_max,
         row_sum,
         acc,
         q,
-        q_pos[:, None],
+        last_key,
         unmasked_end,
         kv_end,
         k_cache_ptr,
         v_cache_ptr,
         block_table_ptr,
-        head // GROUP,
+        kv_head,
         stride_cb,
         stride_cs,
         stride_ch,
         qk_scale,
         BLOCK_SIZE,
-        HEAD_DIM,
         TILE_N,
         MASKED=True,
     )
@@ -329,7 +328,6 @@ def _decode_split_kernel(
         stride_ch,
         qk_scale,
         BLOCK_SIZE,
-        HEAD_DIM,
         TILE_N,
         MASKED=True,
     )
@@ -468,8 +466,8 @@ def _launch_decode(args: tuple, shape: dict, out: Tensor, meta: AttentionMetadat
     _, num_heads, head_dim = out.shape
     num_seqs, num_kv_heads = meta.context_lens.shape[0], k_cache.shape[2]
     num_splits = decode_splits(num_seqs, num_kv_heads, _num_sms(out.device))
-    part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=out.device)
-    part_lse = torch.empty(part_out.shape[:3], dtype=torch.float32, device=out.device)
+    part_out = out.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32)
+    part_lse = part_out.new_empty(part_out.shape[:3])
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         *args,
         part_out,
@@ -511,45 +509,41 @@ def store_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_ma
     """k, v: [num_tokens, num_kv_heads, head_dim]; writes each token's K/V into its slot."""
     keep = slot_mapping != PAD_SLOT
     for new, cache in ((k, k_cache), (v, v_cache)):
-        cache.view(-1, *cache.shape[2:])[slot_mapping[keep]] = new[keep].to(cache.dtype)  # fp8: saturating, to nearest
+        cache.flatten(0, 1)[slot_mapping[keep]] = new[keep].to(cache.dtype)  # fp8: saturating, to nearest
 
 
-@dataclass
-class ReferenceGather:
+def gather_for_reference(meta: AttentionMetadata, block_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """How paged_attention_ref lays a step out for SDPA: each sequence's keys gathered from its blocks into a batch
-    padded to the longest context, its queries into one padded to the longest query, and a mask that is causal and
-    hides the padding. It depends on the metadata only, so every layer of a step shares one."""
-
-    slots: Tensor  # [num_seqs, max_k] cache slot of each key; padding keys re-read the sequence's first one
-    visible: Tensor  # [num_seqs, 1, max_q, max_k] bool: which keys each query sees
-    query_rows: Tensor  # [num_seqs, max_q] rows of q
-    real_queries: Tensor  # [num_seqs, max_q] bool: not padding
-
-    @classmethod
-    def of(cls, meta: AttentionMetadata, block_size: int) -> "ReferenceGather":
-        device = meta.context_lens.device
-        key_pos = torch.arange(meta.max_context_len, device=device)  # [max_k]
-        in_context = key_pos < meta.context_lens[:, None]  # [num_seqs, max_k]
-        # padding keys re-read the sequence's first key (slots past a context may hold anything, even NaN); masked
-        pos = torch.where(in_context, key_pos, 0)  # [num_seqs, max_k]
-        slots = meta.block_tables.gather(1, pos // block_size) * block_size + pos % block_size
-        q_lens = meta.query_start_loc.diff()[:, None]  # [num_seqs, 1]
-        q_idx = torch.arange(meta.max_query_len, device=device)  # [max_q]
-        # [num_seqs, max_q]; padding rows re-read the last token (num_tokens is known on the host: no sync)
-        query_rows = (meta.query_start_loc[:-1, None] + q_idx).clamp(max=meta.slot_mapping.shape[0] - 1)
-        q_pos = meta.context_lens[:, None] - q_lens + q_idx  # [num_seqs, max_q] positions of the queries
-        visible = (key_pos <= q_pos[..., None]) & in_context[:, None, :]  # [num_seqs, max_q, max_k]: causal, in context
-        return cls(slots, visible[:, None], query_rows, q_idx < q_lens)
+    padded to the longest context, its queries into one padded to the longest query, and a causal mask. It depends on
+    the metadata only, so every layer of a step shares one (AttentionMetadata.reference_gather keeps it). Returns
+      slots         [num_seqs, max_k] cache slot of each key; padding keys re-read the sequence's first one
+      visible       [num_seqs, 1, max_q, max_k] bool: which keys each query sees
+      query_rows    [num_seqs, max_q] rows of q
+      real_queries  [num_seqs, max_q] bool: not padding
+    The mask is causal only: a real query sits inside its context, so the keys it sees do too; padding keys are
+    seen by padding queries alone, whose rows are dropped."""
+    device = meta.context_lens.device
+    key_pos = torch.arange(meta.max_context_len, device=device)  # [max_k]
+    # padding keys re-read the sequence's first key (slots past a context may hold anything, even NaN)
+    pos = torch.where(key_pos < meta.context_lens[:, None], key_pos, 0)  # [num_seqs, max_k]
+    slots = meta.block_tables.gather(1, pos // block_size) * block_size + pos % block_size
+    q_lens = meta.query_start_loc.diff()[:, None]  # [num_seqs, 1]
+    q_idx = torch.arange(meta.max_query_len, device=device)  # [max_q]
+    # [num_seqs, max_q]; padding rows re-read the last token (num_tokens is known on the host: no sync)
+    query_rows = (meta.query_start_loc[:-1, None] + q_idx).clamp(max=meta.slot_mapping.shape[0] - 1)
+    q_pos = meta.context_lens[:, None] - q_lens + q_idx  # [num_seqs, max_q] positions of the queries
+    visible = key_pos <= q_pos[:, None, :, None]  # [num_seqs, 1, max_q, max_k]: causal
+    return slots, visible, query_rows, q_idx < q_lens
 
 
 def paged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
     """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim], causal within each sequence:
-    PyTorch's SDPA over each sequence's keys gathered from its blocks (ReferenceGather), in fp32."""
-    gather = meta.reference_gather(k_cache.shape[1])
+    PyTorch's SDPA over each sequence's keys gathered from its blocks (gather_for_reference), in fp32."""
+    slots, visible, query_rows, real_queries = meta.reference_gather(k_cache.shape[1])
     # the keys and values by slot, [num_seqs, num_kv_heads, max_k, head_dim], and the queries, [num_seqs, num_heads,
     # max_q, head_dim]: SDPA's layout, in fp32
-    k, v = (cache.flatten(0, 1)[gather.slots].float().transpose(1, 2) for cache in (k_cache, v_cache))
-    queries = q[gather.query_rows].float().transpose(1, 2)
-    out = F.scaled_dot_product_attention(queries, k, v, attn_mask=gather.visible, scale=scale, enable_gqa=True)
-    out = out.transpose(1, 2)[gather.real_queries]  # [num_tokens, num_heads, head_dim]: padded query rows dropped
+    k, v = (cache.flatten(0, 1)[slots].float().transpose(1, 2) for cache in (k_cache, v_cache))
+    queries = q[query_rows].float().transpose(1, 2)
+    out = F.scaled_dot_product_attention(queries, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+    out = out.transpose(1, 2)[real_queries]  # [num_tokens, num_heads, head_dim]: padded query rows dropped
     return out.nan_to_num(0.0).to(q.dtype)  # a context of 0 keys (a padded graph row) gives 0, as the kernels do
