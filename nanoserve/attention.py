@@ -111,12 +111,10 @@ def _store_kv_kernel(
 
 @triton.jit
 def _attend_key_tiles(
-    row_max,
-    row_sum,
-    acc,
     q,
     last_key,
     start,
+    unmasked_end,
     end,
     k_cache_ptr,
     v_cache_ptr,
@@ -128,42 +126,47 @@ def _attend_key_tiles(
     qk_scale,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
-    MASKED: tl.constexpr,
 ):
-    """Fold the keys of one sequence at positions [start, end), TILE_N at a time, into the running softmax of each of
-    q's rows (flash attention); returns the new (row_max, row_sum, acc).
-    row_max [M] running max score, row_sum [M] running sum of exp2(score - row_max), acc [M, HEAD_DIM] fp32
-    unnormalised output; q [M, HEAD_DIM], HEAD_DIM read from q.shape[1]. K/V tiles come in the cache's dtype and
-    are widened to q's (exact for fp8). Each key position looks up its own block in the sequence's block table, so
-    a tile may span several small blocks or part of a big one.
-    MASKED: row i sees the keys at positions <= last_key[i] (last_key: [M, 1], or one scalar for every row), and
-    positions >= end load 0, since their slots may hold garbage and 0 * garbage can be NaN. Unmasked, for keys known
-    to lie below end and below every row's last key, no load is predicated and every key is seen. Every row must see
-    a key by its first tile, or its max stays -inf and the rescale is NaN."""
-    for n in range(start, end, TILE_N):
-        pos = n + tl.arange(0, TILE_N)  # [TILE_N] key positions
-        # [TILE_N, HEAD_DIM] offsets of the keys within their blocks; the blocks' own offsets are added next
-        offs = tl.arange(0, q.shape[1])[None, :] + kv_head * stride_ch + (pos % BLOCK_SIZE)[:, None] * stride_cs
-        if MASKED:
-            valid = pos < end
-            block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            offs += block[:, None] * stride_cb
-            k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
-            visible = pos[None, :] <= last_key  # [M, TILE_N] or [1, TILE_N]
-        else:
-            offs += tl.load(block_table_ptr + pos // BLOCK_SIZE).to(tl.int64)[:, None] * stride_cb
-            k = tl.load(k_cache_ptr + offs)
-            v = tl.load(v_cache_ptr + offs)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale  # [M, N] log2 units; fp32 not tf32
-        if MASKED:
-            s = tl.where(visible, s, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(s, 1))
-        alpha = tl.exp2(row_max - new_max)  # rescales what was summed under the old max
-        p = tl.exp2(s - new_max[:, None])  # [M, N] this tile's weights under the new max
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
-        row_max = new_max
+    """Attend q's rows to the keys of one sequence at positions [start, end), TILE_N at a time (flash attention: an
+    online softmax per row); returns its state (row_max, row_sum, acc), below. q: [M, HEAD_DIM]. K/V tiles come in
+    the cache's dtype and are widened to q's (exact for fp8). Each key position looks up its own block in the
+    sequence's block table, so a tile may span several small blocks or part of a big one.
+    Two passes of one loop body, each compiled on its own (MASKED is a compile-time constant):
+      unmasked, tiles [start, unmasked_end): whole tiles known to lie below end and below every row's last key, so
+        no load is predicated and every key is seen (unmasked_end == start: none);
+      masked, [unmasked_end, end): row i sees the keys at positions <= last_key[i] (last_key: [M, 1], or one scalar
+        for every row), and positions >= end load 0, since their slots may hold garbage and 0 * garbage can be NaN.
+    Every row must see a key by its first tile, or its max stays -inf and the rescale is NaN."""
+    # the online softmax's running state per row: max score, sum of exp2(score - max), unnormalised output (fp32)
+    row_max = tl.full([q.shape[0]], float("-inf"), tl.float32)  # [M]
+    row_sum = tl.zeros([q.shape[0]], tl.float32)  # [M]
+    acc = tl.zeros(q.shape, tl.float32)  # [M, HEAD_DIM]
+    for MASKED in tl.static_range(2):  # unrolled: the unmasked pass (MASKED = 0), then the masked one (1)
+        for n in range(unmasked_end if MASKED else start, end if MASKED else unmasked_end, TILE_N):
+            pos = n + tl.arange(0, TILE_N)  # [TILE_N] key positions
+            # [TILE_N, HEAD_DIM] offsets of the keys within their blocks; the blocks' own offsets are added next
+            offs = tl.arange(0, q.shape[1])[None, :] + kv_head * stride_ch + (pos % BLOCK_SIZE)[:, None] * stride_cs
+            if MASKED:
+                valid = pos < end
+                block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+                offs += block[:, None] * stride_cb
+                k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
+                v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
+                visible = pos[None, :] <= last_key  # [M, TILE_N] or [1, TILE_N]
+            else:
+                offs += tl.load(block_table_ptr + pos // BLOCK_SIZE).to(tl.int64)[:, None] * stride_cb
+                k = tl.load(k_cache_ptr + offs)
+                v = tl.load(v_cache_ptr + offs)
+            # [M, TILE_N] scores in log2 units; fp32 dots in IEEE fp32, not tf32
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
+            if MASKED:
+                s = tl.where(visible, s, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(s, 1))
+            alpha = tl.exp2(row_max - new_max)  # rescales what was summed under the old max
+            p = tl.exp2(s - new_max[:, None])  # [M, N] this tile's weights under the new max
+            row_sum = row_sum * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+            row_max = new_max
     return row_max, row_sum, acc
 
 
@@ -205,58 +208,29 @@ def _prefill_kernel(
     q = tl.load(
         q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :], mask=real_rows, other=0.0
     )  # [TILE_M, HEAD_DIM]
-    # the online softmax's running state per query row: max score, sum of exp2(score - max), unnormalised output
-    row_max = tl.full([TILE_M], float("-inf"), tl.float32)
-    row_sum = tl.zeros([TILE_M], tl.float32)
-    acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
     # Keys up to the tile's first query are seen by all its rows: whole tiles of them need no mask. Keys after
     # its last query are seen by none: stop there (skips the tiles above the diagonal).
     first_q_pos = ctx - q_len + tile * TILE_M  # the position of the tile's first query
     unmasked_end = (first_q_pos + 1) // TILE_N * TILE_N  # whole key tiles at positions <= first_q_pos
     kv_end = tl.minimum(ctx, first_q_pos + TILE_M)  # one past the tile's last query
-    block_table_ptr = block_tables_ptr + seq * stride_bt
-    last_key = q_pos[:, None]  # [TILE_M, 1]: the causal mask, a query sees the keys up to its own position
-    kv_head = head // GROUP
-    row_max, row_sum, acc = _attend_key_tiles(
-        row_max,
-        row_sum,
-        acc,
+    # then the diagonal, masked: the causal mask (a query sees the keys up to its own position) also hides keys
+    # >= kv_end from real queries
+    _, row_sum, acc = _attend_key_tiles(
         q,
-        last_key,
+        q_pos[:, None],
         0,
-        unmasked_end,
-        k_cache_ptr,
-        v_cache_ptr,
-        block_table_ptr,
-        kv_head,
-        stride_cb,
-        stride_cs,
-        stride_ch,
-        qk_scale,
-        BLOCK_SIZE,
-        TILE_N,
-        MASKED=False,
-    )
-    # the diagonal: the causal mask also hides keys >= kv_end from real queries
-    row_max, row_sum, acc = _attend_key_tiles(
-        row_max,
-        row_sum,
-        acc,
-        q,
-        last_key,
         unmasked_end,
         kv_end,
         k_cache_ptr,
         v_cache_ptr,
-        block_table_ptr,
-        kv_head,
+        block_tables_ptr + seq * stride_bt,
+        head // GROUP,
         stride_cb,
         stride_cs,
         stride_ch,
         qk_scale,
         BLOCK_SIZE,
         TILE_N,
-        MASKED=True,
     )
     tl.store(
         out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
@@ -307,17 +281,11 @@ def _decode_split_kernel(
     q = tl.load(
         q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=real_rows[:, None], other=0.0
     )  # [GROUP_PAD, HEAD_DIM]
-    # the online softmax's running state per query head: max score, sum of exp2(score - max), unnormalised output
-    row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    row_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     row_max, row_sum, acc = _attend_key_tiles(
-        row_max,
-        row_sum,
-        acc,
         q,
         end - 1,  # every row sees the split's keys
         start,
+        start,  # no unmasked tiles: every key is masked by end
         end,
         k_cache_ptr,
         v_cache_ptr,
@@ -329,7 +297,6 @@ def _decode_split_kernel(
         qk_scale,
         BLOCK_SIZE,
         TILE_N,
-        MASKED=True,
     )
     # an empty split (row_max = -inf, row_sum = 0) reports lse = -inf, i.e. weight 0, and a zero output, not 0/0
     row_sum = tl.where(row_sum > 0, row_sum, 1.0)
