@@ -139,11 +139,10 @@ class Attention(nn.Module):
         q, k, v = (part.unflatten(-1, (-1, self.head_dim)) for part in qkv)
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.k_norm.eps) if self.q_norm is not None else ()
         q, k = self.kernels.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, *qk_norm)
-        k_cache, v_cache = kv_cache
-        # All of the step's K/V are stored before any is read: a sequence may read blocks another sequence
-        # computes in this same step (a shared prefix admitted together).
-        self.kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = self.kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        # All of the step's K/V are stored (into kv_cache: K cache, V cache) before any is read: a sequence may read
+        # blocks another sequence computes in this same step (a shared prefix admitted together).
+        self.kernels.store_kv(k, v, *kv_cache, meta.slot_mapping)
+        o = self.kernels.paged_attention(q, *kv_cache, meta, self.scale)
         return self.o_proj(o.flatten(1))
 
 
