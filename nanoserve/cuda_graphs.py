@@ -32,15 +32,16 @@ class DecodeGraphs:
         self.context_lens = torch.zeros(max_num_seqs, **ints)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, **ints)
         self.query_start_loc = torch.arange(max_num_seqs + 1, **ints)  # one query per sequence
-        # each graph's output, [size, hidden_size]: a tensor of the graph's pool, rewritten by each replay
+        # each graph's output [size, hidden_size]: the tensor its capture made (in the shared pool), which every replay
+        # of that graph rewrites in place, so no copy into a static output buffer; valid until the next replay
         self.hidden: dict[int, Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def forward(self, size: int) -> None:
-        """The decode forward on the first `size` rows of the static buffers. A replay cannot change its grid: the
-        decode kernel's grid depends on the batch size alone, and each sequence cuts its own context into the grid's
-        splits, so a short context keeps every split busy (max_context_len, read only by the PyTorch reference, is
-        max_model_len here)."""
+        """The decode forward on the first `size` rows of the static buffers, its output kept as hidden[size]. A
+        replay cannot change its grid: the decode kernel's grid depends on the batch size alone, and each sequence cuts
+        its own context into the grid's splits, so a short context keeps every split busy (max_context_len, read only
+        by the PyTorch reference, is max_model_len here)."""
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
             query_start_loc=self.query_start_loc[: size + 1],
