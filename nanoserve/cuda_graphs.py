@@ -5,6 +5,7 @@ copies its inputs into those buffers and replays the smallest graph that fits: p
 read none (context length 0)."""
 
 import torch
+from torch import Tensor
 
 from nanoserve.attention import PAD_SLOT, AttentionMetadata
 from nanoserve.model import CausalLM, KVCache
@@ -12,8 +13,7 @@ from nanoserve.model import CausalLM, KVCache
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """The batch sizes that get a graph: 1, 2, 4, 8, then every 16, and max_num_seqs itself."""
-    small = [size for size in (1, 2, 4, 8) if size < max_num_seqs]
-    return small + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
+    return [size for size in (1, 2, 4, 8, *range(16, max_num_seqs, 16)) if size < max_num_seqs] + [max_num_seqs]
 
 
 class DecodeGraphs:
@@ -25,23 +25,23 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.sizes = graph_batch_sizes(max_num_seqs)
         # the static input buffers every graph reads, max_num_seqs rows each
-        n = max_num_seqs
-        param = next(model.parameters())
-        ints = {"dtype": torch.int32, "device": param.device}
-        self.input_ids = torch.zeros(n, **ints)
-        self.positions = torch.zeros(n, **ints)
-        self.slot_mapping = torch.full((n,), PAD_SLOT, **ints)
-        self.context_lens = torch.zeros(n, **ints)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, **ints)
-        self.query_start_loc = torch.arange(n + 1, **ints)  # one query per sequence
-        self.hidden = param.new_zeros(n, model.args.hidden_size)  # the output, in the weights' dtype
+        ints = {"dtype": torch.int32, "device": next(model.parameters()).device}
+        self.input_ids = torch.zeros(max_num_seqs, **ints)
+        self.positions = torch.zeros(max_num_seqs, **ints)
+        self.slot_mapping = torch.full((max_num_seqs,), PAD_SLOT, **ints)
+        self.context_lens = torch.zeros(max_num_seqs, **ints)
+        self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, **ints)
+        self.query_start_loc = torch.arange(max_num_seqs + 1, **ints)  # one query per sequence
+        # each graph's output [size, hidden_size]: the tensor its capture made (in the shared pool), which every replay
+        # of that graph rewrites in place, so no copy into a static output buffer; valid until the next replay
+        self.hidden: dict[int, Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def forward(self, size: int) -> None:
-        """The decode forward on the first `size` rows of the static buffers. A replay cannot change its grid: the
-        decode kernel's grid depends on the batch size alone, and each sequence cuts its own context into the grid's
-        splits, so a short context keeps every split busy (max_context_len, read only by the PyTorch reference, is
-        max_model_len here)."""
+        """The decode forward on the first `size` rows of the static buffers, its output kept as hidden[size]. A
+        replay cannot change its grid: the decode kernel's grid depends on the batch size alone, and each sequence cuts
+        its own context into the grid's splits, so a short context keeps every split busy (max_context_len, read only
+        by the PyTorch reference, is max_model_len here)."""
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
             query_start_loc=self.query_start_loc[: size + 1],
@@ -51,7 +51,7 @@ class DecodeGraphs:
             max_context_len=self.max_model_len,
             decode_only=True,
         )
-        self.hidden[:size] = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
+        self.hidden[size] = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -65,7 +65,7 @@ class DecodeGraphs:
             pool = graph.pool()  # the next (smaller) graph shares this one's memory
         torch.cuda.synchronize()
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         """Decode rows [num_seqs] -> hidden states [num_seqs, hidden_size], by replaying the graph of the next size
         up: the rows past num_seqs are padding."""
         num_seqs = input_ids.shape[0]
@@ -78,4 +78,4 @@ class DecodeGraphs:
         self.context_lens[num_seqs:size] = 0  # ...and read nothing
         self.block_tables[:num_seqs, : meta.block_tables.shape[1]] = meta.block_tables
         self.graphs[size].replay()
-        return self.hidden[:num_seqs]
+        return self.hidden[size][:num_seqs]

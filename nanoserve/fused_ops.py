@@ -31,7 +31,7 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, str
     tl.store(stream_ptrs, stream, mask=mask)
     xf = stream.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    w = tl.load(weight_ptr + cols, mask=mask)  # masked columns are never stored: no `other` needed
     tl.store(out_ptr + row * n + cols, (xf * inv_rms).to(x.dtype) * w, mask=mask)  # rounded before the weight, as HF
 
 
@@ -53,8 +53,9 @@ def _norm_rope_heads(
     h, d = tl.arange(0, HEADS_PAD)[:, None], tl.arange(0, HALF)[None, :]
     mask = h < num_heads
     first = ptr + h * stride_h + d  # [HEADS_PAD, HALF] pointers to each head's first half; its second: first + HALF
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    # a padded head's lanes (masked) are loaded as anything and never stored; sums run within a head, never across
+    x1 = tl.load(first, mask=mask).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask).to(tl.float32)
     if HAS_NORM:
         sum_sq = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)  # [HEADS_PAD] over both halves: the whole head
         inv_rms = 1.0 / tl.sqrt(sum_sq / (2 * HALF) + eps)[:, None]
@@ -109,8 +110,8 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
     gate_ptrs = x_ptr + row * stride_x + cols
-    gate = tl.load(gate_ptrs, mask=mask, other=0.0)
-    up = tl.load(gate_ptrs + n, mask=mask, other=0.0)  # up's columns: n after gate's
+    gate = tl.load(gate_ptrs, mask=mask)  # masked columns are never stored: no `other` needed
+    up = tl.load(gate_ptrs + n, mask=mask)  # up's columns: n after gate's
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu in fp32, rounded as F.silu's output is
     tl.store(out_ptr + row * n + cols, act * up, mask=mask)  # in the model dtype: one rounding, as torch's product

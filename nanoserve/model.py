@@ -77,23 +77,17 @@ class ModelArgs:
         )
 
 
-class NormWeight(nn.Module):
-    """The weight of an RMSNorm, in a module so that the checkpoint's name (input_layernorm.weight,
-    self_attn.q_norm.weight) finds it. On its own it has no forward: Qwen3's per-head q_norm and k_norm are applied
-    inside the fused qk_norm_rope kernel; AddRMSNorm below adds the forward of the residual stream's norms."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-
-class AddRMSNorm(NormWeight):
-    """Adds a sublayer's output into the residual stream, then RMS-normalises the sum:
-    forward(x, residual) -> (RMSNorm(x + residual) * weight, x + residual). One fused kernel does both (the Triton
-    one writes the sum into `residual` in place), so the stream is a tensor the model owns."""
+class RMSNorm(nn.Module):
+    """An RMSNorm's weight and eps, in a module so that the checkpoint's name (input_layernorm.weight,
+    self_attn.q_norm.weight) finds the weight. Its forward is the residual stream's: it adds a sublayer's output into
+    the stream, then RMS-normalises the sum: forward(x, residual) -> (RMSNorm(x + residual) * weight, x + residual).
+    One fused kernel does both (the Triton one writes the sum into `residual` in place), so the stream is a tensor the
+    model owns. Qwen3's per-head q_norm and k_norm are never called: the fused qk_norm_rope kernel reads their weight
+    and eps."""
 
     def __init__(self, dim: int, eps: float, kernels: Kernels) -> None:
-        super().__init__(dim)
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.kernels = kernels
 
@@ -134,9 +128,8 @@ class Attention(nn.Module):
         kv_size = args.num_kv_heads * args.head_dim
         self.qkv_proj = ColumnParallelLinear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias, tp)
         self.o_proj = RowParallelLinear(q_size, args.hidden_size, args.o_bias, tp)
-        self.qk_norm_eps = args.rms_norm_eps
-        self.q_norm = NormWeight(args.head_dim) if args.qk_norm else None  # Qwen3
-        self.k_norm = NormWeight(args.head_dim) if args.qk_norm else None
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels) if args.qk_norm else None  # Qwen3
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels) if args.qk_norm else None
 
     def forward(
         self, x: Tensor, positions: Tensor, rotary: Rotary, kv_cache: KVCache, meta: AttentionMetadata
@@ -144,13 +137,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)  # [num_tokens, q | k | v] of this rank's heads
         # each [num_tokens, its heads, head_dim]: views into the one projection, which the kernel rotates in place
         q, k, v = (part.unflatten(-1, (-1, self.head_dim)) for part in qkv)
-        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.qk_norm_eps) if self.q_norm is not None else ()
+        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.k_norm.eps) if self.q_norm is not None else ()
         q, k = self.kernels.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, *qk_norm)
-        k_cache, v_cache = kv_cache
-        # All of the step's K/V are stored before any is read: a sequence may read blocks another sequence
-        # computes in this same step (a shared prefix admitted together).
-        self.kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = self.kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        # All of the step's K/V are stored (into kv_cache: K cache, V cache) before any is read: a sequence may read
+        # blocks another sequence computes in this same step (a shared prefix admitted together).
+        self.kernels.store_kv(k, v, *kv_cache, meta.slot_mapping)
+        o = self.kernels.paged_attention(q, *kv_cache, meta, self.scale)
         return self.o_proj(o.flatten(1))
 
 
@@ -170,8 +162,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(args, kernels, tp)
         self.mlp = MLP(args, kernels, tp)
-        self.input_layernorm = AddRMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
-        self.post_attention_layernorm = AddRMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
 
     def forward(
         self,
@@ -194,33 +186,22 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(args, kernels, tp) for _ in range(args.num_layers))
-        self.norm = AddRMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
-        self.rotary = Rotary(args)
-
-    def forward(
-        self, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
-    ) -> Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        x = self.embed_tokens(input_ids)
-        residual = torch.zeros_like(x)  # the residual stream starts empty: layer 0's add gives the embeddings
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
-        return self.norm(x, residual)[0]  # the last MLP's output added, then the final norm (the stream is dropped)
-
-
 class CausalLM(nn.Module):
-    """Module names follow the HF checkpoints (model.layers.0.self_attn...), so weights load by name. With tensor
-    parallelism (tp.size > 1) each rank holds its share of every layer (parallel.py)."""
+    """Module names follow the HF checkpoints (model.layers.0.self_attn...), so weights load by name: `model` is only
+    a ModuleDict of the decoder's parts, whose forward is this class's. With tensor parallelism (tp.size > 1) each
+    rank holds its share of every layer (parallel.py)."""
 
     def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP = TP()) -> None:  # noqa: B008 (frozen: one of one)
         super().__init__()
         self.args = args
-        self.model = Transformer(args, kernels, tp)
+        self.model = nn.ModuleDict(
+            {
+                "embed_tokens": VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp),
+                "layers": nn.ModuleList(DecoderLayer(args, kernels, tp) for _ in range(args.num_layers)),
+                "norm": RMSNorm(args.hidden_size, args.rms_norm_eps, kernels),
+            }
+        )
+        self.rotary = Rotary(args)
         self.lm_head = ColumnParallelLinear(args.hidden_size, [args.vocab_size], False, tp)  # split over the vocab
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -228,7 +209,14 @@ class CausalLM(nn.Module):
     def forward(
         self, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
     ) -> Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+        x = self.model.embed_tokens(input_ids)
+        residual = torch.zeros_like(x)  # the residual stream starts empty: layer 0's add gives the embeddings
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
+        return self.model.norm(x, residual)[
+            0
+        ]  # the last MLP's output added, then the final norm (the stream is dropped)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] in the model dtype, the whole vocabulary on every rank."""
