@@ -160,7 +160,8 @@ def step_inputs(
     padded = flat.split([round_up(n, INTS_PER_16_BYTES) for n in lengths])
     views = StepLists(*(view[:n] for view, n in zip(padded, lengths, strict=True)))
     if len(views.pending_at):
-        views.input_ids[views.pending_at.long()] = previous_tokens[views.pending_rows.long()].int()
+        # int32 index tensors index as int64 ones do; the sampled tokens are int64, the inputs int32
+        views.input_ids[views.pending_at] = previous_tokens[views.pending_rows].int()
     meta = AttentionMetadata(
         slot_mapping=views.slot_mapping,
         query_start_loc=views.query_start_loc,
