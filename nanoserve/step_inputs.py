@@ -83,8 +83,11 @@ def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -
     (padded to the longest); the rows whose logits are sampled; the inputs whose values are still on the device
     (PENDING decode inputs) with the rows of `previous` that hold them; and, for sequences that asked for
     prompt_logprobs, the rows whose logits give them, with the prompt token each gives the logprob of."""
+    width = round_up(max(len(s.seq.block_table) for s in step.scheduled), BLOCK_TABLE_WIDTH_MULTIPLE)
+    padding = array.array("i", bytes(4 * width))  # a block table row's zeros past its blocks
     lists = StepLists(*([] for _ in range(NUM_PARTS)))  # every part empty, but...
-    lists.query_start_loc.append(0)  # ...the first sequence's query starts at row 0
+    lists.query_start_loc.append(0)  # ...the first sequence's query starts at row 0...
+    lists.block_tables = array.array("i")  # ...and the block tables are an int32 array
     for scheduled in step.scheduled:
         seq = scheduled.seq
         start = scheduled.start
@@ -102,14 +105,10 @@ def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -
         lists.slot_mapping += slots_of(seq.block_table, start, end, block_size)
         lists.query_start_loc.append(len(lists.input_ids))
         lists.context_lens.append(end)
+        # int32 arrays: the block table is copied whole, never converted entry by entry
+        lists.block_tables += seq.block_table + padding[len(seq.block_table) :]
         if scheduled.picks_next_token:
             lists.sample_rows.append(len(lists.input_ids) - 1)
-    tables = [s.seq.block_table for s in step.scheduled]
-    width = round_up(max(map(len, tables)), BLOCK_TABLE_WIDTH_MULTIPLE)
-    padding = array.array("i", bytes(4 * width))
-    lists.block_tables = array.array("i")
-    for table in tables:  # int32 arrays: copied row by row, never converted entry by entry
-        lists.block_tables += table + padding[len(table) :]
     return lists
 
 
