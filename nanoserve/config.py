@@ -166,6 +166,7 @@ class EngineConfig:
                 "tensor_parallel_size",
                 f"{local_ranks} ranks on this machine exceed its {torch.cuda.device_count()} GPUs",
             )
+        # the defaults whose best value differs between a GPU and a CPU
         on_gpu = self.device == "cuda"
         if self.overlap is None:
             self.overlap = on_gpu
@@ -184,7 +185,7 @@ class EngineConfig:
         interpreted = os.environ.get("TRITON_INTERPRET", "").lower() in TRITON_INTERPRET_ON
         if self.kernels == "triton" and self.device == "cpu" and not interpreted:
             raise InvalidField("kernels", "'triton' on a CPU needs TRITON_INTERPRET=1 set before nanoserve is imported")
-        if self.device == "cpu" or self.kernels == "torch":
+        if self.device == "cpu" or self.kernels == "torch":  # CUDA graphs need a GPU and the sync-free Triton kernels
             self.enforce_eager = True
 
     def _check_fp8_kv_cache_works(self) -> None:
