@@ -109,11 +109,9 @@ class EngineConfig:
         self._check_numbers()
         self._check_choices()
         self._resolve_device()
-        self._choose_device_defaults()
         self._check_flags()
         self._resolve_kernels()
         self._check_fp8_kv_cache_works()
-        self._force_eager_where_graphs_cannot_run()
 
     def _check_paths(self) -> None:
         """model, trace and tokenizer are None or a path (a pathlib.Path becomes its string); trace not a folder, and in
@@ -140,14 +138,6 @@ class EngineConfig:
         check_numbers(self, limits)
         self.seed = SamplingParams(seed=self.seed).seed
 
-    def _choose_device_defaults(self) -> None:
-        """overlap and the step budget, where not given: their best value differs between a GPU and a CPU."""
-        on_gpu = self.device == "cuda"
-        if self.overlap is None:
-            self.overlap = on_gpu
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = GPU_STEP_TOKENS if on_gpu else CPU_STEP_TOKENS
-
     def _check_flags(self) -> None:
         """The on/off fields are bools (a string "no" would be truthy)."""
         for name in ("enable_prefix_caching", "enforce_eager", "overlap"):
@@ -162,7 +152,8 @@ class EngineConfig:
 
     def _resolve_device(self) -> None:
         """device 'cuda' needs a visible GPU, and 'auto' becomes cuda when one is visible, else cpu; on cuda, one GPU
-        per tensor-parallel rank."""
+        per tensor-parallel rank. Then overlap and the step budget, where not given: their best value differs between
+        a GPU and a CPU."""
         gpu_visible = torch.cuda.is_available()
         if self.device == "cuda" and not gpu_visible:
             raise InvalidField("device", "'cuda' but no GPU is visible to torch")
@@ -175,10 +166,17 @@ class EngineConfig:
                 "tensor_parallel_size",
                 f"{local_ranks} ranks on this machine exceed its {torch.cuda.device_count()} GPUs",
             )
+        # the defaults whose best value differs between a GPU and a CPU
+        on_gpu = self.device == "cuda"
+        if self.overlap is None:
+            self.overlap = on_gpu
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = GPU_STEP_TOKENS if on_gpu else CPU_STEP_TOKENS
 
     def _resolve_kernels(self) -> None:
         """kernels 'triton' needs the triton package, and on a CPU its interpreter; 'auto' becomes triton on cuda
-        (when installed), else torch."""
+        (when installed), else torch. Then enforce_eager on a CPU or with the PyTorch kernels: CUDA graphs need a GPU
+        and the sync-free Triton kernels."""
         if self.kernels == "triton" and not HAVE_TRITON:
             raise InvalidField("kernels", "'triton' needs the triton package (Linux only); use kernels='torch'")
         if self.kernels == "auto":
@@ -187,6 +185,8 @@ class EngineConfig:
         interpreted = os.environ.get("TRITON_INTERPRET", "").lower() in TRITON_INTERPRET_ON
         if self.kernels == "triton" and self.device == "cpu" and not interpreted:
             raise InvalidField("kernels", "'triton' on a CPU needs TRITON_INTERPRET=1 set before nanoserve is imported")
+        if self.device == "cpu" or self.kernels == "torch":  # CUDA graphs need a GPU and the sync-free Triton kernels
+            self.enforce_eager = True
 
     def _check_fp8_kv_cache_works(self) -> None:
         """kv_cache_dtype 'fp8' needs torch's float8 e4m3 type, and on a GPU the Triton kernels need its conversions,
@@ -201,11 +201,6 @@ class EngineConfig:
     def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's element type: the model's, or float8 e4m3 for 'fp8'."""
         return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else model_dtype
-
-    def _force_eager_where_graphs_cannot_run(self) -> None:
-        """enforce_eager on a CPU or with the PyTorch kernels: CUDA graphs need a GPU and the sync-free Triton ones."""
-        if self.device == "cpu" or self.kernels == "torch":
-            self.enforce_eager = True
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """The serving dtype: the one asked for; 'auto' is float32 on a CPU, and on a GPU float16 for a float16

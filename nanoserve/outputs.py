@@ -16,8 +16,8 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" (EOS, stop id, stop string), "length", "abort"; None while running
     logprobs: list[dict[int, float]] | None  # per token: {token_id: logprob}, the top-N and the chosen
     cumulative_logprob: float | None
-    text_delta: str = ""  # the text added since this request's previous output (all of it, the first time)
-    token_ids_delta: list[int] = field(default_factory=list)
+    text_delta: str  # the text added since this request's previous output (all of it, the first time)
+    token_ids_delta: list[int]
 
 
 @dataclass
@@ -42,7 +42,7 @@ class RequestOutput:
     metrics: RequestMetrics
     # per prompt token, when asked for (prompt_logprobs=N): None for the first, then {token_id: logprob} of the
     # token and the top N at its position, as vLLM; one list for all n samples (they share the prompt)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None
 
 
 @dataclass(eq=False)  # a request is itself, never equal to another one

@@ -9,7 +9,7 @@ work. The StepHeader (each list's length, and the longest query and context) is 
 up: it travels beside it, so that tensor-parallel workers can receive a step as header + buffer."""
 
 import array
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
@@ -50,8 +50,8 @@ class StepLists:
     pending_at: list[int]  # token rows whose input id is the previous step's sample...
     pending_rows: list[int]  # ...and the row of that sample in the previous step's output
     # prompt_logprobs: token rows whose logits give a prompt token's logprob, and the id of that next prompt token
-    prompt_rows: list[int] = field(default_factory=list)  # [num_prompt_rows]
-    prompt_next_ids: list[int] = field(default_factory=list)  # [num_prompt_rows]
+    prompt_rows: list[int]  # [num_prompt_rows]
+    prompt_next_ids: list[int]  # [num_prompt_rows]
 
 
 NUM_PARTS = len(fields(StepLists))
@@ -83,17 +83,11 @@ def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -
     (padded to the longest); the rows whose logits are sampled; the inputs whose values are still on the device
     (PENDING decode inputs) with the rows of `previous` that hold them; and, for sequences that asked for
     prompt_logprobs, the rows whose logits give them, with the prompt token each gives the logprob of."""
-    lists = StepLists(
-        input_ids=[],
-        positions=[],
-        slot_mapping=[],
-        query_start_loc=[0],
-        context_lens=[],
-        block_tables=array.array("i"),
-        sample_rows=[],
-        pending_at=[],
-        pending_rows=[],
-    )
+    width = round_up(max(len(s.seq.block_table) for s in step.scheduled), BLOCK_TABLE_WIDTH_MULTIPLE)
+    padding = array.array("i", bytes(4 * width))  # a block table row's zeros past its blocks
+    lists = StepLists(*([] for _ in range(NUM_PARTS)))  # every part empty, but...
+    lists.query_start_loc.append(0)  # ...the first sequence's query starts at row 0...
+    lists.block_tables = array.array("i")  # ...and the block tables are an int32 array
     for scheduled in step.scheduled:
         seq = scheduled.seq
         start = scheduled.start
@@ -111,13 +105,10 @@ def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -
         lists.slot_mapping += slots_of(seq.block_table, start, end, block_size)
         lists.query_start_loc.append(len(lists.input_ids))
         lists.context_lens.append(end)
+        # int32 arrays: the block table is copied whole, never converted entry by entry
+        lists.block_tables += seq.block_table + padding[len(seq.block_table) :]
         if scheduled.picks_next_token:
             lists.sample_rows.append(len(lists.input_ids) - 1)
-    tables = [s.seq.block_table for s in step.scheduled]
-    width = round_up(max(map(len, tables)), BLOCK_TABLE_WIDTH_MULTIPLE)
-    padding = array.array("i", bytes(4 * width))
-    for table in tables:  # int32 arrays: copied row by row, never converted entry by entry
-        lists.block_tables += table + padding[len(table) :]
     return lists
 
 
@@ -168,7 +159,8 @@ def step_inputs(
     padded = flat.split([round_up(n, INTS_PER_16_BYTES) for n in lengths])
     views = StepLists(*(view[:n] for view, n in zip(padded, lengths, strict=True)))
     if len(views.pending_at):
-        views.input_ids[views.pending_at.long()] = previous_tokens[views.pending_rows.long()].int()
+        # int32 index tensors index as int64 ones do; the sampled tokens are int64, the inputs int32
+        views.input_ids[views.pending_at] = previous_tokens[views.pending_rows].int()
     meta = AttentionMetadata(
         slot_mapping=views.slot_mapping,
         query_start_loc=views.query_start_loc,
