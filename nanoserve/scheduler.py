@@ -75,8 +75,20 @@ class Scheduler:
 
     def schedule(self) -> Step:
         step = Step()
-        self._schedule_running(step)
-        if not step.preempted:  # admitting while others were just preempted would only make the pool thrash
+        # 1) the running sequences, oldest first (a copy: preemption removes from the list)
+        for seq in list(self.running):
+            # skip one preempted just now, or at its length limit with the last token pending (it ends when read)
+            if (
+                seq.status != SequenceStatus.RUNNING
+                or not self._budget(step)
+                or reached_length_limit(seq, self.max_model_len)
+            ):
+                continue
+            num_new = min(seq.num_uncomputed_tokens, self._budget(step))
+            if self._make_room(seq, num_new, step):
+                self._plan(step, seq, num_new)
+        # 2) the budget left admits waiting ones; not after a preemption, which would only make the pool thrash
+        if not step.preempted:
             self._admit_waiting(step)
         return step
 
@@ -94,39 +106,23 @@ class Scheduler:
         if picks_next_token:
             seq.append_pending()  # its value arrives when this step is read back
 
-    def _schedule_running(self, step: Step) -> None:
-        for seq in list(self.running):
-            # skip one preempted just now, or at its length limit with the last token pending (it ends when read)
-            if (
-                seq.status != SequenceStatus.RUNNING
-                or not self._budget(step)
-                or reached_length_limit(seq, self.max_model_len)
-            ):
-                continue
-            num_new = min(seq.num_uncomputed_tokens, self._budget(step))
-            if self._make_room(seq, num_new, step):
-                self._plan(step, seq, num_new)
-
     def _make_room(self, seq: Sequence, num_new: int, step: Step) -> bool:
-        """Allocate seq's blocks, preempting the latest admitted sequences until they fit; False if seq itself went."""
+        """Allocate seq's blocks, preempting the latest admitted sequences until they fit; False if seq itself went.
+        Preemption by recompute: the victim's KV is dropped and it waits at the front of the queue; readmitted, it
+        re-prefills its prompt + output so far."""
         while not self.block_manager.allocate(seq, num_new):
-            victim = self.running[-1]
-            self._preempt(victim)
+            victim = self.running.pop()
+            self.block_manager.free(victim)  # its full blocks stay findable: they were cached when booked or read back
+            victim.status = SequenceStatus.WAITING
+            self.waiting.appendleft(victim)
+            self.num_preemptions += 1
             step.preempted.append(victim)
             if victim is seq:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Preemption by recompute: drop seq's KV; readmitted, it re-prefills prompt + output so far."""
-        self.running.remove(seq)
-        self.block_manager.free(seq)  # its full blocks stay findable: they were cached when booked or read back
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
-
     def _admit_waiting(self, step: Step) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs and self._budget(step) > 0:
+        while self.waiting and len(self.running) < self.max_num_seqs and self._budget(step):
             seq = self.waiting[0]
             if seq.num_pending:  # a preempted sequence waits for its tokens' values
                 return
