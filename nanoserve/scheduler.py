@@ -97,9 +97,8 @@ class Scheduler:
 
     def _plan(self, step: Step, seq: Sequence, num_new: int) -> None:
         """Add seq's next num_new tokens to the step, and book them."""
-        start = seq.num_computed_tokens
-        picks_next_token = start + num_new == seq.num_tokens
-        step.scheduled.append(ScheduledSeq(seq, start, num_new, picks_next_token))
+        picks_next_token = num_new == seq.num_uncomputed_tokens  # the chunk reaches the sequence's end
+        step.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new, picks_next_token))
         step.num_tokens += num_new
         seq.num_computed_tokens += num_new  # booked: counted as computed from now on
         self.block_manager.cache_full_blocks(seq)  # the full blocks it completes are findable at once
