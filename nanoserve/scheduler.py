@@ -74,6 +74,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Step:
+        """Plan the next step in two phases: 1) the running sequences; 2) with the budget left, the waiting ones."""
         step = Step()
         # 1) the running sequences, oldest first (a copy: preemption removes from the list)
         for seq in list(self.running):
@@ -87,9 +88,22 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, self._budget(step))
             if self._make_room(seq, num_new, step):
                 self._plan(step, seq, num_new)
-        # 2) the budget left admits waiting ones; not after a preemption, which would only make the pool thrash
-        if not step.preempted:
-            self._admit_waiting(step)
+        # 2) the budget left admits waiting sequences, in queue order until one does not fit; none after a
+        #    preemption, which would only make the pool thrash
+        if step.preempted:
+            return step
+        while self.waiting and len(self.running) < self.max_num_seqs and self._budget(step):
+            seq = self.waiting[0]
+            if seq.num_pending:  # a preempted sequence waits for its tokens' values
+                break
+            cached = self.block_manager.find_cached_prefix(seq)  # none if it asked for prompt_logprobs
+            num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, self._budget(step))
+            if not self.block_manager.allocate(seq, num_new, cached):
+                break
+            self.running.append(self.waiting.popleft())
+            seq.status = SequenceStatus.RUNNING
+            step.admitted.append(seq)
+            self._plan(step, seq, num_new)
         return step
 
     def _budget(self, step: Step) -> int:
@@ -119,20 +133,6 @@ class Scheduler:
             if victim is seq:
                 return False
         return True
-
-    def _admit_waiting(self, step: Step) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs and self._budget(step):
-            seq = self.waiting[0]
-            if seq.num_pending:  # a preempted sequence waits for its tokens' values
-                return
-            cached = self.block_manager.find_cached_prefix(seq)  # none if it asked for prompt_logprobs
-            num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, self._budget(step))
-            if not self.block_manager.allocate(seq, num_new, cached):
-                return
-            self.running.append(self.waiting.popleft())
-            seq.status = SequenceStatus.RUNNING
-            step.admitted.append(seq)
-            self._plan(step, seq, num_new)
 
     def update(self, step: Step, tokens: list[int], logprobs: list[dict[int, float] | None] | None) -> list[Sequence]:
         """A launched step's samples are back, one per sequence of step.sampling_seqs: fill in their oldest pending
