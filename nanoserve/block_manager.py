@@ -43,8 +43,9 @@ class BlockManager:
 
     def __post_init__(self) -> None:
         self.blocks = [Block(i) for i in range(self.num_blocks)]
-        # the free pool, least recently freed first (an OrderedDict: O(1) removal of a revived block)
-        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_blocks))
+        # the free pool: block ids, least recently freed first (an OrderedDict as an ordered set: O(1) removal of a
+        # revived block, the values unused)
+        self.free_ids = OrderedDict.fromkeys(range(self.num_blocks))
         self.cached: dict[PrefixKey, int] = {}  # the prefix cache: key -> block id
         self._prefix_ids = count()
 
@@ -57,8 +58,8 @@ class BlockManager:
         return self.num_blocks - self.num_free_blocks
 
     def count_cached_free_blocks(self) -> int:
-        """Free blocks that still hold a findable prefix (evicted only when a block is needed). Scans the pool."""
-        return sum(self.cached.get(self.blocks[b].key) == b for b in self.free_ids)
+        """Free blocks that still hold a findable prefix (evicted only when a block is needed). Scans the cache."""
+        return sum(self.blocks[b].ref_count == 0 for b in self.cached.values())
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -85,39 +86,39 @@ class BlockManager:
             return
         num_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
         first = num_full
-        while first > 0 and self.blocks[seq.block_table[first - 1]].key is None:
+        while first and self.blocks[seq.block_table[first - 1]].key is None:
             first -= 1  # keyed blocks form a prefix of the table; find where it ends
         for i in range(first, num_full):
             block = self.blocks[seq.block_table[i]]
-            parent_prefix_id = self.blocks[seq.block_table[i - 1]].prefix_id if i > 0 else None
+            parent_prefix_id = self.blocks[seq.block_table[i - 1]].prefix_id if i else None
             block.key = (parent_prefix_id, seq.block_tokens(i))
             owner = self.blocks[self.cached.setdefault(block.key, block.block_id)]  # the block the cache holds
-            if owner is block:  # a new prefix: a new name
-                block.prefix_id = next(self._prefix_ids)
-            else:  # the same prefix computed twice (two sequences admitted together): one entry, one name
-                block.prefix_id = owner.prefix_id
+            # a new prefix gets a new name; the same prefix computed twice (two sequences admitted together) keeps
+            # one entry and one name
+            block.prefix_id = next(self._prefix_ids) if owner is block else owner.prefix_id
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
         """Give seq the blocks it needs to hold num_new_tokens more tokens, after taking cached_blocks (a prefix
         hit, only for a sequence with nothing computed yet). False, changing nothing, if the pool is short."""
         cached_blocks = cached_blocks or []
-        hit_tokens = len(cached_blocks) * self.block_size
-        num_computed = seq.num_computed_tokens + hit_tokens
-        num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(seq.block_table) - len(cached_blocks)
+        # (the cached blocks hold exactly their tokens, so the new tokens' blocks come on top, counted as for a
+        # sequence with nothing computed)
+        num_new_blocks = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         num_revived = sum(self.blocks[b].ref_count == 0 for b in cached_blocks)
         if num_new_blocks + num_revived > self.num_free_blocks:
             return False
+        hit_tokens = len(cached_blocks) * self.block_size
         if seq.num_cached_tokens is None:  # first admission; a preempted sequence's recompute is not a query
             seq.num_cached_tokens = hit_tokens
             self.prefix_queried_tokens += seq.num_tokens
-            self.prefix_hit_tokens += seq.num_cached_tokens
+            self.prefix_hit_tokens += hit_tokens
         self.num_hit_blocks += len(cached_blocks)
         self.num_revived += num_revived
         for block_id in cached_blocks:  # one more user; a free one (ref count 0) is taken back from the pool
             self.free_ids.pop(block_id, None)
             self.blocks[block_id].ref_count += 1
         seq.block_table.extend(cached_blocks)
-        seq.num_computed_tokens = num_computed
+        seq.num_computed_tokens += hit_tokens
         seq.block_table.extend(self._take_fresh() for _ in range(num_new_blocks))
         return True
 

@@ -93,8 +93,8 @@ class Penalties:
         self.row_of[seq] = row
         bias = seq.params.logit_bias
         tokens = seq.token_ids[: seq.num_known_tokens]  # the prompt, then the output so far
-        num_output = len(seq.completion_token_ids)
-        planes = [BIAS] * len(bias) + [PROMPT_COUNTS] * seq.num_prompt_tokens + [OUTPUT_COUNTS] * num_output
+        planes = [BIAS] * len(bias) + [PROMPT_COUNTS] * seq.num_prompt_tokens
+        planes += [OUTPUT_COUNTS] * len(seq.completion_token_ids)  # the output read back so far
         at = to_device([planes, [*bias, *tokens]], torch.long, self.device)  # [2, n]: (plane, id) pairs
         values = to_device([*bias.values()] + [1.0] * len(tokens), torch.float32, self.device)
         self.table[row] = 0  # a reused row forgets its last sequence

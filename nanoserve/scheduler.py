@@ -74,27 +74,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Step:
+        """Plan the next step in two phases: 1) the running sequences; 2) with the budget left, the waiting ones."""
         step = Step()
-        self._schedule_running(step)
-        if not step.preempted:  # admitting while others were just preempted would only make the pool thrash
-            self._admit_waiting(step)
-        return step
-
-    def _budget(self, step: Step) -> int:
-        return self.max_num_batched_tokens - step.num_tokens
-
-    def _plan(self, step: Step, seq: Sequence, num_new: int) -> None:
-        """Add seq's next num_new tokens to the step, and book them."""
-        start = seq.num_computed_tokens
-        picks_next_token = start + num_new == seq.num_tokens
-        step.scheduled.append(ScheduledSeq(seq, start, num_new, picks_next_token))
-        step.num_tokens += num_new
-        seq.num_computed_tokens += num_new  # booked: counted as computed from now on
-        self.block_manager.cache_full_blocks(seq)  # the full blocks it completes are findable at once
-        if picks_next_token:
-            seq.append_pending()  # its value arrives when this step is read back
-
-    def _schedule_running(self, step: Step) -> None:
+        # 1) the running sequences, oldest first (a copy: preemption removes from the list)
         for seq in list(self.running):
             # skip one preempted just now, or at its length limit with the last token pending (it ends when read)
             if (
@@ -106,38 +88,51 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, self._budget(step))
             if self._make_room(seq, num_new, step):
                 self._plan(step, seq, num_new)
-
-    def _make_room(self, seq: Sequence, num_new: int, step: Step) -> bool:
-        """Allocate seq's blocks, preempting the latest admitted sequences until they fit; False if seq itself went."""
-        while not self.block_manager.allocate(seq, num_new):
-            victim = self.running[-1]
-            self._preempt(victim)
-            step.preempted.append(victim)
-            if victim is seq:
-                return False
-        return True
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Preemption by recompute: drop seq's KV; readmitted, it re-prefills prompt + output so far."""
-        self.running.remove(seq)
-        self.block_manager.free(seq)  # its full blocks stay findable: they were cached when booked or read back
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
-
-    def _admit_waiting(self, step: Step) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs and self._budget(step) > 0:
+        # 2) the budget left admits waiting sequences, in queue order until one does not fit; none after a
+        #    preemption, which would only make the pool thrash
+        if step.preempted:
+            return step
+        while self.waiting and len(self.running) < self.max_num_seqs and self._budget(step):
             seq = self.waiting[0]
             if seq.num_pending:  # a preempted sequence waits for its tokens' values
-                return
+                break
             cached = self.block_manager.find_cached_prefix(seq)  # none if it asked for prompt_logprobs
             num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, self._budget(step))
             if not self.block_manager.allocate(seq, num_new, cached):
-                return
+                break
             self.running.append(self.waiting.popleft())
             seq.status = SequenceStatus.RUNNING
             step.admitted.append(seq)
             self._plan(step, seq, num_new)
+        return step
+
+    def _budget(self, step: Step) -> int:
+        return self.max_num_batched_tokens - step.num_tokens
+
+    def _plan(self, step: Step, seq: Sequence, num_new: int) -> None:
+        """Add seq's next num_new tokens to the step, and book them."""
+        picks_next_token = num_new == seq.num_uncomputed_tokens  # the chunk reaches the sequence's end
+        step.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new, picks_next_token))
+        step.num_tokens += num_new
+        seq.num_computed_tokens += num_new  # booked: counted as computed from now on
+        self.block_manager.cache_full_blocks(seq)  # the full blocks it completes are findable at once
+        if picks_next_token:
+            seq.append_pending()  # its value arrives when this step is read back
+
+    def _make_room(self, seq: Sequence, num_new: int, step: Step) -> bool:
+        """Allocate seq's blocks, preempting the latest admitted sequences until they fit; False if seq itself went.
+        Preemption by recompute: the victim's KV is dropped and it waits at the front of the queue; readmitted, it
+        re-prefills its prompt + output so far."""
+        while not self.block_manager.allocate(seq, num_new):
+            victim = self.running.pop()
+            self.block_manager.free(victim)  # its full blocks stay findable: they were cached when booked or read back
+            victim.status = SequenceStatus.WAITING
+            self.waiting.appendleft(victim)
+            self.num_preemptions += 1
+            step.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
 
     def update(self, step: Step, tokens: list[int], logprobs: list[dict[int, float] | None] | None) -> list[Sequence]:
         """A launched step's samples are back, one per sequence of step.sampling_seqs: fill in their oldest pending
