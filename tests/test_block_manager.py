@@ -194,7 +194,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 99))
     def preempt(self, index):
         seq = self.live.pop(index % len(self.live))
-        self.bm.cache_full_blocks(seq)  # what Scheduler._preempt does before freeing
+        self.bm.cache_full_blocks(seq)  # as a sequence's blocks are cached when booked, before a preemption frees them
         self.bm.free(seq)
         assert len(seq.block_table) == 0 and seq.num_computed_tokens == 0
         self.waiting.insert(0, seq)
