@@ -209,10 +209,11 @@ class Workers:
         time.sleep(FAILURE_REPORT_WAIT_S)
         causes = self._exit_reports()
         for rank, beats in self._heartbeats().items():
-            if beats == before[rank] and rank not in causes:
-                causes[rank] = (
+            if beats == before[rank]:  # (one that exited keeps its exit report)
+                causes.setdefault(
+                    rank,
                     f"tensor-parallel rank {rank} stopped answering: no heartbeat for {FAILURE_REPORT_WAIT_S} s "
-                    "(its process is stopped, hung or gone)"
+                    "(its process is stopped, hung or gone)",
                 )
         return list(causes.values())
 
