@@ -53,11 +53,10 @@ class RowParallelLinear(nn.Linear):
         self.weight.weight_loader = partial(tp.load_slice, dim=1)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.tp.size == 1:
-            return super().forward(x)
-        y = F.linear(x, self.weight)
-        dist.all_reduce(y)
-        return y if self.bias is None else y + self.bias  # the bias once, after the sum
+        y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)  # rank 0's bias: once in the sum
+        if self.tp.size > 1:
+            dist.all_reduce(y)
+        return y
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -74,7 +73,7 @@ class VocabParallelEmbedding(nn.Embedding):
             return super().forward(ids)
         local = ids - self.first_id
         mine = (local >= 0) & (local < self.num_embeddings)
-        x = super().forward(local.clamp(0, self.num_embeddings - 1)) * mine[:, None]
+        x = super().forward(local * mine) * mine[:, None]  # ids not mine look up row 0, then are zeroed
         dist.all_reduce(x)
         return x
 

@@ -157,19 +157,19 @@ class Workers:
             return
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.store.set(ENGINE_KEY, pickle.dumps((config, model_dir)))
-        env = dict(
-            os.environ,
-            WORLD_SIZE=str(size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(self.store.port),
-            PYTHONPATH=os.pathsep.join(sys.path),
-        )
         for rank in self.ranks:
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(self.store.port),
+                PYTHONPATH=os.pathsep.join(sys.path),
+            )
             self.stderr[rank] = tempfile.TemporaryFile("w+", errors="replace")
             self.procs[rank] = subprocess.Popen(
-                [sys.executable, "-m", "nanoserve.workers"],
-                stderr=self.stderr[rank],
-                env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                [sys.executable, "-m", "nanoserve.workers"], stderr=self.stderr[rank], env=env
             )
 
     def join(self, tp: TP, device: str) -> None:
