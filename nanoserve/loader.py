@@ -208,8 +208,10 @@ def check_kv_cache_fits(config: EngineConfig, args: ModelArgs, dtype: torch.dtyp
         return  # Windows: unchecked
     needed = args.kv_bytes_per_token(config.kv_cache_torch_dtype(dtype), split) * config.kvcache_block_size * blocks
     if needed > memory:
-        problem = f"{blocks} blocks need {needed / 2**30:.1f} GiB; the {config.device} has {memory / 2**30:.1f} GiB"
-        raise InvalidField("num_kvcache_blocks", problem)
+        raise InvalidField(
+            "num_kvcache_blocks",
+            f"{blocks} blocks need {needed / 2**30:.1f} GiB; the {config.device} has {memory / 2**30:.1f} GiB",
+        )
 
 
 def load_hf_config(model_dir: str, config: EngineConfig) -> tuple[PretrainedConfig, ModelArgs]:

@@ -23,9 +23,9 @@ class TP:
     local_rank: int = 0  # this rank's GPU among its machine's (torchrun's LOCAL_RANK)
 
     def load_slice(self, param: Tensor, tensor: Tensor, dim: int = 0) -> None:
-        """A weight_loader (how a parameter copies its part of a checkpoint tensor): this rank's 1/size slice of
-        the tensor along dim."""
-        param.data.copy_(tensor.chunk(self.size, dim)[self.rank])
+        """A weight_loader (how a parameter copies its part of a checkpoint tensor, under load_weights' no_grad):
+        this rank's 1/size slice of the tensor along dim."""
+        param.copy_(tensor.chunk(self.size, dim)[self.rank])
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -41,7 +41,7 @@ class ColumnParallelLinear(nn.Linear):
 
     def load_shard(self, param: nn.Parameter, tensor: Tensor, shard: int = 0) -> None:
         """Fused projection number `shard` (q, k, v: 0, 1, 2; gate, up: 0, 1): this rank's rows of it."""
-        self.tp.load_slice(param.data.split(self.shard_sizes)[shard], tensor)
+        self.tp.load_slice(param.split(self.shard_sizes)[shard], tensor)
 
 
 class RowParallelLinear(nn.Linear):

@@ -194,17 +194,17 @@ class Workers:
 
     def failed(self, error: BaseException) -> NoReturn:
         """Rank 0 failed: stop the workers and raise; if a collective failed, name the ranks that caused it."""
-        causes = []
+        causes = ""
         if isinstance(error, RuntimeError) and self.host_group is not None:  # a collective failed? (not if stopped)
             causes = self._failed_ranks()
         self.close(graceful=False)
         if not causes:
             raise error  # rank 0's own error (bad input, a bug, Ctrl-C): the workers were fine
-        raise RuntimeError("\n".join(causes)) from error
+        raise RuntimeError(causes) from error
 
-    def _failed_ranks(self) -> list[str]:
+    def _failed_ranks(self) -> str:
         """Watched for FAILURE_REPORT_WAIT_S: the workers that exit, and those whose heartbeat stops (a stopped or hung
-        process; under torchrun, where rank 0 cannot see the processes, also a dead one)."""
+        process; under torchrun, where rank 0 cannot see the processes, also a dead one). One line each; "" if none."""
         before = self._heartbeats()
         time.sleep(FAILURE_REPORT_WAIT_S)
         causes = self._exit_reports()
@@ -215,7 +215,7 @@ class Workers:
                     f"tensor-parallel rank {rank} stopped answering: no heartbeat for {FAILURE_REPORT_WAIT_S} s "
                     "(its process is stopped, hung or gone)",
                 )
-        return list(causes.values())
+        return "\n".join(causes.values())
 
     def _heartbeats(self) -> dict[int, int]:
         """rank -> that worker's heartbeats so far."""
