@@ -48,17 +48,16 @@ def resolve_model_dir(model: str | os.PathLike | None) -> str:
     model = os.fspath(model)  # a pathlib.Path
     if os.path.isdir(model):
         return model
+    problem = f"no such model directory: {model!r}"
     # "org/name" and no such path here: a hub id (./org/name, /org/name and ~/org/name are paths, never fetched)
-    looks_like_hub_id = model.count("/") == 1 and not os.path.exists(model) and not model.startswith((".", "/", "~"))
-    error = None
-    if looks_like_hub_id:
-        try:
-            from huggingface_hub import snapshot_download
+    if model.count("/") != 1 or os.path.exists(model) or model.startswith((".", "/", "~")):
+        raise InvalidField("model", problem)
+    try:
+        from huggingface_hub import snapshot_download
 
-            return snapshot_download(model, allow_patterns=HUB_FILES)
-        except Exception as e:  # offline, or no such repository
-            error = e
-    raise InvalidField("model", f"no such model directory: {model!r}") from error
+        return snapshot_download(model, allow_patterns=HUB_FILES)
+    except Exception as error:  # offline, or no such repository
+        raise InvalidField("model", problem) from error
 
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase | None:
@@ -95,7 +94,7 @@ def read_safetensors(model_dir: str, shapes_only: bool = False) -> Iterator[tupl
     """(name, tensor) for every tensor of every *.safetensors file in model_dir, one at a time, on the CPU; with
     shapes_only, an empty meta tensor of its shape instead (only the file's header is read). A file that is not
     safetensors (or is cut short) is an InvalidField naming it."""
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    files = sorted(glob.glob(f"{model_dir}/*.safetensors"))
     if not files:
         raise InvalidField("model", f"{model_dir!r} has no *.safetensors files")
     for path in files:
@@ -174,7 +173,7 @@ def build_model(
 def read_hf_config(model_dir: str) -> PretrainedConfig:
     """config.json through transformers, after checking it is a JSON object whose sizes are positive integers: a
     broken file is an InvalidField naming it (and the field), whatever transformers would have raised."""
-    path = os.path.join(model_dir, "config.json")
+    path = f"{model_dir}/config.json"
     try:
         with open(path, encoding="utf-8") as f:
             fields = json.load(f)
@@ -209,8 +208,10 @@ def check_kv_cache_fits(config: EngineConfig, args: ModelArgs, dtype: torch.dtyp
         return  # Windows: unchecked
     needed = args.kv_bytes_per_token(config.kv_cache_torch_dtype(dtype), split) * config.kvcache_block_size * blocks
     if needed > memory:
-        problem = f"{blocks} blocks need {needed / 2**30:.1f} GiB; the {config.device} has {memory / 2**30:.1f} GiB"
-        raise InvalidField("num_kvcache_blocks", problem)
+        raise InvalidField(
+            "num_kvcache_blocks",
+            f"{blocks} blocks need {needed / 2**30:.1f} GiB; the {config.device} has {memory / 2**30:.1f} GiB",
+        )
 
 
 def load_hf_config(model_dir: str, config: EngineConfig) -> tuple[PretrainedConfig, ModelArgs]:

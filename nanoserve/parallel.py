@@ -23,9 +23,9 @@ class TP:
     local_rank: int = 0  # this rank's GPU among its machine's (torchrun's LOCAL_RANK)
 
     def load_slice(self, param: Tensor, tensor: Tensor, dim: int = 0) -> None:
-        """A weight_loader (how a parameter copies its part of a checkpoint tensor): this rank's 1/size slice of
-        the tensor along dim."""
-        param.data.copy_(tensor.chunk(self.size, dim)[self.rank])
+        """A weight_loader (how a parameter copies its part of a checkpoint tensor, under load_weights' no_grad):
+        this rank's 1/size slice of the tensor along dim."""
+        param.copy_(tensor.chunk(self.size, dim)[self.rank])
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -41,7 +41,7 @@ class ColumnParallelLinear(nn.Linear):
 
     def load_shard(self, param: nn.Parameter, tensor: Tensor, shard: int = 0) -> None:
         """Fused projection number `shard` (q, k, v: 0, 1, 2; gate, up: 0, 1): this rank's rows of it."""
-        self.tp.load_slice(param.data.split(self.shard_sizes)[shard], tensor)
+        self.tp.load_slice(param.split(self.shard_sizes)[shard], tensor)
 
 
 class RowParallelLinear(nn.Linear):
@@ -53,11 +53,10 @@ class RowParallelLinear(nn.Linear):
         self.weight.weight_loader = partial(tp.load_slice, dim=1)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.tp.size == 1:
-            return super().forward(x)
-        y = F.linear(x, self.weight)
-        dist.all_reduce(y)
-        return y if self.bias is None else y + self.bias  # the bias once, after the sum
+        y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)  # rank 0's bias: once in the sum
+        if self.tp.size > 1:
+            dist.all_reduce(y)
+        return y
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -74,7 +73,7 @@ class VocabParallelEmbedding(nn.Embedding):
             return super().forward(ids)
         local = ids - self.first_id
         mine = (local >= 0) & (local < self.num_embeddings)
-        x = super().forward(local.clamp(0, self.num_embeddings - 1)) * mine[:, None]
+        x = super().forward(local * mine) * mine[:, None]  # ids not mine look up row 0, then are zeroed
         dist.all_reduce(x)
         return x
 

@@ -142,46 +142,39 @@ class Workers:
     """Rank 0's handle on ranks 1..N-1: it starts them (or finds them started by torchrun) and waits for them to
     join, wakes them for each step, stops them, and turns their failures into errors naming the rank."""
 
-    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, launched: bool) -> None:
+        """Under torchrun (launched), find the rendezvous store of the ranks it started. Otherwise the OS picks the
+        store's port, and each worker is `python -m nanoserve.workers`, with its place in its environment as torchrun
+        would set it, and this process's sys.path; it reads the engine's config from the store. Its stderr goes to a
+        file, read if it fails."""
         size = config.tensor_parallel_size
         self.ranks = range(1, size)
         self.procs = {}  # rank -> the worker process rank 0 started (none under torchrun)
         self.stderr = {}  # rank -> the file its stderr goes to, read if it fails
         self.host_group = None  # None: not joined yet, or stopped
-        if rank_from_launcher(size) is None:  # one machine: the OS picks the store's port, then rank 0 starts the rest
-            self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-            self.store.set(ENGINE_KEY, pickle.dumps((config, model_dir)))
-            for rank in self.ranks:
-                self._start_worker(rank, size)
-        else:  # torchrun started every rank, this one as rank 0
+        if launched:
             self.store, _, _ = next(dist.rendezvous("env://", timeout=START_TIMEOUT))
-        try:
-            self._wait_for_workers_to_join()
-            self.host_group = join_groups(TP(0, size), self.store, config.device)
-        except BaseException:
-            self.close(graceful=False)
-            raise
+            return
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store.set(ENGINE_KEY, pickle.dumps((config, model_dir)))
+        for rank in self.ranks:
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(self.store.port),
+                PYTHONPATH=os.pathsep.join(sys.path),
+            )
+            self.stderr[rank] = tempfile.TemporaryFile("w+", errors="replace")
+            self.procs[rank] = subprocess.Popen(
+                [sys.executable, "-m", "nanoserve.workers"], stderr=self.stderr[rank], env=env
+            )
 
-    def _start_worker(self, rank: int, size: int) -> None:
-        """`python -m nanoserve.workers`, with its place in its environment as torchrun would set it, and this process's
-        sys.path; it reads the engine's config from the store. Its stderr goes to a file, read if it fails."""
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(self.store.port),
-            PYTHONPATH=os.pathsep.join(sys.path),
-        )
-        self.stderr[rank] = tempfile.TemporaryFile("w+", errors="replace")
-        self.procs[rank] = subprocess.Popen(
-            [sys.executable, "-m", "nanoserve.workers"], stderr=self.stderr[rank], env=env
-        )
-
-    def _wait_for_workers_to_join(self) -> None:
-        """Until every worker is about to join the groups (it has beaten once); one that exits first fails the
-        start-up at once."""
+    def join(self, tp: TP, device: str) -> None:
+        """Wait until every worker is about to join the groups (it has beaten once; one that exits first fails the
+        start-up at once), then join them."""
         deadline = time.monotonic() + START_TIMEOUT.total_seconds()
         while not all(self._heartbeats().values()):
             exited = self._exit_reports()
@@ -190,6 +183,7 @@ class Workers:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the tensor-parallel ranks did not all join within {START_TIMEOUT}")
             time.sleep(POLL_S)
+        self.host_group = join_groups(tp, self.store, device)
 
     def send_step(self, header: StepHeader, flat: torch.Tensor) -> None:
         """Wake every worker with the step's header (host ints, in the host group), then broadcast its buffer."""
@@ -200,27 +194,28 @@ class Workers:
 
     def failed(self, error: BaseException) -> NoReturn:
         """Rank 0 failed: stop the workers and raise; if a collective failed, name the ranks that caused it."""
-        causes = []
+        causes = ""
         if isinstance(error, RuntimeError) and self.host_group is not None:  # a collective failed? (not if stopped)
             causes = self._failed_ranks()
         self.close(graceful=False)
         if not causes:
             raise error  # rank 0's own error (bad input, a bug, Ctrl-C): the workers were fine
-        raise RuntimeError("\n".join(causes)) from error
+        raise RuntimeError(causes) from error
 
-    def _failed_ranks(self) -> list[str]:
+    def _failed_ranks(self) -> str:
         """Watched for FAILURE_REPORT_WAIT_S: the workers that exit, and those whose heartbeat stops (a stopped or hung
-        process; under torchrun, where rank 0 cannot see the processes, also a dead one)."""
+        process; under torchrun, where rank 0 cannot see the processes, also a dead one). One line each; "" if none."""
         before = self._heartbeats()
         time.sleep(FAILURE_REPORT_WAIT_S)
         causes = self._exit_reports()
         for rank, beats in self._heartbeats().items():
-            if beats == before[rank] and rank not in causes:
-                causes[rank] = (
+            if beats == before[rank]:  # (one that exited keeps its exit report)
+                causes.setdefault(
+                    rank,
                     f"tensor-parallel rank {rank} stopped answering: no heartbeat for {FAILURE_REPORT_WAIT_S} s "
-                    "(its process is stopped, hung or gone)"
+                    "(its process is stopped, hung or gone)",
                 )
-        return list(causes.values())
+        return "\n".join(causes.values())
 
     def _heartbeats(self) -> dict[int, int]:
         """rank -> that worker's heartbeats so far."""
@@ -262,18 +257,20 @@ def start_runner(config: EngineConfig, model_dir: str, hf_config: PretrainedConf
     size = config.tensor_parallel_size
     if size == 1:
         return ModelRunner(config, model_dir, hf_config, args)
-    launched = rank_from_launcher(size)
+    launched = rank_from_launcher(size)  # None: this process starts the others
     if launched is not None and launched.rank != 0:  # torchrun started this process as a worker
         run_worker(config, model_dir)
         sys.exit(0)
-    workers = Workers(config, model_dir)
+    workers = Workers(config, model_dir, launched is not None)
+    tp = TP(0, size)
     try:
-        runner = ModelRunner(config, model_dir, hf_config, args, TP(0, size), workers)
+        workers.join(tp, config.device)
+        runner = ModelRunner(config, model_dir, hf_config, args, tp, workers)
     except BaseException as error:
         workers.failed(error)  # raises, naming the rank at fault
     set_step_deadline()
     return runner
 
 
-if __name__ == "__main__":  # a worker rank 0 started (Workers._start_worker): the engine's config is in the store
+if __name__ == "__main__":  # a worker rank 0 started (Workers.__init__): the engine's config is in the store
     run_worker(*pickle.loads(connect_to_store().get(ENGINE_KEY)))
