@@ -37,6 +37,8 @@ FAMILIES = {
             "original_max_position_embeddings": 64,
         },
     ),
+    # every attention projection with a bias, o_proj's too: the row-parallel bias that rank 0 alone adds
+    "llama_bias": lambda: LlamaConfig(**TINY, attention_bias=True),
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=False),
     "qwen3": lambda: Qwen3Config(**dict(TINY, num_attention_heads=8), head_dim=16, tie_word_embeddings=True),
 }

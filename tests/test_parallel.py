@@ -64,7 +64,7 @@ def generate_in_thread(llm: LLM, result: dict) -> threading.Thread:
     return thread
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "llama_bias"])
 def test_two_ranks_equal_one_rank_and_transformers(tiny_model, family, started):
     """Guards against any sharding bug (a wrong slice of q/k/v or gate/up, the row-parallel all-reduce, the bias
     added twice, the vocab-split embedding or logits, the KV heads per rank, a step's header, inputs or last samples
