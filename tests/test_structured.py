@@ -192,3 +192,100 @@ def test_overlap_on_equals_overlap_off(tiny_with_tokenizer):
         check_pool(llm)
         llm.close()
     assert results[0] == results[1]
+
+
+# ---- the server: response_format and forced tool calls, with the official openai client ---------------------------
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.fixture(scope="module")
+def client(llm):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    openai = pytest.importorskip("openai")
+    from nanoserve.server import serve_in_background
+
+    with serve_in_background(llm) as base_url:
+        yield openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=60)
+
+
+def chat(client, messages: list[dict] = MESSAGES, **kwargs: object) -> object:
+    return client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=MAX_TOKENS, temperature=0, **kwargs
+    )
+
+
+def test_server_response_format(client, llm):
+    """json_schema output parses and validates against the schema; json_object output is a JSON object."""
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    message = chat(client, response_format=schema_format).choices[0].message
+    jsonschema.validate(json.loads(message.content), PERSON)
+    short = [{"role": "user", "content": 'Reply with the JSON object {"ok": true} and nothing else.'}]
+    message = chat(client, short, response_format={"type": "json_object"}).choices[0].message
+    assert isinstance(json.loads(message.content), dict)
+    check_pool(llm)
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_server_forced_tool_call(client, llm, tool_choice):
+    """A named function (among two tools), or "required" with one tool: the output is constrained to the function's
+    parameters' schema and comes back as message.tool_calls, content null, finish_reason tool_calls."""
+    tools = [WEATHER, TIME] if isinstance(tool_choice, dict) else [WEATHER]
+    choice = chat(client, tools=tools, tool_choice=tool_choice).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    check_pool(llm)
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [WEATHER]}, "tool_choice"),  # "auto" is the default with tools
+        ({"tools": [WEATHER, TIME], "tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "stream"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+            "structured_outputs",
+        ),
+    ],
+)
+def test_server_refuses_what_it_cannot_do(client, kwargs, param):
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.BadRequestError) as error:
+        chat(client, **kwargs)
+    assert error.value.body["param"] == param
+
+
+def test_server_tool_choice_none_renders_tools_only(client):
+    """ "none": the tools go to the chat template, and the answer is plain text."""
+    choice = chat(client, tools=[WEATHER], tool_choice="none").choices[0]
+    assert choice.message.tool_calls is None and isinstance(choice.message.content, str)
+
+
+def test_chat_template_renders_tools(tiny_with_tokenizer):
+    """tools reach the chat template (transformers' apply_chat_template(tools=...)): a template that lists them."""
+    folder, _, _ = tiny_with_tokenizer
+    llm = LLM(folder, max_model_len=128, num_kvcache_blocks=8, dtype="float32")
+    llm.tokenizer.chat_template = "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0].content }}"
+    (ids,) = llm.chat_prompts([{"role": "user", "content": "hi"}], tools=[WEATHER, TIME])
+    assert llm.tokenizer.decode(ids) == "get_weather;get_time;hi"
+    llm.close()
