@@ -23,7 +23,6 @@ from nanoserve.triton_shim import tl, triton
 if TYPE_CHECKING:  # for annotations only: kernels.py and penalties.py import this file, so it imports neither
     from nanoserve.kernels import Kernels
     from nanoserve.penalties import StepPenalties
-    from nanoserve.structured import StructuredMatcher
 
 SEED_MIX = 1_000_003  # mixes a request's seed with its length, so each step draws fresh noise
 GUMBEL_TILE = 1024  # vocabulary entries per program of the sampling kernel: ~150 programs per row of a 152k vocabulary
@@ -147,13 +146,13 @@ class Sampler:
         lengths: list[int],
         banned: list[frozenset[int]],
         penalties: "StepPenalties | None" = None,
-        matchers: "list[StructuredMatcher | None] | None" = None,
+        matchers: list | None = None,
     ) -> Samples:
         """logits: [rows, vocab] in the model dtype; lengths: each row's sequence length with the token being
         sampled; banned: ids a row may not pick (EOS before min_tokens); penalties: the rows that use a bias or a
-        penalty (penalties.py), or None; matchers: each row's grammar (structured.py), or None. Returns the tokens
-        and, if any row asked for logprobs, their logprobs, all on the device. vLLM's order: bans,
-        the grammar's mask, bias and penalties, then temperature and the filters."""
+        penalty (penalties.py), or None; matchers: each row's grammar (a structured.StructuredMatcher or None), or
+        None. Returns the tokens and, if any row asked for logprobs, their logprobs, all on the device. vLLM's order:
+        bans, the grammar's mask, bias and penalties, then temperature and the filters."""
         logprobs = None
         if any(p.logprobs is not None for p in params):
             # of the model's own distribution (vLLM's default): before bias, penalties, filters and T

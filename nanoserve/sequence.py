@@ -9,12 +9,8 @@ from array import array
 from dataclasses import dataclass
 from enum import Enum, auto
 from itertools import count
-from typing import TYPE_CHECKING
 
 from nanoserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:  # annotations only: structured.py imports xgrammar, an optional dependency
-    from nanoserve.structured import StructuredMatcher
 
 PENDING = -1  # a token id sampled on the GPU and not yet read back
 
@@ -78,8 +74,9 @@ class Sequence:
         # filled in as the steps computing the prompt are read back (position 0, which nothing predicts, stays None)
         self.prompt_logprobs = [None] * len(token_ids) if params.prompt_logprobs is not None else None
         self.text = DecodedText()
-        # a constrained request's (structured.py): this sequence's place in its grammar, told each token read back
-        self.matcher: StructuredMatcher | None = None
+        # a constrained request's structured.StructuredMatcher: this sequence's place in its grammar, told each token
+        # read back (None: unconstrained)
+        self.matcher = None
 
     # Lengths: every token counts, pending ones included; only their values are unknown.
     @property

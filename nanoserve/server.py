@@ -416,16 +416,14 @@ def structured_outputs(body: dict) -> dict | None:
     """vLLM's structured outputs for a response_format, or for a forced tool call (its parameters' schema)."""
     response_format = field(body, "response_format", dict, {})
     kind = response_format.get("type", "text")
+    schema = field(response_format, "json_schema", dict, {}).get("schema") or {"type": "object"}
+    forms = {"text": None, "json_object": {"json_object": True}, "json_schema": {"json": schema}}
     tool = forced_tool(body)
-    if tool is not None and kind != "text":
-        raise InvalidField("response_format", "cannot be combined with a forced tool call")
-    if tool is not None:
+    if tool is not None and kind == "text":
         return {"json": tool["function"].get("parameters") or {"type": "object"}}
-    if kind == "json_schema":
-        return {"json": field(response_format, "json_schema", dict, {}).get("schema") or {"type": "object"}}
-    if kind not in ("text", "json_object"):
-        raise InvalidField("response_format", f"type {shown(kind)} is not text, json_object or json_schema")
-    return {"json_object": True} if kind == "json_object" else None
+    if kind not in forms or tool is not None:
+        raise InvalidField("response_format", "expected type text, json_object or json_schema, and no forced tool call")
+    return forms[kind]
 
 
 def forced_tool(body: dict) -> dict | None:
@@ -680,14 +678,9 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
             await anext(results)  # queues every prompt, or raises why not
         except InvalidField as e:
             raise client_named(e, body, chat) from None
-        if not chat:
-            kind, id_prefix = "text_completion", "cmpl"
-        elif stream:
-            kind, id_prefix = "chat.completion.chunk", "chatcmpl"
-        else:
-            kind, id_prefix = "chat.completion", "chatcmpl"
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
         head = {
-            "id": f"{id_prefix}-{uuid.uuid4().hex}",
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": kind,
             "created": int(time.time()),
             "model": model_name,
