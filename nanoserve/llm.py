@@ -167,6 +167,10 @@ class LLM:
             for i in range(params.n)
         ]
         self.scheduler.check_fits(seqs[0])
+        if params.structured_outputs is not None:  # each sample its own matcher of the grammar (optional: xgrammar)
+            from nanoserve.structured import attach_matchers
+
+            attach_matchers(seqs, self.tokenizer, self.vocab_size)
         return Request(request_id, prompt if isinstance(prompt, str) else None, seqs, stream)
 
     def _queue(self, request: Request) -> str:
@@ -206,7 +210,13 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs that changed (streaming requests) or finished."""
         started = time.perf_counter()
+        # a constrained sequence's mask needs its newest token read back: no overlap while one runs (structured.py)
+        overlap = self.config.overlap and not any(seq.matcher for seq in self.scheduler.running)
         try:
+            outputs = []
+            if not overlap and self.in_flight is not None:  # 0) finish step n first: the plain loop from here
+                outputs = self._read_back(self.in_flight)
+                self.in_flight = None
             # 1) schedule step n+1
             step = self.scheduler.schedule()
             self.counters.computed_tokens += step.num_tokens
@@ -216,7 +226,7 @@ class LLM:
             if self.trace is not None:
                 self.trace.begin(step)
             # 3) finish a step: read its tokens back, apply the stop rules
-            if self.config.overlap:
+            if overlap:
                 # overlapped: finish step n, launched by the previous call; step n+1 runs on the GPU meanwhile
                 to_read_back = self.in_flight
                 self.in_flight = launched
@@ -225,7 +235,7 @@ class LLM:
                 to_read_back = launched
             if to_read_back is None and launched is None and self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler found nothing to run")  # a bug, never a state
-            outputs = self._read_back(to_read_back) if to_read_back is not None else []
+            outputs += self._read_back(to_read_back) if to_read_back is not None else []
         except BaseException:  # a failed or interrupted step: blocks it planned were findable before their K/V existed
             self._forget_failed_step()
             raise
@@ -342,8 +352,11 @@ class LLM:
         """One conversation (a list of {"role", "content"} dicts) or a list of them, through the chat template."""
         return self.generate(self.chat_prompts(messages), sampling_params, use_tqdm)
 
-    def chat_prompts(self, messages: Conversation | list[Conversation]) -> list[list[int]]:
-        """Each conversation through the chat template, as token ids (the template adds the special tokens)."""
+    def chat_prompts(
+        self, messages: Conversation | list[Conversation], tools: list[dict] | None = None
+    ) -> list[list[int]]:
+        """Each conversation through the chat template, as token ids (the template adds the special tokens); tools:
+        OpenAI's function definitions, which a template that supports tools renders."""
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise InvalidField("model", "this model has no chat template")
         # a list of conversations, or one (anything else is one too, which check_conversation then refuses)
@@ -352,7 +365,9 @@ class LLM:
         for conversation in conversations:
             check_conversation(conversation)
         # all at once, as token ids (return_dict=False: a list of id lists, not a BatchEncoding)
-        return self.tokenizer.apply_chat_template(conversations, add_generation_prompt=True, return_dict=False)
+        return self.tokenizer.apply_chat_template(
+            conversations, add_generation_prompt=True, return_dict=False, tools=tools
+        )
 
     def stats(self) -> dict[str, int | float]:
         bm = self.block_manager

@@ -146,11 +146,13 @@ class Sampler:
         lengths: list[int],
         banned: list[frozenset[int]],
         penalties: "StepPenalties | None" = None,
+        matchers: list | None = None,
     ) -> Samples:
         """logits: [rows, vocab] in the model dtype; lengths: each row's sequence length with the token being
         sampled; banned: ids a row may not pick (EOS before min_tokens); penalties: the rows that use a bias or a
-        penalty (penalties.py), or None. Returns the tokens and, if any row asked for logprobs, their logprobs, all on
-        the device. vLLM's order: bans, bias and penalties, then temperature and the filters."""
+        penalty (penalties.py), or None; matchers: each row's grammar (a structured.StructuredMatcher or None), or
+        None. Returns the tokens and, if any row asked for logprobs, their logprobs, all on the device. vLLM's order:
+        bans, the grammar's mask, bias and penalties, then temperature and the filters."""
         logprobs = None
         if any(p.logprobs is not None for p in params):
             # of the model's own distribution (vLLM's default): before bias, penalties, filters and T
@@ -160,6 +162,9 @@ class Sampler:
             pairs = [(row, token) for row, ids in enumerate(banned) for token in ids]
             banned_rows, banned_ids = to_device(pairs, torch.long, logits.device).T  # [num_banned, 2], transposed
             logits[banned_rows, banned_ids] = float("-inf")
+        for row, matcher in enumerate(matchers or []):
+            if matcher is not None:
+                matcher.mask(logits[row])  # the tokens its grammar does not allow next: -inf
         if penalties is not None:
             penalties.apply(logits)
         filtered = [row for row, p in enumerate(params) if p.filtered]

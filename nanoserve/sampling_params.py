@@ -140,6 +140,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the stop string (or the stop id's text) in the text
     skip_special_tokens: bool = True  # special tokens' text (<|im_end|>, ...) left out of the text
     prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-N at its position (the first: None)
+    # the output must match a JSON schema, a regex, a choice or a grammar: structured.py's StructuredOutputsParams or
+    # a dict of its fields (vLLM's names), checked there (with xgrammar, an optional dependency)
+    structured_outputs: object = None
 
     def __post_init__(self) -> None:
         check_numbers(self, NUMBER_LIMITS)
@@ -165,6 +168,10 @@ class SamplingParams:
         # derived, read for every row of every step (attributes: a property cost 40 us a step at 256 rows): the three
         # penalties in the order penalties.py reads them, and whether a bias or a penalty applies, so that the sampler
         # needs this request's row of counts (penalties.py)
+        if self.structured_outputs is not None:
+            from nanoserve.structured import structured_outputs_params
+
+            self.structured_outputs = structured_outputs_params(self.structured_outputs)
         self.penalties = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
         self.penalized = bool(self.logit_bias) or self.penalties != (1, 0, 0)
         # derived too: whether top-k, top-p or min-p trims the distribution before the draw (sampler.drop_filtered)

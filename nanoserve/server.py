@@ -13,7 +13,7 @@ ServerConfig.shutdown_timeout seconds to finish and then fail (a stream ends wit
 Ctrl+C exits at once.
 
 Every field of a body is honoured or refused by name (the tables below): a client never silently gets less than it
-asked for. A field the engine does not implement yet (tools, structured outputs, beam search) is refused with a
+asked for. A field the engine does not implement yet (beam search, vLLM's guided_* fields) is refused with a
 400 naming it, unless its value asks for nothing (best_of 1); an unknown one is refused as OpenAI does; metadata that
 changes nothing the client gets (user, store) is accepted. With ServerConfig.api_key set, every /v1 request needs
 `Authorization: Bearer KEY`."""
@@ -35,6 +35,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection, Iterator
 from dataclasses import dataclass, fields, replace
+from functools import partial
 from itertools import accumulate
 from types import FrameType
 from typing import TYPE_CHECKING, TypeVar, get_args
@@ -81,11 +82,11 @@ SAMPLING_FIELDS = """
     repetition_penalty logit_bias include_stop_str_in_output skip_special_tokens
 """.split()
 # The body's fields. Honoured: SAMPLING_FIELDS and these. Anything in no table is refused, as OpenAI does.
-HONOURED = "model max_tokens logprobs stream stream_options".split() + SAMPLING_FIELDS
-CHAT_HONOURED = "messages max_completion_tokens top_logprobs".split() + HONOURED
+HONOURED = "model max_tokens logprobs stream stream_options response_format".split() + SAMPLING_FIELDS
+CHAT_HONOURED = "messages max_completion_tokens top_logprobs tools tool_choice".split() + HONOURED
 COMPLETION_HONOURED = "prompt echo".split() + HONOURED
-# Accepted and ignored: they change nothing the client gets (parallel_tool_calls: tools are refused; the prompt cache
-# is automatic and shared, so its key and retention are hints)
+# Accepted and ignored: they change nothing the client gets (parallel_tool_calls: a forced call is one call; the
+# prompt cache is automatic and shared, so its key and retention are hints)
 IGNORED = """
     user metadata store service_tier safety_identifier prompt_cache_key prompt_cache_retention prompt_cache_options
     parallel_tool_calls
@@ -93,7 +94,7 @@ IGNORED = """
 # Known but not implemented yet (OpenAI's, then vLLM's extras): refused with a 400, unless the value asks for nothing
 NOT_IMPLEMENTED = dict.fromkeys(
     """
-    suffix tools functions audio prediction reasoning_effort verbosity web_search_options moderation
+    suffix functions audio prediction reasoning_effort verbosity web_search_options moderation
     prompt_logprobs allowed_token_ids logits_processors truncate_prompt_tokens guided_json guided_regex guided_choice
     guided_grammar guided_decoding_backend guided_whitespace_pattern structural_tag structured_outputs chat_template
     chat_template_kwargs documents mm_processor_kwargs add_special_tokens request_id cache_salt kv_transfer_params
@@ -103,8 +104,6 @@ NOT_IMPLEMENTED = dict.fromkeys(
     "length_penalty": 1,
     "best_of": 1,
     "use_beam_search": False,
-    "response_format": {"type": "text"},
-    "tool_choice": "none",
     "function_call": "none",
     "modalities": ["text"],
     "bad_words": [],
@@ -401,6 +400,7 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
             kwargs["max_tokens"] = max(kwargs["max_tokens"], 1)  # 0: the prompt's logprobs only (one token, dropped)
     elif field(body, "logprobs", bool, False):  # chat: `logprobs` says whether, `top_logprobs` how many
         kwargs["logprobs"] = body.get("top_logprobs") or 0
+    kwargs["structured_outputs"] = structured_outputs(body)
     try:
         params = SamplingParams(**kwargs)
         # OpenAI's caps: each alternative costs a decode and a JSON entry per token (a 49,152 would build megabytes)
@@ -410,6 +410,44 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
     except InvalidField as e:  # under the client's name: chat's `logprobs` count is its top_logprobs
         raise client_named(e, body, chat) from None
     return params
+
+
+def structured_outputs(body: dict) -> dict | None:
+    """vLLM's structured outputs for a response_format, or for a forced tool call (its parameters' schema)."""
+    response_format = field(body, "response_format", dict, {})
+    kind = response_format.get("type", "text")
+    schema = field(response_format, "json_schema", dict, {}).get("schema") or {"type": "object"}
+    forms = {"text": None, "json_object": {"json_object": True}, "json_schema": {"json": schema}}
+    tool = forced_tool(body)
+    if tool is not None and kind == "text":
+        return {"json": tool["function"].get("parameters") or {"type": "object"}}
+    if kind not in forms or tool is not None:
+        raise InvalidField("response_format", "expected type text, json_object or json_schema, and no forced tool call")
+    return forms[kind]
+
+
+def forced_tool(body: dict) -> dict | None:
+    """The tool a chat body's tool_choice forces (a named function, or "required" with one tool); None: "none". "auto"
+    (the default with tools) is refused: nanoserve does not parse free-form tool calls out of a model's text."""
+    tools = field(body, "tools", list, [])
+    if not all(isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"] for t in tools):
+        raise InvalidField("tools", "expected a list of {'type': 'function', 'function': {'name': str, ...}}")
+    choice = body.get("tool_choice") or ("auto" if tools else "none")
+    names = [tool["function"]["name"] for tool in tools]
+    if choice == "none":
+        return None
+    if choice == "auto":
+        raise InvalidField(
+            "tool_choice", "nanoserve does not parse free-form tool calls: use 'required' or a named one"
+        )
+    if body.get("stream"):
+        raise InvalidField("stream", "nanoserve does not stream tool calls yet")
+    if choice == "required" and len(tools) == 1:
+        return tools[0]
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if name not in names:
+        raise InvalidField("tool_choice", f"{shown(choice)} is not 'none', 'required' with one tool, or a tool's name")
+    return tools[names.index(name)]
 
 
 def gpt2_byte_decoder() -> dict[str, int]:
@@ -592,7 +630,7 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
         prompt_field = "messages" if chat else "prompt"
         if chat:  # one conversation, as a list of one: chat_prompts takes a list of conversations
             prompts = [normalized(body.get("messages"))]
-            to_ids = llm.chat_prompts
+            to_ids = partial(llm.chat_prompts, tools=body.get("tools"))  # rendered by the template, if it can
         else:  # a string, token ids, or a list of either; the engine refuses anything else as "prompt"
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -634,19 +672,15 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
         options = field(body, "stream_options", dict, {})
         usage = field(options, "include_usage", bool, False)  # checked before anything is queued
         echo = field(body, "echo", bool, False)  # never in a stream: check_fields refuses it
+        tool = forced_tool(body)  # its arguments are the constrained output: never in a stream either
         results = engine.generate(http, prompts, params, stream)
         try:
             await anext(results)  # queues every prompt, or raises why not
         except InvalidField as e:
             raise client_named(e, body, chat) from None
-        if not chat:
-            kind, id_prefix = "text_completion", "cmpl"
-        elif stream:
-            kind, id_prefix = "chat.completion.chunk", "chatcmpl"
-        else:
-            kind, id_prefix = "chat.completion", "chatcmpl"
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
         head = {
-            "id": f"{id_prefix}-{uuid.uuid4().hex}",
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": kind,
             "created": int(time.time()),
             "model": model_name,
@@ -655,9 +689,16 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
         def choice(index: int, out: RequestOutput, sample: CompletionOutput) -> dict:
             """One sample of prompt `index` as a choice; OpenAI numbers them prompt x n + sample."""
             choice_index = index * params.n + sample.index
-            return choice_json(
+            result = choice_json(
                 llm.tokenizer, chat, stream, choice_index, sample, params.logprobs, out if echo else None
             )
+            if tool is not None:  # OpenAI's tool call, the output its arguments
+                function = {"name": tool["function"]["name"], "arguments": sample.text}
+                call = {"id": f"call_{uuid.uuid4().hex}", "type": "function", "function": function}
+                result["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+                if sample.finish_reason == "stop":
+                    result["finish_reason"] = "tool_calls"
+            return result
 
         async def chunks() -> AsyncIterator[str]:
             """A chunk per choice with new tokens (finish_reason rides on a choice's last), the usage if asked,

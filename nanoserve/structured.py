@@ -1,0 +1,122 @@
+"""Structured outputs: a completion constrained to a JSON schema, any JSON object, a regex, one of a list of choices, or
+an EBNF grammar (vLLM's StructuredOutputsParams), with xgrammar, the grammar engine vLLM and SGLang use. This is the
+only file that imports xgrammar (an optional dependency, in the `[serve]` extra), and only when a constrained request
+comes: the engine runs without it.
+
+The idea: a grammar is compiled once against the tokenizer's vocabulary; each sequence then walks it with its own
+GrammarMatcher. Before each of its tokens is sampled, the matcher writes the set of tokens that keep the output valid
+as a bitmask (one bit per vocabulary entry, on the host), and every other token's logit becomes -inf on the device;
+the token sampled is then accepted, which moves the matcher on. So the matcher must have seen a sequence's newest token
+before its next mask is made: the engine does not overlap steps while a constrained sequence runs (llm.py)."""
+
+import json
+import weakref
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+from nanoserve.sampling_params import InvalidField, shown
+
+if TYPE_CHECKING:  # for annotations only
+    import xgrammar
+    from torch import Tensor
+    from transformers import PreTrainedTokenizerBase
+
+    from nanoserve.sequence import Sequence
+
+FIELD = "structured_outputs"
+INSTALL_HINT = (
+    'structured outputs need xgrammar: pip install xgrammar (or nanoserve\'s extra: pip install -e ".[serve]")'
+)
+# one grammar compiler per tokenizer: it holds the vocabulary's token table, which takes a while to build, and caches
+# the grammars it compiled. Keyed weakly: a tokenizer's compiler goes with it
+_compilers: "weakref.WeakKeyDictionary[PreTrainedTokenizerBase, xgrammar.GrammarCompiler]" = weakref.WeakKeyDictionary()
+
+
+def import_xgrammar() -> "xgrammar":
+    """xgrammar, or an InvalidField saying how to install it."""
+    try:
+        import xgrammar
+    except ImportError:
+        raise InvalidField(FIELD, INSTALL_HINT) from None
+    return xgrammar
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match, as vLLM names it: exactly one of the fields is set. Checked when made (an invalid
+    schema, regex or grammar is an InvalidField naming structured_outputs); `rules` is the parsed grammar."""
+
+    json: dict | str | None = None  # a JSON schema, as a dict or a JSON string
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is one of these strings
+    grammar: str | None = None  # EBNF (xgrammar's dialect of GBNF: root ::= ...)
+    json_object: bool | None = None  # True: any JSON object
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidField(FIELD, f"set exactly one of json, regex, choice, grammar, json_object; got {given}")
+        xgr = import_xgrammar()
+        try:
+            self.rules = self._parse(xgr.Grammar)
+        except (RuntimeError, TypeError) as error:  # xgrammar's parse errors
+            problem = str(error).split(": ", 1)[-1].strip()  # without xgrammar's "[time] file.cc:line: " in front
+            raise InvalidField(FIELD, f"{given[0]}: {problem}") from None
+
+    def _parse(self, grammar: "type[xgrammar.Grammar]") -> "xgrammar.Grammar":
+        if self.json is not None or self.json_object is True:
+            # compact JSON (no whitespace between tokens): a small model given any whitespace may emit it forever
+            schema = {"type": "object"} if self.json is None else self.json
+            return grammar.from_json_schema(schema, any_whitespace=False)
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not all(isinstance(c, str) for c in self.choice):
+                raise TypeError(f"{shown(self.choice)} is not a list of strings")
+            # each choice as a string literal (EBNF's escapes are JSON's); no choices: an empty rule, refused
+            return grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice))
+        if self.regex is not None:
+            return grammar.from_regex(self.regex)
+        return grammar.from_ebnf(self.grammar)
+
+
+def structured_outputs_params(value: object) -> StructuredOutputsParams:
+    """SamplingParams' structured_outputs as StructuredOutputsParams: one already, or a dict of its fields."""
+    try:
+        return value if isinstance(value, StructuredOutputsParams) else StructuredOutputsParams(**value)
+    except TypeError:  # not a dict, or a key that is no field
+        raise InvalidField(FIELD, f"{shown(value)} is not StructuredOutputsParams or a dict of its fields") from None
+
+
+class StructuredMatcher:
+    """One sequence's place in its grammar: masks its row of logits, and accepts the tokens it samples."""
+
+    def __init__(self, compiled: "xgrammar.CompiledGrammar", vocab_size: int, stop_token_ids: frozenset[int]) -> None:
+        self.xgr = import_xgrammar()
+        # the grammar may end only on a token the engine stops on (None: the tokenizer's EOS, with ignore_eos)
+        self.matcher = self.xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids) or None)
+        self.bitmask = self.xgr.allocate_token_bitmask(1, vocab_size)  # [1, vocab / 32] int32, on the host
+
+    def mask(self, logits: "Tensor") -> None:
+        """logits: [vocab], one row on the device: every token the grammar does not allow next becomes -inf. A
+        finished grammar (its stop token sampled but ignored) constrains nothing further."""
+        if not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(self.bitmask)
+            self.xgr.apply_token_bitmask_inplace(logits[None], self.bitmask.to(logits.device, non_blocking=True))
+
+    def accept(self, token_id: int) -> None:
+        """The token sampled for this sequence (the mask allowed it): the matcher moves past it."""
+        self.matcher.accept_token(token_id)
+
+
+def attach_matchers(seqs: "list[Sequence]", tokenizer: "PreTrainedTokenizerBase | None", vocab_size: int) -> None:
+    """Each sequence of a constrained request (its n samples) gets its own matcher of the request's grammar,
+    compiled for the model's vocabulary (which may be larger than the tokenizer's: the extra ids are never allowed)."""
+    if tokenizer is None:
+        raise InvalidField(FIELD, "needs a tokenizer; this model has none")
+    xgr = import_xgrammar()
+    if tokenizer not in _compilers:
+        _compilers[tokenizer] = xgr.GrammarCompiler(
+            xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        )
+    compiled = _compilers[tokenizer].compile_grammar(seqs[0].params.structured_outputs.rules)
+    for seq in seqs:
+        seq.matcher = StructuredMatcher(compiled, vocab_size, seq.stop_token_ids)
