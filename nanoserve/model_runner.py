@@ -263,6 +263,7 @@ class ModelRunner:
             sample_rows=[0],
             pending_at=[],
             pending_rows=[],
+            block_copies=[],
         )
         inputs = step_inputs(*upload(lists, self.device), previous_tokens=None)
         return self.model(inputs.input_ids, inputs.positions, [tuple(scratch)] * self.args.num_layers, inputs.meta)
@@ -304,6 +305,9 @@ class ModelRunner:
     ) -> torch.Tensor | None:
         """Every rank: a step's forward pass (a graph replay if decode-only) and its sampling rows' logits (or None)."""
         inputs = step_inputs(header, flat, previous_tokens)
+        if len(inputs.block_copies):  # copy-on-write: a fork's shared partial block, before the step writes into it
+            source, destination = inputs.block_copies.unbind(1)
+            self.kv_cache[:, :, destination] = self.kv_cache[:, :, source]  # [K or V, layer, block, ...]
         if inputs.meta.decode_only and self.graphs is not None:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:

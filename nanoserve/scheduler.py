@@ -36,6 +36,7 @@ class Step:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_tokens: int = 0  # tokens computed in the step, counted as they are planned
+    block_copies: list[int] = field(default_factory=list)  # copy-on-write (source, destination) pairs, flat
 
     @property
     def sampling_seqs(self) -> list[Sequence]:
@@ -55,15 +56,17 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
 
-    def check_fits(self, seq: Sequence) -> None:
-        """Refuse a request that could not fit in the whole pool even alone: it would never finish."""
+    def check_fits(self, seq: Sequence, num_beams: int = 1) -> None:
+        """Refuse a request that could not fit in the whole pool even alone: it would never finish. Beam search's beams
+        hold the prompt's full blocks once, and each its own blocks for the rest of its tokens."""
         final_len = min(seq.num_tokens + seq.params.max_tokens, self.max_model_len)
         kv_tokens = max(seq.num_tokens, final_len - 1)  # the last sampled token never needs KV
-        needed = self.block_manager.blocks_needed(kv_tokens)
+        shared = seq.num_tokens // self.block_manager.block_size
+        needed = shared + num_beams * (self.block_manager.blocks_needed(kv_tokens) - shared)
         if needed > self.block_manager.num_blocks:
             raise InvalidField(
                 "max_tokens",
-                f"the request needs {needed} KV blocks ({kv_tokens} tokens) but the pool "
+                f"the request needs {needed} KV blocks ({kv_tokens} tokens a sequence) but the pool "
                 f"has {self.block_manager.num_blocks}: lower max_tokens or add KV memory",
             )
 
@@ -79,6 +82,8 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted:  # admitting while others were just preempted would only make the pool thrash
             self._admit_waiting(step)
+        step.block_copies = self.block_manager.block_copies  # copied on the device before the step runs
+        self.block_manager.block_copies = []
         return step
 
     def _budget(self, step: Step) -> int:

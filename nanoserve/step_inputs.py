@@ -45,6 +45,7 @@ class StepLists:
     sample_rows: list[int]  # [num_sampling]: token rows whose logits pick a next token
     pending_at: list[int]  # token rows whose input id is the previous step's sample...
     pending_rows: list[int]  # ...and the row of that sample in the previous step's output
+    block_copies: list[int]  # [2 * num_copies]: (source, destination) KV blocks to copy before the step runs
 
     def parts(self) -> list:
         return [getattr(self, f.name) for f in fields(self)]
@@ -80,6 +81,7 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens] int32
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [num_sampling] int32: rows of the hidden states whose logits pick a token
+    block_copies: torch.Tensor  # [num_copies, 2] int32: (source, destination) blocks, copied before the forward
 
 
 def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -> StepLists:
@@ -96,6 +98,7 @@ def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -
         sample_rows=[],
         pending_at=[],
         pending_rows=[],
+        block_copies=step.block_copies,
     )
     for scheduled in step.scheduled:
         seq = scheduled.seq
@@ -168,4 +171,4 @@ def step_inputs(header: StepHeader, flat: torch.Tensor, previous_tokens: torch.T
         max_context_len=header.max_context_len,
         decode_only=header.max_query_len == 1,
     )
-    return StepInputs(input_ids, views.positions, meta, views.sample_rows)
+    return StepInputs(input_ids, views.positions, meta, views.sample_rows, views.block_copies.view(-1, 2))
