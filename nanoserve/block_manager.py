@@ -135,7 +135,8 @@ class BlockManager:
         return True
 
     def fork(self, seq: Sequence) -> Sequence:
-        """A copy of seq that shares all its blocks, full or not: one more user of each."""
+        """A copy of seq (with no token pending: beam search forks after a step is read back) that shares all its
+        blocks, full or not: one more user of each."""
         for block_id in seq.block_table:
             self.blocks[block_id].ref_count += 1
         return seq.fork()

@@ -6,7 +6,9 @@ kv_blocks.png: the block pool after each step: used (held by running sequences),
 prefix) and free; red dashed lines mark preemptions. batches.png: top, each step's prefill tokens under its decodes (one
 token each): a small max_num_batched_tokens cuts a long prompt into chunks that ride beside decodes; bottom, the running
 and waiting queues. block_tables.png: the first sequences' block tables, one cell per physical block labelled with its
-id; orange cells are shared through the prefix cache (one copy of a common prefix, computed once)."""
+id; orange cells are shared through the prefix cache (one copy of a common prefix, computed once). After a beam search
+(LLM.beam_search), the rows are the beams alive at the end, and orange cells the blocks they share since their forks:
+the prompt's, held once, and their common history."""
 
 import json
 import time
@@ -140,9 +142,14 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
     bs = next(
         b for b in 2 ** np.arange(16) if all(len(q["block_table"]) == -(-(q["start"] + q["tokens"]) // b) for q in seqs)
     )  # the block size: every table's length fits it
-    tables, hits = {}, {}  # the first sequences: id -> longest block table, blocks found cached when admitted
+    first_kinds = {}
     for q in seqs:
-        if q["id"] in tables or len(tables) < MAX_ROWS:
+        first_kinds.setdefault(q["id"], q["kind"])
+    # a sequence first seen decoding is a forked beam (beam search): then draw the beams alive at the end
+    rows_of = {q["id"] for q in steps[-1]["seqs"]} if "decode" in first_kinds.values() else first_kinds
+    tables, hits = {}, {}  # the first sequences: id -> longest block table, blocks found cached or shared when added
+    for q in seqs:
+        if q["id"] in rows_of and (q["id"] in tables or len(tables) < MAX_ROWS):
             hits.setdefault(q["id"], q["start"] // bs)  # its first entry is its admission
             tables[q["id"]] = max(tables.get(q["id"], []), q["block_table"], key=len)
     ids, rows = list(tables), [t[:MAX_CELLS] for t in tables.values()]
@@ -163,7 +170,7 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
     ax.set(
         ylim=(len(rows), 0),
         xlabel=f"position in the block table (at most {MAX_CELLS} shown)",
-        title="Block tables (physical block ids); orange: shared through the prefix cache",
+        title="Block tables (physical block ids); orange: shared (a prefix-cache hit, or a forked beam's)",
     )
 
 

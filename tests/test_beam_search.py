@@ -265,3 +265,34 @@ def test_fake_engine_beams_and_blocks(
         assert engine.bm.peak_used_blocks <= needed
     if k > 1 and max_tokens > 1 and len(prompt) % block_size and not stop_ids:
         assert any(engine.runner.copies), "beams forked inside a partial block copy it"
+
+
+def test_trace_picture_shows_the_beams_sharing_blocks(tiny_model, tmp_path):
+    """Guards against a block-table picture that hides the sharing: after a beam search with a 100-token prompt
+    (6 full blocks of 16), the rows are the k beams alive at the end, the prompt's full blocks are the same
+    physical blocks in every row and marked shared, and each beam's last block, which it writes, is its own."""
+    pytest.importorskip("matplotlib")
+    import json
+
+    import matplotlib.pyplot as plt
+
+    from nanoserve.plots import plot_block_tables
+
+    path, _ = tiny_model("llama")
+    trace = tmp_path / "trace.jsonl"
+    llm = LLM(path, max_model_len=256, num_kvcache_blocks=40, trace=str(trace))
+    k = 4
+    llm.beam_search(random_prompts([100]), BeamSearchParams(beam_width=k, max_tokens=20, ignore_eos=True))
+    llm.close()
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert sum(q["tokens"] for s in steps for q in s["seqs"]) == llm.stats()["computed_tokens"]
+    last = steps[-1]["seqs"]
+    assert len(last) == k and len({tuple(q["block_table"][:6]) for q in last}) == 1
+    assert len({q["block_table"][-1] for q in last}) == k
+    fig, ax = plt.subplots()
+    plot_block_tables(steps, ax)
+    grid = ax.collections[0].get_array().filled(0).reshape(len(ax.get_yticks()), -1)
+    plt.close(fig)
+    assert [label.get_text() for label in ax.get_yticklabels()] == [f"seq {q['id']}" for q in last]
+    assert (grid[:, :6] == 1).all()
+    assert all(grid[i, len(q["block_table"]) - 1] == 0 for i, q in enumerate(last))
