@@ -107,8 +107,8 @@ def search(llm: "LLM", first: Sequence, params: BeamSearchParams, stop_ids: froz
     try:
         for length in range(1, max_tokens + 1):  # tokens generated, once this step's are chosen
             run_until_sampled(llm, len(beams))
-            candidates = sorted(
-                ((cum + logprob, seq, token) for cum, seq in beams for token, logprob in seq.logprobs[-1].items()),
+            candidates = sorted(  # each beam's logprobs are taken (popped): a fork copies no history of them
+                ((cum + logprob, seq, token) for cum, seq in beams for token, logprob in seq.logprobs.pop().items()),
                 key=lambda candidate: -candidate[0],
             )
             for cum, seq, token in candidates[:k]:  # 2. the k best that end here
@@ -139,7 +139,6 @@ def run_until_sampled(llm: "LLM", num_beams: int) -> None:
     while True:
         started = time.perf_counter()
         step = llm.scheduler.schedule()
-        assert not step.preempted, "the pool was checked to hold every beam"
         llm.counters.computed_tokens += step.num_tokens
         try:
             tokens, logprobs = llm.runner.launch(step, None).wait()
@@ -150,8 +149,8 @@ def run_until_sampled(llm: "LLM", num_beams: int) -> None:
         if llm.trace is not None:
             llm.trace.begin(step)
             llm.trace.end(started)
-        if step.sampling_seqs:
-            assert len(step.sampling_seqs) == num_beams, "every beam runs in every step"
+        if step.sampling_seqs:  # the pool was checked to hold every beam: none preempted, each in every step
+            assert len(step.sampling_seqs) == num_beams, "a beam missed a step"
             return
 
 

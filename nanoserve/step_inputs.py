@@ -1,7 +1,8 @@
 """A step as the device sees it. The scheduler's Step (sequences, with the positions each computes) becomes flat integer
 lists (StepLists: per token its id, position and cache slot; per sequence its query start, context length and block
-table; the rows to sample; the inputs whose values are still on the device), uploaded in one int32 buffer with one
-host-to-device copy, then cut into tensor views (StepInputs) that the model and attention read.
+table; the rows to sample; the inputs whose values are still on the device; the KV blocks to copy before the step
+runs, for beam search's copy-on-write), uploaded in one int32 buffer with one host-to-device copy, then cut into tensor
+views (StepInputs) that the model and attention read.
 
 Why one buffer: in a decode step, converting Python ints one by one and issuing a copy per tensor is most of the host's
 work. The StepHeader (each list's length, and the longest query and context) is all a reader needs to cut the buffer

@@ -140,6 +140,18 @@ def test_triton_kernels_copy_on_write(tiny_model, family):
     assert [s.tokens for s in out.sequences] == hf_beams(hf, prompt, 3, 5, 1.0, None)
 
 
+def test_two_ranks_copy_on_write_in_the_worker(tiny_model):
+    """Guards against a copy-on-write that only rank 0 makes: with tensor parallelism each rank holds its share of
+    every block's KV heads, and the worker learns of the copies only from the step it receives (StepLists'
+    block_copies). A worker that skipped them would read stale K/V in its heads, and the beams would differ."""
+    path, hf = tiny_model("qwen2")
+    llm = LLM(path, tensor_parallel_size=2, max_model_len=128, num_kvcache_blocks=16)
+    prompt = random_prompts([21])[0]  # the beams fork inside their second block of 16
+    out = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))[0]
+    llm.close()
+    assert [s.tokens for s in out.sequences] == hf_beams(hf, prompt, 3, 6, 1.0, None)
+
+
 def test_long_prompt_is_held_once_for_all_beams(tiny_model):
     """Guards against beams that copy the prompt (or leak blocks): a 200-token prompt in blocks of 16 (13 blocks,
     12 full) with 4 beams uses at its peak far fewer blocks than 4 copies of the prompt, in a pool too small to hold
