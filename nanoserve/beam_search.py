@@ -88,7 +88,7 @@ def run_beam_search(llm: "LLM", prompts: list[list[int]], params: BeamSearchPara
     k = params.beam_width
     if k > min(llm.config.max_num_seqs, llm.config.max_num_batched_tokens, llm.vocab_size - len(stop_ids)):
         raise InvalidField("beam_width", f"{k} beams do not fit one step (max_num_seqs, max_num_batched_tokens)")
-    # every beam's token ids come with the top k + len(stop_ids) logprobs: k candidates that do not end in EOS
+    # each beam's next token comes with its top k + len(stop_ids) logprobs: k candidates that do not end in EOS
     sampling = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True, logprobs=k + len(stop_ids))
     firsts = [Sequence(prompt, sampling, llm.config.kvcache_block_size) for prompt in prompts]
     for seq in firsts:
@@ -107,7 +107,7 @@ def search(llm: "LLM", first: Sequence, params: BeamSearchParams, stop_ids: froz
     try:
         for length in range(1, max_tokens + 1):  # tokens generated, once this step's are chosen
             run_until_sampled(llm, len(beams))
-            candidates = sorted(  # each beam's logprobs are taken (popped): a fork copies no history of them
+            candidates = sorted(  # 1. (each beam's logprobs are popped: a fork copies no history of them)
                 ((cum + logprob, seq, token) for cum, seq in beams for token, logprob in seq.logprobs.pop().items()),
                 key=lambda candidate: -candidate[0],
             )

@@ -172,6 +172,17 @@ def test_long_prompt_is_held_once_for_all_beams(tiny_model):
     assert greedy[0].outputs[0].token_ids == hf_greedy(hf, prompt, 4)
 
 
+def test_max_model_len_ends_the_search(tiny_model):
+    """Guards against beams that run past max_model_len: a 28-token prompt with max_model_len=32 and max_tokens=10
+    generates 4 tokens, as transformers with max_new_tokens=4, every beam ending with "length"."""
+    path, hf = tiny_model("qwen3")
+    llm = LLM(path, max_model_len=32, num_kvcache_blocks=16)
+    prompt = random_prompts([28])[0]
+    out = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True))[0]
+    assert [s.tokens for s in out.sequences] == hf_beams(hf, prompt, 3, 4, 1.0, None)
+    assert all(s.finish_reason == "length" for s in out.sequences)
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [
