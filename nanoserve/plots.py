@@ -146,13 +146,16 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
     for q in seqs:
         first_kinds.setdefault(q["id"], q["kind"])
     # a sequence first seen decoding is a forked beam (beam search): then draw the beams alive at the end
-    rows_of = {q["id"] for q in steps[-1]["seqs"]} if "decode" in first_kinds.values() else first_kinds
+    forked = "decode" in first_kinds.values()
+    rows_of = {q["id"] for q in steps[-1]["seqs"]} if forked else first_kinds
     tables, hits = {}, {}  # the first sequences: id -> longest block table, blocks found cached or shared when added
     for q in seqs:
         if q["id"] in rows_of and (q["id"] in tables or len(tables) < MAX_ROWS):
             hits.setdefault(q["id"], q["start"] // bs)  # its first entry is its admission
             tables[q["id"]] = max(tables.get(q["id"], []), q["block_table"], key=len)
-    ids, rows = list(tables), [t[:MAX_CELLS] for t in tables.values()]
+    # a long table is cut to MAX_CELLS cells: its start, or for beams its end, where they part
+    first = max(0, max(map(len, tables.values()), default=0) - MAX_CELLS) if forked else 0
+    ids, rows = list(tables), [t[first : first + MAX_CELLS] for t in tables.values()]
     width = max(map(len, rows), default=1)
     grid = np.array([[0.0] * len(t) + [np.nan] * (width - len(t)) for t in rows]).reshape(-1, width)  # 1: shared
     for i, j in ((i, j) for i in range(len(rows)) for j in range(len(rows)) if i != j):
@@ -160,16 +163,16 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
             (k for k, (u, v) in enumerate(zip(rows[i], rows[j], strict=False)) if u != v),
             min(len(rows[i]), len(rows[j])),
         )
-        grid[i, : min(n, max(hits[ids[i]], hits[ids[j]]))] = 1  # same blocks, found in the cache
+        grid[i, : max(0, min(n, max(hits[ids[i]], hits[ids[j]]) - first))] = 1  # same blocks, found or forked
     colors = pyplot().matplotlib.colors.ListedColormap(["lightsteelblue", "orange"])  # private, shared
     ax.pcolormesh(np.ma.masked_invalid(grid), cmap=colors, vmin=0, vmax=1, edgecolors="white", linewidth=3)
     for i, j in np.argwhere(~np.isnan(grid)):
         ax.text(j + 0.5, i + 0.5, str(rows[i][j]), ha="center", va="center", fontsize=9 if width <= 16 else 6)
-    ax.set_xticks(np.arange(width) + 0.5, range(width))
+    ax.set_xticks(np.arange(width) + 0.5, range(first, first + width))
     ax.set_yticks(np.arange(len(rows)) + 0.5, [f"seq {i}" for i in ids])
     ax.set(
         ylim=(len(rows), 0),
-        xlabel=f"position in the block table (at most {MAX_CELLS} shown)",
+        xlabel=f"position in the block table (at most {MAX_CELLS} shown, from {first})",
         title="Block tables (physical block ids); orange: shared (a prefix-cache hit, or a forked beam's)",
     )
 

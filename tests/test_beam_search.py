@@ -290,32 +290,59 @@ def test_fake_engine_beams_and_blocks(
         assert any(engine.runner.copies), "beams forked inside a partial block copy it"
 
 
-def test_trace_picture_shows_the_beams_sharing_blocks(tiny_model, tmp_path):
-    """Guards against a block-table picture that hides the sharing: after a beam search with a 100-token prompt
-    (6 full blocks of 16), the rows are the k beams alive at the end, the prompt's full blocks are the same
-    physical blocks in every row and marked shared, and each beam's last block, which it writes, is its own."""
-    pytest.importorskip("matplotlib")
-    import json
-
+def block_table_picture(steps):
+    """plot_block_tables' grid (1: shared, 0: private), row labels and first position shown."""
     import matplotlib.pyplot as plt
 
     from nanoserve.plots import plot_block_tables
+
+    fig, ax = plt.subplots()
+    plot_block_tables(steps, ax)
+    grid = ax.collections[0].get_array().filled(0).reshape(len(ax.get_yticks()), -1)
+    labels = [label.get_text() for label in ax.get_yticklabels()]
+    first = int(ax.get_xticklabels()[0].get_text())
+    plt.close(fig)
+    return grid, labels, first
+
+
+def test_trace_picture_shows_the_beams_sharing_blocks(tiny_model, tmp_path):
+    """Guards against a block-table picture that hides the sharing: after a beam search with a 200-token prompt
+    (12 full blocks of 16, then 8 tokens), the rows are the k beams alive at the end, the prompt's full blocks are the
+    same physical blocks in every row and marked shared, and each beam's last block, which it writes, is its own."""
+    pytest.importorskip("matplotlib")
+    import json
 
     path, _ = tiny_model("llama")
     trace = tmp_path / "trace.jsonl"
     llm = LLM(path, max_model_len=256, num_kvcache_blocks=40, trace=str(trace))
     k = 4
-    llm.beam_search(random_prompts([100]), BeamSearchParams(beam_width=k, max_tokens=20, ignore_eos=True))
+    llm.beam_search(random_prompts([200]), BeamSearchParams(beam_width=k, max_tokens=20, ignore_eos=True))
     llm.close()
     steps = [json.loads(line) for line in trace.read_text().splitlines()]
     assert sum(q["tokens"] for s in steps for q in s["seqs"]) == llm.stats()["computed_tokens"]
     last = steps[-1]["seqs"]
-    assert len(last) == k and len({tuple(q["block_table"][:6]) for q in last}) == 1
+    assert len(last) == k and len({tuple(q["block_table"][:12]) for q in last}) == 1
     assert len({q["block_table"][-1] for q in last}) == k
-    fig, ax = plt.subplots()
-    plot_block_tables(steps, ax)
-    grid = ax.collections[0].get_array().filled(0).reshape(len(ax.get_yticks()), -1)
-    plt.close(fig)
-    assert [label.get_text() for label in ax.get_yticklabels()] == [f"seq {q['id']}" for q in last]
-    assert (grid[:, :6] == 1).all()
+    grid, labels, first = block_table_picture(steps)
+    assert labels == [f"seq {q['id']}" for q in last] and first == 0
+    assert (grid[:, :12] == 1).all()
     assert all(grid[i, len(q["block_table"]) - 1] == 0 for i, q in enumerate(last))
+
+
+def test_trace_picture_of_long_beams_shows_where_they_part():
+    """Guards against cutting long beams' tables at their start, where they are all the same prompt: tables of 38
+    blocks are drawn from position 6 (the last 32 cells), with the shared part still marked shared."""
+    pytest.importorskip("matplotlib")
+    table = list(range(38))
+    steps = [
+        {"seqs": [{"id": 0, "start": 0, "tokens": 600, "block_table": table, "kind": "prefill"}]},
+        {
+            "seqs": [
+                {"id": 0, "start": 600, "tokens": 1, "block_table": table, "kind": "decode"},
+                {"id": 1, "start": 600, "tokens": 1, "block_table": table[:-1] + [99], "kind": "decode"},  # a fork
+            ]
+        },
+    ]
+    grid, labels, first = block_table_picture(steps)
+    assert labels == ["seq 0", "seq 1"] and first == 6
+    assert (grid[:, :31] == 1).all() and (grid[:, 31] == 0).all()
