@@ -66,7 +66,7 @@ class Scheduler:
         if needed > self.block_manager.num_blocks:
             raise InvalidField(
                 "max_tokens",
-                f"the request needs {needed} KV blocks ({kv_tokens} tokens a sequence) but the pool "
+                f"the request needs {needed} KV blocks ({kv_tokens} tokens) but the pool "
                 f"has {self.block_manager.num_blocks}: lower max_tokens or add KV memory",
             )
 
