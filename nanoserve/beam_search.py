@@ -1,8 +1,9 @@
 """Beam search, vLLM's LLM.beam_search, on sequences that share KV blocks: the one place where paging's block sharing
-is more than a prefix cache. The prompt is computed once, by one sequence; a beam that several candidates extend is
-forked, and the forks share all its blocks by reference count, its last, partial one included; the first fork to write
-its next token into that shared partial block gets a copy of that one block first (copy-on-write, block_manager.py).
-A dropped beam frees only the blocks nobody else holds. So k beams hold the prompt once, and their common history once.
+is more than a prefix cache. The prompt is computed once, by one sequence. After each step, every chosen candidate
+forks the beam it extends: the fork shares all of its parent's blocks by reference count, the last, partial one
+included, and the parent ends, freeing only the blocks no fork holds. Where several forks share a partial block, each
+but the last to write its next token into it gets a copy of that one block first (copy-on-write, block_manager.py).
+So k beams hold the prompt once, and their common history once.
 
 The rule is transformers' `generate(num_beams=k, num_return_sequences=k, do_sample=False, length_penalty=lp,
 early_stopping=False)`, step for step (its `_beam_search`). After each step, with L the tokens generated so far (the
@@ -155,20 +156,17 @@ def run_until_sampled(llm: "LLM", num_beams: int) -> None:
 
 
 def advance(llm: "LLM", beams: list[Beam], running: list[Candidate]) -> list[Beam]:
-    """The running candidates become the beams. A beam's first candidate takes over its sequence and each further one
-    forks it (sharing all its blocks); the token the step sampled (its argmax), whose K/V is not computed yet, becomes
-    the candidate's. A beam that no candidate extends ends: its blocks go back, those its forks share excepted."""
-    extended = set()
+    """The running candidates become the beams: each forks the beam it extends (sharing all its blocks) and replaces
+    the token the step sampled there (its argmax, whose K/V is not computed yet) with its own; then the old beams end.
+    Their blocks go back to the pool only where no fork holds them: a beam that one candidate extends leaves its fork
+    the sole holder (it writes in place), one that c candidates extend leaves c holders of its partial block, c - 1 of
+    which copy it when they write."""
     new_beams = []
-    for cum, seq, token in running:
-        if seq in extended:
-            seq = llm.block_manager.fork(seq)
-            llm.scheduler.running.append(seq)  # a running sequence from the next step on
-        else:
-            extended.add(seq)
+    for cum, parent, token in running:
+        seq = llm.block_manager.fork(parent)
+        llm.scheduler.running.append(seq)  # a running sequence from the next step on
         seq.token_ids[-1] = token
         new_beams.append((cum, seq))
     for _, seq in beams:
-        if seq not in extended:
-            llm.scheduler.finish_sequence(seq, "stop")
+        llm.scheduler.finish_sequence(seq, "stop")
     return new_beams
