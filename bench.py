@@ -9,7 +9,8 @@ FILE also writes them). Without a GPU the flags left out take CPU sizes, and a l
     python bench.py --compare hf             # the same requests through transformers' continuous batching
     python bench.py --compare hf-sequential  # ... through transformers' generate, one prompt at a time
     python bench.py --busy 2 --compare hf-sequential     # the same beside 2 CPU-burning processes
-    python bench.py --kv-report              # KV memory wasted, contiguous vs paged; prefill saved by the prefix cache
+    python bench.py --kv-report              # KV memory wasted, contiguous vs paged; prefill saved by the prefix cache;
+                                             # the pool: bytes per token, tokens it holds (--kv-cache-dtype fp8: twice)
     python bench.py --plot plots/            # the run's step trace as pictures (nanoserve/plots.py)
     python bench.py --prefix                 # a 2k-token system prompt shared by every request, caching off vs on
     python bench.py --latency                # one request: 512 prompt + 256 greedy tokens
@@ -384,7 +385,14 @@ def report_kv(row, trace_path, llm, workload):
         report = kv_report(f, llm.config.max_model_len, llm.config.kvcache_block_size)
     saved = llm.stats()["prefix_hit_tokens"]
     report.update(prefix_saved_tokens=saved, prefix_saved_share=round(saved / max(workload.prompt_tokens, 1), 4))
+    runner = llm.runner
+    report.update(
+        kv_cache_dtype=str(runner.kv_dtype).removeprefix("torch."),
+        kv_bytes_per_token=runner.kv_bytes_per_token,
+        kv_pool_tokens=runner.num_kvcache_blocks * llm.config.kvcache_block_size,
+    )
     row.update(report)
+    print(runner.kv_account())
     print(
         f"KV memory wasted at the peak step ({report['kv_peak_running']} running, {report['kv_peak_blocks']} blocks "
         f"of {llm.config.kvcache_block_size}): {report['kv_static_waste']:.1%} if each had reserved max_model_len="
@@ -548,6 +556,9 @@ def run_engine(args, model_dir, cpu_default):
         tensor_parallel_size=args.tp,
         threads=args.threads,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        overlap=args.overlap,
     )
     try:
         workload = None if args.prefix or args.latency else build_workload(args, llm)
@@ -650,6 +661,16 @@ def parse_args(argv=None):
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
         help="nanoserve's and the peer's dtype (auto: bf16 on a GPU, fp32 on a CPU)",
+    )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8"],
+        help="the KV cache's element type: the model's (auto), or float8 e4m3 (fp8: 1 byte, twice bf16's tokens)",
+    )
+    ap.add_argument("--max-num-batched-tokens", type=int, help="the step's token budget (default: the engine's)")
+    ap.add_argument(
+        "--overlap", action=argparse.BooleanOptionalAction, help="host/GPU overlap (default: the engine's, per device)"
     )
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     ap.add_argument("--threads", type=int, help="CPU torch threads (default: the engine's, the free cores)")

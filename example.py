@@ -32,9 +32,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two, 16-256)")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (small: preemptions)")
-    parser.add_argument("--max-batched-tokens", type=int, default=8192, help="token budget of one step")
+    parser.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one step (default: 8192 on a GPU, 512 on a CPU)",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--no-overlap", action="store_true", help="finish each step before launching the next")
+    parser.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch step n+1 before reading step n back (default: on with a GPU, off on a CPU)",
+    )
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: 1 byte per K/V element")
     parser.add_argument(
         "--system-prompt",
         nargs="?",
@@ -62,7 +73,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "num_kvcache_blocks": args.num_blocks,
         "max_num_batched_tokens": args.max_batched_tokens,
         "enable_prefix_caching": not args.no_prefix_caching,
-        "overlap": not args.no_overlap,
+        "overlap": args.overlap,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "threads": args.threads,
         "dtype": args.dtype,
         "trace": str(Path(args.plot) / "trace.jsonl") if args.plot else None,

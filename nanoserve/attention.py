@@ -3,30 +3,46 @@
 The KV cache of one layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]; a sequence's tokens live in
 the blocks its block table lists, in order, so physical blocks need not be contiguous (PagedAttention, Kwon et al.
 2023). Three Triton jobs: `store_kv` scatters this step's K/V into their slots; a flash-attention kernel
-(FlashAttention-2, Dao 2023: query tiles, online softmax) serves prefill and mixed batches, causal and varlen; a
-split-KV kernel (Flash-Decoding, Dao et al. 2023) serves decode-only batches by splitting each sequence's keys across
-programs and merging their partial softmaxes in a small reduce kernel. Every key is read from the cache, so store_kv
-runs before attention. The PyTorch references at the bottom are the oracle the kernels are tested against, and the CPU's
-fast path. Words: a "block" is a KV-cache page, a "tile" a kernel's compute tile."""
+(FlashAttention-2, Dao 2023: query tiles, online softmax) serves the sequences with several queries (prefill chunks),
+causal and varlen; a split-KV kernel (Flash-Decoding, Dao et al. 2023) serves the sequences with one query (decodes),
+also inside a mixed step, by splitting each sequence's keys across programs and merging their partial softmaxes in a
+small reduce kernel. Each kernel skips the other's sequences, so a mixed step is two launches over one metadata. Every
+key is read from the cache, so store_kv runs before attention. The PyTorch references at the bottom are the oracle the
+kernels are tested against, and the CPU's fast path. Words: a "block" is a KV-cache page, a "tile" a kernel's compute
+tile.
+
+FP8 KV cache (kv_cache_dtype="fp8"): the caches are float8 e4m3 (1 byte per element, half of bf16's), written by a
+saturating round-to-nearest cast (on a GPU and in torch; Triton's CPU interpreter rounds roughly, so its tests feed
+it fp8-exact values), i.e. a scale of 1.0 for K and V in every layer, vLLM's default when a checkpoint brings no
+calibrated scales. e4m3 is a float: 3 mantissa bits at every magnitude from 2^-6 to 448, so a scale would
+only move that range, and K/V activations sit inside it (tests/test_fp8_kv.py measures them). The kernels widen each
+fp8 tile to the query's dtype (exact: every e4m3 value is a bf16, fp16 and fp32 value) and accumulate in fp32; the
+references widen to fp32. Neither kernel nor reference branches on the cache's dtype."""
 
 import functools
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from nanoserve.triton_shim import tl, triton
 
 PAD_SLOT = -1  # slot_mapping value of a padded token: the KV store skips it
 LOG2E = 1.4426950408889634  # log2(e) = 1/ln(2): softmax runs on exp2, so the score scale absorbs it
 MIN_DOT_ROWS = 16  # tl.dot needs >= 16 rows: small query tiles and decode GQA groups are padded up to this
-PREFILL_TILE_M = 128  # query rows per prefill program (the Triton fused-attention tutorial's H100 choice)
+# Tiles by element size in bytes (bf16 and fp16: 2, fp32: 4, fp8: 1): the largest that build for sm_90 without spilling
+# registers (tests/sm90_build.py). 16-bit dots run on the tensor cores; fp32 ones (IEEE, not tf32) on the FMA units,
+# whose operand tiles sit in registers, and fp8 K/V tiles are widened in registers: both need smaller tiles.
+PREFILL_TILE_M = {2: 128, 4: 32}  # most query rows per prefill program, by the query's element size (16-bit: the
+# Triton fused-attention tutorial's H100 choice)
 PREFILL_TILE_N = 64  # keys per step of the prefill loop
-PREFILL_WIDE_TILE_M = 128  # prefill tiles of this many query rows or more run on 8 warps (2 warpgroups), others on 4
-DECODE_TILE_N = 64  # keys per step of a decode split
+PREFILL_WIDE_TILE_M = {2: 128, 4: 16}  # prefill tiles of this many rows or more run on 8 warps (16-bit: 2 warpgroups)
+DECODE_TILE_N = {(2, 2): 64, (2, 1): 32, (4, 4): 16, (4, 1): 16}  # keys per step of a decode split, by the query's
+# and the cache's element sizes
 DECODE_NUM_WARPS = 4
 PROGRAMS_PER_SM = 4  # decode splits the keys until the grid has about this many programs per SM
-MAX_SPLITS = 64  # the reduce kernel holds all partials of a head, [splits, head_dim] fp32, in registers
+MAX_SPLITS = 64  # the reduce kernel holds all partials of a head, [MAX_SPLITS, head_dim] fp32, in registers
 CPU_NUM_SMS = 4  # SM count assumed under TRITON_INTERPRET: small, yet CPU tests still see several splits
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # powers of two; 256 would overflow the registers of a 128-row tile
 
@@ -35,12 +51,12 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # powers of two; 256 would overflow the
 class AttentionMetadata:
     """One step's batch as attention sees it: built once per step by the runner, checked here, passed to every layer."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] int32: block_id * block_size + offset, or PAD_SLOT
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: sequence i's queries are rows [qsl[i], qsl[i+1])
-    context_lens: torch.Tensor  # [num_seqs] int32: keys per sequence after this step (cached + new)
-    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    slot_mapping: Tensor  # [num_tokens] int32: block_id * block_size + offset, or PAD_SLOT
+    query_start_loc: Tensor  # [num_seqs + 1] int32: sequence i's queries are rows [qsl[i], qsl[i+1])
+    context_lens: Tensor  # [num_seqs] int32: keys per sequence after this step (cached + new)
+    block_tables: Tensor  # [num_seqs, max_blocks_per_seq] int32
     max_query_len: int  # host-side bounds, so launching a kernel never reads the GPU
-    max_context_len: int  # >= every context_len (decode under a CUDA graph: max_model_len)
+    max_context_len: int  # >= every context_len (under a CUDA graph: max_model_len); only the reference reads it
     decode_only: bool  # every sequence has exactly one query token
     # what the PyTorch reference derives from the above: the same for every layer, so made once per step
     _reference_gather: "ReferenceGather | None" = field(default=None, init=False, repr=False, compare=False)
@@ -93,54 +109,62 @@ def _store_kv_kernel(
 
 
 @triton.jit
-def _load_kv_tile(
+def _attend_key_tiles(
+    row_max,
+    row_sum,
+    acc,
+    q,
+    last_key,
+    start,
+    end,
     k_cache_ptr,
     v_cache_ptr,
     block_table_ptr,
-    pos,
-    kv_end,
     kv_head,
     stride_cb,
     stride_cs,
     stride_ch,
+    qk_scale,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    TILE_N: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """K and V at key positions pos [TILE_N] of one sequence, via its block table -> two [TILE_N, HEAD_DIM].
-    Each position looks up its own block, so a tile may span several small blocks or part of a big one.
-    MASKED: positions >= kv_end load 0, since their slots may hold garbage and 0 * garbage can be NaN;
-    a tile known to lie below kv_end skips the predicates."""
-    offs = tl.arange(0, HEAD_DIM)[None, :] + kv_head * stride_ch + (pos % BLOCK_SIZE)[:, None] * stride_cs
-    if MASKED:
-        valid = pos < kv_end
-        block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # [TILE_N]
-        offs += block[:, None] * stride_cb
-        k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
-    else:
-        offs += tl.load(block_table_ptr + pos // BLOCK_SIZE).to(tl.int64)[:, None] * stride_cb
-        k = tl.load(k_cache_ptr + offs)
-        v = tl.load(v_cache_ptr + offs)
-    return k, v
-
-
-@triton.jit
-def _online_softmax_step(acc, row_max, row_sum, q, k, v, visible, qk_scale, MASKED: tl.constexpr):
-    """Fold one key tile into the running softmax of each query row (flash attention).
-    acc [M, HEAD_DIM] fp32 unnormalised output, row_max [M] running max score, row_sum [M] running sum of
-    exp2(score - row_max); q [M, HEAD_DIM], k and v [N, HEAD_DIM], visible [M, N] (or broadcastable) which keys each
-    row may see, read only if MASKED. Every row must see a key by its first tile, or its max stays -inf and the
-    rescale is NaN. Returns the updated (acc, row_max, row_sum)."""
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [M, N] scores in log2 units; fp32 not tf32
-    if MASKED:
-        s = tl.where(visible, s, float("-inf"))
-    new_max = tl.maximum(row_max, tl.max(s, 1))
-    alpha = tl.exp2(row_max - new_max)  # rescales what was summed under the old max
-    p = tl.exp2(s - new_max[:, None])  # [M, N] this tile's weights under the new max
-    row_sum = row_sum * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    return acc, new_max, row_sum
+    """Fold the keys of one sequence at positions [start, end), TILE_N at a time, into the running softmax of each of
+    q's rows (flash attention); returns the new (row_max, row_sum, acc).
+    row_max [M] running max score, row_sum [M] running sum of exp2(score - row_max), acc [M, HEAD_DIM] fp32
+    unnormalised output; q [M, HEAD_DIM]. K/V tiles come in the cache's dtype and are widened to q's (exact for fp8).
+    Each key position looks up its own block in the sequence's block table, so a tile may span several small blocks
+    or part of a big one.
+    MASKED: row i sees the keys at positions <= last_key[i] (last_key: [M, 1], or one scalar for every row), and
+    positions >= end load 0, since their slots may hold garbage and 0 * garbage can be NaN. Unmasked, for keys known
+    to lie below end and below every row's last key, no load is predicated and every key is seen. Every row must see
+    a key by its first tile, or its max stays -inf and the rescale is NaN."""
+    for n in range(start, end, TILE_N):
+        pos = n + tl.arange(0, TILE_N)  # [TILE_N] key positions
+        # [TILE_N, HEAD_DIM] offsets of the keys within their blocks; the blocks' own offsets are added next
+        offs = tl.arange(0, HEAD_DIM)[None, :] + kv_head * stride_ch + (pos % BLOCK_SIZE)[:, None] * stride_cs
+        if MASKED:
+            valid = pos < end
+            block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            offs += block[:, None] * stride_cb
+            k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
+            visible = pos[None, :] <= last_key  # [M, TILE_N] or [1, TILE_N]
+        else:
+            offs += tl.load(block_table_ptr + pos // BLOCK_SIZE).to(tl.int64)[:, None] * stride_cb
+            k = tl.load(k_cache_ptr + offs)
+            v = tl.load(v_cache_ptr + offs)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale  # [M, N] log2 units; fp32 not tf32
+        if MASKED:
+            s = tl.where(visible, s, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(s, 1))
+        alpha = tl.exp2(row_max - new_max)  # rescales what was summed under the old max
+        p = tl.exp2(s - new_max[:, None])  # [M, N] this tile's weights under the new max
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+        row_max = new_max
+    return row_max, row_sum, acc
 
 
 @triton.jit
@@ -148,19 +172,19 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
-    out_ptr,
     block_tables_ptr,
     query_start_loc_ptr,
     context_lens_ptr,
     qk_scale,
     stride_qt,
     stride_qh,
-    stride_ot,
-    stride_oh,
     stride_cb,
     stride_cs,
     stride_ch,
     stride_bt,
+    out_ptr,
+    stride_ot,
+    stride_oh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -171,66 +195,74 @@ def _prefill_kernel(
     tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if tile * TILE_M >= q_len:  # the grid is sized for the longest query; this one is shorter
+    if tile * TILE_M >= q_len or q_len == 1:  # shorter than the grid's longest query, or a decode: the decode kernel's
         return
     ctx = tl.load(context_lens_ptr + seq)
     rows = tile * TILE_M + tl.arange(0, TILE_M)  # [TILE_M] query index within the sequence
     q_pos = ctx - q_len + rows  # the queries are the sequence's last tokens
+    real_rows = (rows < q_len)[:, None]  # [TILE_M, 1]: rows past the sequence's last query are padding
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(
-        q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
-        mask=(rows < q_len)[:, None],
-        other=0.0,
+        q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :], mask=real_rows, other=0.0
     )  # [TILE_M, HEAD_DIM]
     # the online softmax's running state per query row: max score, sum of exp2(score - max), unnormalised output
     row_max = tl.full([TILE_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([TILE_M], tl.float32)
     acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
-    block_table_ptr = block_tables_ptr + seq * stride_bt
     # Keys up to the tile's first query are seen by all its rows: whole tiles of them need no mask. Keys after
     # its last query are seen by none: stop there (skips the tiles above the diagonal).
     first_q_pos = ctx - q_len + tile * TILE_M  # the position of the tile's first query
     unmasked_end = (first_q_pos + 1) // TILE_N * TILE_N  # whole key tiles at positions <= first_q_pos
     kv_end = tl.minimum(ctx, first_q_pos + TILE_M)  # one past the tile's last query
-    for n in range(0, unmasked_end, TILE_N):
-        pos = n + tl.arange(0, TILE_N)  # [TILE_N] key positions
-        k, v = _load_kv_tile(
-            k_cache_ptr,
-            v_cache_ptr,
-            block_table_ptr,
-            pos,
-            kv_end,
-            head // GROUP,
-            stride_cb,
-            stride_cs,
-            stride_ch,
-            BLOCK_SIZE,
-            HEAD_DIM,
-            MASKED=False,
-        )
-        acc, row_max, row_sum = _online_softmax_step(acc, row_max, row_sum, q, k, v, None, qk_scale, MASKED=False)
-    for n in range(unmasked_end, kv_end, TILE_N):  # the diagonal: causal mask and context end
-        pos = n + tl.arange(0, TILE_N)
-        k, v = _load_kv_tile(
-            k_cache_ptr,
-            v_cache_ptr,
-            block_table_ptr,
-            pos,
-            kv_end,
-            head // GROUP,
-            stride_cb,
-            stride_cs,
-            stride_ch,
-            BLOCK_SIZE,
-            HEAD_DIM,
-            MASKED=True,
-        )
-        causal = pos[None, :] <= q_pos[:, None]  # [TILE_M, TILE_N]; also hides keys >= kv_end from real queries
-        acc, row_max, row_sum = _online_softmax_step(acc, row_max, row_sum, q, k, v, causal, qk_scale, MASKED=True)
+    block_table_ptr = block_tables_ptr + seq * stride_bt
+    row_max, row_sum, acc = _attend_key_tiles(
+        row_max,
+        row_sum,
+        acc,
+        q,
+        q_pos[:, None],
+        0,
+        unmasked_end,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_table_ptr,
+        head // GROUP,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        qk_scale,
+        BLOCK_SIZE,
+        HEAD_DIM,
+        TILE_N,
+        MASKED=False,
+    )
+    # the diagonal: the causal mask (a query sees the keys up to its own position) also hides keys >= kv_end from
+    # real queries
+    row_max, row_sum, acc = _attend_key_tiles(
+        row_max,
+        row_sum,
+        acc,
+        q,
+        q_pos[:, None],
+        unmasked_end,
+        kv_end,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_table_ptr,
+        head // GROUP,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        qk_scale,
+        BLOCK_SIZE,
+        HEAD_DIM,
+        TILE_N,
+        MASKED=True,
+    )
     tl.store(
         out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
         (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty),
-        mask=(rows < q_len)[:, None],
+        mask=real_rows,
     )
 
 
@@ -239,18 +271,18 @@ def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
-    part_out_ptr,
-    part_lse_ptr,
     block_tables_ptr,
+    query_start_loc_ptr,
     context_lens_ptr,
     qk_scale,
-    split_len,
     stride_qt,
     stride_qh,
     stride_cb,
     stride_cs,
     stride_ch,
     stride_bt,
+    part_out_ptr,
+    part_lse_ptr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -258,47 +290,57 @@ def _decode_split_kernel(
     TILE_N: tl.constexpr,
 ):
     # program (seq, kv_head, split): the GROUP query heads sharing kv_head (rows of one tl.dot, so each K/V byte
-    # is read once) attend to keys [split * split_len, (split + 1) * split_len) of sequence seq (= q row seq)
+    # is read once) attend to the split-th of num_splits equal runs of whole key tiles of sequence seq's context,
+    # if seq has one query (a decode); its split length follows its own context, so a CUDA graph's fixed grid
+    # keeps every split busy whatever the context.
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_row = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:  # several queries: the prefill kernel's
+        return
     ctx = tl.load(context_lens_ptr + seq)
+    split_len = tl.cdiv(ctx, tl.num_programs(2) * TILE_N) * TILE_N
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)  # <= start: the split lies past the context and stays empty
     g = tl.arange(0, GROUP_PAD)
-    heads = kv_head * GROUP + g  # [GROUP_PAD] query heads; rows g >= GROUP are padding
+    heads = kv_head * GROUP + g  # [GROUP_PAD] query heads
+    real_rows = g < GROUP  # [GROUP_PAD]: rows g >= GROUP are padding
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(
-        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0
+        q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=real_rows[:, None], other=0.0
     )  # [GROUP_PAD, HEAD_DIM]
     # the online softmax's running state per query head: max score, sum of exp2(score - max), unnormalised output
     row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     row_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for n in range(start, end, TILE_N):
-        pos = n + tl.arange(0, TILE_N)
-        k, v = _load_kv_tile(
-            k_cache_ptr,
-            v_cache_ptr,
-            block_tables_ptr + seq * stride_bt,
-            pos,
-            end,
-            kv_head,
-            stride_cb,
-            stride_cs,
-            stride_ch,
-            BLOCK_SIZE,
-            HEAD_DIM,
-            MASKED=True,
-        )
-        in_split = (pos < end)[None, :]  # [1, TILE_N]
-        acc, row_max, row_sum = _online_softmax_step(acc, row_max, row_sum, q, k, v, in_split, qk_scale, MASKED=True)
+    row_max, row_sum, acc = _attend_key_tiles(
+        row_max,
+        row_sum,
+        acc,
+        q,
+        end - 1,  # every row sees the split's keys
+        start,
+        end,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr + seq * stride_bt,
+        kv_head,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        qk_scale,
+        BLOCK_SIZE,
+        HEAD_DIM,
+        TILE_N,
+        MASKED=True,
+    )
     # an empty split (row_max = -inf, row_sum = 0) reports lse = -inf, i.e. weight 0, and a zero output, not 0/0
     row_sum = tl.where(row_sum > 0, row_sum, 1.0)
     lse = row_max + tl.log2(row_sum)  # [GROUP_PAD] log2-sum-exp2 of this split's scores
     out = acc / row_sum[:, None]
     # partials are contiguous: part_lse [num_seqs, num_heads, num_splits], part_out [..., HEAD_DIM]
     row = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split  # [GROUP_PAD]
-    tl.store(part_lse_ptr + row, lse, mask=g < GROUP)
-    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=(g < GROUP)[:, None])
+    tl.store(part_lse_ptr + row, lse, mask=real_rows)
+    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=real_rows[:, None])
 
 
 @triton.jit
@@ -306,30 +348,37 @@ def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
-    num_splits,
+    query_start_loc_ptr,
+    stride_ph,
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):
     # program (seq, head): merge one query head's partial outputs, each weighted by its split's share of the
-    # softmax mass, 2^(lse_s - max lse)
+    # softmax mass, 2^(lse_s - max lse), if seq is a decode (the split kernel wrote nothing for the others).
+    # The number of splits arrives as part_out's head stride (num_splits * HEAD_DIM): Triton compiles a variant per
+    # integer argument that is 1 or a multiple of 16, and a count would be either, or neither; this stride is always
+    # a multiple of 16, so one variant serves every batch size (warm-up compiles it, eager runs never wait for one).
     seq, head = tl.program_id(0), tl.program_id(1)
-    s, d = tl.arange(0, SPLITS_PAD), tl.arange(0, HEAD_DIM)
-    row = (seq * tl.num_programs(1) + head) * num_splits + s  # [SPLITS_PAD]
-    lse = tl.load(part_lse_ptr + row, mask=s < num_splits, other=float("-inf"))
+    q_row = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
+        return
+    num_splits = stride_ph // HEAD_DIM
+    s, d = tl.arange(0, MAX_SPLITS), tl.arange(0, HEAD_DIM)
+    row = (seq * tl.num_programs(1) + head) * num_splits + s  # [MAX_SPLITS]
+    real_splits = s < num_splits  # [MAX_SPLITS]: the others are padding
+    lse = tl.load(part_lse_ptr + row, mask=real_splits, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # context_len 0: every split is empty
-    w = tl.exp2(lse - lse_max)  # [SPLITS_PAD], 0 for empty splits
-    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=(s < num_splits)[:, None], other=0.0)
+    w = tl.exp2(lse - lse_max)  # [MAX_SPLITS], 0 for empty splits
+    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=real_splits[:, None], other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM]; 0 if context_len 0
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + q_row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """k, v: [num_tokens, num_kv_heads, head_dim] -> into their slots of k_cache, v_cache; PAD_SLOT tokens skipped."""
     num_tokens, num_kv_heads, head_dim = k.shape
     _store_kv_kernel[(num_tokens,)](
@@ -338,10 +387,8 @@ def store_kv(
         k_cache,
         v_cache,
         slot_mapping,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
+        *k.stride()[:2],
+        *v.stride()[:2],
         *k_cache.stride()[:3],  # stride_cb, stride_cs, stride_ch (head_dim is contiguous)
         NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
@@ -351,73 +398,62 @@ def store_kv(
     )
 
 
-def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
-    """q: [num_tokens, num_heads, head_dim] -> out, same shape: causal attention over each sequence's cached keys."""
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    """q: [num_tokens, num_heads, head_dim] -> out, same shape: causal attention over each sequence's cached keys.
+    The sequences with one query (decodes) go through the split-KV kernel, the others through the prefill kernel:
+    in a mixed step both launch, each skipping the other's sequences."""
     out = torch.empty_like(q)
-    qk_scale = scale * LOG2E  # the kernels' softmax runs on exp2
-    if meta.decode_only:
-        _launch_decode(q, k_cache, v_cache, out, meta, qk_scale)
-    else:
-        _launch_prefill(q, k_cache, v_cache, out, meta, qk_scale)
+    # what both attention kernels take first: the query, the caches, the step's batch, the score scale (the kernels'
+    # softmax runs on exp2), then the strides of q, of the caches (block, slot, head: head_dim is contiguous) and of
+    # the block tables; and the model's shape, as constexprs
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.context_lens,
+        scale * LOG2E,
+        *q.stride()[:2],
+        *k_cache.stride()[:3],
+        meta.block_tables.stride(0),
+    )
+    shape = {"GROUP": q.shape[1] // k_cache.shape[2], "HEAD_DIM": q.shape[2], "BLOCK_SIZE": k_cache.shape[1]}
+    if not meta.decode_only:
+        _launch_prefill(args, shape, out, meta)
+    _launch_decode(args, shape, out, meta, k_cache)
     return out
 
 
-def prefill_tile_m(max_query_len: int) -> int:
-    """Query rows per prefill program: short tiles when every query is short (mixed batches of decodes and small
-    chunks), from MIN_DOT_ROWS up to PREFILL_TILE_M."""
-    return min(PREFILL_TILE_M, max(MIN_DOT_ROWS, triton.next_power_of_2(max_query_len)))
-
-
-def prefill_tile_sizes() -> list[int]:
-    """Every query tile prefill_tile_m can pick: MIN_DOT_ROWS, twice that, ... up to PREFILL_TILE_M (16 ... 128)."""
+def prefill_tile_sizes(dtype: torch.dtype) -> list[int]:
+    """Every query tile _launch_prefill can pick: MIN_DOT_ROWS, twice that, ... up to PREFILL_TILE_M (16-bit:
+    16 ... 128; fp32: 16, 32)."""
     sizes = [MIN_DOT_ROWS]
-    while sizes[-1] < PREFILL_TILE_M:
+    while sizes[-1] < PREFILL_TILE_M[dtype.itemsize]:
         sizes.append(sizes[-1] * 2)
     return sizes
 
 
-def _launch_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out: torch.Tensor,
-    meta: AttentionMetadata,
-    qk_scale: float,
-) -> None:
-    _, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    tile_m = prefill_tile_m(meta.max_query_len)
-    grid = (triton.cdiv(meta.max_query_len, tile_m), meta.context_lens.shape[0], num_heads)
+def prefill_num_warps(tile_m: int, dtype: torch.dtype) -> int:
+    """8 warps for wide tiles (16-bit: 2 warpgroups, each a 64-row wgmma on Hopper), else 4."""
+    return 8 if tile_m >= PREFILL_WIDE_TILE_M[dtype.itemsize] else 4
+
+
+def _launch_prefill(args: tuple, shape: dict, out: Tensor, meta: AttentionMetadata) -> None:
+    """The prefill kernel over every sequence with several queries; args and shape: paged_attention's."""
+    # query rows per program: short tiles when every query is short (small chunks), from MIN_DOT_ROWS up to the query
+    # dtype's PREFILL_TILE_M
+    tile_m = min(PREFILL_TILE_M[out.dtype.itemsize], max(MIN_DOT_ROWS, triton.next_power_of_2(meta.max_query_len)))
+    grid = (triton.cdiv(meta.max_query_len, tile_m), meta.context_lens.shape[0], out.shape[1])
     _prefill_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
+        *args,
         out,
-        meta.block_tables,
-        meta.query_start_loc,
-        meta.context_lens,
-        qk_scale,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        *k_cache.stride()[:3],  # stride_cb, stride_cs, stride_ch
-        meta.block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
+        *out.stride()[:2],
+        **shape,
         TILE_M=tile_m,
         TILE_N=PREFILL_TILE_N,
-        num_warps=prefill_num_warps(tile_m),
+        num_warps=prefill_num_warps(tile_m, out.dtype),
     )
-
-
-def prefill_num_warps(tile_m: int) -> int:
-    if tile_m >= PREFILL_WIDE_TILE_M:
-        return 8  # 2 warpgroups, each a 64-row wgmma on Hopper
-    return 4
 
 
 def decode_group_pad(group: int) -> int:
@@ -426,62 +462,42 @@ def decode_group_pad(group: int) -> int:
     return max(MIN_DOT_ROWS, triton.next_power_of_2(group))
 
 
-def _launch_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out: torch.Tensor,
-    meta: AttentionMetadata,
-    qk_scale: float,
-) -> None:
-    num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    split_len, num_splits = decode_splits(num_seqs, num_kv_heads, meta.max_context_len, _num_sms(q.device))
-    part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+def _launch_decode(args: tuple, shape: dict, out: Tensor, meta: AttentionMetadata, k_cache: Tensor) -> None:
+    """The split-KV kernel over every sequence with one query, then the reduce that merges its splits into out;
+    args and shape: paged_attention's."""
+    _, num_heads, head_dim = out.shape
+    num_seqs, num_kv_heads = meta.context_lens.shape[0], k_cache.shape[2]
+    num_splits = decode_splits(num_seqs, num_kv_heads, _num_sms(out.device))
+    part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=out.device)
+    part_lse = torch.empty(part_out.shape[:3], dtype=torch.float32, device=out.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q,
-        k_cache,
-        v_cache,
+        *args,
         part_out,
         part_lse,
-        meta.block_tables,
-        meta.context_lens,
-        qk_scale,
-        split_len,
-        q.stride(0),
-        q.stride(1),
-        *k_cache.stride()[:3],  # stride_cb, stride_cs, stride_ch
-        meta.block_tables.stride(0),
-        GROUP=group,
-        GROUP_PAD=decode_group_pad(group),
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        TILE_N=DECODE_TILE_N,
+        **shape,
+        GROUP_PAD=decode_group_pad(shape["GROUP"]),
+        TILE_N=DECODE_TILE_N[out.dtype.itemsize, k_cache.dtype.itemsize],
         num_warps=DECODE_NUM_WARPS,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out,
         part_lse,
         out,
-        num_splits,
-        out.stride(0),
-        out.stride(1),
+        meta.query_start_loc,
+        part_out.stride(1),
+        *out.stride()[:2],
         HEAD_DIM=head_dim,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        MAX_SPLITS=MAX_SPLITS,  # one variant for any number of splits
     )
 
 
-def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> tuple[int, int]:
-    """(keys per split, number of splits) of the decode grid, from host ints only so a CUDA graph can hold it.
-    Unsplit, the grid has num_seqs * num_kv_heads programs: a small batch with long contexts would leave most
-    SMs idle, so the keys are split until about PROGRAMS_PER_SM programs per SM. A split covers whole tiles
-    (not whole blocks: keys find their block one by one); splits past a sequence's context stay empty."""
-    wanted = min(MAX_SPLITS, triton.cdiv(PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads))
-    max_context_len = max(max_context_len, 1)
-    split_len = triton.cdiv(max_context_len, wanted * DECODE_TILE_N) * DECODE_TILE_N
-    return split_len, triton.cdiv(max_context_len, split_len)
+def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """How many splits the decode grid cuts each sequence's keys into, from the batch alone, so a CUDA graph (one
+    per batch size) can hold it. Unsplit, the grid has num_seqs * num_kv_heads programs: a small batch would leave
+    most SMs idle, so the keys are split until about PROGRAMS_PER_SM programs per SM. The kernel then cuts each
+    sequence's own context into that many runs of whole tiles (not whole blocks: keys find their block one by one),
+    so a short context is split as finely as a long one, down to one tile per split."""
+    return min(MAX_SPLITS, triton.cdiv(PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads))
 
 
 @functools.cache
@@ -491,14 +507,11 @@ def _num_sms(device: torch.device) -> int:
     return CPU_NUM_SMS
 
 
-def store_kv_ref(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
+def store_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """k, v: [num_tokens, num_kv_heads, head_dim]; writes each token's K/V into its slot."""
     keep = slot_mapping != PAD_SLOT
-    slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        cache.view(-1, *cache.shape[2:])[slot_mapping[keep]] = new[keep].to(cache.dtype)  # fp8: saturating, to nearest
 
 
 @dataclass
@@ -507,55 +520,36 @@ class ReferenceGather:
     padded to the longest context, its queries into one padded to the longest query, and a mask that is causal and
     hides the padding. It depends on the metadata only, so every layer of a step shares one."""
 
-    slots: torch.Tensor  # [num_seqs, max_k] cache slot of each key; padding keys re-read the sequence's own
-    visible: torch.Tensor  # [num_seqs, 1, max_q, max_k] bool: which keys each query sees
-    query_rows: torch.Tensor | None  # [num_seqs, max_q] rows of q; None if decode-only (row i is sequence i's)
-    real_queries: torch.Tensor | None  # [num_seqs, max_q] bool: not padding; None if decode-only
+    slots: Tensor  # [num_seqs, max_k] cache slot of each key; padding keys re-read the sequence's first one
+    visible: Tensor  # [num_seqs, 1, max_q, max_k] bool: which keys each query sees
+    query_rows: Tensor  # [num_seqs, max_q] rows of q
+    real_queries: Tensor  # [num_seqs, max_q] bool: not padding
 
     @classmethod
     def of(cls, meta: AttentionMetadata, block_size: int) -> "ReferenceGather":
         device = meta.context_lens.device
-        context_lens = meta.context_lens.long()
         key_pos = torch.arange(meta.max_context_len, device=device)  # [max_k]
-        # padding keys re-read the sequence's own keys (slots past a context may hold anything, even NaN); masked
-        pos = torch.minimum(key_pos, (context_lens[:, None] - 1).clamp(min=0))  # [num_seqs, max_k]
-        slots = meta.block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
-        in_context = key_pos < context_lens[:, None]  # [num_seqs, max_k]
-        if meta.decode_only:  # one query per sequence, at its last position: it sees its whole context
-            return cls(slots, in_context[:, None, None, :], None, None)
-        query_start = meta.query_start_loc.long()
-        q_lens = query_start[1:] - query_start[:-1]  # [num_seqs]
+        in_context = key_pos < meta.context_lens[:, None]  # [num_seqs, max_k]
+        # padding keys re-read the sequence's first key (slots past a context may hold anything, even NaN); masked
+        pos = torch.where(in_context, key_pos, 0)  # [num_seqs, max_k]
+        slots = meta.block_tables.gather(1, pos // block_size) * block_size + pos % block_size
+        q_lens = meta.query_start_loc.diff()[:, None]  # [num_seqs, 1]
         q_idx = torch.arange(meta.max_query_len, device=device)  # [max_q]
-        num_tokens = meta.slot_mapping.shape[0]  # known on the host: no sync
-        query_rows = (query_start[:-1, None] + q_idx).clamp(max=num_tokens - 1)  # [num_seqs, max_q]
-        q_pos = (context_lens - q_lens)[:, None] + q_idx  # [num_seqs, max_q] positions of the queries
-        causal = key_pos <= q_pos[..., None]  # [num_seqs, max_q, max_k]
-        visible = (causal & in_context[:, None, :])[:, None]
-        return cls(slots, visible, query_rows, q_idx < q_lens[:, None])
+        # [num_seqs, max_q]; padding rows re-read the last token (num_tokens is known on the host: no sync)
+        query_rows = (meta.query_start_loc[:-1, None] + q_idx).clamp(max=meta.slot_mapping.shape[0] - 1)
+        q_pos = meta.context_lens[:, None] - q_lens + q_idx  # [num_seqs, max_q] positions of the queries
+        visible = (key_pos <= q_pos[..., None]) & in_context[:, None, :]  # [num_seqs, max_q, max_k]: causal, in context
+        return cls(slots, visible[:, None], query_rows, q_idx < q_lens)
 
 
-def paged_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
+def paged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
     """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim], causal within each sequence:
     PyTorch's SDPA over each sequence's keys gathered from its blocks (ReferenceGather), in fp32."""
     gather = meta.reference_gather(k_cache.shape[1])
-    k = k_cache.flatten(0, 1)[gather.slots].float()  # [num_seqs, max_k, num_kv_heads, head_dim]
-    v = v_cache.flatten(0, 1)[gather.slots].float()
-    if gather.query_rows is None:
-        queries = q[:, None]  # decode: [num_seqs, 1, num_heads, head_dim], no gather
-    else:
-        queries = q[gather.query_rows]  # [num_seqs, max_q, num_heads, head_dim]
-    out = F.scaled_dot_product_attention(
-        queries.float().transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=gather.visible,
-        scale=scale,
-        enable_gqa=True,
-    ).transpose(1, 2)  # [num_seqs, max_q, num_heads, head_dim]
-    if gather.real_queries is None:
-        out = out[:, 0]
-    else:
-        out = out[gather.real_queries]  # padded query rows dropped
+    # the keys and values by slot, [num_seqs, num_kv_heads, max_k, head_dim], and the queries, [num_seqs, num_heads,
+    # max_q, head_dim]: SDPA's layout, in fp32
+    k, v = (cache.flatten(0, 1)[gather.slots].float().transpose(1, 2) for cache in (k_cache, v_cache))
+    queries = q[gather.query_rows].float().transpose(1, 2)
+    out = F.scaled_dot_product_attention(queries, k, v, attn_mask=gather.visible, scale=scale, enable_gqa=True)
+    out = out.transpose(1, 2)[gather.real_queries]  # [num_tokens, num_heads, head_dim]: padded query rows dropped
     return out.nan_to_num(0.0).to(q.dtype)  # a context of 0 keys (a padded graph row) gives 0, as the kernels do

@@ -142,7 +142,7 @@ def run_until_sampled(llm: "LLM", num_beams: int) -> None:
         step = llm.scheduler.schedule()
         llm.counters.computed_tokens += step.num_tokens
         try:
-            tokens, logprobs = llm.runner.launch(step, None).wait()
+            tokens, logprobs, _ = llm.runner.launch(step, None).wait()
         except BaseException:
             llm.block_manager.cached.clear()
             raise

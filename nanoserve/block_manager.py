@@ -33,28 +33,27 @@ class Block:
     prefix_id: int | None = None  # names the whole token prefix ending in this block
 
 
+@dataclass(eq=False)  # the constructor is written for us (num_blocks, block_size, enable_prefix_caching)
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    # Counters, for stats() and the trace (they start at 0). Used blocks = allocated - freed + revived.
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
+    prefix_hit_tokens: int = 0  # of those, tokens served from it
+    peak_used_blocks: int = 0  # the most blocks ever in use at once
+    num_allocated: int = 0  # blocks ever handed out fresh
+    num_freed: int = 0  # blocks ever returned to the pool
+    num_hit_blocks: int = 0  # blocks reused through the prefix cache
+    num_revived: int = 0  # of those, blocks taken back from the free pool
+
+    def __post_init__(self) -> None:
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
         # the free pool, least recently freed first (an OrderedDict: O(1) removal of a revived block)
-        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_blocks))
         self.cached: dict[PrefixKey, int] = {}  # the prefix cache: key -> block id
         self._prefix_ids = count()
         self.block_copies: list[int] = []  # copy-on-write (source, destination) pairs, flat, that the next step makes
-        # Counters, for stats() and the trace. Used blocks = allocated - freed + revived.
-        self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache (first admissions)
-        self.prefix_hit_tokens = 0  # of those, tokens served from it
-        self.peak_used_blocks = 0  # the most blocks ever in use at once
-        self.num_allocated = 0  # blocks ever handed out fresh
-        self.num_freed = 0  # blocks ever returned to the pool
-        self.num_hit_blocks = 0  # blocks reused through the prefix cache
-        self.num_revived = 0  # of those, blocks taken back from the free pool
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
 
     @property
     def num_free_blocks(self) -> int:
@@ -62,7 +61,7 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self.blocks) - len(self.free_ids)
+        return self.num_blocks - self.num_free_blocks
 
     def count_cached_free_blocks(self) -> int:
         """Free blocks that still hold a findable prefix (evicted only when a block is needed). Scans the pool."""
@@ -72,8 +71,10 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of seq's longest cached prefix; the last token is always left to compute, for its logits."""
-        if not self.enable_prefix_caching:
+        """Block ids of seq's longest cached prefix; the last token is always left to compute, for its logits. None
+        for a sequence that asked for prompt_logprobs: they need every prompt position's logits, and cached tokens
+        would have none."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         hits, parent = [], None
         for i in range((seq.num_tokens - 1) // self.block_size):
@@ -97,17 +98,18 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             parent_prefix_id = self.blocks[seq.block_table[i - 1]].prefix_id if i > 0 else None
             block.key = (parent_prefix_id, seq.block_tokens(i))
-            owner_id = self.cached.setdefault(block.key, block.block_id)
-            if owner_id == block.block_id:  # a new prefix: a new name
+            owner = self.blocks[self.cached.setdefault(block.key, block.block_id)]  # the block the cache holds
+            if owner is block:  # a new prefix: a new name
                 block.prefix_id = next(self._prefix_ids)
             else:  # the same prefix computed twice (two sequences admitted together): one entry, one name
-                block.prefix_id = self.blocks[owner_id].prefix_id
+                block.prefix_id = owner.prefix_id
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
         """Give seq the blocks it needs to hold num_new_tokens more tokens, after taking cached_blocks (a prefix
         hit, only for a sequence with nothing computed yet). False, changing nothing, if the pool is short."""
         cached_blocks = cached_blocks or []
-        num_computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
+        hit_tokens = len(cached_blocks) * self.block_size
+        num_computed = seq.num_computed_tokens + hit_tokens
         num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(seq.block_table) - len(cached_blocks)
         num_revived = sum(self.blocks[b].ref_count == 0 for b in cached_blocks)
         # the next token goes into a partial block that a fork shares: copy it first
@@ -115,14 +117,13 @@ class BlockManager:
         if num_new_blocks + num_revived + copy_on_write > self.num_free_blocks:
             return False
         if seq.num_cached_tokens is None:  # first admission; a preempted sequence's recompute is not a query
-            seq.num_cached_tokens = len(cached_blocks) * self.block_size
+            seq.num_cached_tokens = hit_tokens
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += seq.num_cached_tokens
         self.num_hit_blocks += len(cached_blocks)
         self.num_revived += num_revived
-        for block_id in cached_blocks:  # one more user; a free one is taken back from the pool
-            if self.blocks[block_id].ref_count == 0:
-                del self.free_ids[block_id]
+        for block_id in cached_blocks:  # one more user; a free one (ref count 0) is taken back from the pool
+            self.free_ids.pop(block_id, None)
             self.blocks[block_id].ref_count += 1
         seq.block_table.extend(cached_blocks)
         if copy_on_write:
@@ -155,12 +156,10 @@ class BlockManager:
 
     def _take_fresh(self) -> int:
         block_id, _ = self.free_ids.popitem(last=False)  # least recently freed
-        block = self.blocks[block_id]
-        if block.key is not None and self.cached.get(block.key) == block_id:
-            del self.cached[block.key]  # evict: its prefix is no longer findable
-        block.key = None
-        block.prefix_id = None
-        block.ref_count = 1
+        key = self.blocks[block_id].key
+        if self.cached.get(key) == block_id:  # (a block never keyed finds None)
+            del self.cached[key]  # evict: its prefix is no longer findable
+        self.blocks[block_id] = Block(block_id, ref_count=1)  # no key, no prefix name, one user
         self.num_allocated += 1
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return block_id

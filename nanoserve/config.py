@@ -3,14 +3,23 @@
 
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 
-from nanoserve.sampling_params import MAX_INT, InvalidField, check_flag, check_number, shown
+from nanoserve.sampling_params import InvalidField, SamplingParams, check_flag, check_numbers, shown
 from nanoserve.triton_shim import HAVE_TRITON
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-CHOICES = {"dtype": ("auto", *DTYPES), "device": ("auto", "cpu", "cuda"), "kernels": ("auto", "triton", "torch")}
+CHOICES = {
+    "dtype": ("auto", *DTYPES),
+    "device": ("auto", "cpu", "cuda"),
+    "kernels": ("auto", "triton", "torch"),
+    "kv_cache_dtype": ("auto", "fp8"),
+    "kvcache_block_size": (16, 32, 64, 128, 256),  # powers of two; a plain int by then (_check_numbers)
+}
+GPU_STEP_TOKENS = 8192  # vLLM's default step budget with chunked prefill
+CPU_STEP_TOKENS = 512  # a CPU step of ~0.5-1 s with SmolLM2-135M on 2 cores (BENCHMARKS.md, 2026-11-24: TTFT, ITL)
 LEAST = {
     "max_model_len": 2,
     "max_num_seqs": 1,
@@ -19,15 +28,34 @@ LEAST = {
     "num_kvcache_blocks": 1,
     "tensor_parallel_size": 1,
     "threads": 1,
-}  # integer fields and their least values
-CHOSEN_AT_STARTUP = ("num_kvcache_blocks", "threads")  # integer fields whose None means: chosen when the engine starts
-MAX_KVCACHE_BLOCK_SIZE = 256
+}  # integer fields and their least values (None, the default of num_kvcache_blocks and threads: chosen at startup)
 TRITON_INTERPRET_ON = ("1", "true", "on", "yes")  # values of TRITON_INTERPRET that turn Triton's interpreter on
-
-
-def triton_interpreter_enabled() -> bool:
-    """Whether TRITON_INTERPRET asks Triton to run kernels in its CPU interpreter (read now, not at import)."""
-    return os.environ.get("TRITON_INTERPRET", "").lower() in TRITON_INTERPRET_ON
+# vLLM's engine arguments (EngineArgs, LLM(...)) that nanoserve does not implement: refused as such, not as unknown.
+# Those it takes: its own fields below, block_size (kvcache_block_size), trust_remote_code=False, disable_log_stats.
+VLLM_ONLY = frozenset(
+    """
+    served_model_name hf_config_path task runner convert skip_tokenizer_init enable_prompt_embeds tokenizer_mode
+    allowed_local_media_path allowed_media_domains download_dir load_format config_format revision code_revision
+    tokenizer_revision hf_token hf_overrides rope_scaling rope_theta quantization quantization_param_path
+    max_seq_len_to_capture max_logprobs logprobs_mode cuda_graph_sizes compilation_config disable_custom_all_reduce
+    distributed_executor_backend pipeline_parallel_size data_parallel_size data_parallel_size_local
+    data_parallel_address data_parallel_rpc_port data_parallel_backend enable_expert_parallel enable_eplb
+    max_parallel_loading_workers ray_workers_use_nsight worker_cls worker_extension_cls prefix_caching_hash_algo
+    disable_sliding_window disable_cascade_attn swap_space cpu_offload_gb kv_offloading_size kv_offloading_backend
+    calculate_kv_scales num_gpu_blocks_override num_lookahead_slots max_num_partial_prefills max_long_partial_prefills
+    long_prefill_token_threshold enable_chunked_prefill disable_chunked_mm_input scheduling_policy scheduler_cls
+    scheduler_delay_factor preemption_mode num_scheduler_steps multi_step_stream_outputs async_scheduling
+    use_v2_block_manager enable_lora enable_lora_bias max_loras max_lora_rank max_cpu_loras lora_dtype
+    lora_extra_vocab_size fully_sharded_loras long_lora_scaling_factors enable_prompt_adapter max_prompt_adapters
+    max_prompt_adapter_token limit_mm_per_prompt mm_processor_kwargs mm_processor_cache_gb
+    disable_mm_preprocessor_cache guided_decoding_backend structured_outputs_config reasoning_parser
+    logits_processors logits_processor_pattern disable_async_output_proc override_neuron_config
+    override_pooler_config pooler_config override_generation_config generation_config model_impl enable_sleep_mode
+    kv_transfer_config kv_events_config additional_config qlora_adapter_name_or_path otlp_traces_endpoint
+    collect_detailed_traces show_hidden_metrics_for_version use_tqdm_on_load pt_load_map_location
+    model_loader_extra_config ignore_patterns tokenizer_pool_size tokenizer_pool_type tokenizer_pool_extra_config
+    """.split()
+)
 
 
 @dataclass
@@ -35,75 +63,90 @@ class EngineConfig:
     model: str | None = None  # HF directory (a str or os.PathLike) or hub id; None is the embedded default model
     max_model_len: int = 4096  # longest sequence, prompt plus output
     max_num_seqs: int = 256  # sequences in one step
-    max_num_batched_tokens: int = 8192  # tokens in one step: the budget that chunked prefill splits by
+    # tokens in one step, the budget that chunked prefill splits by; None: GPU_STEP_TOKENS on a GPU, CPU_STEP_TOKENS on
+    # a CPU, where a step of 8,192 prompt tokens takes tens of seconds and no stream advances meanwhile
+    max_num_batched_tokens: int | None = None
     kvcache_block_size: int = 16  # tokens per KV block
     num_kvcache_blocks: int | None = None  # None: size the pool from memory
     gpu_memory_utilization: float = 0.9  # share of the GPU that weights, activations and KV may use
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs
-    overlap: bool = True  # launch step n+1 before reading step n back; False: the plain loop
+    # launch step n+1 before reading step n back; False: the plain loop. None: on with a GPU, off on a CPU, where host
+    # and "device" are the same cores (nothing to overlap) and a new request's first token would wait one more step
+    overlap: bool | None = None
     trace: str | None = None  # a path we may write (str or os.PathLike): one JSON line per step goes there (plots.py)
     tensor_parallel_size: int = 1  # processes (GPUs) the model is split across (parallel.py)
     threads: int | None = None  # CPU: torch threads, at most os.cpu_count(); None: the cores others leave free
     dtype: str = "auto"  # auto: float32 on CPU; on GPU the checkpoint's if 16-bit, else bf16
     device: str = "auto"  # auto: cuda when available
     kernels: str = "auto"  # triton: our kernels; torch: their PyTorch references; auto: triton on cuda
+    seed: int | None = None  # the seed of requests that set none (vLLM's LLM(seed=)); any int, kept mod 2**63
+    tokenizer: str | None = None  # a tokenizer folder (str or os.PathLike) other than the model's
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: float8 e4m3, 1 byte per element (attention.py)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":
-        """The config from keyword arguments; an unknown key is an InvalidField rather than a TypeError."""
+        """The config from keyword arguments, vLLM's names too: block_size is kvcache_block_size (not both),
+        disable_log_stats is taken (nanoserve logs no periodic stats), trust_remote_code only as False. vLLM's other
+        options are refused as such, and an unknown key is an InvalidField rather than a TypeError."""
+        if "block_size" in kwargs:
+            if "kvcache_block_size" in kwargs:
+                raise InvalidField("block_size", "vLLM's name for kvcache_block_size: give one of the two")
+            kwargs["kvcache_block_size"] = kwargs.pop("block_size")
+        check_flag("disable_log_stats", kwargs.pop("disable_log_stats", False))
+        if kwargs.pop("trust_remote_code", False) is not False:
+            raise InvalidField("trust_remote_code", "only False: nanoserve runs only its own model code (Llama, Qwen)")
         if unknown := sorted(set(kwargs) - {f.name for f in fields(cls)}):
-            raise InvalidField(unknown[0], f"unknown config keys: {', '.join(unknown)}")
+            problem = f"unknown config keys: {', '.join(unknown)}"
+            if unknown[0] in VLLM_ONLY:
+                problem = "a vLLM option that nanoserve does not implement"
+            raise InvalidField(unknown[0], problem)
         return cls(**kwargs)
 
     def __post_init__(self) -> None:
         # The checks run in this order, so a config with several faults names the first of them.
         self._check_paths()
         self._check_numbers()
-        self._check_flags()
         self._check_choices()
-        self._check_requested_backends_exist()
         self._resolve_device()
+        self._choose_device_defaults()
+        self._check_flags()
         self._resolve_kernels()
+        self._check_fp8_kv_cache_works()
         self._force_eager_where_graphs_cannot_run()
 
     def _check_paths(self) -> None:
-        """model and trace are None or a path (a pathlib.Path becomes its string); trace not a folder, and in a folder
-        we may write to."""
-        for name in ("model", "trace"):
+        """model, trace and tokenizer are None or a path (a pathlib.Path becomes its string); trace not a folder, and in
+        a folder we may write to (the tokenizer folder is checked where it is loaded, before the weights)."""
+        for name in ("model", "trace", "tokenizer"):
             value = getattr(self, name)
-            if isinstance(value, os.PathLike):
-                value = os.fspath(value)
-                setattr(self, name, value)
-            if value is not None and not isinstance(value, str):
-                raise InvalidField(name, f"{shown(value)} is not a path")
+            if value is not None:
+                if not isinstance(value, (str, os.PathLike)):
+                    raise InvalidField(name, f"{shown(value)} is not a path")
+                setattr(self, name, os.fspath(value))
         if self.trace is not None:
-            folder = os.path.dirname(os.path.abspath(self.trace))
-            while not os.path.exists(folder):  # the trace writer makes the folders that are missing
-                folder = os.path.dirname(folder)
-            writable = os.path.isdir(folder) and os.access(folder, os.W_OK)
-            if not self.trace or os.path.isdir(self.trace) or not writable:
+            path = Path(self.trace).absolute()  # "" is the working folder: refused as a folder
+            # the nearest folder that exists: the trace writer makes the missing ones below it
+            folder = next(p for p in path.parents if p.exists())
+            if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
                 raise InvalidField("trace", f"cannot write {self.trace!r} (a folder, or no writable folder there)")
 
     def _check_numbers(self) -> None:
-        """The integer fields in [LEAST, MAX_INT] (threads: at most the machine's cores), the KV block size a power of
-        two, the memory share in (0, 1]; each stored as a plain int or float."""
-        for name, least in LEAST.items():
-            value = getattr(self, name)
-            if value is None and name in CHOSEN_AT_STARTUP:
-                continue
-            most = (os.cpu_count() or 1) if name == "threads" else MAX_INT
-            setattr(self, name, check_number(name, value, low=least, high=most, integer=True))
-        size = self.kvcache_block_size
-        is_power_of_two = (size & (size - 1)) == 0  # one bit set; size - 1 has only the bits below it
-        if size > MAX_KVCACHE_BLOCK_SIZE or not is_power_of_two:
-            raise InvalidField(
-                "kvcache_block_size",
-                f"{size} is not a power of two in [{LEAST['kvcache_block_size']}, {MAX_KVCACHE_BLOCK_SIZE}]",
-            )
-        self.gpu_memory_utilization = check_number(
-            "gpu_memory_utilization", self.gpu_memory_utilization, low=0, high=1, above_low=True
-        )
+        """The integer fields in [LEAST, MAX_INT] (threads: at most the machine's cores), the memory share in (0, 1];
+        each stored as a plain int or float. The seed is checked as a request's seed is."""
+        limits = {name: {"low": least, "integer": True} for name, least in LEAST.items()}
+        limits["threads"]["high"] = os.cpu_count() or 1
+        limits["gpu_memory_utilization"] = {"low": 0, "high": 1, "above_low": True}
+        check_numbers(self, limits)
+        self.seed = SamplingParams(seed=self.seed).seed
+
+    def _choose_device_defaults(self) -> None:
+        """overlap and the step budget, where not given: their best value differs between a GPU and a CPU."""
+        on_gpu = self.device == "cuda"
+        if self.overlap is None:
+            self.overlap = on_gpu
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = GPU_STEP_TOKENS if on_gpu else CPU_STEP_TOKENS
 
     def _check_flags(self) -> None:
         """The on/off fields are bools (a string "no" would be truthy)."""
@@ -111,23 +154,20 @@ class EngineConfig:
             check_flag(name, getattr(self, name))
 
     def _check_choices(self) -> None:
-        """dtype, device and kernels are among their CHOICES."""
+        """dtype, device, kernels, kv_cache_dtype and the KV block size are among their CHOICES."""
         for name, allowed in CHOICES.items():
             value = getattr(self, name)
             if value not in allowed:
-                raise InvalidField(name, f"{shown(value)} is not one of {', '.join(allowed)}")
-
-    def _check_requested_backends_exist(self) -> None:
-        """kernels='triton' needs triton installed, device='cuda' a visible GPU."""
-        if self.kernels == "triton" and not HAVE_TRITON:
-            raise InvalidField("kernels", "'triton' needs the triton package (Linux only); use kernels='torch'")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise InvalidField("device", "'cuda' but no GPU is visible to torch")
+                raise InvalidField(name, f"{shown(value)} is not one of {', '.join(map(str, allowed))}")
 
     def _resolve_device(self) -> None:
-        """device 'auto' becomes cuda when a GPU is visible, else cpu; on cuda, one GPU per tensor-parallel rank."""
+        """device 'cuda' needs a visible GPU, and 'auto' becomes cuda when one is visible, else cpu; on cuda, one GPU
+        per tensor-parallel rank."""
+        gpu_visible = torch.cuda.is_available()
+        if self.device == "cuda" and not gpu_visible:
+            raise InvalidField("device", "'cuda' but no GPU is visible to torch")
         if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.device = "cuda" if gpu_visible else "cpu"
         # the ranks on this machine: all of them, unless a launcher (torchrun) spreads them over several machines
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.tensor_parallel_size))
         if self.device == "cuda" and local_ranks > torch.cuda.device_count():
@@ -137,11 +177,30 @@ class EngineConfig:
             )
 
     def _resolve_kernels(self) -> None:
-        """kernels 'auto' becomes triton on cuda (when installed), else torch; triton on a CPU needs its interpreter."""
+        """kernels 'triton' needs the triton package, and on a CPU its interpreter; 'auto' becomes triton on cuda
+        (when installed), else torch."""
+        if self.kernels == "triton" and not HAVE_TRITON:
+            raise InvalidField("kernels", "'triton' needs the triton package (Linux only); use kernels='torch'")
         if self.kernels == "auto":
             self.kernels = "triton" if self.device == "cuda" and HAVE_TRITON else "torch"
-        if self.kernels == "triton" and self.device == "cpu" and not triton_interpreter_enabled():
+        # whether TRITON_INTERPRET asks Triton to run kernels in its CPU interpreter (read now, not at import)
+        interpreted = os.environ.get("TRITON_INTERPRET", "").lower() in TRITON_INTERPRET_ON
+        if self.kernels == "triton" and self.device == "cpu" and not interpreted:
             raise InvalidField("kernels", "'triton' on a CPU needs TRITON_INTERPRET=1 set before nanoserve is imported")
+
+    def _check_fp8_kv_cache_works(self) -> None:
+        """kv_cache_dtype 'fp8' needs torch's float8 e4m3 type, and on a GPU the Triton kernels need its conversions,
+        which NVIDIA GPUs have from sm_89 (Ada, Hopper) on."""
+        if self.kv_cache_dtype != "fp8":
+            return
+        if not hasattr(torch, "float8_e4m3fn"):
+            raise InvalidField("kv_cache_dtype", f"'fp8' needs float8 types, which torch {torch.__version__} lacks")
+        if self.device == "cuda" and self.kernels == "triton" and torch.cuda.get_device_capability() < (8, 9):
+            raise InvalidField("kv_cache_dtype", "'fp8' needs an sm_89+ GPU for the Triton kernels: kernels='torch'")
+
+    def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's element type: the model's, or float8 e4m3 for 'fp8'."""
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else model_dtype
 
     def _force_eager_where_graphs_cannot_run(self) -> None:
         """enforce_eager on a CPU or with the PyTorch kernels: CUDA graphs need a GPU and the sync-free Triton ones."""
@@ -149,8 +208,10 @@ class EngineConfig:
             self.enforce_eager = True
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-        """The serving dtype: the one asked for; 'auto' is float32 on a CPU, on a GPU the checkpoint's if 16-bit."""
+        """The serving dtype: the one asked for; 'auto' is float32 on a CPU, and on a GPU float16 for a float16
+        checkpoint, else bfloat16."""
         if self.dtype != "auto":
             return DTYPES[self.dtype]
-        half = checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-        return torch.float32 if self.device == "cpu" else half
+        if self.device == "cpu":
+            return torch.float32
+        return checkpoint_dtype if checkpoint_dtype == torch.float16 else torch.bfloat16  # bf16 stays bf16 too

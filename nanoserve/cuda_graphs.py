@@ -7,9 +7,7 @@ read none (context length 0)."""
 import torch
 
 from nanoserve.attention import PAD_SLOT, AttentionMetadata
-from nanoserve.model import CausalLM
-
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (K cache, V cache)
+from nanoserve.model import CausalLM, KVCache
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -20,7 +18,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(
-        self, model: CausalLM, kv_caches: KVCaches, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int
+        self, model: CausalLM, kv_caches: list[KVCache], max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -36,12 +34,14 @@ class DecodeGraphs:
         self.context_lens = torch.zeros(n, **ints)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, **ints)
         self.query_start_loc = torch.arange(n + 1, **ints)  # one query per sequence
-        self.hidden = torch.zeros(n, model.args.hidden_size, dtype=param.dtype, device=param.device)  # the output
+        self.hidden = param.new_zeros(n, model.args.hidden_size)  # the output, in the weights' dtype
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def forward(self, size: int) -> None:
-        """The decode forward on the first `size` rows of the static buffers; a replay cannot change its grid, so
-        attention is sized for max_model_len."""
+        """The decode forward on the first `size` rows of the static buffers. A replay cannot change its grid: the
+        decode kernel's grid depends on the batch size alone, and each sequence cuts its own context into the grid's
+        splits, so a short context keeps every split busy (max_context_len, read only by the PyTorch reference, is
+        max_model_len here)."""
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
             query_start_loc=self.query_start_loc[: size + 1],

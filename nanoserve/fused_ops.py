@@ -9,6 +9,7 @@ Kernels match their references to within rounding (summation order, the GPU's fa
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from nanoserve.triton_shim import tl, triton
 
@@ -18,21 +19,20 @@ RMS_NORM_MAX_WARPS = 16  # reached at 4k columns; wider rows give each thread mo
 
 
 @triton.jit
-def _add_rms_norm_kernel(
-    x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, stride_r, stride_o, n, eps, BLOCK: tl.constexpr
-):
-    # program r: row r's residual stream becomes x + residual (written back in place), then is normalised
+def _add_rms_norm_kernel(x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, stride_r, n, eps, BLOCK: tl.constexpr):
+    # program r: row r's residual stream becomes x + residual (written back in place), then is normalised into row r
+    # of out (contiguous: made by the launcher). A product or sum of two model-dtype numbers is computed as torch
+    # does, rounded once to the model dtype (Triton keeps fp16 arithmetic in fp16); statistics are fp32.
     row, cols = tl.program_id(0), tl.arange(0, BLOCK)
     mask = cols < n
+    stream_ptrs = residual_ptr + row * stride_r + cols  # read, then overwritten with the sum
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
-    x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)  # rounded like a plain add in the model dtype
-    tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
-    xf = x.to(tl.float32)
+    stream = x + tl.load(stream_ptrs, mask=mask, other=0.0)
+    tl.store(stream_ptrs, stream, mask=mask)
+    xf = stream.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
-    normed = (xf * inv_rms).to(x.dtype).to(tl.float32)  # transformers rounds before scaling by the weight
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(x.dtype), mask=mask)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * n + cols, (xf * inv_rms).to(x.dtype) * w, mask=mask)  # rounded before the weight, as HF
 
 
 @triton.jit
@@ -52,18 +52,19 @@ def _norm_rope_heads(
     RoPE with this position's cos and sin [HALF] (fp32)."""
     h, d = tl.arange(0, HEADS_PAD)[:, None], tl.arange(0, HALF)[None, :]
     mask = h < num_heads
-    x1 = tl.load(ptr + h * stride_h + d, mask=mask, other=0.0)  # [HEADS_PAD, HALF] first half of each head
-    x2 = tl.load(ptr + h * stride_h + HALF + d, mask=mask, other=0.0)
-    dtype = x1.dtype
-    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    first = ptr + h * stride_h + d  # [HEADS_PAD, HALF] pointers to each head's first half; its second: first + HALF
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
         sum_sq = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)  # [HEADS_PAD] over both halves: the whole head
         inv_rms = 1.0 / tl.sqrt(sum_sq / (2 * HALF) + eps)[:, None]
-        w1, w2 = tl.load(weight_ptr + d).to(tl.float32), tl.load(weight_ptr + HALF + d).to(tl.float32)
-        x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)  # as RMSNorm rounds
-        x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    tl.store(ptr + h * stride_h + d, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(ptr + h * stride_h + HALF + d, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+        w1, w2 = tl.load(weight_ptr + d), tl.load(weight_ptr + HALF + d)  # in the model dtype
+        # as RMSNorm rounds: the normed head to the model dtype, then its product with the weight, in that dtype
+        x1 = ((x1 * inv_rms).to(w1.dtype) * w1).to(tl.float32)
+        x2 = ((x2 * inv_rms).to(w2.dtype) * w2).to(tl.float32)
+    # the fp32 rotation, rounded once by the store to the heads' dtype
+    tl.store(first, x1 * cos - x2 * sin, mask=mask)
+    tl.store(first + HALF, x2 * cos + x1 * sin, mask=mask)
 
 
 @triton.jit
@@ -89,9 +90,9 @@ def _qk_norm_rope_kernel(
 ):
     # program t: every q and k head of token t, which share its position's cos and sin
     t = tl.program_id(0)
-    pos = tl.load(positions_ptr + t).to(tl.int64)
-    d = tl.arange(0, HALF)[None, :]
-    cos, sin = tl.load(cos_ptr + pos * HALF + d), tl.load(sin_ptr + pos * HALF + d)
+    pos = tl.load(positions_ptr + t)  # int32: pos * HALF stays far below 2**31
+    row = pos * HALF + tl.arange(0, HALF)[None, :]  # this position's row of the cos and sin tables
+    cos, sin = tl.load(cos_ptr + row), tl.load(sin_ptr + row)
     _norm_rope_heads(
         q_ptr + t * stride_qt, stride_qh, num_q_heads, q_weight_ptr, cos, sin, eps, Q_HEADS_PAD, HALF, HAS_NORM
     )
@@ -101,16 +102,18 @@ def _qk_norm_rope_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
-    # program (row, chunk): out = silu(gate) * up for BLOCK columns, where x's row is [gate | up]
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
+    # program (row, chunk): out = silu(gate) * up for BLOCK columns, where x's row is [gate | up] and out is
+    # contiguous (made by the launcher)
     row, chunk = tl.program_id(0), tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
+    gate_ptrs = x_ptr + row * stride_x + cols
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0)
+    up = tl.load(gate_ptrs + n, mask=mask, other=0.0)  # up's columns: n after gate's
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # silu, rounded as F.silu's output is
-    tl.store(out_ptr + row * stride_o + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu in fp32, rounded as F.silu's output is
+    tl.store(out_ptr + row * n + cols, act * up, mask=mask)  # in the model dtype: one rounding, as torch's product
 
 
 def rms_norm_num_warps(block: int) -> int:
@@ -118,13 +121,11 @@ def rms_norm_num_warps(block: int) -> int:
     return min(RMS_NORM_MAX_WARPS, max(1, block // RMS_NORM_ELEMENTS_PER_WARP))
 
 
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """x, residual: [rows, n] -> (RMSNorm(x + residual) * weight, x + residual). The sum OVERWRITES `residual` in
     place (it becomes the next residual stream): pass a tensor that nothing else still needs."""
     rows, n = x.shape
-    out = torch.empty_like(x)
+    out = x.new_empty(rows, n)
     block = triton.next_power_of_2(n)
     _add_rms_norm_kernel[(rows,)](
         x,
@@ -133,7 +134,6 @@ def add_rms_norm(
         weight,
         x.stride(0),
         residual.stride(0),
-        out.stride(0),
         n,
         eps,
         BLOCK=block,
@@ -142,57 +142,52 @@ def add_rms_norm(
     return out, residual
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = x.float()  # the mean of squares in fp32, whatever the model dtype; rounded before the weight, as HF does
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     stream = x + residual  # the next residual stream
     return rms_norm_ref(stream, weight, eps), stream
 
 
 def qk_norm_rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    q_weight: torch.Tensor | None = None,
-    k_weight: torch.Tensor | None = None,
+    q: Tensor,
+    k: Tensor,
+    positions: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    q_weight: Tensor | None = None,
+    k_weight: Tensor | None = None,
     eps: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[Tensor, Tensor]:
     """In place: q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] get, per head, RMSNorm with
     q_weight / k_weight (Qwen3; skipped when None), then RoPE at their positions. cos, sin: [max_pos, head_dim/2]."""
     tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
-    has_norm = q_weight is not None
     _qk_norm_rope_kernel[(tokens,)](
         q,
         k,
         positions,
         cos,
         sin,
-        q_weight if has_norm else q,  # without the norm the weights are never read: any pointer serves
-        k_weight if has_norm else k,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
+        q_weight,  # None without the norm: Triton makes it a constant, never read
+        k_weight,
+        *q.stride()[:2],  # its token and head strides (a head's elements are adjacent)
+        *k.stride()[:2],
         num_q_heads,
         num_k_heads,
         eps,
         Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
         K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
         HALF=head_dim // 2,
-        HAS_NORM=has_norm,
+        HAS_NORM=q_weight is not None,
     )
     return q, k
 
 
-def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_ref(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [tokens, heads, head_dim] in the rotate-half layout; cos, sin: [max_pos, head_dim / 2] fp32."""
     cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -200,29 +195,29 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: t
 
 
 def qk_norm_rope_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    q_weight: torch.Tensor | None = None,
-    k_weight: torch.Tensor | None = None,
+    q: Tensor,
+    k: Tensor,
+    positions: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    q_weight: Tensor | None = None,
+    k_weight: Tensor | None = None,
     eps: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[Tensor, Tensor]:
     if q_weight is not None:
         q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     return rope_ref(q, positions, cos, sin), rope_ref(k, positions, cos, sin)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: Tensor) -> Tensor:
     """x: [rows, 2n] = [gate | up] -> silu(gate) * up, [rows, n]."""
     rows, n = x.shape[0], x.shape[1] // 2
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    out = x.new_empty(rows, n)
     block = min(SILU_BLOCK, triton.next_power_of_2(n))
-    _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), n, BLOCK=block)
     return out
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_ref(x: Tensor) -> Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

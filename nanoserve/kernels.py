@@ -16,29 +16,30 @@ class Kernels:
     add_rms_norm: Callable  # (x, residual, weight, eps) -> (RMSNorm(x + residual) * weight, x + residual)
     qk_norm_rope: Callable  # (q, k, positions, cos, sin, q_weight, k_weight, eps) -> (q, k), rotated
     silu_and_mul: Callable  # [rows, 2n] = [gate | up] -> silu(gate) * up, [rows, n]
-    store_kv: Callable  # (k, v, k_cache, v_cache, slot_mapping): this step's K/V into their slots
+    store_kv: Callable  # (k, v, k_cache, v_cache, slot_mapping): this step's K/V into their slots (cast: fp8 too)
     paged_attention: Callable  # (q, k_cache, v_cache, meta, scale) -> out: through the block tables
     gumbel_argmax: Callable  # (logits, temperatures, seeds) -> tokens: a draw from softmax(logits / T)
 
 
 def get_kernels(name: str) -> Kernels:
-    """The Triton kernels for name "triton"; the PyTorch references for any other name."""
+    """The Triton kernels for name "triton"; the PyTorch references for any other name. Each argument is the function
+    of the field with its name, in the fields' order."""
     if name == "triton":
         return Kernels(
-            name="triton",
-            add_rms_norm=fused_ops.add_rms_norm,
-            qk_norm_rope=fused_ops.qk_norm_rope,
-            silu_and_mul=fused_ops.silu_and_mul,
-            store_kv=attention.store_kv,
-            paged_attention=attention.paged_attention,
-            gumbel_argmax=sampler.gumbel_argmax,
+            "triton",
+            fused_ops.add_rms_norm,
+            fused_ops.qk_norm_rope,
+            fused_ops.silu_and_mul,
+            attention.store_kv,
+            attention.paged_attention,
+            sampler.gumbel_argmax,
         )
     return Kernels(
-        name="torch",
-        add_rms_norm=fused_ops.add_rms_norm_ref,
-        qk_norm_rope=fused_ops.qk_norm_rope_ref,
-        silu_and_mul=fused_ops.silu_and_mul_ref,
-        store_kv=attention.store_kv_ref,
-        paged_attention=attention.paged_attention_ref,
-        gumbel_argmax=sampler.gumbel_argmax_ref,
+        "torch",
+        fused_ops.add_rms_norm_ref,
+        fused_ops.qk_norm_rope_ref,
+        fused_ops.silu_and_mul_ref,
+        attention.store_kv_ref,
+        attention.paged_attention_ref,
+        sampler.gumbel_argmax_ref,
     )

@@ -8,10 +8,9 @@ One step() has three numbered phases:
 So the host's work on one step overlaps the GPU's work on the previous one. With overlap=False each step is finished
 right after it is launched: the plain synchronous loop, with the same outputs."""
 
-import numbers
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from itertools import count
 from typing import TYPE_CHECKING
 
@@ -21,8 +20,16 @@ from nanoserve.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_s
 from nanoserve.block_manager import BlockManager
 from nanoserve.config import EngineConfig
 from nanoserve.outputs import Request, RequestOutput
-from nanoserve.sampling_params import InvalidField, SamplingParams, check_flag, check_text, check_token_ids, shown
-from nanoserve.scheduler import Scheduler
+from nanoserve.sampling_params import (
+    InvalidField,
+    SamplingParams,
+    check_flag,
+    check_text,
+    check_token_ids,
+    is_integer,
+    shown,
+)
+from nanoserve.scheduler import Scheduler, Step
 from nanoserve.sequence import Sequence
 from nanoserve.stopping import StopChecker
 
@@ -31,8 +38,9 @@ if TYPE_CHECKING:  # annotations only: the engine loop runs on any runner with l
 
     from nanoserve.model_runner import InFlightStep, ModelRunner
 
-# A prompt: text, or token ids (a list, or a numpy array or tensor of them)
-Prompt = str | list[int]
+# A prompt: text, token ids (a list, or a numpy array or tensor of them), or vLLM's {"prompt": text} or
+# {"prompt_token_ids": ids}
+Prompt = str | list[int] | dict
 Conversation = list[dict]  # chat messages: {"role": ..., "content": ...}
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # the roles chat templates know
 
@@ -51,36 +59,22 @@ class EngineCounters:
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: object) -> None:
-        from nanoserve import loader
-        from nanoserve.workers import start_runner
+        from nanoserve import loader, workers
 
         config = EngineConfig.from_kwargs(model=model, **kwargs)
         model_dir = loader.resolve_model_dir(model)
         hf_config, args = loader.load_hf_config(model_dir, config)
         loader.check_checkpoint(model_dir, args)  # here, once: tensor-parallel workers read the same folder
         loader.check_kv_cache_fits(config, args, config.torch_dtype(loader.checkpoint_dtype(hf_config)))
-        tokenizer = loader.load_tokenizer(model_dir)
+        tokenizer = loader.load_tokenizer(config.tokenizer or model_dir)
+        if tokenizer is None and config.tokenizer is not None:
+            raise InvalidField("tokenizer", f"no tokenizer files in {config.tokenizer!r}")
         eos_token_ids = loader.eos_ids_of(model_dir, hf_config, tokenizer)
-        runner = start_runner(config, model_dir, hf_config, args)  # and its tensor-parallel workers, if any
+        runner = workers.start_runner(config, model_dir, hf_config, args)  # and its tensor-parallel workers, if any
         self._close = weakref.finalize(self, runner.close)  # closed or garbage-collected: the workers exit
         self._start(config, runner, tokenizer, eos_token_ids, args.vocab_size)
 
-    @classmethod
-    def from_runner(
-        cls,
-        config: EngineConfig,
-        runner: "ModelRunner",
-        vocab_size: int,
-        tokenizer: "PreTrainedTokenizerBase | None" = None,
-        eos_token_ids: frozenset[int] = frozenset(),
-    ) -> "LLM":
-        """The engine around any runner with launch() and num_kvcache_blocks: how tests run the loop on a fake."""
-        llm = cls.__new__(cls)
-        llm._close = lambda: None
-        llm._start(config, runner, tokenizer, eos_token_ids, vocab_size)
-        return llm
-
-    def _start(
+    def _start(  # the engine around a runner; tests start it around a fake runner (tests/conftest.py's FakeEngine)
         self,
         config: EngineConfig,
         runner: "ModelRunner",
@@ -91,7 +85,7 @@ class LLM:
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.block_manager = BlockManager(
             runner.num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching
@@ -101,7 +95,7 @@ class LLM:
         )
         self.stop_checker = StopChecker(tokenizer, config.max_model_len)
         self.requests: dict[str, Request] = {}
-        self.request_of: dict[int, Request] = {}  # seq_id -> its request
+        self.request_of: dict[Sequence, Request] = {}  # each sequence's request
         self.in_flight: InFlightStep | None = None  # with overlap: the launched step not yet read back
         self.trace = None
         if config.trace is not None:  # opt-in: the trace writer lives with its pictures, in the optional plots.py
@@ -125,13 +119,13 @@ class LLM:
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is (queued, prefilling, decoding, preempted): its blocks return at once.
-        A request that has already finished (or an unknown id) is left as it is."""
+        A request that has already finished (or an unknown id) is left as it is. It returns no output, so its text
+        is not decoded further."""
         request = self.requests.get(request_id)
         if request is None:
             return
         for seq in request.seqs:
             if not seq.is_finished:
-                self.stop_checker.flush(seq)
                 self.scheduler.finish_sequence(seq, "abort")
         self._forget(request)
 
@@ -150,10 +144,13 @@ class LLM:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidField("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
-        if not all(0 <= t < self.vocab_size for t in params.stop_token_ids):
-            raise InvalidField("stop_token_ids", f"token ids must lie in [0, {self.vocab_size})")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise InvalidField("logprobs", f"{params.logprobs} exceeds the vocabulary ({self.vocab_size})")
+        for field in ("stop_token_ids", "logit_bias"):
+            if not all(0 <= t < self.vocab_size for t in getattr(params, field)):
+                raise InvalidField(field, f"token ids must lie in [0, {self.vocab_size})")
+        for field in ("logprobs", "prompt_logprobs"):
+            num = getattr(params, field)
+            if num is not None and num > self.vocab_size:
+                raise InvalidField(field, f"{num} exceeds the vocabulary ({self.vocab_size})")
         if params.n > self.config.max_num_seqs:  # each sample is a sequence; a step runs at most max_num_seqs
             raise InvalidField("n", f"{params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         check_flag("stream", stream)
@@ -161,21 +158,22 @@ class LLM:
             request_id = f"req-{next(self._request_ids)}"
         if not isinstance(request_id, str) or request_id in self.requests:
             raise InvalidField("request_id", f"{request_id!r} is not a new string id")
+        prompt = unwrap_prompt(prompt)
         ids = self.prompt_ids(prompt)
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         seqs = [
-            Sequence(ids, sample_params(params, i), self.config.kvcache_block_size, stop_ids) for i in range(params.n)
+            Sequence(ids, sample_params(params, i, self.config.seed), self.config.kvcache_block_size, stop_ids)
+            for i in range(params.n)
         ]
         self.scheduler.check_fits(seqs[0])
-        prompt_text = prompt if isinstance(prompt, str) else None
-        return Request(request_id, prompt_text, seqs, stream)
+        return Request(request_id, prompt if isinstance(prompt, str) else None, seqs, stream)
 
     def _queue(self, request: Request) -> str:
         self.requests[request.request_id] = request
         for seq in request.seqs:
-            self.request_of[seq.seq_id] = request
+            self.request_of[seq] = request
             self.scheduler.add(seq)
         return request.request_id
 
@@ -183,7 +181,7 @@ class LLM:
         """The request no longer exists for the engine: every sequence of it has finished."""
         del self.requests[request.request_id]
         for seq in request.seqs:
-            del self.request_of[seq.seq_id]
+            del self.request_of[seq]
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """The prompt as checked token ids (text through the tokenizer). It reads only the tokenizer and the config,
@@ -213,6 +211,7 @@ class LLM:
             # 1) schedule step n+1
             step = self.scheduler.schedule()
             self.counters.computed_tokens += step.num_tokens
+            self._record_first_scheduled(step)
             # 2) launch it: the GPU queues it behind step n, whose samples it takes as inputs on the device
             launched = self.runner.launch(step, self.in_flight) if step.scheduled else None
             if self.trace is not None:
@@ -227,40 +226,51 @@ class LLM:
                 to_read_back = launched
             if to_read_back is None and launched is None and self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler found nothing to run")  # a bug, never a state
-            changed = self._read_back(to_read_back) if to_read_back is not None else []
+            outputs = self._read_back(to_read_back) if to_read_back is not None else []
         except BaseException:  # a failed or interrupted step: blocks it planned were findable before their K/V existed
             self._forget_failed_step()
             raise
         if self.trace is not None:
             self.trace.end(started)
-        return self._outputs(changed)
+        return outputs
+
+    def _record_first_scheduled(self, step: Step) -> None:
+        """vLLM's first_scheduled_time and time_in_queue of the requests this step starts: a request starts when its
+        first sequence is admitted (a readmission after preemption changes nothing), so only admissions are looked at,
+        not every scheduled sequence of every decode step."""
+        now = time.time()
+        for seq in step.admitted:
+            metrics = self.request_of[seq].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+                metrics.time_in_queue = now - metrics.arrival_time
 
     def _forget_failed_step(self) -> None:
         """After a failed step: forget the prefix cache and abort every request a step touched; queued ones stay."""
         self.block_manager.cached.clear()
         self.in_flight = None
-        touched = [r for r in self.requests.values() if not all(seq.is_queued for seq in r.seqs)]
-        for request in touched:
-            self.abort(request.request_id)
+        for request in list(self.requests.values()):  # a copy: abort() forgets requests
+            if not all(seq.is_queued for seq in request.seqs):
+                self.abort(request.request_id)
 
-    def _read_back(self, in_flight: "InFlightStep") -> list[Request]:
-        """Wait for a launched step's tokens, hand them to their sequences, and apply the stop rules. Returns the
-        requests that changed, each once, in order."""
-        tokens, logprobs = in_flight.wait()
-        now = time.perf_counter()
-        changed: dict[str, Request] = {}
+    def _read_back(self, in_flight: "InFlightStep") -> list[RequestOutput]:
+        """Finish a launched step: wait for its tokens, hand them to their sequences, apply the stop rules, and forget
+        the requests that finished. Returns the outputs of the requests that changed, each once, in order: every
+        streaming one, and the others once they have finished."""
+        tokens, logprobs, prompt_logprobs = in_flight.wait()
+        for (seq, position), entry in prompt_logprobs:  # by position: a preempted sequence's recompute rewrites its own
+            seq.prompt_logprobs[position] = entry
+        now = time.time()
+        changed: dict[Request, None] = {}  # an ordered set
         for seq in self.scheduler.update(in_flight.step, tokens, logprobs):
-            request = self.request_of[seq.seq_id]
-            changed[request.request_id] = request
+            request = self.request_of[seq]
+            changed[request] = None
             reason = self.stop_checker.check(seq, incremental=request.stream)
             if reason is not None:
                 self.scheduler.finish_sequence(seq, reason)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             self.counters.generated_tokens += 1
-        return list(changed.values())
-
-    def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
         outputs = []
         for request in changed:
             if request.finished:
@@ -273,8 +283,8 @@ class LLM:
     def _record_finished(self, request: Request) -> None:
         """Its finish time, and its TTFT and mean inter-token latency into the running totals."""
         metrics = request.metrics
-        metrics.finished_time = time.perf_counter()
-        num_tokens = max(len(seq.completion_token_ids) for seq in request.seqs)
+        metrics.finished_time = time.time()
+        num_tokens = max(seq.num_completion_tokens for seq in request.seqs)
         self.counters.finished_requests += 1
         self.counters.ttft_s_sum += metrics.first_token_time - metrics.arrival_time
         self.counters.itl_s_sum += (metrics.finished_time - metrics.first_token_time) / max(num_tokens - 1, 1)
@@ -287,26 +297,23 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either; sampling_params: one for all, or one per
-        prompt. Every prompt is checked before any is queued; the outputs come back in prompt order."""
+        prompt. Every prompt is checked before any is queued; then the engine steps until all have finished, and the
+        outputs come back in prompt order. The progress bar counts output tokens."""
+        # 1) check everything: a bad prompt or parameter refuses the whole batch before any work
         if is_one_prompt(prompts):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise InvalidField("prompts", "expected a string, token ids, or a list of them")
-        if isinstance(sampling_params, list):
-            params = sampling_params
-        else:
-            params = [sampling_params] * len(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidField("sampling_params", f"{len(params)} given for {len(prompts)} prompts")
         check_flag("use_tqdm", use_tqdm)
         requests = [self._make_request(p, sp, None, stream=False) for p, sp in zip(prompts, params, strict=True)]
-        return self._run(requests, use_tqdm)
-
-    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        # 2) queue them all and step until each has finished
         finished: dict[str, RequestOutput] = {}
-        generated = self.counters.generated_tokens
+        generated_before = self.counters.generated_tokens  # the bar counts this batch's tokens: bar.n of them so far
         bar = tqdm(
-            total=sum(len(r.seqs) * r.seqs[0].params.max_tokens for r in requests),
+            total=sum(seq.params.max_tokens for request in requests for seq in request.seqs),
             unit="tok",
             desc="Generating",
             disable=not use_tqdm,
@@ -319,9 +326,7 @@ class LLM:
                 for out in self.step():
                     if out.finished:
                         finished[out.request_id] = out
-                bar.update(self.counters.generated_tokens - generated)
-                generated = self.counters.generated_tokens
-                bar.set_postfix_str(f"{len(finished)}/{len(requests)} requests", refresh=False)
+                bar.update(self.counters.generated_tokens - generated_before - bar.n)
         finally:
             bar.total = bar.n  # outputs that ended early (EOS) never reach max_tokens
             bar.close()
@@ -349,18 +354,15 @@ class LLM:
 
     def chat_prompts(self, messages: Conversation | list[Conversation]) -> list[list[int]]:
         """Each conversation through the chat template, as token ids (the template adds the special tokens)."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        if self.tokenizer is None or not self.tokenizer.chat_template:
             raise InvalidField("model", "this model has no chat template")
-        is_one = isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict)
-        conversations = [messages] if is_one else messages
-        if not isinstance(conversations, (list, tuple)) or not conversations:
-            raise InvalidField("messages", "expected a non-empty list of {'role': str, 'content': str} dicts")
-        prompt_ids = []
+        # a list of conversations, or one (anything else is one too, which check_conversation then refuses)
+        is_many = isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], (list, tuple))
+        conversations = messages if is_many else [messages]
         for conversation in conversations:
             check_conversation(conversation)
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-            prompt_ids.append(self.tokenizer.encode(text, add_special_tokens=False))
-        return prompt_ids
+        # all at once, as token ids (return_dict=False: a list of id lists, not a BatchEncoding)
+        return self.tokenizer.apply_chat_template(conversations, add_generation_prompt=True, return_dict=False)
 
     def stats(self) -> dict[str, int | float]:
         bm = self.block_manager
@@ -378,19 +380,30 @@ class LLM:
             "preemptions": self.scheduler.num_preemptions,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
-            "computed_tokens": counters.computed_tokens,
-            "generated_tokens": counters.generated_tokens,
-            "finished_requests": counters.finished_requests,
+            **asdict(counters),  # computed and generated tokens, finished requests, the sums behind the means
             "mean_ttft_s": counters.ttft_s_sum / num_finished,
             "mean_itl_s": counters.itl_s_sum / num_finished,
         }
 
 
 def is_one_prompt(prompts: object) -> bool:
-    """A single prompt rather than a list of them: a string, a list of token ids, or an array."""
-    if isinstance(prompts, str) or hasattr(prompts, "ndim"):
+    """A single prompt rather than a list of them: a string, a vLLM prompt dict, a list of token ids, or an array."""
+    if isinstance(prompts, (str, dict)) or hasattr(prompts, "ndim"):
         return True
-    return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and isinstance(prompts[0], numbers.Integral)
+    return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and is_integer(prompts[0])
+
+
+def unwrap_prompt(prompt: object) -> object:
+    """vLLM's prompt dicts as what they hold: {"prompt": text} as the text, {"prompt_token_ids": ids} as the ids.
+    Other keys (vLLM's multi_modal_data, cache_salt, ...) are refused by name; anything else is returned as it is."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if len(prompt) == 1 and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"]
+    if len(prompt) == 1 and "prompt_token_ids" in prompt:
+        return check_token_ids("prompt_token_ids", prompt["prompt_token_ids"])
+    keys = ", ".join(map(shown, prompt))
+    raise InvalidField("prompt", f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids' (ids), one: not {keys}")
 
 
 def check_conversation(conversation: object) -> None:
@@ -411,9 +424,14 @@ def check_conversation(conversation: object) -> None:
         check_text("messages", message["content"])
 
 
-def sample_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The parameters of sample `index` of a request: with a seed, each sample draws its own noise from a seed
-    derived from the request's, so n seeded samples differ from each other yet stay reproducible."""
-    if index == 0 or params.seed is None:
-        return params
-    return replace(params, seed=hash((params.seed, index)))
+def sample_params(params: SamplingParams, index: int, engine_seed: int | None) -> SamplingParams:
+    """The parameters of sample `index` of a request. Its seed is the request's, or the engine's (LLM(seed=...)) for
+    a request that sets none; with a seed, each later sample draws its own noise from a seed derived from it, so n
+    seeded samples differ from each other yet stay reproducible. Only the first sample computes the prompt's
+    logprobs (the others share its prompt, and take its KV from the prefix cache)."""
+    seed = engine_seed if params.seed is None else params.seed
+    if index == 0:
+        return replace(params, seed=seed)
+    if seed is not None:
+        seed = hash((seed, index))
+    return replace(params, seed=seed, prompt_logprobs=None)

@@ -76,24 +76,19 @@ def eos_ids_of(
         sources = [GenerationConfig.from_pretrained(model_dir).eos_token_id]
     except OSError:  # no generation_config.json
         sources = []
-    sources.append(getattr(hf_config, "eos_token_id", None))
+    sources.append(hf_config.eos_token_id)
     if all(source is None for source in sources) and tokenizer is not None:
         sources.append(tokenizer.eos_token_id)
     eos_ids = set()
     for source in sources:  # each None, one id, or a list of ids
-        if isinstance(source, int):
-            eos_ids.add(source)
-        elif source:
-            eos_ids.update(source)
+        eos_ids.update([source] if isinstance(source, int) else source or [])
     return frozenset(eos_ids)
 
 
 def checkpoint_dtype(hf_config: PretrainedConfig) -> torch.dtype | None:
-    """The dtype the weights were saved in, if the config says (`dtype`; older transformers name it `torch_dtype`)."""
-    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(dtype, str):  # "bfloat16" in a config read from JSON
-        return getattr(torch, dtype, None)
-    return dtype
+    """The dtype the weights were saved in, if the config says (transformers reads config.json's `dtype`, or the
+    older `torch_dtype`, into a torch.dtype)."""
+    return hf_config.dtype
 
 
 def read_safetensors(model_dir: str, shapes_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -115,36 +110,34 @@ def read_safetensors(model_dir: str, shapes_only: bool = False) -> Iterator[tupl
             raise InvalidField("model", f"{path}: {error}") from None
 
 
-def copy_whole(param: torch.nn.Parameter, tensor: torch.Tensor) -> None:
-    """The weight_loader of a parameter that defines none: the checkpoint tensor is the whole parameter."""
-    param.data.copy_(tensor)
-
-
 def checkpoint_tensors(name: str) -> list[tuple[str, tuple[int, ...]]]:
     """The checkpoint tensors that fill our parameter `name`, as (HF name, extra weight_loader arguments): q, k and v
     each fill their shard of the fused qkv_proj, gate and up theirs of gate_up_proj; any other parameter is one tensor
     of its own name, copied whole."""
-    module_name, _, param_name = name.rpartition(".")
-    *parent, proj = module_name.split(".")
+    proj = name.split(".")[-2]  # model.layers.0.self_attn.qkv_proj.weight: qkv_proj
     if proj not in FUSED:
         return [(name, ())]
-    return [(".".join([*parent, part, param_name]), (index,)) for index, part in enumerate(FUSED[proj])]
+    # model.layers.0.self_attn.q_proj.weight fills shard 0 of model.layers.0.self_attn.qkv_proj.weight, and so on
+    return [(name.replace(proj, part), (index,)) for index, part in enumerate(FUSED[proj])]
 
 
+@torch.no_grad()  # parameters are copied into in place, which autograd would refuse
 def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """tensors: (HF name, tensor) pairs, each loaded by its parameter's weight_loader. A tensor with no place, one
-    whose shape does not fit, or one missing is an InvalidField("model") naming it."""
-    places = {}  # HF name -> (our parameter, extra weight_loader arguments), until its tensor is loaded
-    for name, param in model.named_parameters(remove_duplicate=False):
-        for hf_name, shard in checkpoint_tensors(name):
-            places[hf_name] = (param, shard)
+    """tensors: (HF name, tensor) pairs, each loaded by its parameter's weight_loader, or copied whole into a
+    parameter that defines none. A tensor with no place, one whose shape does not fit, or one missing is an
+    InvalidField("model") naming it."""
+    places = {  # HF name -> (our parameter, extra weight_loader arguments), until its tensor is loaded
+        hf_name: (param, shard)
+        for name, param in model.named_parameters(remove_duplicate=False)
+        for hf_name, shard in checkpoint_tensors(name)
+    }
     for hf_name, tensor in tensors:
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue  # older checkpoints store RoPE frequencies; we compute them
         if hf_name not in places:
             raise InvalidField("model", f"checkpoint tensor {hf_name!r} has no place in the model")
         param, shard = places.pop(hf_name)
-        weight_loader = getattr(param, "weight_loader", copy_whole)
+        weight_loader = getattr(param, "weight_loader", torch.Tensor.copy_)
         try:
             weight_loader(param, tensor, *shard)
         except RuntimeError as error:  # copy_'s size mismatch: the config says another shape
@@ -201,18 +194,20 @@ def read_hf_config(model_dir: str) -> PretrainedConfig:
 
 def check_kv_cache_fits(config: EngineConfig, args: ModelArgs, dtype: torch.dtype) -> None:
     """num_kvcache_blocks, when given, within the memory that would hold the pool (ModelArgs.kv_bytes_per_token x
-    block_size x blocks)."""
+    block_size x blocks). dtype: the model's; the pool's is config.kv_cache_dtype's (fp8: 1 byte)."""
     blocks = config.num_kvcache_blocks
     if blocks is None:
         return
-    if config.device == "cuda":  # one rank's share (1/N of the KV heads), on one GPU
-        needed = args.kv_bytes_per_token(dtype, config.tensor_parallel_size) * config.kvcache_block_size * blocks
+    # the memory that must hold 1/split of the pool's KV heads
+    if config.device == "cuda":  # one GPU holds one rank's share
+        split = config.tensor_parallel_size
         memory = torch.cuda.get_device_properties(0).total_memory
     elif hasattr(os, "sysconf"):  # Linux, macOS: the host's RAM holds every rank's share
-        needed = args.kv_bytes_per_token(dtype) * config.kvcache_block_size * blocks
+        split = 1
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     else:
         return  # Windows: unchecked
+    needed = args.kv_bytes_per_token(config.kv_cache_torch_dtype(dtype), split) * config.kvcache_block_size * blocks
     if needed > memory:
         problem = f"{blocks} blocks need {needed / 2**30:.1f} GiB; the {config.device} has {memory / 2**30:.1f} GiB"
         raise InvalidField("num_kvcache_blocks", problem)

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from nanoserve.attention import AttentionMetadata
@@ -20,7 +20,7 @@ from nanoserve.parallel import TP, ColumnParallelLinear, RowParallelLinear, Voca
 from nanoserve.sampling_params import InvalidField
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
-KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (K cache, V cache)
+KVCache = tuple[Tensor, Tensor]  # one layer's (K cache, V cache)
 
 
 @dataclass
@@ -43,16 +43,18 @@ class ModelArgs:
 
     def kv_bytes_per_token(self, dtype: torch.dtype, num_ranks: int = 1) -> int:
         """Every token keeps a K and a V vector per layer and KV head: 2 x layers x KV heads x head_dim x bytes per
-        element. With tensor parallelism each of num_ranks ranks holds its share of the heads."""
+        element. dtype is the KV cache's: the model's, or float8 (1 byte) with kv_cache_dtype="fp8". With tensor
+        parallelism each of num_ranks ranks holds its share of the heads."""
         return 2 * self.num_layers * (self.num_kv_heads // num_ranks) * self.head_dim * dtype.itemsize
 
     @classmethod
     def from_hf(cls, cfg: PretrainedConfig) -> "ModelArgs":
         if cfg.model_type not in SUPPORTED:
             raise InvalidField("model", f"model_type {cfg.model_type!r} is not supported (supported: {SUPPORTED})")
-        # transformers 5 keeps rope settings in rope_parameters; older configs use rope_theta/rope_scaling
-        rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        # transformers 5 gathers RoPE's settings (rope_type, rope_theta and any scaling) in rope_parameters, whatever
+        # the config.json says (old rope_scaling / rope_theta fields are moved there when the config is read)
+        rope = cfg.rope_parameters
+        rope_type = rope["rope_type"]
         if rope_type not in ("default", "llama3"):
             raise InvalidField("model", f"rope_type {rope_type!r} is not supported (default, llama3)")
         bias = getattr(cfg, "attention_bias", False)
@@ -62,41 +64,41 @@ class ModelArgs:
             intermediate_size=cfg.intermediate_size,
             num_layers=cfg.num_hidden_layers,
             num_heads=cfg.num_attention_heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,  # transformers sets it to num_attention_heads when not given
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,  # Qwen2 has none
             rms_norm_eps=cfg.rms_norm_eps,
             max_position=cfg.max_position_embeddings,
-            rope_theta=rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)),
+            rope_theta=rope["rope_theta"],
             rope_scaling=rope if rope_type == "llama3" else None,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            tie_word_embeddings=cfg.tie_word_embeddings,
             qk_norm=cfg.model_type == "qwen3",
             qkv_bias=cfg.model_type == "qwen2" or bias,
             o_bias=cfg.model_type != "qwen2" and bias,
         )
 
 
-class AddRMSNorm(nn.Module):
+class NormWeight(nn.Module):
+    """The weight of an RMSNorm, in a module so that the checkpoint's name (input_layernorm.weight,
+    self_attn.q_norm.weight) finds it. On its own it has no forward: Qwen3's per-head q_norm and k_norm are applied
+    inside the fused qk_norm_rope kernel; AddRMSNorm below adds the forward of the residual stream's norms."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class AddRMSNorm(NormWeight):
     """Adds a sublayer's output into the residual stream, then RMS-normalises the sum:
     forward(x, residual) -> (RMSNorm(x + residual) * weight, x + residual). One fused kernel does both (the Triton
     one writes the sum into `residual` in place), so the stream is a tensor the model owns."""
 
     def __init__(self, dim: int, eps: float, kernels: Kernels) -> None:
-        super().__init__()
+        super().__init__(dim)
         self.eps = eps
         self.kernels = kernels
-        self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
-
-
-class NormWeight(nn.Module):
-    """Only the weight of an RMSNorm that a fused kernel applies (Qwen3's per-head q_norm and k_norm, inside
-    qk_norm_rope). A module so that the checkpoint's name (self_attn.q_norm.weight) finds it; it has no forward."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
 
 
 class Rotary(nn.Module):
@@ -112,7 +114,7 @@ class Rotary(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
 
-def llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+def llama3_scaled(inv_freq: Tensor, scaling: dict) -> Tensor:
     """Llama 3's frequency rescaling: long wavelengths are slowed `factor` times, short ones kept, and those in
     between blended smoothly."""
     old_context_len = scaling["original_max_position_embeddings"]
@@ -128,9 +130,7 @@ class Attention(nn.Module):
         self.kernels = kernels
         self.head_dim = args.head_dim
         self.scale = args.head_dim**-0.5
-        self.num_heads = args.num_heads // tp.size  # this rank's share
-        self.num_kv_heads = args.num_kv_heads // tp.size
-        q_size = args.num_heads * args.head_dim
+        q_size = args.num_heads * args.head_dim  # the whole model's; each rank holds 1/tp.size of the heads
         kv_size = args.num_kv_heads * args.head_dim
         self.qkv_proj = ColumnParallelLinear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias, tp)
         self.o_proj = RowParallelLinear(q_size, args.hidden_size, args.o_bias, tp)
@@ -139,17 +139,13 @@ class Attention(nn.Module):
         self.k_norm = NormWeight(args.head_dim) if args.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q_norm_weight = self.q_norm.weight if self.q_norm is not None else None
-        k_norm_weight = self.k_norm.weight if self.k_norm is not None else None
-        q, k = self.kernels.qk_norm_rope(
-            q, k, positions, rotary.cos, rotary.sin, q_norm_weight, k_norm_weight, self.qk_norm_eps
-        )
+        self, x: Tensor, positions: Tensor, rotary: Rotary, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> Tensor:
+        qkv = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)  # [num_tokens, q | k | v] of this rank's heads
+        # each [num_tokens, its heads, head_dim]: views into the one projection, which the kernel rotates in place
+        q, k, v = (part.unflatten(-1, (-1, self.head_dim)) for part in qkv)
+        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.qk_norm_eps) if self.q_norm is not None else ()
+        q, k = self.kernels.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, *qk_norm)
         k_cache, v_cache = kv_cache
         # All of the step's K/V are stored before any is read: a sequence may read blocks another sequence
         # computes in this same step (a shared prefix admitted together).
@@ -165,7 +161,7 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(args.hidden_size, [args.intermediate_size] * 2, False, tp)
         self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, False, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
@@ -179,13 +175,13 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        positions: torch.Tensor,
+        x: Tensor,
+        residual: Tensor,
+        positions: Tensor,
         rotary: Rotary,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Tensor, Tensor]:
         """The residual stream of a pre-norm layer, written plainly:
             h = x + attn(norm(x))
             out = h + mlp(norm(h))
@@ -207,15 +203,14 @@ class Transformer(nn.Module):
         self.rotary = Rotary(args)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
-    ) -> torch.Tensor:
+        self, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
         x = self.embed_tokens(input_ids)
         residual = torch.zeros_like(x)  # the residual stream starts empty: layer 0's add gives the embeddings
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
-        normed, _ = self.norm(x, residual)  # the last MLP's output added, then the final norm
-        return normed
+        return self.norm(x, residual)[0]  # the last MLP's output added, then the final norm (the stream is dropped)
 
 
 class CausalLM(nn.Module):
@@ -225,17 +220,16 @@ class CausalLM(nn.Module):
     def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP = TP()) -> None:  # noqa: B008 (frozen: one of one)
         super().__init__()
         self.args = args
-        self.tp = tp
         self.model = Transformer(args, kernels, tp)
         self.lm_head = ColumnParallelLinear(args.hidden_size, [args.vocab_size], False, tp)  # split over the vocab
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
-    ) -> torch.Tensor:
+        self, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: Tensor) -> Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] in the model dtype, the whole vocabulary on every rank."""
-        return gather_vocab(self.lm_head(hidden), self.tp)
+        return gather_vocab(self.lm_head(hidden), self.lm_head.tp)

@@ -1,10 +1,11 @@
 """The ModelRunner owns the model and its KV cache on the device. Each step it turns the scheduler's Step into flat
-tensors (StepInputs), runs the model (replaying a CUDA graph when the step is decode-only), samples, and returns an
+tensors (step_inputs.py), runs the model (replaying a CUDA graph when the step is decode-only), samples, and returns an
 InFlightStep without waiting: the samples stay on the device as the next step's inputs while a copy travels to the host.
 
 KV cache size: every token keeps a K and a V vector per layer and KV head, so
     bytes per token = 2 x num_layers x num_kv_heads x head_dim x bytes per element,
-and the pool is as many blocks of `block_size` tokens as the memory left after weights and activations holds."""
+and the pool is as many blocks of `block_size` tokens as the memory left after weights and activations holds. The
+element is the model's dtype, or 1 byte with kv_cache_dtype="fp8": twice bf16's tokens in the same memory."""
 
 import array
 import logging
@@ -14,23 +15,27 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from transformers import PretrainedConfig
 
-from nanoserve.attention import PAD_SLOT, prefill_tile_sizes
+from nanoserve.attention import prefill_tile_sizes
 from nanoserve.config import EngineConfig
 from nanoserve.cuda_graphs import DecodeGraphs
 from nanoserve.kernels import get_kernels
 from nanoserve.loader import build_model, checkpoint_dtype
 from nanoserve.model import ModelArgs
 from nanoserve.parallel import TP
+from nanoserve.penalties import Penalties
 from nanoserve.sampler import SampledLogprobs, Sampler, Samples
 from nanoserve.sampling_params import InvalidField, SamplingParams
-from nanoserve.scheduler import Step
+from nanoserve.scheduler import ScheduledSeq, Step
+from nanoserve.sequence import Sequence
 from nanoserve.step_inputs import (
     BLOCK_TABLE_WIDTH_MULTIPLE,
     StepHeader,
     StepLists,
     flatten_step,
+    prompt_logprob_positions,
     round_up,
     step_inputs,
     upload,
@@ -52,77 +57,82 @@ def free_cores() -> int:
         cores = len(os.sched_getaffinity(0))
     else:
         cores = os.cpu_count() or 1
-    if not os.path.exists("/proc/loadavg"):  # macOS: the last minute's average number of busy cores; Windows: none
-        busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
-        return max(1, cores - busy)
-    running = []
-    for _ in range(5):  # Linux: processes running right now ("running/total"; less this one), fewest of 5 looks
-        with open("/proc/loadavg") as f:
-            running_and_total = f.read().split()[3]
-        running.append(int(running_and_total.split("/")[0]) - 1)
-        time.sleep(0.01)
-    return max(1, cores - min(running))
+    busy = 0  # Windows: no measure
+    if os.path.exists("/proc/loadavg"):  # Linux: processes running right now, less this one; fewest of 5 looks
+        looks = []
+        for _ in range(5):
+            with open("/proc/loadavg") as f:  # "0.52 0.58 0.59 running/total last_pid"
+                looks.append(int(f.read().split()[3].split("/")[0]) - 1)
+            time.sleep(0.01)
+        busy = min(looks)
+    elif hasattr(os, "getloadavg"):  # macOS: the last minute's average number of busy cores
+        busy = round(os.getloadavg()[0])
+    return max(1, cores - busy)
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")  # torch.bfloat16 -> bfloat16
+def copy_to_host_async(samples: Samples | None) -> Samples | None:
+    """A pinned host copy of a GPU's samples, queued behind the kernels that compute them: it waits for nothing.
+    A CPU's samples (or None) are already on the host."""
 
-
-def copy_to_host_async(samples: Samples) -> Samples:
-    """A pinned host copy of the samples, queued behind the kernels that compute them: it waits for nothing."""
-
-    def pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    def pinned_copy(t: Tensor) -> Tensor:
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
-    if samples.logprobs is None:
-        return Samples(pinned_copy(samples.tokens))
+    if samples is None or not samples.tokens.is_cuda:
+        return samples
     logprobs = samples.logprobs
-    host_logprobs = SampledLogprobs(
-        pinned_copy(logprobs.chosen), pinned_copy(logprobs.top_values), pinned_copy(logprobs.top_ids)
-    )
-    return Samples(pinned_copy(samples.tokens), host_logprobs)
+    if logprobs is not None:  # every field of SampledLogprobs is a tensor
+        logprobs = SampledLogprobs(*map(pinned_copy, vars(logprobs).values()))
+    return Samples(pinned_copy(samples.tokens), logprobs)
+
+
+def logprob_dicts(samples: Samples, nums: list[int | None]) -> list[dict[int, float] | None]:
+    """Host samples with logprobs as one {token: logprob} per row: the top nums[row], then the row's own token (its
+    entry again if it is among them); None for a row that asked for none."""
+    logprobs = samples.logprobs
+    columns = [samples.tokens, logprobs.chosen, logprobs.top_ids, logprobs.top_values]  # each one .tolist() call
+    return [
+        None if n is None else dict(zip(top_ids[:n] + [token], top_values[:n] + [chosen], strict=True))
+        for n, token, chosen, top_ids, top_values in zip(nums, *(c.tolist() for c in columns), strict=True)
+    ]
 
 
 class InFlightStep:
     """A launched step. Its samples stay on the device (the next step reads its decode inputs there), and their
-    copy to the host is queued behind the step's kernels, so launching the next step need not wait for it."""
+    copy to the host is queued behind the step's kernels, so launching the next step need not wait for it. So is the
+    copy of its prompt logprobs, if a sequence asked for them: Samples whose tokens are the actual prompt tokens."""
 
-    def __init__(self, step: Step, samples: Samples | None) -> None:
+    def __init__(self, step: Step, samples: Samples | None, prompt_samples: Samples | None) -> None:
         self.step = step
-        sampling_seqs = step.sampling_seqs
-        self.params = [seq.params for seq in sampling_seqs]
-        self.row_of = {seq.seq_id: row for row, seq in enumerate(sampling_seqs)}  # seq -> row of its sample
+        self.row_of = {seq.seq_id: row for row, seq in enumerate(step.sampling_seqs)}  # seq -> row of its sample
         self.device_tokens = samples.tokens if samples is not None else None
-        self.host_samples = samples  # a CPU's samples are already on the host
-        self.ready = None  # on a GPU: the event after which the host copy is complete
-        if samples is not None and samples.tokens.is_cuda:
-            self.host_samples = copy_to_host_async(samples)
+        self.host_samples = copy_to_host_async(samples)
+        self.host_prompt_samples = copy_to_host_async(prompt_samples)
+        self.ready = None  # on a GPU: the event after which the host copies are complete
+        if self.host_samples is not samples or self.host_prompt_samples is not prompt_samples:  # copies were queued
             self.ready = torch.cuda.current_stream().record_event()
 
-    def wait(self) -> tuple[list[int], list[dict[int, float] | None] | None]:
-        """The tokens (waiting for the GPU if needed) and, per row, {token: logprob} if any row asked for them:
-        the chosen token's and the top-N, N as that row asked."""
+    def wait(self) -> tuple[list[int], list[dict[int, float] | None] | None, list[tuple]]:
+        """The tokens (waiting for the GPU if needed); per row, {token: logprob} if any row asked for them: the chosen
+        token's and the top-N, N as that row asked; and ((sequence, prompt position), {token: logprob}) per prompt
+        position this step computed the logprobs of."""
         if self.ready is not None:
             self.ready.synchronize()
+        prompt_logprobs = []
+        if self.host_prompt_samples is not None:
+            positions = [  # of the sequences that asked for them
+                (s.seq, position)
+                for s in self.step.scheduled
+                if s.seq.params.prompt_logprobs is not None
+                for position in prompt_logprob_positions(s)
+            ]
+            entries = logprob_dicts(self.host_prompt_samples, [seq.params.prompt_logprobs for seq, _ in positions])
+            prompt_logprobs = list(zip(positions, entries, strict=True))
         if self.host_samples is None:
-            return [], None
-        tokens = self.host_samples.tokens.tolist()
-        sampled_logprobs = self.host_samples.logprobs
-        if sampled_logprobs is None:
-            return tokens, None
-        chosen = sampled_logprobs.chosen.tolist()
-        top_values = sampled_logprobs.top_values.tolist()
-        top_ids = sampled_logprobs.top_ids.tolist()
-        logprobs = []
-        for row, params in enumerate(self.params):
-            if params.logprobs is None:
-                logprobs.append(None)
-                continue
-            n = params.logprobs
-            row_logprobs = dict(zip(top_ids[row][:n], top_values[row][:n], strict=True))
-            row_logprobs[tokens[row]] = chosen[row]
-            logprobs.append(row_logprobs)
-        return tokens, logprobs
+            return [], None, prompt_logprobs
+        logprobs = None
+        if self.host_samples.logprobs is not None:
+            logprobs = logprob_dicts(self.host_samples, [seq.params.logprobs for seq in self.step.sampling_seqs])
+        return self.host_samples.tokens.tolist(), logprobs, prompt_logprobs
 
 
 class ModelRunner:
@@ -147,10 +157,12 @@ class ModelRunner:
         max_blocks = -(-config.max_model_len // self.block_size)
         self.max_blocks_per_seq = round_up(max_blocks, BLOCK_TABLE_WIDTH_MULTIPLE)
         # 1) the model in the serving dtype, and the sampler
-        self.kernels = get_kernels(config.kernels)
+        kernels = get_kernels(config.kernels)
         self.dtype = config.torch_dtype(checkpoint_dtype(hf_config))
-        self.model = build_model(args, model_dir, self.dtype, self.device, self.kernels, tp)
-        self.sampler = Sampler(self.kernels)
+        self.kv_dtype = config.kv_cache_torch_dtype(self.dtype)
+        self.model = build_model(args, model_dir, self.dtype, self.device, kernels, tp)
+        self.sampler = Sampler(kernels)
+        self.penalties = Penalties(config.max_num_seqs, args.vocab_size, self.device)  # used by rank 0 only
         # 2) the KV cache: as many blocks as the memory left after a warm-up run of 1) holds
         if self.device.type == "cuda":
             self.warm_up()
@@ -168,10 +180,10 @@ class ModelRunner:
             self.block_size,
             self.num_kv_heads,
             args.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
-        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(args.num_layers)]
+        self.kv_caches = list(zip(*self.kv_cache, strict=True))  # per layer i: (kv_cache[0, i], kv_cache[1, i])
         logger.info(self.kv_account())
         # 3) the decode graphs, captured over that cache
         self.graphs = None
@@ -188,7 +200,7 @@ class ModelRunner:
     # ---- the KV cache -----------------------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.args.kv_bytes_per_token(self.dtype, self.tp.size)  # this rank's share
+        return self.args.kv_bytes_per_token(self.kv_dtype, self.tp.size)  # this rank's share
 
     def kv_account(self) -> str:
         """One line: the per-token formula with this model's numbers, the pool's size, and what sized it."""
@@ -202,8 +214,9 @@ class ModelRunner:
             sized_by = f"{self.config.gpu_memory_utilization:.0%} of the GPU less weights, activations"
         return (
             f"KV cache: 2 (K, V) x {args.num_layers} layers x {self.num_kv_heads} KV heads x {args.head_dim} "
-            f"x {self.dtype.itemsize} bytes ({dtype_name(self.dtype)}) = {self.kv_bytes_per_token / 1024:.1f} KiB per "
-            f"token; {self.num_kvcache_blocks} blocks x {self.block_size} = {num_tokens:,} tokens, "
+            f"x {self.kv_dtype.itemsize} bytes ({str(self.kv_dtype).removeprefix('torch.')}) "
+            f"= {self.kv_bytes_per_token / 1024:.1f} KiB per token; "
+            f"{self.num_kvcache_blocks} blocks x {self.block_size} = {num_tokens:,} tokens, "
             f"{num_tokens * self.kv_bytes_per_token / 2**30:.2f} GiB ({sized_by})"
         )
 
@@ -212,28 +225,30 @@ class ModelRunner:
         # More blocks than every sequence at full length need only feed the prefix cache, and each costs a
         # Python object in the block manager: small models would otherwise get millions.
         enough = self.config.max_num_seqs * self.max_blocks_per_seq
-        if self.device.type == "cpu":
-            return min(CPU_KV_CACHE_BYTES // block_bytes, enough)
-        free, total = torch.cuda.mem_get_info()
-        outside_torch = total - free - torch.cuda.memory_reserved()  # CUDA context, other processes
-        peak = torch.cuda.max_memory_allocated()  # weights + the largest step's activations (warm_up's)
-        budget = total * self.config.gpu_memory_utilization - outside_torch - peak
-        if budget < block_bytes:
-            raise InvalidField(
-                "gpu_memory_utilization",
-                f"{self.config.gpu_memory_utilization} leaves no memory "
-                f"for the KV cache (weights and activations take {peak / 2**30:.1f} GiB)",
-            )
+        budget = CPU_KV_CACHE_BYTES
+        if self.device.type == "cuda":  # the share of the GPU given to the engine, less what is taken already
+            free, total = torch.cuda.mem_get_info()
+            outside_torch = total - free - torch.cuda.memory_reserved()  # CUDA context, other processes
+            peak = torch.cuda.max_memory_allocated()  # weights + the largest step's activations (warm_up's)
+            budget = total * self.config.gpu_memory_utilization - outside_torch - peak
+            if budget < block_bytes:
+                raise InvalidField(
+                    "gpu_memory_utilization",
+                    f"{self.config.gpu_memory_utilization} leaves no memory "
+                    f"for the KV cache (weights and activations take {peak / 2**30:.1f} GiB)",
+                )
         return min(int(budget // block_bytes), enough)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Before the KV cache exists: compile a prefill kernel per query-tile size (Triton compiles on first use: no
-        request should wait for that), then run the biggest step the scheduler can make (max_num_batched_tokens of
-        prefill; logits and the sampler's costliest path for max_num_seqs rows) to measure the memory left."""
+        """Before the KV cache exists: compile a prefill kernel per query-tile size, and with them the decode kernels
+        (every step launches them; they have one variant for any batch size, so an eager run, too, never waits for a
+        compile: Triton compiles on first use), then run the biggest step the scheduler can make
+        (max_num_batched_tokens of prefill; logits and the sampler's costliest path for max_num_seqs rows) to measure
+        the memory left."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        for tile in prefill_tile_sizes():
+        for tile in prefill_tile_sizes(self.dtype):
             self._dummy_prefill([tile])
         config = self.config
         # the step budget of prompt tokens, cut into sequences no longer than max_model_len
@@ -244,29 +259,19 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[:1].expand(n, -1))
         self.sampler(logits, [PROFILE_SAMPLING] * n, [1] * n, [frozenset()] * n)  # the allocator counts at launch
 
-    def _dummy_prefill(self, seq_lens: list[int]) -> torch.Tensor:
-        """A prefill whose K/V go nowhere (padded slots, one zeroed scratch block): warm-up without the real cache."""
-        num_tokens = sum(seq_lens)
+    def _dummy_prefill(self, seq_lens: list[int]) -> Tensor:
+        """A prefill of sequences of token 0 whose K/V go nowhere that matters: every entry of their block tables is
+        block 0 of a zeroed scratch cache, so warm-up runs the real step path without the real cache."""
         scratch = torch.zeros(
-            2, 1, self.block_size, self.num_kv_heads, self.args.head_dim, dtype=self.dtype, device=self.device
+            2, 1, self.block_size, self.num_kv_heads, self.args.head_dim, dtype=self.kv_dtype, device=self.device
         )
-        query_start_loc = [0]
-        for seq_len in seq_lens:
-            query_start_loc.append(query_start_loc[-1] + seq_len)
-        lists = StepLists(
-            input_ids=[0] * num_tokens,
-            positions=[0] * num_tokens,
-            slot_mapping=[PAD_SLOT] * num_tokens,
-            query_start_loc=query_start_loc,
-            context_lens=seq_lens,
-            block_tables=array.array("i", bytes(4 * len(seq_lens) * self.max_blocks_per_seq)),  # all block 0
-            sample_rows=[0],
-            pending_at=[],
-            pending_rows=[],
-            block_copies=[],
-        )
-        inputs = step_inputs(*upload(lists, self.device), previous_tokens=None)
-        return self.model(inputs.input_ids, inputs.positions, [tuple(scratch)] * self.args.num_layers, inputs.meta)
+        step = Step()
+        for n in seq_lens:
+            seq = Sequence([0] * n, SamplingParams(), self.block_size)
+            seq.block_table = array.array("i", bytes(4 * self.max_blocks_per_seq))  # all block 0
+            step.scheduled.append(ScheduledSeq(seq, start=0, num_new_tokens=n, picks_next_token=False))
+        views, meta = step_inputs(*upload(flatten_step(step, self.block_size, None), self.device), previous_tokens=None)
+        return self.model(views.input_ids, views.positions, [tuple(scratch)] * self.args.num_layers, meta)
 
     # ---- one step ---------------------------------------------------------------------------------
     def prepare(self, step: Step, previous: InFlightStep | None) -> StepLists:
@@ -277,54 +282,79 @@ class ModelRunner:
     def launch(self, step: Step, previous: InFlightStep | None) -> InFlightStep:
         """Queue one step on the device and return without waiting for it. `previous`, the step launched before
         and maybe not yet read back, holds the values of this step's PENDING decode inputs."""
-        header, flat = upload(self.prepare(step, previous), self.device)
+        lists = self.prepare(step, previous)
+        header, flat = upload(lists, self.device)
         try:
             if self.workers is not None:  # tensor parallel: every rank runs the step; rank 0 samples
                 self.workers.send_step(header, flat)  # the header as host ints: no copy to the device, no sync
             previous_tokens = previous.device_tokens if previous is not None else None
-            logits = self.execute(header, flat, previous_tokens)
-            if logits is None:
-                return InFlightStep(step, None)
-            sampling_seqs = step.sampling_seqs
-            samples = self.sampler(
-                logits,
-                [seq.params for seq in sampling_seqs],
-                [seq.num_tokens for seq in sampling_seqs],
-                [banned_token_ids(seq) for seq in sampling_seqs],
-            )
-            if self.workers is not None:
-                dist.broadcast(samples.tokens, 0)  # the workers' next decode inputs
-            return InFlightStep(step, samples)
+            prompt_top_n = 0  # the most top logprobs a prompt row asks for; ordinary steps skip the look
+            if lists.prompt_rows:
+                prompt_top_n = max(s.seq.params.prompt_logprobs or 0 for s in step.scheduled)
+            logits, prompt_samples = self.execute(header, flat, previous_tokens, prompt_top_n)
+            samples = None  # a step of prompt chunks only samples nothing
+            if logits is not None:
+                sampling_seqs = step.sampling_seqs
+                samples = self.sampler(
+                    logits,
+                    [seq.params for seq in sampling_seqs],
+                    [seq.num_tokens for seq in sampling_seqs],
+                    [banned_token_ids(seq) for seq in sampling_seqs],
+                    self.penalties.for_step(sampling_seqs),
+                )
+                if self.workers is not None:
+                    dist.broadcast(samples.tokens, 0)  # the workers' next decode inputs
+            return InFlightStep(step, samples, prompt_samples)
         except BaseException as error:  # Ctrl-C too: the workers may be waiting inside the step
             if self.workers is not None:
                 self.workers.failed(error)  # raises, naming the rank at fault
             raise
 
     def execute(
-        self, header: StepHeader, flat: torch.Tensor, previous_tokens: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """Every rank: a step's forward pass (a graph replay if decode-only) and its sampling rows' logits (or None)."""
-        inputs = step_inputs(header, flat, previous_tokens)
-        if len(inputs.block_copies):  # copy-on-write: a fork's shared partial block, before the step writes into it
-            source, destination = inputs.block_copies.unbind(1)
-            self.kv_cache[:, :, destination] = self.kv_cache[:, :, source]  # [K or V, layer, block, ...]
-        if inputs.meta.decode_only and self.graphs is not None:
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        self, header: StepHeader, flat: Tensor, previous_tokens: Tensor | None, prompt_top_n: int = 0
+    ) -> tuple[Tensor | None, Samples | None]:
+        """Every rank: a step's forward pass (a graph replay if decode-only), its sampling rows' logits and its prompt
+        rows' logprobs with the top prompt_top_n (each None if the step has no such rows; a worker's are dropped)."""
+        views, meta = step_inputs(header, flat, previous_tokens)  # StepLists of int32 views on the device
+        if len(views.block_copies):  # copy-on-write: a fork's shared partial block, before the step writes into it
+            source, destination = views.block_copies.view(-1, 2).long().unbind(1)
+            cache = self.kv_cache.view(torch.uint8)  # as bytes: any KV dtype, fp8 included; [K or V, layer, block, ...]
+            cache[:, :, destination] = cache[:, :, source]
+        if meta.decode_only and self.graphs is not None:
+            hidden = self.graphs.run(views.input_ids, views.positions, meta)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        if len(inputs.sample_rows) == 0:
-            return None
-        return self.model.compute_logits(hidden[inputs.sample_rows])
+            hidden = self.model(views.input_ids, views.positions, self.kv_caches, meta)
+        prompt_samples = None
+        if len(views.prompt_rows):
+            prompt_samples = self.prompt_logprobs(hidden, views.prompt_rows, views.prompt_next_ids, prompt_top_n)
+        if not len(views.sample_rows):
+            return None, prompt_samples
+        return self.model.compute_logits(hidden[views.sample_rows]), prompt_samples
+
+    def prompt_logprobs(self, hidden: Tensor, prompt_rows: Tensor, next_ids: Tensor, top_n: int) -> Samples:
+        """Per prompt row, the next prompt token (as the row's "sample") with its logprob and the top_n, in fp32 from
+        the log_softmax of the row's logits. A step may hold thousands of prompt rows and the vocabulary 152k
+        entries, so the logits are made in slices of max_num_seqs rows, the most warm_up measured memory for (the
+        sampler's rows): they never need memory the KV cache has taken. Every rank makes them (each slice gathers the
+        vocabulary across ranks)."""
+        next_ids = next_ids.long()
+        slice_rows = self.config.max_num_seqs
+        pieces = []  # per slice: (chosen, top values, top ids)
+        for rows, ids in zip(prompt_rows.split(slice_rows), next_ids.split(slice_rows), strict=True):
+            logprobs = self.model.compute_logits(hidden[rows]).float().log_softmax(-1)  # [rows, vocab]
+            pieces.append((logprobs.gather(-1, ids[:, None])[:, 0], *logprobs.topk(top_n, dim=-1)))
+        columns = zip(*pieces, strict=True)  # chosen, top values, top ids: each concatenated over the slices
+        return Samples(next_ids, SampledLogprobs(*(torch.cat(column) for column in columns)))
 
     @torch.inference_mode()
-    def run_worker_step(self, header: StepHeader, previous_tokens: torch.Tensor | None) -> torch.Tensor | None:
+    def run_worker_step(self, header: StepHeader, previous_tokens: Tensor | None) -> Tensor | None:
         """A worker rank's step, once rank 0 has sent its header (workers.py): receive the step's buffer, run it, and
         receive the tokens rank 0 sampled. Returns the tokens the next step's PENDING inputs come from."""
         flat = torch.empty(header.buffer_len(), dtype=torch.int32, device=self.device)
         dist.broadcast(flat, 0)
-        logits = self.execute(header, flat, previous_tokens)
+        logits, _ = self.execute(header, flat, previous_tokens)
         if logits is None:  # nothing sampled: the previous samples stay the ones to read from
             return previous_tokens
-        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=self.device)
+        tokens = logits.new_empty(len(logits), dtype=torch.int64)  # one per sampling row
         dist.broadcast(tokens, 0)
         return tokens

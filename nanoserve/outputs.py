@@ -16,13 +16,17 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" (EOS, stop id, stop string), "length", "abort"; None while running
     logprobs: list[dict[int, float]] | None  # per token: {token_id: logprob}, the top-N and the chosen
     cumulative_logprob: float | None
-    text_delta: str = ""  # streaming: the text added since this request's previous output
+    text_delta: str = ""  # the text added since this request's previous output (all of it, the first time)
     token_ids_delta: list[int] = field(default_factory=list)
 
 
 @dataclass
 class RequestMetrics:
-    arrival_time: float
+    """vLLM's request timings: time.time() readings (wall clock, seconds since the epoch), and the wait in between."""
+
+    arrival_time: float = field(default_factory=time.time)  # when the request was made
+    first_scheduled_time: float | None = None  # the first step that computed any of it
+    time_in_queue: float | None = None  # first_scheduled_time - arrival_time
     first_token_time: float | None = None
     finished_time: float | None = None
 
@@ -36,15 +40,18 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int  # prompt tokens served by the prefix cache (of the first sample)
     metrics: RequestMetrics
+    # per prompt token, when asked for (prompt_logprobs=N): None for the first, then {token_id: logprob} of the
+    # token and the top N at its position, as vLLM; one list for all n samples (they share the prompt)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
+@dataclass(eq=False)  # a request is itself, never equal to another one
 class Request:
-    def __init__(self, request_id: str, prompt: str | None, seqs: list[Sequence], stream: bool) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.seqs = seqs  # one per sample (n)
-        self.stream = stream
-        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+    request_id: str
+    prompt: str | None
+    seqs: list[Sequence]  # one per sample (n)
+    stream: bool
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     @property
     def finished(self) -> bool:
@@ -63,22 +70,23 @@ class Request:
             self.finished,
             first.num_cached_tokens or 0,
             self.metrics,
+            list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
         )
 
     def _completion(self, index: int, seq: Sequence) -> CompletionOutput:
         decoded = seq.text
         token_ids = seq.completion_token_ids
-        text_delta = take_stream_delta(seq) if self.stream else ""  # advances decoded.num_streamed
+        text_delta = take_stream_delta(seq)  # advances decoded.num_streamed (without streaming: all of it, at the end)
         token_ids_delta = token_ids[decoded.num_tokens_streamed :]
         decoded.num_tokens_streamed = len(token_ids)
         wants_logprobs = seq.params.logprobs is not None
-        return CompletionOutput(
-            index=index,
-            text=decoded.final if seq.is_finished else decoded.text[: decoded.num_streamed],
-            token_ids=token_ids,
-            finish_reason=seq.finish_reason,
-            logprobs=list(seq.logprobs) if wants_logprobs else None,
-            cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-            text_delta=text_delta,
-            token_ids_delta=token_ids_delta,
+        return CompletionOutput(  # in the fields' order
+            index,
+            decoded.text[: decoded.num_streamed],  # the text: once finished, all of decoded.final, streamed by now
+            token_ids,
+            seq.finish_reason,
+            list(seq.logprobs) if wants_logprobs else None,
+            seq.cumulative_logprob if wants_logprobs else None,
+            text_delta,
+            token_ids_delta,
         )

@@ -7,16 +7,13 @@ gloo on CPUs). Each rank holds 1/N of every projection and of the KV cache's hea
 This file holds the layers, which the model, the loader and the runner import; the processes that run the ranks are in
 workers.py. With one rank nothing communicates."""
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-
-# how a parameter copies its part of a checkpoint tensor: (parameter, checkpoint tensor) -> None
-WeightLoader = Callable[[nn.Parameter, torch.Tensor], None]
+from torch import Tensor, nn
 
 
 @dataclass(frozen=True)
@@ -25,13 +22,10 @@ class TP:
     size: int = 1
     local_rank: int = 0  # this rank's GPU among its machine's (torchrun's LOCAL_RANK)
 
-    def loader(self, dim: int) -> WeightLoader:
-        """A weight_loader that copies this rank's 1/size slice of a checkpoint tensor along dim."""
-
-        def load_slice(param: nn.Parameter, tensor: torch.Tensor) -> None:
-            param.data.copy_(tensor.chunk(self.size, dim)[self.rank])
-
-        return load_slice
+    def load_slice(self, param: Tensor, tensor: Tensor, dim: int = 0) -> None:
+        """A weight_loader (how a parameter copies its part of a checkpoint tensor): this rank's 1/size slice of
+        the tensor along dim."""
+        param.data.copy_(tensor.chunk(self.size, dim)[self.rank])
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -45,9 +39,9 @@ class ColumnParallelLinear(nn.Linear):
         for param in self.parameters():
             param.weight_loader = self.load_shard
 
-    def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: int = 0) -> None:
-        start = sum(self.shard_sizes[:shard])
-        self.tp.loader(0)(param.data[start : start + self.shard_sizes[shard]], tensor)
+    def load_shard(self, param: nn.Parameter, tensor: Tensor, shard: int = 0) -> None:
+        """Fused projection number `shard` (q, k, v: 0, 1, 2; gate, up: 0, 1): this rank's rows of it."""
+        self.tp.load_slice(param.data.split(self.shard_sizes)[shard], tensor)
 
 
 class RowParallelLinear(nn.Linear):
@@ -56,9 +50,9 @@ class RowParallelLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TP) -> None:
         super().__init__(in_features // tp.size, out_features, bias=bias)
         self.tp = tp
-        self.weight.weight_loader = tp.loader(1)
+        self.weight.weight_loader = partial(tp.load_slice, dim=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         if self.tp.size == 1:
             return super().forward(x)
         y = F.linear(x, self.weight)
@@ -72,10 +66,10 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, vocab_size: int, dim: int, tp: TP) -> None:
         super().__init__(vocab_size // tp.size, dim)
         self.tp = tp
-        self.first_id = tp.rank * (vocab_size // tp.size)  # the first vocabulary id this rank holds
-        self.weight.weight_loader = tp.loader(0)
+        self.first_id = tp.rank * self.num_embeddings  # the first vocabulary id this rank holds
+        self.weight.weight_loader = tp.load_slice
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: Tensor) -> Tensor:
         if self.tp.size == 1:
             return super().forward(ids)
         local = ids - self.first_id
@@ -85,7 +79,7 @@ class VocabParallelEmbedding(nn.Embedding):
         return x
 
 
-def gather_vocab(logits: torch.Tensor, tp: TP) -> torch.Tensor:
+def gather_vocab(logits: Tensor, tp: TP) -> Tensor:
     """[rows, vocab / N] on each rank -> [rows, vocab] on every rank."""
     if tp.size == 1:
         return logits

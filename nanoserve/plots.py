@@ -10,6 +10,7 @@ id; orange cells are shared through the prefix cache (one copy of a common prefi
 (LLM.beam_search), the rows are the beams alive at the end, and orange cells the blocks they share since their forks:
 the prompt's, held once, and their common history."""
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -110,18 +111,20 @@ def pyplot() -> ModuleType:
 
 
 def plot_kv_blocks(steps: list[dict], ax: "Axes") -> None:
-    x, b = [s["step"] for s in steps], [s["blocks"] for s in steps]  # "free" counts the cached blocks too
+    x = [s["step"] for s in steps]
+    # per step; "free" counts the cached blocks too
+    used, cached, free = np.array([[s["blocks"][key] for key in ("used", "cached", "free")] for s in steps]).T
     ax.stackplot(
         x,
-        [c["used"] for c in b],
-        [c["cached"] for c in b],
-        [c["free"] - c["cached"] for c in b],
+        used,
+        cached,
+        free - cached,
         labels=["used", "cached (free, prefix kept)", "free"],
         colors=["tab:blue", "tab:orange", "0.9"],
     )
     for i, s in enumerate(s for s in steps if s["preempted"]):
         ax.axvline(s["step"], color="red", lw=0.8, ls="--", label=None if i else "preemption")
-    total, top = b[0]["used"] + b[0]["free"], max(c["used"] + c["cached"] for c in b)
+    total, top = used[0] + free[0], max(used + cached)
     ax.set_ylim(0, min(total, 2 * top + 4))  # in a big pool, the free blocks above this are cut off
     ax.set(xlabel="step", ylabel="KV blocks", title=f"KV block pool after each step (of {total} blocks)")
 
@@ -157,17 +160,20 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
     first = max(0, max(map(len, tables.values()), default=0) - MAX_CELLS) if forked else 0
     ids, rows = list(tables), [t[first : first + MAX_CELLS] for t in tables.values()]
     width = max(map(len, rows), default=1)
-    grid = np.array([[0.0] * len(t) + [np.nan] * (width - len(t)) for t in rows]).reshape(-1, width)  # 1: shared
-    for i, j in ((i, j) for i in range(len(rows)) for j in range(len(rows)) if i != j):
-        n = next(
-            (k for k, (u, v) in enumerate(zip(rows[i], rows[j], strict=False)) if u != v),
-            min(len(rows[i]), len(rows[j])),
-        )
-        grid[i, : max(0, min(n, max(hits[ids[i]], hits[ids[j]]) - first))] = 1  # same blocks, found or forked
+    grid = np.full((len(rows), width), np.nan)  # per cell: 0 private, 1 shared, NaN past the table's end
+    for i, row in enumerate(rows):
+        grid[i, : len(row)] = 0
+        for j, block in enumerate(row):  # each cell labelled with its physical block id
+            ax.text(j + 0.5, i + 0.5, str(block), ha="center", va="center", fontsize=9 if width <= 16 else 6)
+    # Row i's block k is shared when another row holds the same blocks up to k, and one of the two found them cached
+    # or forked from the other
+    for i, j in itertools.permutations(range(len(rows)), 2):
+        for k in range(min(len(rows[i]), len(rows[j]), max(hits[ids[i]], hits[ids[j]]) - first)):
+            if rows[i][k] != rows[j][k]:
+                break
+            grid[i, k] = 1
     colors = pyplot().matplotlib.colors.ListedColormap(["lightsteelblue", "orange"])  # private, shared
     ax.pcolormesh(np.ma.masked_invalid(grid), cmap=colors, vmin=0, vmax=1, edgecolors="white", linewidth=3)
-    for i, j in np.argwhere(~np.isnan(grid)):
-        ax.text(j + 0.5, i + 0.5, str(rows[i][j]), ha="center", va="center", fontsize=9 if width <= 16 else 6)
     ax.set_xticks(np.arange(width) + 0.5, range(first, first + width))
     ax.set_yticks(np.arange(len(rows)) + 0.5, [f"seq {i}" for i in ids])
     ax.set(
@@ -179,11 +185,11 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
 
 def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
     """Write kv_blocks.png, batches.png and block_tables.png for the trace into out_dir; returns their paths."""
-    steps = [json.loads(line) for line in Path(trace_path).read_text().splitlines() if line.strip()]
+    steps = [json.loads(line) for line in Path(trace_path).read_text().splitlines()]
     plt = pyplot()
     out_dir = Path(out_dir)
-    paths = []
     out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
     for name, draw, panels in (
         ("kv_blocks", plot_kv_blocks, 1),
         ("batches", plot_batches, 2),
@@ -193,7 +199,7 @@ def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
         draw(steps, *axes[:, 0])
         for ax in axes[:, 0] if name != "block_tables" else []:  # the block tables' colours are in their title
             ax.legend(loc="upper right", fontsize=8)
-        fig.savefig(out_dir / f"{name}.png", dpi=100)
-        plt.close(fig)
         paths.append(out_dir / f"{name}.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
     return paths

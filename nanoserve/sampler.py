@@ -1,27 +1,32 @@
 """Turns one step's logits into next tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds, and logprobs,
-batched on the device. Nothing here waits for the GPU: what a call returns, Samples (the tokens and, when asked for,
-their logprobs), stays on the device, where the next step reads its inputs, and the model runner copies it back.
+batched on the device, after logit_bias and the repetition, presence and frequency penalties (penalties.py). Nothing
+here waits for the GPU: what a call returns, Samples (the tokens and, when asked for, their logprobs), stays on the
+device, where the next step reads its inputs, and the model runner copies it back.
 
 Every row is drawn the same way: argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T) (the Gumbel-max
 trick), plain argmax when T = 0. Top-k, top-p and min-p only set the logits they drop to -inf first. The Triton kernel
-draws each row in one pass over its logits, making the noise in registers from a per-row seed; its PyTorch reference
-writes the noise out with a seeded generator per row: the backends draw different (equally valid) samples for a seed."""
+reads each row's logits once, split over many programs (each a chunk of the vocabulary: its best entry and value), and
+makes the noise in registers from a per-row seed, four uniforms per Philox call; a small second pass keeps each row's
+best chunk. Its PyTorch reference writes the noise out with a seeded generator per row: the backends draw different
+(equally valid) samples for a seed."""
 
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 
 from nanoserve.sampling_params import MAX_TEMPERATURE, SEED_RANGE, SamplingParams
 from nanoserve.triton_shim import tl, triton
 
-if TYPE_CHECKING:  # for an annotation only: kernels.py imports this file, so this file does not import it at runtime
+if TYPE_CHECKING:  # for annotations only: kernels.py and penalties.py import this file, so it imports neither
     from nanoserve.kernels import Kernels
+    from nanoserve.penalties import StepPenalties
 
 SEED_MIX = 1_000_003  # mixes a request's seed with its length, so each step draws fresh noise
-GUMBEL_TILE = 2048  # vocabulary entries per step of the sampling kernel's loop
-GUMBEL_NUM_WARPS = 8
+GUMBEL_TILE = 1024  # vocabulary entries per program of the sampling kernel: ~150 programs per row of a 152k vocabulary
+GUMBEL_NUM_WARPS = 4
 # A temperature T > 0 is used clamped into [MIN_TEMPERATURE, MAX_TEMPERATURE], so that logits / T stays finite and
 # never NaN (a huge T made -inf / inf = NaN, which argmax picks; a tiny one made every top logit +inf, a tie the noise
 # could not break). Below MIN_TEMPERATURE the draw is already the argmax unless two logits lie within ~1e-5 of each
@@ -34,37 +39,40 @@ MIN_TEMPERATURE = 1e-6
 class SampledLogprobs:
     """Per row: the chosen token's logprob and the top-N logprobs with their ids (N = the most any row asked for)."""
 
-    chosen: torch.Tensor  # [rows] fp32
-    top_values: torch.Tensor  # [rows, N] fp32
-    top_ids: torch.Tensor  # [rows, N] int64
+    chosen: Tensor  # [rows] fp32
+    top_values: Tensor  # [rows, N] fp32
+    top_ids: Tensor  # [rows, N] int64
 
 
 @dataclass
 class Samples:
     """One step's draws, on the device: the next step reads its decode inputs from `tokens` there."""
 
-    tokens: torch.Tensor  # [rows] int64
+    tokens: Tensor  # [rows] int64
     logprobs: SampledLogprobs | None = None  # None when no row asked for logprobs
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, out_ptr, vocab_size, TILE: tl.constexpr):
-    # program r: row r's token, argmax(logits / T - log(E)) with E ~ Exp(1), a draw from softmax(logits / T);
-    # plain argmax when T = 0. Column c's noise depends only on (seed, c): the tile size cannot change a draw.
-    row = tl.program_id(0)
+def _gumbel_argmax_kernel(
+    logits_ptr, stride, temperature_ptr, seed_ptr, chunk_best_ptr, chunk_id_ptr, vocab_size, TILE: tl.constexpr
+):
+    # program (row, chunk): the best entry of the row's columns [chunk * TILE, (chunk + 1) * TILE) by
+    # logits / T - log(E) with E ~ Exp(1) (the argmax over all chunks is a draw from softmax(logits / T)); by the
+    # plain logits when T = 0. The best value and its column go to chunk_best and chunk_id, [rows, chunks].
+    row, chunk = tl.program_id(0), tl.program_id(1)
     temperature, seed = tl.load(temperature_ptr + row), tl.load(seed_ptr + row)
-    best, best_id = tl.full([], float("-inf"), tl.float32), tl.full([], 0, tl.int32)
-    for start in range(0, vocab_size, TILE):
-        cols = start + tl.arange(0, TILE)
-        x = tl.load(logits_ptr + row * stride + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
-        if temperature > 0:
-            exp_noise = -tl.log(tl.rand(seed, cols))  # -log(u), u ~ U[0, 1): E ~ Exp(1)
-            x = x / temperature - tl.log(exp_noise)  # -log(E) is Gumbel noise
-        tile_best = tl.max(x, 0)
-        take = tile_best > best  # strict: the first of equal maxima wins, as in torch.argmax
-        best_id = tl.where(take, start + tl.argmax(x, 0), best_id)
-        best = tl.where(take, tile_best, best)
-    tl.store(out_ptr + row, best_id)
+    cols = chunk * TILE + tl.arange(0, TILE)
+    x = tl.load(logits_ptr + row * stride + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+    if temperature > 0:
+        # one Philox call (counter c // 4) gives the uniforms of columns c .. c + 3: a column's noise depends only on
+        # (seed, column), never on the tile size
+        u0, u1, u2, u3 = tl.rand4x(seed, chunk * (TILE // 4) + tl.arange(0, TILE // 4))  # 4 x [TILE / 4] in [0, 1)
+        u = tl.interleave(tl.interleave(u0, u2), tl.interleave(u1, u3))  # [TILE]: u0[0], u1[0], u2[0], u3[0], u0[1]..
+        x = x / temperature - tl.log(-tl.log(u))  # -log(u) ~ Exp(1); -log of that is Gumbel noise
+    best, best_col = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)  # first of equal maxima
+    out = row * tl.num_programs(1) + chunk  # (row, chunk) in the [rows, chunks] outputs
+    tl.store(chunk_best_ptr + out, best)
+    tl.store(chunk_id_ptr + out, chunk * TILE + best_col)
 
 
 def sampling_temperature(temperature: float) -> float:
@@ -74,56 +82,46 @@ def sampling_temperature(temperature: float) -> float:
     return min(max(temperature, MIN_TEMPERATURE), MAX_TEMPERATURE)
 
 
-def gumbel_argmax(logits: torch.Tensor, temperatures: list[float], seeds: list[int]) -> torch.Tensor:
+def gumbel_argmax(logits: Tensor, temperatures: list[float], seeds: list[int]) -> Tensor:
     """logits: [rows, vocab] -> [rows] int64 token ids, one draw per row from softmax(logits / T)."""
     num_rows, vocab_size = logits.shape
-    tokens = torch.empty(num_rows, dtype=torch.int32, device=logits.device)
-    _gumbel_argmax_kernel[(num_rows,)](
+    num_chunks = triton.cdiv(vocab_size, GUMBEL_TILE)
+    chunk_best = logits.new_empty(num_rows, num_chunks, dtype=torch.float32)
+    chunk_id = torch.empty_like(chunk_best, dtype=torch.int64)
+    _gumbel_argmax_kernel[(num_rows, num_chunks)](
         logits,
         logits.stride(0),
         to_device(temperatures, torch.float32, logits.device),
         to_device(seeds, torch.int64, logits.device),
-        tokens,
+        chunk_best,
+        chunk_id,
         vocab_size,
         TILE=GUMBEL_TILE,
         num_warps=GUMBEL_NUM_WARPS,
     )
-    return tokens.long()
+    best_chunk = chunk_best.argmax(-1, keepdim=True)  # the second pass: the first of equal maxima, as in a chunk
+    return chunk_id.gather(-1, best_chunk)[:, 0]
 
 
-def gumbel_argmax_ref(logits: torch.Tensor, temperatures: list[float], seeds: list[int]) -> torch.Tensor:
+def gumbel_argmax_ref(logits: Tensor, temperatures: list[float], seeds: list[int]) -> Tensor:
     """logits: [rows, vocab] -> [rows] int64: the same draw as gumbel_argmax, its noise from a generator per row.
     Greedy rows (T = 0) take the plain argmax: no noise is drawn for them and nothing is divided, which is most of
     the sampler's time on a CPU. A sampled row's noise depends on its own seed only, whatever rows sit beside it."""
     tokens = logits.argmax(-1)  # every row's greedy token; the sampled rows are overwritten below
-    sampled = [row for row, t in enumerate(temperatures) if t > 0]
-    if not sampled:
-        return tokens
     generator = torch.Generator(logits.device)
-    noise = torch.empty(len(sampled), logits.shape[1], dtype=torch.float32, device=logits.device)
-    for i, row in enumerate(sampled):  # E ~ Exp(1) per entry; -log(E) is Gumbel noise
-        noise[i].exponential_(generator=generator.manual_seed(seeds[row]))
-    t = torch.tensor([temperatures[row] for row in sampled], device=logits.device)[:, None]
-    rows = torch.tensor(sampled, device=logits.device)
-    drawn = (logits[rows].float() / t - noise.log()).argmax(-1)
-    tokens[rows] = drawn
+    for row, (t, seed) in enumerate(zip(temperatures, seeds, strict=True)):
+        if t > 0:
+            generator.manual_seed(seed)
+            row_logits = logits[row].float()
+            noise = torch.empty_like(row_logits).exponential_(generator=generator)  # E ~ Exp(1)
+            tokens[row] = (row_logits / t - noise.log()).argmax()  # -log(E) is Gumbel noise
     return tokens
 
 
-def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A host list as a tensor on device, without waiting for the GPU."""
-    host = torch.tensor(rows, dtype=dtype)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)  # from pinned memory the copy is asynchronous
-    return host
-
-
-def ban_tokens(logits: torch.Tensor, banned: list[frozenset[int]]) -> None:
-    """In place: logits[row, id] = -inf for each id in banned[row], in one indexed write for the whole batch."""
-    rows = [row for row, ids in enumerate(banned) for _ in ids]
-    ids = [token for ids_of_row in banned for token in ids_of_row]
-    where = to_device([rows, ids], torch.long, logits.device)  # [2, num_banned]: (row, token id) pairs
-    logits[where[0], where[1]] = float("-inf")
+    host = torch.tensor(rows, dtype=dtype, pin_memory=device.type == "cuda")  # from pinned memory the copy is async
+    return host.to(device, non_blocking=True)  # host itself when device is the CPU
 
 
 class Sampler:
@@ -142,17 +140,28 @@ class Sampler:
         return (params.seed * SEED_MIX + length) % SEED_RANGE
 
     def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], lengths: list[int], banned: list[frozenset[int]]
+        self,
+        logits: Tensor,
+        params: list[SamplingParams],
+        lengths: list[int],
+        banned: list[frozenset[int]],
+        penalties: "StepPenalties | None" = None,
     ) -> Samples:
         """logits: [rows, vocab] in the model dtype; lengths: each row's sequence length with the token being
-        sampled; banned: ids a row may not pick (EOS before min_tokens). Returns the tokens and, if any row asked
-        for logprobs, their logprobs, all on the device."""
-        want_logprobs = any(p.logprobs is not None for p in params)
+        sampled; banned: ids a row may not pick (EOS before min_tokens); penalties: the rows that use a bias or a
+        penalty (penalties.py), or None. Returns the tokens and, if any row asked for logprobs, their logprobs, all on
+        the device. vLLM's order: bans, bias and penalties, then temperature and the filters."""
         logprobs = None
-        if want_logprobs:  # of the model's own distribution: before bans, filters and temperature
+        if any(p.logprobs is not None for p in params):
+            # of the model's own distribution (vLLM's default): before bias, penalties, filters and T
             logprobs = logits.float().log_softmax(-1)  # [rows, vocab]
         if any(banned):
-            ban_tokens(logits, banned)
+            # logits[row, id] = -inf for each id in banned[row], in one indexed write for the whole batch
+            pairs = [(row, token) for row, ids in enumerate(banned) for token in ids]
+            banned_rows, banned_ids = to_device(pairs, torch.long, logits.device).T  # [num_banned, 2], transposed
+            logits[banned_rows, banned_ids] = float("-inf")
+        if penalties is not None:
+            penalties.apply(logits)
         filtered = [row for row, p in enumerate(params) if p.filtered]
         if filtered:
             rows = to_device(filtered, torch.long, logits.device)
@@ -160,36 +169,33 @@ class Sampler:
         seeds = [self.noise_seed(p, length) for p, length in zip(params, lengths, strict=False)]
         temperatures = [sampling_temperature(p.temperature) for p in params]
         tokens = self.kernels.gumbel_argmax(logits, temperatures, seeds)
+        if penalties is not None:
+            penalties.count(tokens)  # on the device: the next step's penalties see these tokens, pending or not
         if logprobs is None:
             return Samples(tokens)
         num_top = max(p.logprobs or 0 for p in params)  # the most any row asked for; 0 gives empty rows
-        top_values, top_ids = logprobs.topk(num_top, dim=-1)
         chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
-        return Samples(tokens, SampledLogprobs(chosen, top_values, top_ids))
+        return Samples(tokens, SampledLogprobs(chosen, *logprobs.topk(num_top, dim=-1)))  # and the top values, ids
 
 
-def drop_filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def drop_filtered(logits: Tensor, params: list[SamplingParams]) -> Tensor:
     """Set to -inf what top-k, top-p and min-p drop, in that order (as vLLM and transformers do): top-p judged on
     softmax(logits / T) renormalised over what top-k kept; min-p on the ratio to the top token, which top-k does
     not change. logits: [rows, vocab] fp32."""
-    device, vocab = logits.device, logits.shape[-1]
-    t, top_k, top_p, min_p = to_device(
-        [
-            [sampling_temperature(p.temperature) or 1.0 for p in params],
-            [p.top_k if p.top_k > 0 else vocab for p in params],
-            [p.top_p for p in params],
-            [p.min_p for p in params],
-        ],
-        torch.float32,
-        device,
-    )
+    vocab = logits.shape[-1]
+    # per row (T, top-k, top-p, min-p), with greedy rows' T as 1 and top-k -1 as the whole vocabulary
+    rows = [
+        (sampling_temperature(p.temperature) or 1.0, p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p)
+        for p in params
+    ]
+    t, top_k, top_p, min_p = to_device(rows, torch.float32, logits.device).T[:, :, None]  # each a [rows, 1] column
     # sorted by the raw logits: the order cannot depend on T (a huge T used to round every scaled logit to one value)
     sorted_raw, order = logits.sort(-1, descending=True)
-    sorted_logits = sorted_raw / t[:, None]
-    drop = torch.arange(vocab, device=device) >= top_k[:, None]
+    sorted_logits = sorted_raw / t
+    drop = torch.arange(vocab, device=logits.device) >= top_k
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-    drop |= (top_p[:, None] < 1) & (probs.cumsum(-1) - probs >= top_p[:, None])  # keep while the mass before < top_p
-    drop |= sorted_logits < sorted_logits[:, :1] + min_p[:, None].log()  # p < min_p x p_max, in log space
+    drop |= (top_p < 1) & (probs.cumsum(-1) - probs >= top_p)  # keep while the mass before < top_p
+    drop |= sorted_logits < sorted_logits[:, :1] + min_p.log()  # p < min_p x p_max, in log space
     drop[:, 0] = False  # the most likely token always stays
-    drop_by_id = torch.zeros_like(drop).scatter(-1, order, drop)  # from sorted order back to vocabulary order
-    return logits.masked_fill(drop_by_id, float("-inf"))
+    kept = sorted_raw.masked_fill(drop, float("-inf"))
+    return logits.scatter(-1, order, kept)  # from sorted order back to vocabulary order (every entry is written)

@@ -8,11 +8,29 @@ OverflowError), and stored as a plain Python int or float, so nothing downstream
 import math
 import numbers
 import reprlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 MAX_INT = 2**63 - 1  # the largest count (or config size) accepted anywhere: it fits a torch.int64
 SEED_RANGE = 2**63  # a seed is used mod this: torch's generators take 64-bit seeds
 MAX_TEMPERATURE = 1e30  # far past where sampling is uniform to float32's precision; logits / T stays finite
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], OpenAI's range
+MAX_LOGIT_BIAS = 100.0  # a logit_bias lies in [-100, 100], OpenAI's range: -100 bans a token in practice
+# check_number's limits for SamplingParams' number fields (an integer's high is MAX_INT unless stated); min_tokens,
+# whose high is max_tokens, is checked after them
+NUMBER_LIMITS = {
+    "n": {"low": 1, "integer": True},
+    "temperature": {"low": 0, "high": MAX_TEMPERATURE},
+    "top_p": {"low": 0, "high": 1, "above_low": True},
+    "top_k": {"low": -1, "integer": True},
+    "min_p": {"low": 0, "high": 1},
+    "max_tokens": {"low": 1, "integer": True},
+    "seed": {"low": -math.inf, "high": math.inf, "integer": True},  # any integer: it is kept mod SEED_RANGE
+    "logprobs": {"low": 0, "integer": True},
+    "repetition_penalty": {"low": 0, "above_low": True},
+    "presence_penalty": {"low": -MAX_PENALTY, "high": MAX_PENALTY},
+    "frequency_penalty": {"low": -MAX_PENALTY, "high": MAX_PENALTY},
+    "prompt_logprobs": {"low": 0, "integer": True},
+}
 
 
 class InvalidField(ValueError):
@@ -54,7 +72,16 @@ def check_number(
     if value < low or (above_low and value == low) or value > high:
         opening = "(" if above_low else "["
         raise InvalidField(field, f"{shown(value)} is out of range {opening}{low}, {high}]")
-    return int(value) if integer else float(value)
+    return value if integer else float(value)  # an integer is a Python int already
+
+
+def check_numbers(settings: object, limits: dict[str, dict]) -> None:
+    """Each field of the dataclass `settings` that limits names goes through check_number with its limits and is
+    stored back as a plain int or float. A field whose default is None may be None: it is unset."""
+    for field in fields(settings):
+        value = getattr(settings, field.name)
+        if field.name in limits and (value is not None or field.default is not None):
+            setattr(settings, field.name, check_number(field.name, value, **limits[field.name]))
 
 
 def check_flag(field: str, value: object) -> None:
@@ -79,17 +106,17 @@ def is_integer(value: object) -> bool:
 
 def check_token_ids(field: str, ids: object) -> list[int]:
     """A list of integer token ids (a numpy array or tensor of them is fine): returned as plain ints."""
-    if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):
+    if hasattr(ids, "tolist"):
         ids = ids.tolist()  # a numpy array or a tensor
-    if not isinstance(ids, (list, tuple)) or not all(is_integer(t) for t in ids):
+    if not isinstance(ids, (list, tuple)) or not all(map(is_integer, ids)):
         raise InvalidField(field, "expected a list of integer token ids")
     return [int(t) for t in ids]
 
 
 @dataclass
 class SamplingParams:
-    """The ranges, beyond the comments below: counts (n, top_k, max_tokens, logprobs) are at most MAX_INT; any integer
-    seed is taken and kept mod SEED_RANGE, in [0, 2**63), as the sampler uses it anyway."""
+    """The ranges, beyond the comments below: counts (n, top_k, max_tokens, logprobs, prompt_logprobs) are at most
+    MAX_INT; any integer seed is taken and kept mod SEED_RANGE, in [0, 2**63), as the sampler uses it anyway."""
 
     n: int = 1  # completions of the prompt; they share its KV through the prefix cache
     temperature: float = 1.0  # in [0, MAX_TEMPERATURE = 1e30]; 0 means greedy: exact argmax
@@ -102,33 +129,43 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None  # reproducible samples, whatever else is batched; any int, kept mod 2**63: [0, 2**63)
-    logprobs: int | None = None  # return the chosen token's logprob and the top-N logprobs
+    # the chosen token's logprob and the top-N logprobs, of the model's own distribution (as vLLM returns them):
+    # before the bias, penalties, filters and temperature
+    logprobs: int | None = None
+    # logit_bias and penalties (penalties.py), before temperature and the filters, in vLLM's order
+    logit_bias: dict[int, float] | None = None  # {token id: bias in [-100, 100]} added to the logits
+    repetition_penalty: float = 1.0  # > 0, 1 is off: ids in the prompt or output so far, logit > 0 / it, < 0 x it
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted from the logit of every id in the output so far
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted once per occurrence of the id in the output so far
+    include_stop_str_in_output: bool = False  # keep the stop string (or the stop id's text) in the text
+    skip_special_tokens: bool = True  # special tokens' text (<|im_end|>, ...) left out of the text
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-N at its position (the first: None)
 
     def __post_init__(self) -> None:
-        self.n = check_number("n", self.n, low=1, integer=True)
-        self.temperature = check_number("temperature", self.temperature, low=0, high=MAX_TEMPERATURE)
-        self.top_p = check_number("top_p", self.top_p, low=0, high=1, above_low=True)
-        self.top_k = check_number("top_k", self.top_k, low=-1, integer=True)
+        check_numbers(self, NUMBER_LIMITS)
         if self.top_k == 0:
             raise InvalidField("top_k", "0 is out of range: -1 keeps all tokens, k >= 1 keeps k")
-        self.min_p = check_number("min_p", self.min_p, low=0, high=1)
-        self.max_tokens = check_number("max_tokens", self.max_tokens, low=1, integer=True)
-        self.min_tokens = check_number("min_tokens", self.min_tokens, low=0, high=self.max_tokens, integer=True)
-        check_flag("ignore_eos", self.ignore_eos)
+        self.min_tokens = check_number("min_tokens", self.min_tokens, 0, self.max_tokens, integer=True)
         if self.seed is not None:
-            self.seed = check_number("seed", self.seed, low=-math.inf, high=math.inf, integer=True) % SEED_RANGE
-        if self.logprobs is not None:
-            self.logprobs = check_number("logprobs", self.logprobs, low=0, integer=True)
-        if isinstance(self.stop, str):
-            stop = [self.stop]  # one stop string
-        else:
-            stop = self.stop or []
+            self.seed %= SEED_RANGE
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            check_flag(flag, getattr(self, flag))
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []  # one stop string, a list, or None
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise InvalidField("stop", f"{shown(self.stop)} is not a non-empty string or a list of them")
         self.stop = list(stop)
         self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids or [])
-
-    @property
-    def filtered(self) -> bool:
-        """Whether top-k, top-p or min-p trims the distribution before the draw."""
-        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+        bias = {} if self.logit_bias is None else self.logit_bias
+        if not isinstance(bias, dict) or not all(map(is_integer, bias)):
+            raise InvalidField("logit_bias", f"{shown(bias)} is not a dict of {{integer token id: bias}}")
+        # as plain ints and floats; the ids are checked against the vocabulary where it is known (LLM._make_request)
+        self.logit_bias = {
+            int(t): check_number("logit_bias", b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) for t, b in bias.items()
+        }
+        # derived, read for every row of every step (attributes: a property cost 40 us a step at 256 rows): the three
+        # penalties in the order penalties.py reads them, and whether a bias or a penalty applies, so that the sampler
+        # needs this request's row of counts (penalties.py)
+        self.penalties = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+        self.penalized = bool(self.logit_bias) or self.penalties != (1, 0, 0)
+        # derived too: whether top-k, top-p or min-p trims the distribution before the draw (sampler.drop_filtered)
+        self.filtered = self.top_k > 0 or self.top_p < 1 or self.min_p > 0

@@ -6,7 +6,7 @@ first: a decoding one costs one token, one still prefilling takes the next chunk
 decodes share one batch and a long prompt never stalls the decodes (chunked prefill). When the pool runs dry, the most
 recently admitted sequence is preempted: its blocks go back (still findable in the prefix cache) and it waits at the
 front of the queue to recompute its tokens later. Leftover budget admits waiting sequences, which first take whatever
-prefix of theirs is cached.
+prefix of theirs is cached (unless they asked for prompt_logprobs, which need logits at every prompt position).
 
 Each sequence's share of a step is booked as it is planned: its tokens count as computed, the full blocks they complete
 become findable at once (a request admitted later in the same step takes them: each layer writes all of a step's K/V
@@ -35,6 +35,7 @@ class ScheduledSeq:
 class Step:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue this step
     num_tokens: int = 0  # tokens computed in the step, counted as they are planned
     block_copies: list[int] = field(default_factory=list)  # copy-on-write (source, destination) pairs, flat
 
@@ -44,17 +45,15 @@ class Step:
         return [s.seq for s in self.scheduled if s.picks_next_token]
 
 
+@dataclass(eq=False)  # the constructor is written for us; schedulers compare by identity
 class Scheduler:
-    def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
-    ) -> None:
-        self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the last one is preempted first
-        self.num_preemptions = 0
+    block_manager: BlockManager
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    waiting: deque[Sequence] = field(default_factory=deque)
+    running: list[Sequence] = field(default_factory=list)  # in admission order: the last one is preempted first
+    num_preemptions: int = 0
 
     def check_fits(self, seq: Sequence, num_beams: int = 1) -> None:
         """Refuse a request that could not fit in the whole pool even alone: it would never finish. Beam search's beams
@@ -136,12 +135,13 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:  # a preempted sequence waits for its tokens' values
                 return
-            cached = self.block_manager.find_cached_prefix(seq)
+            cached = self.block_manager.find_cached_prefix(seq)  # none if it asked for prompt_logprobs
             num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, self._budget(step))
             if not self.block_manager.allocate(seq, num_new, cached):
                 return
             self.running.append(self.waiting.popleft())
             seq.status = SequenceStatus.RUNNING
+            step.admitted.append(seq)
             self._plan(step, seq, num_new)
 
     def update(self, step: Step, tokens: list[int], logprobs: list[dict[int, float] | None] | None) -> list[Sequence]:
@@ -149,11 +149,11 @@ class Scheduler:
         tokens. Returns the sequences that got one (those finished meanwhile drop it)."""
         got_token = []
         for row, seq in enumerate(step.sampling_seqs):
-            if seq.status == SequenceStatus.FINISHED:
+            if seq.is_finished:
                 continue
             seq.resolve_pending(tokens[row], logprobs[row] if logprobs else None)
-            if seq.status == SequenceStatus.RUNNING:  # a block completed by a then-pending token is findable now
-                self.block_manager.cache_full_blocks(seq)
+            # a block completed by a then-pending token is findable now (a preempted sequence holds none: no-op)
+            self.block_manager.cache_full_blocks(seq)
             got_token.append(seq)
         return got_token
 
@@ -162,7 +162,7 @@ class Scheduler:
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq)
-        elif seq.status == SequenceStatus.WAITING:  # holds no blocks
+        else:  # waiting (never finished twice): it holds no blocks
             self.waiting.remove(seq)
         seq.drop_pending()
         seq.status = SequenceStatus.FINISHED

@@ -35,9 +35,7 @@ class DecodedText:
 
     @property
     def final(self) -> str:
-        """What the caller is shown: the text up to the stop string, if one matched."""
-        if self.stop_at is None:
-            return self.text
+        """What the caller is shown: the text up to the stop string, if one matched (text[:None] is all of it)."""
         return self.text[: self.stop_at]
 
 
@@ -73,6 +71,9 @@ class Sequence:
         # per generated token, when params.logprobs is set: {token_id: logprob}
         self.logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0
+        # if params.prompt_logprobs is set: per prompt position, {token_id: logprob} of its token and the top-N,
+        # filled in as the steps computing the prompt are read back (position 0, which nothing predicts, stays None)
+        self.prompt_logprobs = [None] * len(token_ids) if params.prompt_logprobs is not None else None
         self.text = DecodedText()
 
     # Lengths: every token counts, pending ones included; only their values are unknown.

@@ -13,10 +13,10 @@ ServerConfig.shutdown_timeout seconds to finish and then fail (a stream ends wit
 Ctrl+C exits at once.
 
 Every field of a body is honoured or refused by name (the tables below): a client never silently gets less than it
-asked for. A field the engine does not implement yet (penalties, logit_bias, tools, structured outputs) is refused
-with a 400 naming it, unless its value asks for nothing (frequency_penalty 0); an unknown one is refused as OpenAI
-does; metadata that changes nothing the client gets (user, store) is accepted. With ServerConfig.api_key set, every
-/v1 request needs `Authorization: Bearer KEY`."""
+asked for. A field the engine does not implement yet (tools, structured outputs, beam search) is refused with a
+400 naming it, unless its value asks for nothing (best_of 1); an unknown one is refused as OpenAI does; metadata that
+changes nothing the client gets (user, store) is accepted. With ServerConfig.api_key set, every /v1 request needs
+`Authorization: Bearer KEY`."""
 
 import argparse
 import asyncio
@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection, Iterator
-from dataclasses import Field, dataclass, fields
+from dataclasses import dataclass, fields, replace
 from itertools import accumulate
 from types import FrameType
 from typing import TYPE_CHECKING, TypeVar, get_args
@@ -75,85 +75,39 @@ CLOSE = {"Connection": "close"}  # with a 408 or 413: the rest of the body is ne
 JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escaped quotes included
 NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # opening: +1, closing: -1 (as signed bytes)
-SAMPLING_FIELDS = (
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "min_tokens",
-    "ignore_eos",
-    "stop",
-    "stop_token_ids",
-    "seed",
-)  # named alike in OpenAI's body (with vLLM's extras) and SamplingParams
+# Named alike in OpenAI's body (with vLLM's extras) and SamplingParams
+SAMPLING_FIELDS = """
+    n temperature top_p top_k min_p min_tokens ignore_eos stop stop_token_ids seed presence_penalty frequency_penalty
+    repetition_penalty logit_bias include_stop_str_in_output skip_special_tokens
+""".split()
 # The body's fields. Honoured: SAMPLING_FIELDS and these. Anything in no table is refused, as OpenAI does.
-HONOURED = ("model", "max_tokens", "logprobs", "stream", "stream_options", *SAMPLING_FIELDS)
-CHAT_HONOURED = ("messages", "max_completion_tokens", "top_logprobs", *HONOURED)
-COMPLETION_HONOURED = ("prompt", *HONOURED)
+HONOURED = "model max_tokens logprobs stream stream_options".split() + SAMPLING_FIELDS
+CHAT_HONOURED = "messages max_completion_tokens top_logprobs".split() + HONOURED
+COMPLETION_HONOURED = "prompt echo".split() + HONOURED
 # Accepted and ignored: they change nothing the client gets (parallel_tool_calls: tools are refused; the prompt cache
 # is automatic and shared, so its key and retention are hints)
-IGNORED = (
-    "user",
-    "metadata",
-    "store",
-    "service_tier",
-    "safety_identifier",
-    "prompt_cache_key",
-    "prompt_cache_retention",
-    "prompt_cache_options",
-    "parallel_tool_calls",
-)
+IGNORED = """
+    user metadata store service_tier safety_identifier prompt_cache_key prompt_cache_retention prompt_cache_options
+    parallel_tool_calls
+""".split()
 # Known but not implemented yet (OpenAI's, then vLLM's extras): refused with a 400, unless the value asks for nothing
 NOT_IMPLEMENTED = dict.fromkeys(
-    (
-        "suffix",
-        "tools",
-        "functions",
-        "audio",
-        "prediction",
-        "reasoning_effort",
-        "verbosity",
-        "web_search_options",
-        "moderation",
-        "prompt_logprobs",
-        "allowed_token_ids",
-        "logits_processors",
-        "truncate_prompt_tokens",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "guided_decoding_backend",
-        "guided_whitespace_pattern",
-        "structural_tag",
-        "structured_outputs",
-        "chat_template",
-        "chat_template_kwargs",
-        "documents",
-        "mm_processor_kwargs",
-        "add_special_tokens",
-        "request_id",
-        "cache_salt",
-        "kv_transfer_params",
-        "vllm_xargs",
-    )
+    """
+    suffix tools functions audio prediction reasoning_effort verbosity web_search_options moderation
+    prompt_logprobs allowed_token_ids logits_processors truncate_prompt_tokens guided_json guided_regex guided_choice
+    guided_grammar guided_decoding_backend guided_whitespace_pattern structural_tag structured_outputs chat_template
+    chat_template_kwargs documents mm_processor_kwargs add_special_tokens request_id cache_salt kv_transfer_params
+    vllm_xargs
+    """.split()
 ) | {  # these values ask for nothing: what the engine does anyway
-    "frequency_penalty": 0,
-    "presence_penalty": 0,
-    "repetition_penalty": 1,
     "length_penalty": 1,
-    "logit_bias": {},
     "best_of": 1,
-    "echo": False,
     "use_beam_search": False,
     "response_format": {"type": "text"},
     "tool_choice": "none",
     "function_call": "none",
     "modalities": ["text"],
     "bad_words": [],
-    "include_stop_str_in_output": False,
-    "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "add_generation_prompt": True,
     "continue_final_message": False,
@@ -161,9 +115,10 @@ NOT_IMPLEMENTED = dict.fromkeys(
     "return_token_ids": False,
     "priority": 0,
 }
-RANGES = {"temperature": (0, 2), "frequency_penalty": (-2, 2), "presence_penalty": (-2, 2)}  # OpenAI's, inclusive
-GAUGES = ("running", "waiting", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_total", "prefix_hit_rate")
-COUNTERS = ("preemptions", "generated_tokens", "finished_requests", "prefix_hit_tokens", "prefix_queried_tokens")
+# OpenAI's ranges, inclusive, where SamplingParams allows more (it holds the penalties to OpenAI's [-2, 2] itself)
+RANGES = {"temperature": (0, 2)}
+GAUGES = "running waiting kv_blocks_used kv_blocks_cached kv_blocks_total prefix_hit_rate".split()  # LLM.stats() keys
+COUNTERS = "preemptions generated_tokens finished_requests prefix_hit_tokens prefix_queried_tokens".split()
 
 
 @dataclass
@@ -193,8 +148,7 @@ class EngineLoop:
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
-        # (concurrent future, function, args), or None: stop
-        self.commands: queue.Queue[tuple[concurrent.futures.Future, Callable, tuple] | None] = queue.Queue()
+        self.commands = queue.Queue()  # (concurrent future, function, args), or None: stop
         self.sinks: dict[str, Sink] = {}  # request_id -> its sink, used on the engine thread only
         self.deadline: float | None = None  # set at shutdown (time.monotonic()): requests still open then fail
         self.thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
@@ -211,7 +165,7 @@ class EngineLoop:
         """One engine request per prompt: yields None once all are queued (bad input raises before a response
         starts), then (prompt index, output) as they come; aborts what is left if the client or the caller quits."""
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        outputs = asyncio.Queue()  # what sink gets: this request's outputs, or the exception that failed it
 
         def sink(out: RequestOutput | Exception) -> None:  # called on the engine thread: hand over to this loop
             loop.call_soon_threadsafe(outputs.put_nowait, out)
@@ -260,11 +214,9 @@ class EngineLoop:
         """One engine step; each output goes to its request's sink."""
         try:
             for out in self.llm.step():
-                if out.finished:
-                    sink = self.sinks.pop(out.request_id)  # its last output: the sink is dropped
-                else:
-                    sink = self.sinks[out.request_id]
-                sink(out)
+                self.sinks[out.request_id](out)
+                if out.finished:  # its last output: the sink is dropped
+                    del self.sinks[out.request_id]
         except Exception as error:  # a bug or a device error: every request in flight fails; the server serves on
             logging.getLogger(__name__).exception("an engine step failed; failing the requests in flight")
             for request_id, sink in list(self.sinks.items()):
@@ -307,14 +259,12 @@ async def read_body(http: Request, max_bytes: int) -> bytes:
     too_large = HTTPException(413, f"the body is over {max_bytes} bytes", CLOSE)
     if int(http.headers.get("content-length", 0)) > max_bytes:  # the server has checked it is a number
         raise too_large
-    chunks = []
-    size = 0
+    body = bytearray()
     async for chunk in http.stream():
-        size += len(chunk)
-        if size > max_bytes:
+        body += chunk
+        if len(body) > max_bytes:
             raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return bytes(body)
 
 
 async def read_json(http: Request, config: ServerConfig) -> object:
@@ -337,9 +287,9 @@ def text_length(value: object) -> int:
     if isinstance(value, str):
         return len(value)
     if isinstance(value, dict):
-        return sum(text_length(item) for item in value.values())
+        value = list(value.values())
     if isinstance(value, list):  # nested at most MAX_JSON_DEPTH deep: the recursion is bounded
-        return sum(text_length(item) for item in value)
+        return sum(map(text_length, value))
     return 0
 
 
@@ -355,7 +305,8 @@ def field(body: dict, name: str, kind: type[T], default: T) -> T:
 
 def check_fields(body: dict, chat: bool) -> None:
     """Every field of the body is honoured, ignorable, or refused by name: unknown, out of OpenAI's range, or not
-    implemented yet (a value that asks for nothing, such as frequency_penalty 0, is fine). stream_options too."""
+    implemented yet (a value that asks for nothing, such as best_of 1, is fine). stream_options too. The honoured
+    fields' types and ranges are SamplingParams' to check (sampling_params), except OpenAI's narrower RANGES."""
     known = (CHAT_HONOURED if chat else COMPLETION_HONOURED) + IGNORED
     for name, value in body.items():
         if name not in known and name not in NOT_IMPLEMENTED:
@@ -367,6 +318,8 @@ def check_fields(body: dict, chat: bool) -> None:
     for name in field(body, "stream_options", dict, {}):
         if name != "include_usage":
             raise InvalidField(f"stream_options.{name}", "nanoserve does not implement this field yet")
+    if body.get("echo") and body.get("stream"):  # either not a bool is refused by name later, too
+        raise InvalidField("echo", "nanoserve does not implement echo in a stream yet")
     if chat and body.get("top_logprobs") is not None and body.get("logprobs") is not True:
         raise InvalidField("top_logprobs", "needs logprobs: true")
 
@@ -384,10 +337,13 @@ def message_text(content: list, name: str) -> str:
     return "\n".join(texts)
 
 
-def normalized(messages: list) -> list:
+def normalized(messages: object) -> object:
     """Messages in any form of OpenAI's chat API as the engine takes them: content parts joined into one text, and an
     assistant turn with content null (it made tool_calls) given "" as content. Other keys (name, tool_calls,
-    tool_call_id) go to the chat template as they are; the engine checks roles and text."""
+    tool_call_id) go to the chat template as they are; the engine checks roles and text, and refuses anything that is
+    not a conversation (a list of messages) as "messages"."""
+    if not isinstance(messages, list):
+        return messages
     out = []
     for i, message in enumerate(messages):
         if isinstance(message, dict):
@@ -413,9 +369,15 @@ def check_context(prompts: list[list[int]], max_tokens: int, max_model_len: int,
             )
 
 
+def max_tokens_field(body: dict) -> str | None:
+    """The body's field that gives max_tokens (chat's newer name, max_completion_tokens, first: check_fields refuses it
+    in a completions body); None: neither."""
+    return next((name for name in ("max_completion_tokens", "max_tokens") if body.get(name) is not None), None)
+
+
 def client_named(error: InvalidField, body: dict, chat: bool) -> InvalidField:
     """The error under the client's name for the field: chat calls three engine fields differently."""
-    max_tokens = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = max_tokens_field(body) or "max_tokens"
     names = {"max_tokens": max_tokens, "logprobs": "top_logprobs", "prompt": "messages"} if chat else {}
     return InvalidField(names.get(error.field, error.field), error.problem)
 
@@ -424,32 +386,29 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
     """SamplingParams from an OpenAI body. SamplingParams checks every type and range, so the server refuses a
     string temperature or a negative one with the same code as the offline API."""
     kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
-    # max_tokens: chat's newer name first; by default, the whole context (chat) or OpenAI's 16 (completions)
-    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-    given = [body[name] for name in names if body.get(name) is not None]
-    if given:
-        kwargs["max_tokens"] = given[0]
-    elif chat:
-        kwargs["max_tokens"] = max_model_len
-    else:
-        kwargs["max_tokens"] = COMPLETION_MAX_TOKENS
-    if not chat:  # `logprobs` is how many alternatives
+    # max_tokens: by default, the whole context (chat) or OpenAI's 16 (completions)
+    kwargs["max_tokens"] = max_model_len if chat else COMPLETION_MAX_TOKENS
+    given = max_tokens_field(body)
+    if given is not None:
+        kwargs["max_tokens"] = body[given]
+    bias = kwargs.get("logit_bias")
+    if isinstance(bias, dict):  # JSON's keys are strings: OpenAI's token ids come as "50256"; others are refused
+        kwargs["logit_bias"] = {int(key) if key.isdecimal() else key: value for key, value in bias.items()}
+    if not chat:  # `logprobs` is how many alternatives; with echo, of the prompt's tokens too
         kwargs["logprobs"] = body.get("logprobs")
+        if field(body, "echo", bool, False):
+            kwargs["prompt_logprobs"] = kwargs["logprobs"]
+            kwargs["max_tokens"] = max(kwargs["max_tokens"], 1)  # 0: the prompt's logprobs only (one token, dropped)
     elif field(body, "logprobs", bool, False):  # chat: `logprobs` says whether, `top_logprobs` how many
         kwargs["logprobs"] = body.get("top_logprobs") or 0
-    else:
-        kwargs["logprobs"] = None
     try:
         params = SamplingParams(**kwargs)
-    except InvalidField as e:
+        # OpenAI's caps: each alternative costs a decode and a JSON entry per token (a 49,152 would build megabytes)
+        cap = MAX_TOP_LOGPROBS if chat else MAX_COMPLETION_LOGPROBS
+        if params.logprobs is not None and params.logprobs > cap:
+            raise InvalidField("logprobs", f"{params.logprobs} is over {cap}, OpenAI's limit")
+    except InvalidField as e:  # under the client's name: chat's `logprobs` count is its top_logprobs
         raise client_named(e, body, chat) from None
-    # OpenAI's caps: each alternative costs a decode and a JSON entry per token (a 49,152 would build megabytes)
-    if chat:
-        name, cap = "top_logprobs", MAX_TOP_LOGPROBS
-    else:
-        name, cap = "logprobs", MAX_COMPLETION_LOGPROBS
-    if params.logprobs is not None and params.logprobs > cap:
-        raise InvalidField(name, f"{params.logprobs} is over {cap}, OpenAI's limit")
     return params
 
 
@@ -484,13 +443,15 @@ def logprobs_json(
     """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: the legacy parallel lists."""
     if logprobs is None:
         return None
-    # per position, its num_top most likely (token id, logprob), most likely first
-    tops = [sorted(position.items(), key=lambda item: -item[1])[:num_top] for position in logprobs]
+    # per position, its num_top most likely (token id, logprob), most likely first (an echoed prompt's first: None)
+    tops = [position and sorted(position.items(), key=lambda item: -item[1])[:num_top] for position in logprobs]
     if not chat:
+        tokens = [tokenizer.decode([token_id]) for token_id in token_ids]
         return {
-            "tokens": [tokenizer.decode([token_id]) for token_id in token_ids],
-            "token_logprobs": [position[token_id] for token_id, position in zip(token_ids, logprobs, strict=False)],
-            "top_logprobs": [{tokenizer.decode([alt]): logprob for alt, logprob in top} for top in tops],
+            "tokens": tokens,
+            "token_logprobs": [position and position[t] for t, position in zip(token_ids, logprobs, strict=False)],
+            "top_logprobs": [top and {tokenizer.decode([alt]): logprob for alt, logprob in top} for top in tops],
+            "text_offset": [0, *accumulate(map(len, tokens))][: len(tokens)],
         }
 
     def entry(token_id: int, logprob: float) -> dict:
@@ -500,10 +461,10 @@ def logprobs_json(
             "bytes": list(token_bytes(tokenizer, token_id)),
         }
 
-    content = []
-    for token_id, position, top in zip(token_ids, logprobs, tops, strict=False):
-        alternatives = [entry(alt, logprob) for alt, logprob in top]
-        content.append({**entry(token_id, position[token_id]), "top_logprobs": alternatives})
+    content = [
+        {**entry(token_id, position[token_id]), "top_logprobs": [entry(alt, logprob) for alt, logprob in top]}
+        for token_id, position, top in zip(token_ids, logprobs, tops, strict=False)
+    ]
     return {"content": content}
 
 
@@ -514,23 +475,31 @@ def choice_json(
     index: int,
     completion: CompletionOutput,
     num_top: int | None,
+    echo: RequestOutput | None,
 ) -> dict:
-    """A choice: the whole completion, or in a stream its new text and tokens (a chat stream names the role first)."""
+    """A choice: the whole completion, or in a stream its new text and tokens (a chat stream names the role first).
+    With `echo` (completions, not streamed): the prompt's text and tokens, and their logprobs, before the completion."""
     if stream:
         text, token_ids = completion.text_delta, completion.token_ids_delta
     else:
         text, token_ids = completion.text, completion.token_ids
     first = len(completion.token_ids) - len(token_ids)  # where these tokens start in the completion
-    token_logprobs = None if completion.logprobs is None else completion.logprobs[first:]
+    token_logprobs = completion.logprobs and completion.logprobs[first:]  # None: no logprobs asked for
+    if echo is not None:
+        text = tokenizer.decode(echo.prompt_token_ids) + text
+        token_ids = echo.prompt_token_ids + token_ids
+        if token_logprobs is not None:
+            token_logprobs = echo.prompt_logprobs + token_logprobs
     logprobs = logprobs_json(tokenizer, chat, token_ids, token_logprobs, num_top)
+    choice = {"index": index, "logprobs": logprobs, "finish_reason": completion.finish_reason}
     if not chat:
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason}
+        return {**choice, "text": text}
     if first == 0:  # the whole message, or a stream's first chunk: it names the role
         message = {"role": "assistant", "content": text}
     else:
         message = {"content": text}
     key = "delta" if stream else "message"
-    return {"index": index, key: message, "logprobs": logprobs, "finish_reason": completion.finish_reason}
+    return {**choice, key: message}
 
 
 def usage_json(finals: Collection[RequestOutput]) -> dict:
@@ -610,9 +579,9 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
         chat = http.url.path.endswith("/chat/completions")
         body = await read_json(http, config)
         if not isinstance(body, dict):
-            return error_response(400, "the body must be a JSON object")
+            raise ValueError("the body must be a JSON object")
         check_fields(body, chat)
-        if body.get("model") is not None and body["model"] != model_name:
+        if body.get("model") not in (None, model_name):
             return error_response(
                 404,
                 f"model {body['model']!r} does not exist; this server has {model_name!r}",
@@ -620,27 +589,23 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
                 "model_not_found",
             )
         params = sampling_params(body, chat, llm.config.max_model_len)
-        loop = asyncio.get_running_loop()
-        if chat:
-            messages = body.get("messages")  # one conversation (chat_prompts would also take a list of them)
-            if isinstance(messages, list) and messages and isinstance(messages[0], dict):
-                messages = normalized(messages)
-            else:
-                messages = None  # not one conversation: refused as "messages"
-            check_cost([messages], params, "messages")
-            # tokenized on the executor, as below: the engine thread, and with it every stream, does not wait for it
-            prompts = await loop.run_in_executor(None, llm.chat_prompts, messages)
+        prompt_field = "messages" if chat else "prompt"
+        if chat:  # one conversation, as a list of one: chat_prompts takes a list of conversations
+            prompts = [normalized(body.get("messages"))]
+            to_ids = llm.chat_prompts
         else:  # a string, token ids, or a list of either; the engine refuses anything else as "prompt"
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompts = prompt  # a list of prompts
             else:
                 prompts = [prompt]  # one prompt: text or token ids
-            check_cost(prompts, params, "prompt")
-            prompts = await loop.run_in_executor(None, tokenize, prompts)
+            to_ids = tokenize
+        check_cost(prompts, params, prompt_field)
+        # tokenized on the executor: the engine thread, and with it every stream, does not wait for it
+        prompts = await asyncio.get_running_loop().run_in_executor(None, to_ids, prompts)
         # chat's default max_tokens, the whole context, means as much as fits; any other is checked against it
-        if not chat or body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None:
-            check_context(prompts, params.max_tokens, llm.config.max_model_len, "messages" if chat else "prompt")
+        if not chat or max_tokens_field(body) is not None:
+            check_context(prompts, params.max_tokens, llm.config.max_model_len, prompt_field)
         return await serve(http, body, chat, params, prompts)
 
     def authorize(http: Request) -> None:
@@ -668,6 +633,7 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
         stream = field(body, "stream", bool, False)
         options = field(body, "stream_options", dict, {})
         usage = field(options, "include_usage", bool, False)  # checked before anything is queued
+        echo = field(body, "echo", bool, False)  # never in a stream: check_fields refuses it
         results = engine.generate(http, prompts, params, stream)
         try:
             await anext(results)  # queues every prompt, or raises why not
@@ -685,48 +651,46 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
             "created": int(time.time()),
             "model": model_name,
         }
-        if stream:
-            return StreamingResponse(
-                stream_chunks(results, head, chat, params, len(prompts), usage), media_type="text/event-stream"
+
+        def choice(index: int, out: RequestOutput, sample: CompletionOutput) -> dict:
+            """One sample of prompt `index` as a choice; OpenAI numbers them prompt x n + sample."""
+            choice_index = index * params.n + sample.index
+            return choice_json(
+                llm.tokenizer, chat, stream, choice_index, sample, params.logprobs, out if echo else None
             )
+
+        async def chunks() -> AsyncIterator[str]:
+            """A chunk per choice with new tokens (finish_reason rides on a choice's last), the usage if asked,
+            [DONE]."""
+            finals = {}  # prompt index -> its final output
+            try:
+                async for index, out in results:
+                    if out.finished:
+                        finals[index] = out
+                    for sample in out.outputs:
+                        if sample.token_ids_delta:
+                            chunk = {**head, "choices": [choice(index, out, sample)]}
+                            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            except RuntimeError as e:  # the engine failed, or shutdown came, after the 200: say so in the stream
+                yield f"data: {error_response(500, str(e)).body.decode()}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            if len(finals) < len(prompts):
+                return  # the client went away
+            if usage:
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage_json(finals.values())})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        if stream:
+            return StreamingResponse(chunks(), media_type="text/event-stream")
         finals = {index: out async for index, out in results if out.finished}  # prompt index -> its final output
         if len(finals) < len(prompts):
             return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads this
-        choices = [
-            choice_json(llm.tokenizer, chat, False, index * params.n + sample.index, sample, params.logprobs)
-            for index, out in sorted(finals.items())
-            for sample in out.outputs
-        ]  # OpenAI: index = prompt x n + sample
+        if echo and body.get("max_tokens") == 0:  # the prompt's logprobs only: the one token run for them is dropped
+            for out in finals.values():
+                out.outputs = [replace(s, text="", token_ids=[], logprobs=s.logprobs and []) for s in out.outputs]
+        choices = [choice(index, out, sample) for index, out in sorted(finals.items()) for sample in out.outputs]
         return {**head, "choices": choices, "usage": usage_json(finals.values())}
-
-    async def stream_chunks(
-        results: AsyncIterator[tuple[int, RequestOutput]],
-        head: dict,
-        chat: bool,
-        params: SamplingParams,
-        num_prompts: int,
-        usage: bool,
-    ) -> AsyncIterator[str]:
-        """A chunk per choice with new tokens (finish_reason rides on a choice's last), the usage if asked, [DONE]."""
-        finals = {}  # prompt index -> its final output
-        try:
-            async for index, out in results:
-                if out.finished:
-                    finals[index] = out
-                for sample in out.outputs:
-                    if sample.token_ids_delta:
-                        choice_index = index * params.n + sample.index  # OpenAI: prompt x n + sample
-                        choice = choice_json(llm.tokenizer, chat, True, choice_index, sample, params.logprobs)
-                        yield f"data: {json.dumps({**head, 'choices': [choice]}, ensure_ascii=False)}\n\n"
-        except RuntimeError as e:  # the engine failed, or shutdown came, after the 200: say so in the stream
-            yield f"data: {error_response(500, str(e)).body.decode()}\n\n"
-            yield "data: [DONE]\n\n"
-            return
-        if len(finals) < num_prompts:
-            return  # the client went away
-        if usage:
-            yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage_json(finals.values())})}\n\n"
-        yield "data: [DONE]\n\n"
 
     return app
 
@@ -735,8 +699,8 @@ class Server(uvicorn.Server):
     """uvicorn's server, with a bounded drain at shutdown and a second Ctrl+C that exits at once."""
 
     def __init__(self, app: FastAPI, host: str, port: int, log_level: str | None = None) -> None:
-        self.engine: EngineLoop = app.state.engine
-        self.shutdown_timeout: float = app.state.config.shutdown_timeout
+        self.engine = app.state.engine  # an EngineLoop
+        self.shutdown_timeout = app.state.config.shutdown_timeout
         grace = self.shutdown_timeout + SHUTDOWN_GRACE_S  # then uvicorn cancels whatever still runs
         super().__init__(uvicorn.Config(app, host, port, log_level=log_level, timeout_graceful_shutdown=grace))
 
@@ -755,11 +719,10 @@ class Server(uvicorn.Server):
 
 
 @contextlib.contextmanager
-def serve_in_background(
-    llm: LLM, host: str = LOCALHOST, port: int = 0, model_name: str | None = None, config: ServerConfig | None = None
-) -> Iterator[str]:
-    """Serve llm from a thread (tests, benchmarks); yields the base URL "http://host:port/v1" (port 0: any free)."""
-    server = Server(build_app(llm, model_name, config), host, port, log_level="warning")
+def serve_in_background(llm: LLM, config: ServerConfig | None = None) -> Iterator[str]:
+    """Serve llm from a thread (tests, benchmarks) on a free port of 127.0.0.1; yields the base URL
+    "http://127.0.0.1:PORT/v1"."""
+    server = Server(build_app(llm, config=config), LOCALHOST, 0, log_level="warning")  # port 0: any free one
     thread = threading.Thread(target=server.run, name="nanoserve-http", daemon=True)
     thread.start()
     while not server.started and thread.is_alive():  # started: the engine thread runs and the socket listens
@@ -767,7 +730,7 @@ def serve_in_background(
     if not server.started:
         raise RuntimeError("the server did not start (see uvicorn's log)")
     try:
-        yield f"http://{host}:{server.servers[0].sockets[0].getsockname()[1]}/v1"
+        yield f"http://{LOCALHOST}:{server.servers[0].sockets[0].getsockname()[1]}/v1"
     finally:
         server.should_exit = True  # then the drain: open requests get config.shutdown_timeout to finish
         thread.join()
@@ -781,33 +744,33 @@ def flag_type(annotation: type) -> type:
     return str
 
 
-def given(args: argparse.Namespace, config_fields: list[Field]) -> dict:
-    """The fields given on the command line; one left out keeps its dataclass's default."""
-    return {f.name: getattr(args, f.name) for f in config_fields if getattr(args, f.name) is not None}
-
-
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """The command line: every EngineConfig and ServerConfig field is a flag; one left out keeps its default. prog:
     the command's name in --help (`nanoserve serve` from cli.py)."""
-    parser = argparse.ArgumentParser(prog, description="nanoserve's OpenAI-compatible server")
+    # argument_default=SUPPRESS: a flag left out is missing from the parsed arguments, so its field keeps its default
+    parser = argparse.ArgumentParser(
+        prog, description="nanoserve's OpenAI-compatible server", argument_default=argparse.SUPPRESS
+    )
     parser.add_argument("--model", help="HF model directory or hub id (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default=LOCALHOST, help="0.0.0.0 serves every interface")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--served-model-name", help="the `model` clients ask for (default: --model)")
-    engine_fields = [config_field for config_field in fields(EngineConfig) if config_field.name != "model"]
-    server_fields = list(fields(ServerConfig))
-    for config_field in engine_fields + server_fields:
+    parser.add_argument("--served-model-name", default=None, help="the `model` clients ask for (default: --model)")
+    server_fields = fields(ServerConfig)
+    for config_field in fields(EngineConfig) + server_fields:
+        if config_field.name == "model":
+            continue  # its flag, with its help, is above
         flag = "--" + config_field.name.replace("_", "-")
-        if config_field.type is bool:
-            parser.add_argument(flag, default=None, action=argparse.BooleanOptionalAction)  # --x and --no-x
+        if bool in (config_field.type, *get_args(config_field.type)):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction)  # --x and --no-x
         else:
-            parser.add_argument(flag, default=None, type=flag_type(config_field.type))
-    args = parser.parse_args(argv)
-    args.api_key = args.api_key or os.environ.get(API_KEY_ENV)
+            parser.add_argument(flag, type=flag_type(config_field.type))
+    parser.set_defaults(api_key=os.environ.get(API_KEY_ENV))  # the key from the environment, unless --api-key
+    args = vars(parser.parse_args(argv))
+    host, port, model_name = args.pop("host"), args.pop("port"), args.pop("served_model_name")
+    config = ServerConfig(**{f.name: args.pop(f.name) for f in server_fields if f.name in args})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    config = ServerConfig(**given(args, server_fields))
-    llm = LLM(args.model, **given(args, engine_fields))
-    server = Server(build_app(llm, args.served_model_name, config), args.host, args.port)
+    llm = LLM(**args)  # what is left: the EngineConfig fields given, --model among them
+    server = Server(build_app(llm, model_name, config), host, port)
     with contextlib.suppress(KeyboardInterrupt):  # after a Ctrl+C's drain, uvicorn raises it again
         server.run()
 

@@ -1,22 +1,24 @@
 """A step as the device sees it. The scheduler's Step (sequences, with the positions each computes) becomes flat integer
 lists (StepLists: per token its id, position and cache slot; per sequence its query start, context length and block
-table; the rows to sample; the inputs whose values are still on the device; the KV blocks to copy before the step
-runs, for beam search's copy-on-write), uploaded in one int32 buffer with one host-to-device copy, then cut into tensor
-views (StepInputs) that the model and attention read.
+table; the rows to sample; the inputs whose values are still on the device; the rows whose logits give prompt
+logprobs; the KV blocks to copy before the step runs, for beam search's copy-on-write), uploaded in one int32 buffer
+with one host-to-device copy, then cut back into the same StepLists fields as int32 tensor views of that buffer (with
+the AttentionMetadata built from them), which the model and attention read.
 
 Why one buffer: in a decode step, converting Python ints one by one and issuing a copy per tensor is most of the host's
 work. The StepHeader (each list's length, and the longest query and context) is all a reader needs to cut the buffer
 up: it travels beside it, so that tensor-parallel workers can receive a step as header + buffer."""
 
 import array
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 
 from nanoserve.attention import AttentionMetadata
-from nanoserve.scheduler import Step
+from nanoserve.scheduler import ScheduledSeq, Step
 from nanoserve.sequence import PENDING
 
 if TYPE_CHECKING:
@@ -35,7 +37,9 @@ def round_up(n: int, multiple: int) -> int:
 
 @dataclass
 class StepLists:
-    """One step's integers, in upload order. Each becomes one int32 view of the uploaded buffer."""
+    """One step's integers, in upload order. On the host (flatten_step) each field is a list (the block tables an int32
+    array); on the device (step_inputs) the same fields are int32 tensor views of the uploaded buffer, one per field:
+    the annotations say the host form."""
 
     input_ids: list[int]  # [num_tokens]; PENDING where the value is still on the device
     positions: list[int]  # [num_tokens]
@@ -46,10 +50,10 @@ class StepLists:
     sample_rows: list[int]  # [num_sampling]: token rows whose logits pick a next token
     pending_at: list[int]  # token rows whose input id is the previous step's sample...
     pending_rows: list[int]  # ...and the row of that sample in the previous step's output
-    block_copies: list[int]  # [2 * num_copies]: (source, destination) KV blocks to copy before the step runs
-
-    def parts(self) -> list:
-        return [getattr(self, f.name) for f in fields(self)]
+    # prompt_logprobs: token rows whose logits give a prompt token's logprob, and the id of that next prompt token
+    prompt_rows: list[int] = field(default_factory=list)  # [num_prompt_rows]
+    prompt_next_ids: list[int] = field(default_factory=list)  # [num_prompt_rows]
+    block_copies: list[int] = field(default_factory=list)  # [2 * num_copies]: (source, destination) KV blocks to copy
 
 
 NUM_PARTS = len(fields(StepLists))
@@ -69,26 +73,18 @@ class StepHeader:
 
     @classmethod
     def from_list(cls, ints: list[int]) -> "StepHeader":
-        return cls(ints[:NUM_PARTS], ints[NUM_PARTS], ints[NUM_PARTS + 1])
+        return cls(ints[:NUM_PARTS], *ints[NUM_PARTS:])  # the part lengths, then the two bounds
 
     def buffer_len(self) -> int:
         """int32s in the uploaded buffer: every part padded to 16 bytes."""
         return sum(round_up(n, INTS_PER_16_BYTES) for n in self.part_lengths)
 
 
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens] int32
-    positions: torch.Tensor  # [num_tokens] int32
-    meta: AttentionMetadata
-    sample_rows: torch.Tensor  # [num_sampling] int32: rows of the hidden states whose logits pick a token
-    block_copies: torch.Tensor  # [num_copies, 2] int32: (source, destination) blocks, copied before the forward
-
-
 def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -> StepLists:
     """Per token its id, position and cache slot; per sequence its query start, context length and block table
-    (padded to the longest); the rows whose logits are sampled; and the inputs whose values are still on the device
-    (PENDING decode inputs) with the rows of `previous` that hold them."""
+    (padded to the longest); the rows whose logits are sampled; the inputs whose values are still on the device
+    (PENDING decode inputs) with the rows of `previous` that hold them; and, for sequences that asked for
+    prompt_logprobs, the rows whose logits give them, with the prompt token each gives the logprob of."""
     lists = StepLists(
         input_ids=[],
         positions=[],
@@ -105,9 +101,14 @@ def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -
         seq = scheduled.seq
         start = scheduled.start
         end = start + scheduled.num_new_tokens
+        first_row = len(lists.input_ids)
         if seq.token_ids[start] == PENDING:  # a decode of the token the previous step sampled
-            lists.pending_at.append(len(lists.input_ids))
+            lists.pending_at.append(first_row)
             lists.pending_rows.append(previous.row_of[seq.seq_id])
+        if seq.params.prompt_logprobs is not None:  # the rows before the prompt positions this chunk gives logprobs of
+            positions = prompt_logprob_positions(scheduled)
+            lists.prompt_rows += range(first_row, first_row + len(positions))
+            lists.prompt_next_ids += seq.token_ids[positions.start : positions.stop]
         lists.input_ids += seq.token_ids[start:end]
         lists.positions += range(start, end)
         lists.slot_mapping += slots_of(seq.block_table, start, end, block_size)
@@ -115,61 +116,69 @@ def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -
         lists.context_lens.append(end)
         if scheduled.picks_next_token:
             lists.sample_rows.append(len(lists.input_ids) - 1)
-    width = round_up(max(len(s.seq.block_table) for s in step.scheduled), BLOCK_TABLE_WIDTH_MULTIPLE)
+    tables = [s.seq.block_table for s in step.scheduled]
+    width = round_up(max(map(len, tables)), BLOCK_TABLE_WIDTH_MULTIPLE)
     padding = array.array("i", bytes(4 * width))
-    for scheduled in step.scheduled:  # int32 arrays: copied row by row, never converted entry by entry
-        table = scheduled.seq.block_table
-        lists.block_tables += table
-        lists.block_tables += padding[: width - len(table)]
+    for table in tables:  # int32 arrays: copied row by row, never converted entry by entry
+        lists.block_tables += table + padding[len(table) :]
     return lists
+
+
+def prompt_logprob_positions(scheduled: ScheduledSeq) -> range:
+    """The prompt positions whose logprobs a scheduled chunk gives (for a sequence that asked for them): the logits of
+    position p give the logprob of the token at p + 1, so a chunk [start, end) gives those of positions start + 1
+    through end (the next chunk's first token included), within the prompt (the last prompt position's logits pick
+    the first output token instead). Every prompt token but the first is covered once per pass over the prompt."""
+    end = scheduled.start + scheduled.num_new_tokens
+    return range(scheduled.start + 1, min(end + 1, scheduled.seq.num_prompt_tokens))
 
 
 def slots_of(block_table: array.array, start: int, end: int, block_size: int) -> list[int]:
     """The cache slots of positions [start, end): block by block (a range per block), not token by token."""
     slots = []
     for block_start in range(start - start % block_size, end, block_size):  # the first position of each block
-        first_slot = block_table[block_start // block_size] * block_size  # the slot of position block_start
-        first = max(start, block_start)
-        last = min(end, block_start + block_size)  # exclusive
-        slots += range(first_slot + first - block_start, first_slot + last - block_start)
+        # within one block, slot = position + offset (the block's first slot less its first position)
+        offset = block_table[block_start // block_size] * block_size - block_start
+        slots += range(max(start, block_start) + offset, min(end, block_start + block_size) + offset)
     return slots
 
 
-def upload(lists: StepLists, device: torch.device) -> tuple[StepHeader, torch.Tensor]:
+def upload(lists: StepLists, device: torch.device) -> tuple[StepHeader, Tensor]:
     """All of a step's integer inputs in one int32 buffer and one host-to-device copy (asynchronous on a GPU: the
     source is pinned). Returns the header that says how to cut it up, and the buffer on the device."""
+    parts = list(vars(lists).values())  # StepLists' fields, in order
     flat = array.array("i")
-    for part in lists.parts():
-        flat += part if isinstance(part, array.array) else array.array("i", part)
-        flat += array.array("i", bytes(4 * (-len(flat) % INTS_PER_16_BYTES)))  # the next view 16-byte aligned
+    for part in parts:
+        flat.extend(part)  # a list int by int; an int32 array (the block tables) in one copy
+        flat.extend([0] * (-len(flat) % INTS_PER_16_BYTES))  # the next view 16-byte aligned
     host = torch.frombuffer(flat, dtype=torch.int32)
     if device.type == "cuda":
         host = host.pin_memory()  # a pinned source lets the copy run asynchronously
-    query_lens = [end - start for start, end in pairwise(lists.query_start_loc)]
     header = StepHeader(
-        part_lengths=[len(part) for part in lists.parts()],
-        max_query_len=max(query_lens),
+        part_lengths=[len(part) for part in parts],
+        max_query_len=max(end - start for start, end in pairwise(lists.query_start_loc)),
         max_context_len=max(lists.context_lens),
     )
     return header, host.to(device, non_blocking=True)
 
 
-def step_inputs(header: StepHeader, flat: torch.Tensor, previous_tokens: torch.Tensor | None) -> StepInputs:
-    """Views into the uploaded buffer; PENDING decode inputs filled in on the device from the last step's tokens."""
+def step_inputs(
+    header: StepHeader, flat: Tensor, previous_tokens: Tensor | None
+) -> tuple[StepLists, AttentionMetadata]:
+    """The uploaded buffer cut back into its StepLists, each field now an int32 view on the device (`input_ids` with
+    its PENDING decode inputs filled in there from the last step's tokens), and the step's attention metadata."""
     lengths = header.part_lengths
     padded = flat.split([round_up(n, INTS_PER_16_BYTES) for n in lengths])
     views = StepLists(*(view[:n] for view, n in zip(padded, lengths, strict=True)))
-    input_ids = views.input_ids
     if len(views.pending_at):
-        input_ids[views.pending_at.long()] = previous_tokens[views.pending_rows.long()].int()
-    num_seqs = len(views.context_lens)
+        views.input_ids[views.pending_at.long()] = previous_tokens[views.pending_rows.long()].int()
     meta = AttentionMetadata(
         slot_mapping=views.slot_mapping,
         query_start_loc=views.query_start_loc,
         context_lens=views.context_lens,
-        block_tables=views.block_tables.view(num_seqs, -1),
+        block_tables=views.block_tables.view(len(views.context_lens), -1),  # [num_seqs, width]
         max_query_len=header.max_query_len,
         max_context_len=header.max_context_len,
         decode_only=header.max_query_len == 1,
     )
-    return StepInputs(input_ids, views.positions, meta, views.sample_rows, views.block_copies.view(-1, 2))
+    return views, meta

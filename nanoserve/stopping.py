@@ -12,6 +12,8 @@ Text is decoded incrementally: a few tokens before the new ones are decoded agai
 several tokens appears whole, once its last byte arrives. A streamed delta never contains the start of what could still
 become a stop string, so a stop string is never streamed, even in part."""
 
+from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from nanoserve.sequence import Sequence
@@ -33,10 +35,10 @@ def banned_token_ids(seq: Sequence) -> frozenset[int]:
     return seq.stop_token_ids if seq.num_completion_tokens <= seq.params.min_tokens else frozenset()
 
 
+@dataclass
 class StopChecker:
-    def __init__(self, tokenizer: "PreTrainedTokenizerBase | None", max_model_len: int) -> None:
-        self.tokenizer = tokenizer  # None (a weights-only model): no text
-        self.max_model_len = max_model_len
+    tokenizer: "PreTrainedTokenizerBase | None"  # None (a weights-only model): no text
+    max_model_len: int
 
     def check(self, seq: Sequence, incremental: bool) -> str | None:
         """After seq's oldest pending token is read back: "stop", "length" or None. Keeps seq.text up to date
@@ -46,20 +48,18 @@ class StopChecker:
         may_stop = num_out >= params.min_tokens
         newest = seq.token_ids[seq.num_known_tokens - 1]
         if may_stop and newest in seq.stop_token_ids:
-            self._decode(seq, num_out - 1, final=True)  # the stop id's own text is not shown
+            # the stop id's own text is shown only with include_stop_str_in_output (EOS's is empty anyway where
+            # skip_special_tokens leaves special tokens out)
+            self._decode(seq, num_out if params.include_stop_str_in_output else num_out - 1, final=True)
             return "stop"
         if incremental or params.stop:
             self._decode(seq, num_out, final=False)
-        if params.stop and self._search_stop_strings(seq, may_stop):
+        if search_stop_strings(seq, may_stop):  # without stop strings: nothing to find
             return "stop"
         if num_out >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:
             self._decode(seq, num_out, final=True)
             return "length"
         return None
-
-    def flush(self, seq: Sequence) -> None:
-        """Finished another way (aborted): the text of every token read back."""
-        self._decode(seq, seq.num_known_tokens - seq.num_prompt_tokens, final=True)
 
     def _decode(self, seq: Sequence, upto: int, final: bool) -> None:
         """Fold the text of completion tokens [text.num_decoded, upto) into seq.text. Not final: wait while the
@@ -67,45 +67,40 @@ class StopChecker:
         decoded = seq.text
         if self.tokenizer is None or upto <= decoded.num_decoded:
             return
-        ids = seq.token_ids[seq.num_prompt_tokens : seq.num_prompt_tokens + upto]
+        ids = seq.completion_token_ids[:upto]
         start = max(0, decoded.num_decoded - DETOKENIZE_CONTEXT)
-        before = self.tokenizer.decode(ids[start : decoded.num_decoded], skip_special_tokens=True)
-        after = self.tokenizer.decode(ids[start:], skip_special_tokens=True)
+        decode = partial(self.tokenizer.decode, skip_special_tokens=seq.params.skip_special_tokens)
+        before = decode(ids[start : decoded.num_decoded])
+        after = decode(ids[start:])
         if after.endswith(INCOMPLETE_CHARACTER) and not final:
             return
         if after.startswith(before):
             decoded.text += after[len(before) :]
         else:  # the new tokens changed how earlier ones read (rare): decode the whole completion again
-            decoded.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            decoded.text = decode(ids)
         decoded.num_decoded = upto
 
-    @staticmethod
-    def _search_stop_strings(seq: Sequence, may_stop: bool) -> bool:
-        """Look for a stop string ending in text not searched before (so an occurrence before min_tokens never
-        counts later); the first occurrence found ends the text."""
-        decoded = seq.text
-        found = []
-        for stop in seq.params.stop if may_stop else []:
-            # an occurrence ending in the new text starts at most len(stop) - 1 characters before it
-            search_from = max(0, decoded.num_searched - len(stop) + 1)
-            start = decoded.text.find(stop, search_from)
-            if start >= 0:
-                found.append(start)
-        decoded.num_searched = len(decoded.text)
-        decoded.stop_at = min(found, default=None)
-        return decoded.stop_at is not None
+
+def search_stop_strings(seq: Sequence, may_stop: bool) -> bool:
+    """Look for a stop string ending in text not searched before (so an occurrence before min_tokens never
+    counts later); the first occurrence found ends the text."""
+    decoded = seq.text
+    found = []
+    for stop in seq.params.stop if may_stop else []:
+        # an occurrence ending in the new text starts at most len(stop) - 1 characters before it
+        search_from = max(0, decoded.num_searched - len(stop) + 1)
+        start = decoded.text.find(stop, search_from)
+        if start >= 0:  # the text ends where the stop string starts, or ends with include_stop_str_in_output
+            found.append(start + len(stop) if seq.params.include_stop_str_in_output else start)
+    decoded.num_searched = len(decoded.text)
+    decoded.stop_at = min(found, default=None)
+    return decoded.stop_at is not None
 
 
 def longest_stop_prefix_at_end(text: str, stops: list[str]) -> int:
     """The length of the longest tail of text that is the beginning of a stop string (shorter than it): those
     characters may still turn out to be a stop string, so they are held back from the stream."""
-    longest = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:k]):
-                longest = k
-                break
-    return longest
+    return max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
 
 
 def take_stream_delta(seq: Sequence) -> str:
@@ -116,6 +111,6 @@ def take_stream_delta(seq: Sequence) -> str:
         end = len(decoded.final)
     else:
         end = len(decoded.text) - longest_stop_prefix_at_end(decoded.text, seq.params.stop)
-    delta = decoded.text[decoded.num_streamed : max(end, decoded.num_streamed)]
+    delta = decoded.text[decoded.num_streamed : end]  # empty if end is not past the cursor
     decoded.num_streamed += len(delta)
     return delta

@@ -86,11 +86,10 @@ def join_groups(tp: TP, store: dist.Store, device: str) -> dist.ProcessGroup:
 
 def set_step_deadline() -> None:
     """From now on a collective of the step group fails after NANOSERVE_TP_STEP_TIMEOUT_S (read now: tests lower it).
-    Called once this rank's runner is built, since loading and start-up's collectives may take ranks minutes apart."""
+    Called once this rank's runner is built, since loading and start-up's collectives may take ranks minutes apart.
+    The setter is torch's own, private (there since torch 2.4; pyproject.toml pins the versions tested)."""
     seconds = float(os.environ.get("NANOSERVE_TP_STEP_TIMEOUT_S", STEP_TIMEOUT_S))
-    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch's own setter, private (torch 2.4+)
-    if set_timeout is not None:  # without it, a step waits up to START_TIMEOUT
-        set_timeout(timedelta(seconds=seconds))
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
 
 
 def connect_to_store() -> dist.TCPStore:
@@ -184,7 +183,7 @@ class Workers:
         """Until every worker is about to join the groups (it has beaten once); one that exits first fails the
         start-up at once."""
         deadline = time.monotonic() + START_TIMEOUT.total_seconds()
-        while not all(self._heartbeats()):
+        while not all(self._heartbeats().values()):
             exited = self._exit_reports()
             if exited:
                 raise RuntimeError("\n".join(exited.values()))
@@ -215,15 +214,17 @@ class Workers:
         before = self._heartbeats()
         time.sleep(FAILURE_REPORT_WAIT_S)
         causes = self._exit_reports()
-        for rank, was, now in zip(self.ranks, before, self._heartbeats(), strict=True):
-            if now == was and rank not in causes:
-                silence = f"no heartbeat for {FAILURE_REPORT_WAIT_S} s: its process is stopped, hung or gone"
-                causes[rank] = f"tensor-parallel rank {rank} stopped answering: {silence}"
+        for rank, beats in self._heartbeats().items():
+            if beats == before[rank] and rank not in causes:
+                causes[rank] = (
+                    f"tensor-parallel rank {rank} stopped answering: no heartbeat for {FAILURE_REPORT_WAIT_S} s "
+                    "(its process is stopped, hung or gone)"
+                )
         return list(causes.values())
 
-    def _heartbeats(self) -> list[int]:
-        """Each worker's heartbeats so far."""
-        return [self.store.add(f"nanoserve/heartbeat/{rank}", 0) for rank in self.ranks]
+    def _heartbeats(self) -> dict[int, int]:
+        """rank -> that worker's heartbeats so far."""
+        return {rank: self.store.add(f"nanoserve/heartbeat/{rank}", 0) for rank in self.ranks}
 
     def _exit_reports(self) -> dict[int, str]:
         """For each worker rank 0 started that has exited: how it ended, and the end of its stderr (a traceback)."""

@@ -131,7 +131,7 @@ class FakeInFlight:
         self.row_of = {seq.seq_id: row for row, seq in enumerate(step.sampling_seqs)}
 
     def wait(self):
-        return list(self.device_tokens), self.logprobs
+        return list(self.device_tokens), self.logprobs, []
 
 
 class FakeRunner:
@@ -234,7 +234,10 @@ class FakeEngine:
         )
         config.kvcache_block_size = block_size  # after the checks: see the class docstring
         self.runner = FakeRunner(num_blocks)
-        self.llm = LLM.from_runner(config, self.runner, vocab_size=1000)
+        # the real engine around the fake runner: LLM.__init__ less the model, tokenizer and EOS ids
+        self.llm = LLM.__new__(LLM)
+        self.llm._close = lambda: None
+        self.llm._start(config, self.runner, None, frozenset(), 1000)
         self.runner.engine = self.llm
         self.tables_when_preempted: dict[int, list[list[int]]] = {}  # seq_id -> its block tables then
 

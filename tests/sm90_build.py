@@ -3,9 +3,11 @@
 Triton lowers a kernel to PTX and runs ptxas on it without touching a driver, so CPU-only CI can still catch a
 kernel that no longer compiles for Hopper, that spills registers, or whose prefill stopped using wgmma. Run it
 in a process without TRITON_INTERPRET (the interpreter replaces the kernels when they are defined):
-    python tests/sm90_build.py [DTYPE:HEAD_DIM:GROUP:BLOCK_SIZE ...]    (default: a spread of shapes)
+    python tests/sm90_build.py [DTYPE:HEAD_DIM:GROUP:BLOCK_SIZE[:fp8] ...]    (default: a spread of shapes)
 prints one JSON line per build: kernel, shape, tile, registers per thread, spilled bytes, wgmma or not,
-shared memory, and the sizes of its asynchronous (pipelined) loads.
+shared memory, and the sizes of its asynchronous (pipelined) loads. DTYPE is the model's (bf16, fp16, fp32); a
+trailing ":fp8" makes the KV cache float8 e4m3 (kv_cache_dtype="fp8"), and then only the kernels that read or
+write the cache are built (the others do not see it).
 """
 
 import json
@@ -15,6 +17,7 @@ import subprocess
 import sys
 
 assert not os.environ.get("TRITON_INTERPRET"), "compile for sm_90 needs the real kernels, not the interpreter"
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
@@ -26,6 +29,12 @@ from nanoserve import fused_ops as F  # noqa: E402
 from nanoserve import sampler as S  # noqa: E402
 
 H100 = GPUTarget("cuda", 90, 32)
+TORCH_DTYPES = {
+    "*bf16": torch.bfloat16,
+    "*fp16": torch.float16,
+    "*fp32": torch.float32,
+    "*fp8e4nv": torch.float8_e4m3fn,
+}
 
 
 def build(fn, types: dict, constexprs: dict, num_warps: int) -> dict:
@@ -60,20 +69,23 @@ def build(fn, types: dict, constexprs: dict, num_warps: int) -> dict:
     }
 
 
-def builds(dtype: str, head_dim: int, group: int, block_size: int):
-    """Every kernel configuration the launchers in attention.py can pick for this model shape."""
-    cache = {"k_cache_ptr": dtype, "v_cache_ptr": dtype}
+def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str | None = None):
+    """Every kernel configuration the launchers in attention.py can pick for this model shape; with kv_dtype, only
+    those that touch the KV cache, with the cache in that type."""
+    kv_dtype = kv_dtype or dtype
+    cache = {"k_cache_ptr": kv_dtype, "v_cache_ptr": kv_dtype}
+    q_torch, kv_torch = TORCH_DTYPES[dtype], TORCH_DTYPES[kv_dtype]
     yield build(
         A._store_kv_kernel,
         dict(k_ptr=dtype, v_ptr=dtype, **cache, slot_mapping_ptr="*i32"),
         {"NUM_KV_HEADS": 8, "HEADS_PAD": 8, "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size, "PAD": A.PAD_SLOT},
         4,
     )
-    meta = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "qk_scale": "fp32"}
-    for tile_m in A.prefill_tile_sizes():
+    meta = {"block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32", "context_lens_ptr": "*i32", "qk_scale": "fp32"}
+    for tile_m in A.prefill_tile_sizes(q_torch):
         yield build(
             A._prefill_kernel,
-            dict(q_ptr=dtype, out_ptr=dtype, **cache, **meta, query_start_loc_ptr="*i32"),
+            dict(q_ptr=dtype, out_ptr=dtype, **cache, **meta),
             {
                 "GROUP": group,
                 "HEAD_DIM": head_dim,
@@ -81,7 +93,7 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int):
                 "TILE_M": tile_m,
                 "TILE_N": A.PREFILL_TILE_N,
             },
-            A.prefill_num_warps(tile_m),
+            A.prefill_num_warps(tile_m, q_torch),
         )
     yield build(
         A._decode_split_kernel,
@@ -91,14 +103,16 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int):
             "GROUP_PAD": A.decode_group_pad(group),
             "HEAD_DIM": head_dim,
             "BLOCK_SIZE": block_size,
-            "TILE_N": A.DECODE_TILE_N,
+            "TILE_N": A.DECODE_TILE_N[q_torch.itemsize, kv_torch.itemsize],
         },
         A.DECODE_NUM_WARPS,
     )
+    if kv_dtype != dtype:
+        return  # the reduce and the layer kernels never see the cache
     yield build(
         A._decode_reduce_kernel,
-        {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": dtype},
-        {"HEAD_DIM": head_dim, "SPLITS_PAD": A.MAX_SPLITS},
+        {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": dtype, "query_start_loc_ptr": "*i32"},
+        {"HEAD_DIM": head_dim, "MAX_SPLITS": A.MAX_SPLITS},
         4,
     )
     # the fused layer kernels, at Qwen3-0.6B's widths (hidden 1024, intermediate 3072) and 8x as wide
@@ -127,26 +141,33 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int):
     yield build(F._silu_mul_kernel, {"x_ptr": dtype, "out_ptr": dtype}, {"BLOCK": F.SILU_BLOCK}, 4)
     yield build(
         S._gumbel_argmax_kernel,
-        {"logits_ptr": dtype, "temperature_ptr": "*fp32", "seed_ptr": "*i64", "out_ptr": "*i32"},
+        {
+            "logits_ptr": dtype,
+            "temperature_ptr": "*fp32",
+            "seed_ptr": "*i64",
+            "chunk_best_ptr": "*fp32",
+            "chunk_id_ptr": "*i64",
+        },
         {"TILE": S.GUMBEL_TILE},
         S.GUMBEL_NUM_WARPS,
     )
 
 
 DEFAULT_SHAPES = [
-    f"{dtype}:{head_dim}:{group}:{block_size}"
-    for dtype in ("bf16", "fp16")
-    for head_dim, group in ((128, 2), (64, 8), (128, 1))
+    f"{dtype}:{head_dim}:{group}:{block_size}{kv}"
+    for kv in ("", ":fp8")
+    for dtype in ("bf16", "fp16", "fp32")
+    for head_dim, group in ((128, 2), (64, 8), (128, 1), (16, 4))
     for block_size in (16, 256)
 ]
+KV_DTYPES = {"fp8": "*fp8e4nv"}  # the cache's pointer type for a shape's KV suffix
 
 if __name__ == "__main__":
     for shape in sys.argv[1:] or DEFAULT_SHAPES:
-        dtype, head_dim, group, block_size = shape.split(":")
-        for report in builds("*" + dtype, int(head_dim), int(group), int(block_size)):
+        dtype, head_dim, group, block_size, *kv = shape.split(":")
+        kv_dtype = KV_DTYPES[kv[0]] if kv else None
+        for report in builds("*" + dtype, int(head_dim), int(group), int(block_size), kv_dtype):
+            shape_fields = {"shape": shape, "dtype": dtype, "kv": kv[0] if kv else dtype, "head_dim": int(head_dim)}
             print(
-                json.dumps(
-                    dict(dtype=dtype, head_dim=int(head_dim), group=int(group), block_size=int(block_size), **report)
-                ),
-                flush=True,
+                json.dumps({**shape_fields, "group": int(group), "block_size": int(block_size), **report}), flush=True
             )

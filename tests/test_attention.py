@@ -4,7 +4,8 @@ Inputs are random and fresh each run (the seed is printed, so pytest shows it wi
 NaN and block tables are padded with a NaN block, so a kernel that reads past a context fails. On CPU the
 kernels run in Triton's interpreter: shapes stay tiny and dtypes are fp32/fp16 (it computes bf16 dots wrongly);
 tests marked gpu run bf16 at Qwen3-0.6B's head shapes and capture decode in a CUDA graph. The launchers check
-nothing per call: AttentionMetadata validates its inputs once, when made, and is tested here too.
+nothing per call: AttentionMetadata validates its inputs once, when made, and is tested here too. FP8 caches
+(float8 e4m3) are checked the same way: kernels and references read the same fp8 values and widen them exactly.
 """
 
 import itertools
@@ -17,11 +18,13 @@ if not torch.cuda.is_available():
 
 import pytest
 
+from nanoserve import attention
 from nanoserve.attention import (
     DECODE_TILE_N,
     MAX_SPLITS,
     PAD_SLOT,
     PREFILL_TILE_M,
+    PREFILL_TILE_N,
     PROGRAMS_PER_SM,
     AttentionMetadata,
     _num_sms,
@@ -31,6 +34,7 @@ from nanoserve.attention import (
     store_kv,
     store_kv_ref,
 )
+from nanoserve.step_inputs import BLOCK_TABLE_WIDTH_MULTIPLE, round_up
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = {torch.float32: 1e-4, torch.float16: 1e-2}  # CPU dtypes; fp16 rounds the softmax weights before P @ V
@@ -75,17 +79,31 @@ def randint(low, high):
     return int(torch.randint(low, high + 1, ()))
 
 
-def make_batch(query_lens, context_lens, *, num_heads, num_kv_heads, head_dim, block_size, dtype, max_context_len=None):
+def make_batch(
+    query_lens,
+    context_lens,
+    *,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    dtype,
+    max_context_len=None,
+    kv_dtype=None,
+):
     """Random q and a paged KV cache holding each sequence's keys in shuffled blocks; every other slot is NaN.
 
-    Sequence i has context_lens[i] keys, of which the last query_lens[i] are this step's queries."""
+    Sequence i has context_lens[i] keys, of which the last query_lens[i] are this step's queries. The cache is in
+    kv_dtype (default: dtype), written by store_kv_ref."""
     num_seqs = len(context_lens)
     blocks_per_seq = [-(-ctx // block_size) for ctx in context_lens]
     num_blocks = sum(blocks_per_seq) + 1  # one block is never written
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    kv_dtype = kv_dtype or dtype
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=kv_dtype, device=DEVICE)
     v_cache = torch.full_like(k_cache, float("nan"))
     physical = torch.randperm(num_blocks, dtype=torch.int32, device=DEVICE)
-    block_tables = physical[-1].repeat(num_seqs, max(blocks_per_seq) + 1)  # padding -> the NaN block
+    width = round_up(max(blocks_per_seq) + 1, BLOCK_TABLE_WIDTH_MULTIPLE)  # as the engine pads its block tables
+    block_tables = physical[-1].repeat(num_seqs, width)  # padding -> the NaN block
     slots = []  # per sequence: [context_len] slot of each key
     for i, (first, n, ctx) in enumerate(
         zip(itertools.accumulate([0] + blocks_per_seq), blocks_per_seq, context_lens, strict=False)
@@ -244,7 +262,7 @@ def test_prefill_mixed_batch(dtype, group, head_dim, block_size):
 
 def test_prefill_query_spans_several_tiles():
     """Query tiles after the first keep their own rows and causal bound (a long chunk after a cached prefix)."""
-    query_len = PREFILL_TILE_M + randint(1, 40)
+    query_len = PREFILL_TILE_M[4] + randint(1, 40)  # fp32 tiles
     context_lens = [query_len + randint(1, 50), 3]
     q, k_cache, v_cache, meta = make_batch(
         [query_len, 2], context_lens, **heads(2, 1), head_dim=64, block_size=16, dtype=torch.float32
@@ -272,34 +290,116 @@ def test_decode_batch_that_needs_no_split():
     q, k_cache, v_cache, meta = make_batch(
         [1] * num_seqs, context_lens, **heads(2, num_kv_heads), head_dim=64, block_size=16, dtype=torch.float32
     )
-    assert decode_splits(num_seqs, num_kv_heads, meta.max_context_len, _num_sms(q.device))[1] == 1
+    assert decode_splits(num_seqs, num_kv_heads, _num_sms(q.device)) == 1
     out = paged_attention(q, k_cache, v_cache, meta, 0.125)
     assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 0.125), ATOL[torch.float32], "decode")
 
 
 def test_decode_graph_sized_grid():
-    """With the grid sized for max_model_len, empty splits and a context_len-0 slot neither leak nor make NaN."""
-    context_lens = [0, 1, randint(2, 100), randint(600, 900)]
+    """A grid from the batch size alone, as a CUDA graph holds it: contexts shorter than one tile per split (empty
+    splits) and a context_len-0 slot (a padded graph row) neither leak nor make NaN; max_context_len (max_model_len
+    under a graph) changes nothing."""
+    context_lens = [0, 1, randint(2, 40), randint(600, 900)]
     q, k_cache, v_cache, meta = make_batch(
         [1] * 4, context_lens, **heads(3, 1), head_dim=64, block_size=16, dtype=torch.float32, max_context_len=2048
     )
-    split_len, num_splits = decode_splits(4, 1, 2048, _num_sms(q.device))
-    assert split_len < context_lens[-1] < (num_splits - 1) * split_len  # spans splits; the last one is empty
+    num_splits = decode_splits(4, 1, _num_sms(q.device))
+    assert 1 < num_splits and context_lens[2] < num_splits * DECODE_TILE_N[4, 4]  # short contexts: empty splits
     out = paged_attention(q, k_cache, v_cache, meta, 0.125)
-    assert torch.isfinite(out[0]).all()
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
     assert_close(out[1:], paged_attention_ref(q, k_cache, v_cache, meta, 0.125)[1:], ATOL[torch.float32], "decode")
 
 
-@pytest.mark.parametrize("num_seqs,max_context_len", [(1, 32768), (8, 8192), (256, 1024), (4, 1), (3, 1000)])
-def test_decode_splits_cover_context(num_seqs, max_context_len):
-    """Splits tile the context with whole tiles, stay within MAX_SPLITS, and fill an H100 when small."""
+@pytest.mark.parametrize("num_seqs", [1, 2, 8, 33, 64, 256])
+def test_decode_splits_fill_an_h100(num_seqs):
+    """The split count comes from the batch alone (a CUDA graph's grid), stays within MAX_SPLITS, and gives an H100
+    about PROGRAMS_PER_SM programs per SM when the batch alone does not."""
     num_kv_heads, h100_sms = 8, 132
-    split_len, num_splits = decode_splits(num_seqs, num_kv_heads, max_context_len, h100_sms)
-    assert split_len % DECODE_TILE_N == 0
-    assert (num_splits - 1) * split_len < max_context_len <= num_splits * split_len
-    assert num_splits <= MAX_SPLITS
-    if max_context_len >= 8192:
-        assert num_seqs * num_kv_heads * num_splits >= 2 * h100_sms
+    num_splits = decode_splits(num_seqs, num_kv_heads, h100_sms)
+    assert 1 <= num_splits <= MAX_SPLITS
+    programs = num_seqs * num_kv_heads * num_splits
+    assert programs >= PROGRAMS_PER_SM * h100_sms or num_splits == MAX_SPLITS
+    assert num_splits == 1 or num_seqs * num_kv_heads * (num_splits - 1) < PROGRAMS_PER_SM * h100_sms  # no more
+
+
+def triton_variant_key(arg):
+    """What Triton compiles a new variant for: a tensor's dtype and 16-byte alignment, whether an int is 1 or a
+    multiple of 16 (its value otherwise does not matter), a float's type alone; constexprs by value."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, int):
+        return arg == 1, arg % 16 == 0
+    return type(arg)
+
+
+def test_decode_kernels_have_one_variant_for_every_batch(monkeypatch):
+    """Guards against decode kernels compiled in the middle of an eager run (0.5-1 s each on a GPU): warm-up runs
+    prefill steps only, which launch the decode kernels too, so every decode step, whatever its batch size and
+    number of splits (here 1 to 8) or its mix of prefills, must present the same variant keys to Triton."""
+    keys = {}
+
+    class Recorder:  # stands in for a kernel: kernel[grid](*args, **constexprs) records the variant's key
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **constexprs):
+                key = tuple(map(triton_variant_key, args)) + tuple(sorted(constexprs.items()))
+                keys.setdefault(self.name, set()).add(key)
+
+            return launch
+
+    for name in ("_decode_split_kernel", "_decode_reduce_kernel"):
+        monkeypatch.setattr(attention, name, Recorder(name))
+    splits = set()
+    for num_seqs in (1, 2, 3, 5, 16):
+        for query_lens in ([1] * num_seqs, [randint(2, 20)] + [1] * (num_seqs - 1)):
+            context_lens = [randint(20, 300) for _ in range(num_seqs)]
+            q, k_cache, v_cache, meta = make_batch(
+                query_lens, context_lens, **heads(2), head_dim=32, block_size=16, dtype=torch.float16
+            )
+            monkeypatch.setattr(attention, "_launch_prefill", lambda *args: None)
+            paged_attention(q, k_cache, v_cache, meta, 0.125)
+        splits.add(decode_splits(num_seqs, 2, _num_sms(q.device)))
+    assert 1 in splits and len(splits) == 5
+    assert {name: len(variants) for name, variants in keys.items()} == {
+        "_decode_split_kernel": 1,
+        "_decode_reduce_kernel": 1,
+    }
+
+
+def test_decode_any_context_in_a_long_pool():
+    """One grid serves contexts from 1 key to 40k (each sequence cuts its own context into the grid's splits),
+    in a pool sized for them: a split length from max_model_len, or splits that lose the tail, would show here."""
+    tile = DECODE_TILE_N[4, 4]  # fp32
+    context_lens = [1, tile - 1, tile + 1, randint(100, 1000), randint(5000, 9000), 40_000]
+    q, k_cache, v_cache, meta = make_batch(
+        [1] * len(context_lens), context_lens, **heads(2, 1), head_dim=16, block_size=16, dtype=torch.float32
+    )
+    out = paged_attention(q, k_cache, v_cache, meta, 0.25)
+    assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 0.25), ATOL[torch.float32], "decode, long pool")
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_mixed_step_sends_decodes_to_the_split_kernel(group, dtype, monkeypatch):
+    """In a mixed step the one-query sequences (decodes, a one-token chunk) run through the split-KV kernel and the
+    others through the prefill kernel, each skipping the other's rows: together they match the reference, and with
+    either launch removed exactly its own rows stay unwritten (NaN from the poisoned allocator)."""
+    decode_ctx = [randint(1, 200) for _ in range(4)]
+    query_lens = [1, randint(2, 40), 1, 1, randint(PREFILL_TILE_N, 150), 1]
+    context_lens = [decode_ctx[0], randint(40, 120), decode_ctx[1], decode_ctx[2], randint(150, 260), decode_ctx[3]]
+    q, k_cache, v_cache, meta = make_batch(
+        query_lens, context_lens, **heads(group), head_dim=32, block_size=16, dtype=dtype
+    )
+    out = paged_attention(q, k_cache, v_cache, meta, 32**-0.5)
+    assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 32**-0.5), ATOL[dtype], "mixed step")
+    decode_row = torch.tensor([n == 1 for n in query_lens for _ in range(n)], device=DEVICE)
+    for launcher, unwritten in (("_launch_decode", decode_row), ("_launch_prefill", ~decode_row)):
+        with monkeypatch.context() as patch:
+            patch.setattr(attention, launcher, lambda *args: None)
+            partial = paged_attention(q, k_cache, v_cache, meta, 32**-0.5)
+        assert partial[unwritten].isnan().all() and torch.equal(partial[~unwritten], out[~unwritten]), launcher
 
 
 @pytest.mark.gpu
@@ -361,3 +461,74 @@ def test_decode_cuda_graph_replay():
     assert torch.equal(out, eager)
     ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, 128**-0.5)
     assert_rel_close(out[:-1], ref[:-1], BF16_REL_TOL, "graph replay")
+
+
+# ---- FP8 KV cache (kv_cache_dtype="fp8") ---------------------------------------------------------------------------
+FP8 = getattr(torch, "float8_e4m3fn", None)
+needs_fp8 = pytest.mark.skipif(FP8 is None, reason="this torch has no float8 types")
+
+
+@needs_fp8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kv_writes_fp8_slots(dtype):
+    """store_kv into fp8 caches: each token's K/V cast into its slot, padding skipped. The inputs are fp8 values
+    (K and V carry exact fp8 numbers), since the interpreter's fp8 rounding is approximate; on a GPU the cast is
+    the hardware's round-to-nearest, saturating (test_store_kv_fp8_rounds_as_torch)."""
+    num_tokens, num_kv_heads, head_dim, block_size, num_blocks = 11, 2, 32, 16, 4
+    k = (torch.randn(num_tokens, num_kv_heads, head_dim, device=DEVICE) * 4).to(FP8).to(dtype)
+    v = (torch.randn(num_tokens, num_kv_heads, head_dim, device=DEVICE) / 4).to(FP8).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens].int()
+    slots[::3] = PAD_SLOT
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE).to(FP8)
+    v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(FP8)
+    k_expect, v_expect = k_cache.clone(), v_cache.clone()
+    store_kv_ref(k, v, k_expect, v_expect, slots)
+    store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(torch.uint8), k_expect.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_expect.view(torch.uint8))
+
+
+@needs_fp8
+@pytest.mark.parametrize("dtype,group,head_dim,block_size", [(torch.float32, 2, 64, 16), (torch.float16, 7, 32, 64)])
+def test_attention_reads_fp8_caches(dtype, group, head_dim, block_size):
+    """Prefill chunks and decodes over fp8 caches: the kernels widen the same fp8 values the reference widens, so
+    they agree as closely as over caches of the model's dtype."""
+    query_lens = [randint(20, 70), 1, randint(2, 30), 1]
+    context_lens = [query_lens[0], randint(2, 150), randint(40, 140), 1]
+    q, k_cache, v_cache, meta = make_batch(
+        query_lens, context_lens, **heads(group), head_dim=head_dim, block_size=block_size, dtype=dtype, kv_dtype=FP8
+    )
+    assert k_cache.dtype == FP8 and k_cache.element_size() == 1
+    out = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+    assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, head_dim**-0.5), ATOL[dtype], "fp8 cache")
+    decodes = [0, 1, 3]
+    q, k_cache, v_cache, meta = make_batch(
+        [1] * 3,
+        [context_lens[i] for i in decodes],
+        **heads(group),
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        kv_dtype=FP8,
+    )
+    out = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+    assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, head_dim**-0.5), ATOL[dtype], "fp8 decode")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_fp8
+def test_store_kv_fp8_rounds_as_torch():
+    """On a GPU, the store kernel's cast to e4m3 is torch's: round to nearest even, saturating at +-448 (values
+    beyond it, as a large K outlier would be, stay finite)."""
+    k = torch.randn(300, 8, 128, device="cuda", dtype=torch.bfloat16) * 8
+    k[0, 0, :4] = torch.tensor([500.0, -1000.0, 1e-3, 3.1e-3])  # saturating; subnormals
+    v = torch.randn_like(k)
+    slots = torch.randperm(32 * 16, device="cuda")[:300].int()
+    k_cache = torch.zeros(32, 16, 8, 128, device="cuda", dtype=FP8)
+    v_cache = torch.zeros_like(k_cache)
+    k_expect, v_expect = k_cache.clone(), v_cache.clone()
+    store_kv_ref(k.clamp(-448, 448), v, k_expect, v_expect, slots)  # e4m3's largest finite value: 448
+    store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(torch.uint8), k_expect.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_expect.view(torch.uint8))

@@ -4,6 +4,7 @@ that were only found after the weights had loaded. Every refusal is an InvalidFi
 value is stored as a plain Python int or float; afterwards the engine still generates correctly with no block in use."""
 
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -124,6 +125,61 @@ def test_any_integer_seed_is_kept_in_range_and_draws_the_same(engine):
 def test_other_bad_numbers_name_the_field(kwargs, field):
     """Guards against values of a near-miss type or just past a stated bound being taken."""
     refused(field, SamplingParams, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"repetition_penalty": 0}, "repetition_penalty"),  # > 0: dividing by 0
+        ({"repetition_penalty": -1.5}, "repetition_penalty"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"repetition_penalty": math.nan}, "repetition_penalty"),
+        ({"repetition_penalty": True}, "repetition_penalty"),  # a bool is not a number here
+        ({"repetition_penalty": "1.1"}, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"presence_penalty": Fraction(-201, 100)}, "presence_penalty"),
+        ({"presence_penalty": None}, "presence_penalty"),
+        ({"frequency_penalty": -HUGE}, "frequency_penalty"),
+        ({"frequency_penalty": np.bool_(True)}, "frequency_penalty"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),  # OpenAI's JSON has string keys; the Python API takes ids
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {5: -HUGE}}, "logit_bias"),
+        ({"logit_bias": {5: math.nan}}, "logit_bias"),
+        ({"logit_bias": {5: True}}, "logit_bias"),
+        ({"logit_bias": {True: 1.0}}, "logit_bias"),
+        ({"logit_bias": [(5, 1.0)]}, "logit_bias"),
+        ({"logit_bias": 0}, "logit_bias"),
+        ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+        ({"skip_special_tokens": 1}, "skip_special_tokens"),
+    ],
+    ids=str,
+)
+def test_bad_penalties_bias_and_text_flags_name_the_field(kwargs, field):
+    """Guards against penalties out of their ranges (repetition > 0, presence and frequency in [-2, 2], biases in
+    [-100, 100]), of the wrong type (a bool or a string where a number is expected, string token ids), or text flags
+    that are not bools, being taken."""
+    refused(field, SamplingParams, **kwargs)
+
+
+def test_penalty_values_are_stored_as_python_numbers_and_bias_ids_checked(engine):
+    """Guards against numpy or Fraction penalties reaching the sampler as such, and logit_bias ids outside the
+    vocabulary (which would index past the logits) being queued; the engine serves afterwards."""
+    llm, hf = engine
+    params = SamplingParams(
+        repetition_penalty=np.float32(1.5),
+        presence_penalty=Fraction(1, 2),
+        frequency_penalty=np.int64(-2),
+        logit_bias={np.int64(5): np.float16(-1.5), 7: Fraction(3, 2), 9: 100},
+    )
+    assert [type(v) for v in (params.repetition_penalty, params.presence_penalty, params.frequency_penalty)] == [
+        float
+    ] * 3
+    assert params.logit_bias == {5: -1.5, 7: 1.5, 9: 100.0} and all(type(t) is int for t in params.logit_bias)
+    assert all(type(b) is float for b in params.logit_bias.values())
+    prompt = random_prompts([5])[0]
+    for bias in ({384: 1.0}, {-1: 1.0}, {5: 1.0, 10**30: 2.0}):
+        refused("logit_bias", llm.generate, prompt, SamplingParams(logit_bias=bias), use_tqdm=False)
+    still_serves(llm, hf)
 
 
 # ---- requests ------------------------------------------------------------------------------------------------------

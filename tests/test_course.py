@@ -1,4 +1,4 @@
-"""The course guide's five experiments (docs/course.md), each at a small size on a tiny random model, asserting
+"""The course guide's six experiments (docs/course.md), each at a small size on a tiny random model, asserting
 what the guide tells students to look for; and the guide's commands checked against example.py."""
 
 import importlib.util
@@ -125,13 +125,26 @@ def example_module():
     return module
 
 
+def test_fp8_kv_cache_holds_more_tokens_and_mostly_agrees(llama, prompts):
+    """Experiment 6. Guards against an fp8 pool that is not one byte per element (a token must take a quarter of
+    fp32's bytes, so the same memory holds four times the tokens; the KV account must say 1 byte) and against an fp8
+    path that is wrong rather than rounded: the greedy outputs start the same as the fp32 cache's (the first tokens
+    agree in most prompts; fp8 drifts later, at near-ties), and the pool is empty afterwards."""
+    auto, llm_auto, _, _ = run(llama, prompts)
+    fp8, llm_fp8, _, _ = run(llama, prompts, kv_cache_dtype="fp8")
+    assert llm_fp8.runner.kv_bytes_per_token * 4 == llm_auto.runner.kv_bytes_per_token  # a pool of any size
+    assert "x 1 bytes (float8_e4m3fn)" in llm_fp8.runner.kv_account()
+    assert sum(a[:4] == f[:4] for a, f in zip(auto, fp8, strict=True)) >= 3
+    assert llm_fp8.block_manager.num_free_blocks == llm_fp8.block_manager.num_blocks
+
+
 def test_guide_commands_are_ones_example_py_accepts():
     """Guards against a guide that drifts from example.py: every command must parse, give a valid engine config,
     and every experiment must name a test in this file that exists."""
     example, text = example_module(), GUIDE.read_text()
-    assert len(re.findall(r"^## Experiment \d", text, re.M)) == 5
+    assert len(re.findall(r"^## Experiment \d", text, re.M)) == 6
     commands = guide_commands()
-    assert len(commands) >= 5
+    assert len(commands) >= 6
     for argv in commands:
         EngineConfig.from_kwargs(**example.engine_kwargs(example.parse_args(argv)))  # raises on a bad value
     named = re.findall(r"tests/test_course\.py::(\w+)", text)

@@ -18,7 +18,7 @@ from conftest import hf_greedy, random_prompts
 import nanoserve.workers
 from nanoserve import LLM, SamplingParams
 from nanoserve.sampling_params import InvalidField
-from nanoserve.step_inputs import HEADER_LEN, StepHeader
+from nanoserve.step_inputs import HEADER_LEN, NUM_PARTS, StepHeader
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 ENGINE = {"device": "cpu", "max_model_len": 128, "max_num_batched_tokens": 64}
@@ -189,7 +189,8 @@ def test_error_inside_a_worker_names_the_rank(tiny_model, started):
     next call raises with that rank and its traceback. The garbage-collected LLM then leaves no process behind."""
     path, _ = tiny_model("qwen3")
     llm = LLM(path, tensor_parallel_size=2, num_kvcache_blocks=16, **ENGINE)
-    lengths = [3, 3, 3, 3, 2, 5, 1, 0, 0, 0]  # ids, positions, slots, query_start_loc, context_lens, block tables...
+    # ids, positions, slots, query_start_loc, context_lens, block tables, sample rows; the later parts empty
+    lengths = [3, 3, 3, 3, 2, 5, 1] + [0] * (NUM_PARTS - 7)
     bad_header = StepHeader.from_list([*lengths, 3, 3])
     assert len(bad_header.to_list()) == HEADER_LEN
     llm.runner.workers.send_step(bad_header, torch.zeros(bad_header.buffer_len(), dtype=torch.int32))

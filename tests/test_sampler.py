@@ -180,6 +180,31 @@ def test_kernel_keeps_the_best_tile(tile):
     assert counts[hot].sum() == 60 and counts[hot[1]] > 48, counts[hot]  # expected 58; 12 misses: p ~ 1e-6
 
 
+def test_seeded_draws_follow_softmax_across_many_seeds(monkeypatch):
+    """Guards against Philox streams that are not independent uniforms across seeds and columns: four uniforms per
+    call spread over the wrong columns (two columns sharing one, a lane never used) or the vocabulary's chunks
+    drawing correlated noise. One seeded request per seed, 500 seeds, ten tokens over two chunks of eight: the
+    tokens follow softmax(logits / T)."""
+    monkeypatch.setattr(sampler_module, "GUMBEL_TILE", 8)
+    logits = (torch.randn(10) * 0.3).to(DEVICE)  # every p >= ~1/25: >= ~20 expected draws
+    params = [SamplingParams(temperature=0.9, seed=seed) for seed in range(500)]
+    tokens = tokens_of("triton", logits.repeat(len(params), 1), params, [5] * len(params))
+    counts = torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1])
+    assert_draws_follow(counts, (logits / 0.9).softmax(-1), "500 seeds")
+
+
+def test_kernel_draw_does_not_depend_on_the_tile(monkeypatch):
+    """Guards against noise tied to the kernel's tiling: column c's uniform is Philox counter c // 4, lane c % 4,
+    whatever the chunk size, so a seeded request draws the same token when GUMBEL_TILE changes."""
+    logits = torch.randn(8, 200, device=DEVICE) * 0.1
+    params = [SamplingParams(temperature=1.0, seed=seed) for seed in range(8)]
+    draws = []
+    for tile in (16, 64, 256):
+        monkeypatch.setattr(sampler_module, "GUMBEL_TILE", tile)
+        draws.append(tokens_of("triton", logits, params, [9] * 8))
+    assert draws[0] == draws[1] == draws[2] and len(set(draws[0])) > 2
+
+
 # ---- greedy, bans --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_greedy_is_exact_first_max_argmax_and_bans_hold(backend, dtype, tile):

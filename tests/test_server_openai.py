@@ -54,11 +54,7 @@ def served():
 # ---- every field honoured, accepted, or refused by name ---------------------------------------------------------
 REFUSED = [  # (endpoint, fields added to a good body, the param the 400 names)
     # not implemented yet: refused, never silently ignored
-    ("completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
-    ("completions", {"presence_penalty": -1}, "presence_penalty"),
-    ("completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
-    ("completions", {"logit_bias": {"5": -100}}, "logit_bias"),
-    ("completions", {"echo": True}, "echo"),
+    ("completions", {"echo": True, "stream": True}, "echo"),
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "end"}, "suffix"),
     ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
@@ -82,6 +78,12 @@ REFUSED = [  # (endpoint, fields added to a good body, the param the 400 names)
     ("completions", {"top_p": 1.5}, "top_p"),
     ("completions", {"frequency_penalty": 2.5}, "frequency_penalty"),
     ("completions", {"presence_penalty": -3}, "presence_penalty"),
+    ("completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("completions", {"logit_bias": {"five": 1}}, "logit_bias"),
+    ("completions", {"logit_bias": {"100000": 1}}, "logit_bias"),  # outside the vocabulary
+    ("completions", {"logit_bias": [5, 1]}, "logit_bias"),
+    ("chat/completions", {"skip_special_tokens": "no"}, "skip_special_tokens"),
     ("completions", {"logprobs": 6}, "logprobs"),
     ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
@@ -123,8 +125,8 @@ def test_the_official_client_sees_refusals_with_their_param(fake_url):
     the message says the feature is not implemented rather than that the value is wrong."""
     client = client_for(fake_url)
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt=TOKENS, max_tokens=2, frequency_penalty=1.0)
-    assert e.value.param == "frequency_penalty" and "does not implement" in e.value.message
+        client.completions.create(model=MODEL, prompt=TOKENS, max_tokens=2, best_of=2)
+    assert e.value.param == "best_of" and "does not implement" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=TOKENS, max_tokens=2, extra_body={"temperatur": 0.5})
     assert e.value.param == "temperatur" and "unrecognized" in e.value.message
@@ -282,6 +284,62 @@ def test_logprob_bytes_join_to_the_reply(served, request_text):
     assert b"".join(bytes(e.bytes) for e in entries).decode(errors="replace") == content
     for e in entries:  # greedy: the most likely alternative is the chosen token, bytes and all
         assert e.top_logprobs[0].bytes == e.bytes
+
+
+# ---- penalties and bias, honoured as the offline engine does ---------------------------------------------------------
+def test_logit_bias_and_penalties_change_the_reply_as_offline(served):
+    """Guards against penalties or a bias accepted and ignored, or applied differently from the offline engine: +100
+    on a token makes every greedy token that token; a frequency, presence and repetition penalty on a repetitive
+    greedy answer changes it, and the served tokens equal LLM.generate's with the same SamplingParams."""
+    from nanoserve import LLM, SamplingParams
+
+    base_url, tokenizer = served
+    client = client_for(base_url)
+    prompt = "Repeat after me five times: apple apple apple apple apple"
+    forced = tokenizer.encode(" banana")[0]
+    biased = client.completions.create(prompt=prompt, logit_bias={str(forced): 100}, **{**GREEDY, "max_tokens": 4})
+    assert biased.choices[0].text == tokenizer.decode([forced] * 4)
+    penalties = {"frequency_penalty": 1.5, "presence_penalty": 0.5}
+    plain = client.completions.create(prompt=prompt, **{**GREEDY, "max_tokens": 16})
+    served_reply = client.completions.create(
+        prompt=prompt, extra_body={"repetition_penalty": 1.3}, **penalties, **{**GREEDY, "max_tokens": 16}
+    )
+    assert served_reply.choices[0].text != plain.choices[0].text
+    llm = LLM(max_model_len=512, num_kvcache_blocks=64)
+    offline = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3, **penalties))
+    llm.close()
+    assert served_reply.choices[0].text == offline[0].outputs[0].text
+
+
+# ---- echo: the prompt's log-likelihood, as evaluation harnesses score choices ----------------------------------------
+def test_echo_with_logprobs_equals_transformers_log_softmax(served):
+    """Guards against echo being ignored (a harness scoring choices by their log-likelihood would read zeros) or its
+    logprobs shifted by a position: echo=True, logprobs=2, max_tokens=0 returns the prompt's text and tokens, None for
+    the first token and then each token's logprob equal to transformers' log-softmax over the prompt, the top-2 among
+    them, and text offsets that index the text; with max_tokens=1 the completion's one token follows."""
+    import torch
+    from conftest import default_model_or_skip
+    from transformers import AutoModelForCausalLM
+
+    base_url, tokenizer = served
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    ids = tokenizer.encode(prompt)
+    client = client_for(base_url)
+    echoed = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=0)
+    choice = echoed.choices[0]
+    assert choice.text == tokenizer.decode(ids) and echoed.usage.completion_tokens == 0
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(ids) and logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    hf = AutoModelForCausalLM.from_pretrained(default_model_or_skip(), dtype=torch.float32)
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    for position in range(1, len(ids)):
+        assert abs(logprobs.token_logprobs[position] - expected[position - 1, ids[position]].item()) < 1e-3
+        assert len(logprobs.top_logprobs[position]) <= 3  # the top 2, and the token itself where it is not among them
+    assert all(choice.text[o:].startswith(t) for o, t in zip(logprobs.text_offset, logprobs.tokens, strict=True))
+    one = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    assert one.choices[0].text.startswith(choice.text) and len(one.choices[0].logprobs.tokens) == len(ids) + 1
+    assert one.choices[0].logprobs.token_logprobs[1:-1] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-4)
 
 
 # ---- the API key ----------------------------------------------------------------------------------------------------

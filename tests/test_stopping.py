@@ -112,3 +112,27 @@ def test_engine_stops_on_a_long_cjk_stop_string():
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop=[stop]), use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text == free.text[: free.text.find(stop)]
     assert len(out.outputs[0].token_ids) < len(free.token_ids)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_ids_text(tokenizer):
+    """Guards against include_stop_str_in_output ignored (vLLM's meaning: the matched stop string, or the stop id's
+    own text, stays in the text, and streamed deltas still add up to it) or cutting the text elsewhere."""
+    text = "The answer is here. And more after it."
+    ids = tokenizer.encode(text)
+    reason, deltas, _, seq = feed(tokenizer, ids, stop=["is here"], include_stop_str_in_output=True)
+    assert reason == "stop" and seq.text.final == "The answer is here" == "".join(deltas)
+    start = tokenizer.encode("<|im_start|>")  # a special token that is not a stop id
+    both = {"include_stop_str_in_output": True, "skip_special_tokens": False}
+    reason, deltas, _, seq = feed(tokenizer, ids[:3] + start + [IM_END] + ids, **both)
+    assert reason == "stop" and seq.text.final == tokenizer.decode(ids[:3]) + "<|im_start|><|im_end|>"
+    assert "".join(deltas) == seq.text.final
+
+
+def test_skip_special_tokens_false_shows_special_tokens_but_not_the_stop_id(tokenizer):
+    """Guards against skip_special_tokens ignored: with False a special token's text is shown (<|im_start|> here),
+    while the stop id that ends the text is still left out (include_stop_str_in_output is off); with True (the
+    default) neither is."""
+    ids = tokenizer.encode("Hi") + tokenizer.encode("<|im_start|>") + tokenizer.encode("there") + [IM_END]
+    for skip, shown in ((False, "Hi<|im_start|>there"), (True, "Hithere")):
+        reason, deltas, _, seq = feed(tokenizer, ids, skip_special_tokens=skip)
+        assert reason == "stop" and seq.text.final == shown == "".join(deltas)
