@@ -1,6 +1,8 @@
 """Chat with the embedded default model (SmolLM2-135M-Instruct) or any HF model: python example.py [--model DIR].
 The other options are the knobs of the course guide's experiments (docs/course.md); --plot DIR also writes a step
-trace and draws it (kv_blocks.png, batches.png, block_tables.png; needs matplotlib)."""
+trace and draws it (kv_blocks.png, batches.png, block_tables.png; needs matplotlib). --beam-width N runs a beam search
+of N beams on each question instead of chatting (LLM.beam_search), and compares the KV blocks it used with what
+beams that did not share their blocks would need."""
 
 import argparse
 import logging
@@ -8,6 +10,7 @@ import time
 from pathlib import Path
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.beam_search import BeamSearchOutput, BeamSearchParams
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -62,6 +65,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="auto: fp32 on a CPU (equal to transformers), the checkpoint's 16-bit type on a GPU; bfloat16 on a CPU "
         "with native bf16 (AVX512-BF16, AMX, Arm BF16) is faster (see README)",
     )
+    parser.add_argument(
+        "--beam-width",
+        type=int,
+        default=None,
+        metavar="N",
+        help="beam search with N beams per question instead of chat generation (deterministic: no --temperature)",
+    )
     parser.add_argument("--plot", metavar="DIR", help="write DIR/trace.jsonl and draw it into DIR as PNG files")
     return parser.parse_args(argv)
 
@@ -89,6 +99,19 @@ def main(argv=None):
     llm = LLM(args.model, **engine_kwargs(args))
     system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
     conversations = [system + [{"role": "user", "content": q}] for q in QUESTIONS]
+    if args.beam_width:
+        beam_search(llm, conversations, args)
+    else:
+        chat(llm, conversations, args)
+    if args.plot:
+        from nanoserve.plots import plot_trace
+
+        for path in plot_trace(llm.config.trace, args.plot):
+            print(f"wrote {path}")
+
+
+def chat(llm: LLM, conversations: list[list[dict]], args: argparse.Namespace) -> None:
+    """Generate an answer to every question in one batch; print them, the throughput and the KV account."""
     start, computed = time.perf_counter(), llm.stats()["computed_tokens"]
     outputs = llm.chat(conversations, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))
     seconds = time.perf_counter() - start
@@ -115,11 +138,49 @@ def main(argv=None):
         f"prompts: {prompt} tokens, {cached} from the prefix cache; tokens computed "
         f"{stats['computed_tokens'] - computed}; time to first token {ttft:.2f} s (mean)"
     )
-    if args.plot:
-        from nanoserve.plots import plot_trace
 
-        for path in plot_trace(llm.config.trace, args.plot):
-            print(f"wrote {path}")
+
+def beam_search(llm: LLM, conversations: list[list[dict]], args: argparse.Namespace) -> None:
+    """A beam search of args.beam_width beams on every question, one question after the other (LLM.beam_search);
+    print each question's beams, best first, then the KV blocks the search used at its peak against what the same
+    beams would need if each held its own copy of the prompt and of its history."""
+    k, bs = args.beam_width, args.block_size
+    prompts = llm.chat_prompts(conversations)
+    before = llm.stats()
+    start = time.perf_counter()
+    outputs = llm.beam_search(prompts, BeamSearchParams(beam_width=k, max_tokens=args.max_tokens))
+    seconds = time.perf_counter() - start
+    unshared = []  # per question
+    for question, prompt, out in zip(QUESTIONS, prompts, outputs, strict=True):
+        print(f"\n> {question}")
+        for rank, beam in enumerate(out.sequences):
+            generated = len(beam.tokens) - len(prompt)
+            print(
+                f"  {rank}. score {beam.score:.3f}, cum_logprob {beam.cum_logprob:.3f}, {generated} tokens, "
+                f"{beam.finish_reason}: {beam.text.strip()!r}"
+            )
+        unshared.append(unshared_blocks(out, bs))
+    stats = llm.stats()
+    cached = stats["prefix_hit_tokens"] - before["prefix_hit_tokens"]
+    print(
+        f"\n{len(prompts)} questions x {k} beams in {seconds:.2f} s ({llm.config.device}); prompts: "
+        f"{sum(map(len, prompts))} tokens, {cached} from the prefix cache; tokens computed "
+        f"{stats['computed_tokens'] - before['computed_tokens']} (each prompt once, then one per beam and step)"
+    )
+    print(
+        f"KV blocks at peak {stats['kv_blocks_peak']} of {stats['kv_blocks_total']} (beams sharing blocks); "
+        f"unshared beams would need {max(unshared)} ({k} x their own copy of prompt and history; per question: "
+        f"{', '.join(map(str, unshared))}); KV blocks in use after: {stats['kv_blocks_used']}"
+    )
+
+
+def unshared_blocks(out: BeamSearchOutput, block_size: int) -> int:
+    """The KV blocks a prompt's beams would hold in the search's last step if none shared any: each beam its own copy
+    of the prompt and of its history, as long as the longest beam returned, less its last token (whose K/V is never
+    computed: the search ends when it is chosen). A lower bound: a search that stopped early had running beams as
+    long as that, or longer."""
+    longest = max(len(beam.tokens) for beam in out.sequences)
+    return len(out.sequences) * -(-(longest - 1) // block_size)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,13 @@ Automatic prefix caching: once a block is full and computed, it goes into one di
 before it, its own tokens). A prefix id names a whole token prefix and is never reused, and keys are compared exactly,
 not by hash alone, so a hit always holds the same tokens after the same prefix: wrong KV cannot be handed out, by
 construction. A freed block stays findable until it is needed again; free blocks are handed out least-recently-freed
-first, so a popular prefix stays cached (LRU)."""
+first, so a popular prefix stays cached (LRU).
+
+Forks and copy-on-write (beam search): a forked sequence shares every block of its parent, full or not, by reference
+count. Full blocks are never written again, so sharing them is free for ever. A partial block is still being written:
+the first sequence to write its next token into a shared partial block gets a fresh copy of it first (one block, copied
+on the device before the step runs: `block_copies`, which the scheduler hands to the step), and the last holder writes
+in place. So no block is written while shared, and a partial block, never keyed, cannot be found while being written."""
 
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -48,6 +54,7 @@ class BlockManager:
         self.free_ids = OrderedDict.fromkeys(range(self.num_blocks))
         self.cached: dict[PrefixKey, int] = {}  # the prefix cache: key -> block id
         self._prefix_ids = count()
+        self.block_copies: list[int] = []  # copy-on-write (source, destination) pairs, flat, that the next step makes
 
     @property
     def num_free_blocks(self) -> int:
@@ -105,7 +112,9 @@ class BlockManager:
         # sequence with nothing computed)
         num_new_blocks = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         num_revived = sum(self.blocks[b].ref_count == 0 for b in cached_blocks)
-        if num_new_blocks + num_revived > self.num_free_blocks:
+        # the next token goes into a partial block that a fork shares: copy it first
+        copy_on_write = seq.num_computed_tokens % self.block_size and self.blocks[seq.block_table[-1]].ref_count > 1
+        if num_new_blocks + num_revived + copy_on_write > self.num_free_blocks:
             return False
         hit_tokens = len(cached_blocks) * self.block_size
         if seq.num_cached_tokens is None:  # first admission; a preempted sequence's recompute is not a query
@@ -118,9 +127,21 @@ class BlockManager:
             self.free_ids.pop(block_id, None)
             self.blocks[block_id].ref_count += 1
         seq.block_table.extend(cached_blocks)
+        if copy_on_write:
+            shared = seq.block_table[-1]
+            self.blocks[shared].ref_count -= 1  # still held by the others
+            seq.block_table[-1] = self._take_fresh()
+            self.block_copies += [shared, seq.block_table[-1]]
         seq.num_computed_tokens += hit_tokens
         seq.block_table.extend(self._take_fresh() for _ in range(num_new_blocks))
         return True
+
+    def fork(self, seq: Sequence) -> Sequence:
+        """A copy of seq (with no token pending: beam search forks after a step is read back) that shares all its
+        blocks, full or not: one more user of each."""
+        for block_id in seq.block_table:
+            self.blocks[block_id].ref_count += 1
+        return seq.fork()
 
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks; tail first, so a shared prefix stays cached longest."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
+from nanoserve.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from nanoserve.block_manager import BlockManager
 from nanoserve.config import EngineConfig
 from nanoserve.outputs import Request, RequestOutput
@@ -342,6 +343,15 @@ class LLM:
             for request in requests:  # an interruption leaves nothing behind; a no-op otherwise
                 self.abort(request.request_id)
         return [finished[r.request_id] for r in requests]
+
+    def beam_search(self, prompts: list[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's beam search: per prompt (a list of them, as vLLM takes), params.beam_width beams, best first, on
+        forked sequences that share KV blocks (beam_search.py, with transformers' rule). Needs an idle engine."""
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidField("prompts", "expected a list of prompts")
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidField("params", f"expected BeamSearchParams, got {type(params).__name__}")
+        return run_beam_search(self, [self.prompt_ids(p) for p in prompts], params)
 
     def chat(
         self,

@@ -317,6 +317,10 @@ class ModelRunner:
         """Every rank: a step's forward pass (a graph replay if decode-only), its sampling rows' logits and its prompt
         rows' logprobs with the top prompt_top_n (each None if the step has no such rows; a worker's are dropped)."""
         views, meta = step_inputs(header, flat, previous_tokens)  # StepLists of int32 views on the device
+        if len(views.block_copies):  # copy-on-write: a fork's shared partial block, before the step writes into it
+            source, destination = views.block_copies.view(-1, 2).long().unbind(1)
+            cache = self.kv_cache.view(torch.uint8)  # as bytes: any KV dtype, fp8 included; [K or V, layer, block, ...]
+            cache[:, :, destination] = cache[:, :, source]
         if meta.decode_only and self.graphs is not None:
             hidden = self.graphs.run(views.input_ids, views.positions, meta)
         else:

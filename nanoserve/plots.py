@@ -6,7 +6,9 @@ kv_blocks.png: the block pool after each step: used (held by running sequences),
 prefix) and free; red dashed lines mark preemptions. batches.png: top, each step's prefill tokens under its decodes (one
 token each): a small max_num_batched_tokens cuts a long prompt into chunks that ride beside decodes; bottom, the running
 and waiting queues. block_tables.png: the first sequences' block tables, one cell per physical block labelled with its
-id; orange cells are shared through the prefix cache (one copy of a common prefix, computed once)."""
+id; orange cells are shared through the prefix cache (one copy of a common prefix, computed once). After a beam search
+(LLM.beam_search), the rows are the beams alive at the end, and orange cells the blocks they share since their forks:
+the prompt's, held once, and their common history."""
 
 import itertools
 import json
@@ -143,12 +145,20 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
     bs = next(
         b for b in 2 ** np.arange(16) if all(len(q["block_table"]) == -(-(q["start"] + q["tokens"]) // b) for q in seqs)
     )  # the block size: every table's length fits it
-    tables, hits = {}, {}  # the first sequences: id -> longest block table, blocks found cached when admitted
+    first_kinds = {}
     for q in seqs:
-        if q["id"] in tables or len(tables) < MAX_ROWS:
+        first_kinds.setdefault(q["id"], q["kind"])
+    # a sequence first seen decoding is a forked beam (beam search): then draw the beams alive at the end
+    forked = "decode" in first_kinds.values()
+    rows_of = {q["id"] for q in steps[-1]["seqs"]} if forked else first_kinds
+    tables, hits = {}, {}  # the first sequences: id -> longest block table, blocks found cached or shared when added
+    for q in seqs:
+        if q["id"] in rows_of and (q["id"] in tables or len(tables) < MAX_ROWS):
             hits.setdefault(q["id"], q["start"] // bs)  # its first entry is its admission
             tables[q["id"]] = max(tables.get(q["id"], []), q["block_table"], key=len)
-    ids, rows = list(tables), [t[:MAX_CELLS] for t in tables.values()]
+    # a long table is cut to MAX_CELLS cells: its start, or for beams its end, where they part
+    first = max(0, max(map(len, tables.values()), default=0) - MAX_CELLS) if forked else 0
+    ids, rows = list(tables), [t[first : first + MAX_CELLS] for t in tables.values()]
     width = max(map(len, rows), default=1)
     grid = np.full((len(rows), width), np.nan)  # per cell: 0 private, 1 shared, NaN past the table's end
     for i, row in enumerate(rows):
@@ -156,19 +166,20 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
         for j, block in enumerate(row):  # each cell labelled with its physical block id
             ax.text(j + 0.5, i + 0.5, str(block), ha="center", va="center", fontsize=9 if width <= 16 else 6)
     # Row i's block k is shared when another row holds the same blocks up to k, and one of the two found them cached
+    # or forked from the other
     for i, j in itertools.permutations(range(len(rows)), 2):
-        for k in range(min(len(rows[i]), len(rows[j]), max(hits[ids[i]], hits[ids[j]]))):
+        for k in range(min(len(rows[i]), len(rows[j]), max(hits[ids[i]], hits[ids[j]]) - first)):
             if rows[i][k] != rows[j][k]:
                 break
             grid[i, k] = 1
     colors = pyplot().matplotlib.colors.ListedColormap(["lightsteelblue", "orange"])  # private, shared
     ax.pcolormesh(np.ma.masked_invalid(grid), cmap=colors, vmin=0, vmax=1, edgecolors="white", linewidth=3)
-    ax.set_xticks(np.arange(width) + 0.5, range(width))
+    ax.set_xticks(np.arange(width) + 0.5, range(first, first + width))
     ax.set_yticks(np.arange(len(rows)) + 0.5, [f"seq {i}" for i in ids])
     ax.set(
         ylim=(len(rows), 0),
-        xlabel=f"position in the block table (at most {MAX_CELLS} shown)",
-        title="Block tables (physical block ids); orange: shared through the prefix cache",
+        xlabel=f"position in the block table (at most {MAX_CELLS} shown, from {first})",
+        title="Block tables (physical block ids); orange: shared (a prefix-cache hit, or a forked beam's)",
     )
 
 

@@ -37,6 +37,7 @@ class Step:
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue this step
     num_tokens: int = 0  # tokens computed in the step, counted as they are planned
+    block_copies: list[int] = field(default_factory=list)  # copy-on-write (source, destination) pairs, flat
 
     @property
     def sampling_seqs(self) -> list[Sequence]:
@@ -54,11 +55,13 @@ class Scheduler:
     running: list[Sequence] = field(default_factory=list)  # in admission order: the last one is preempted first
     num_preemptions: int = 0
 
-    def check_fits(self, seq: Sequence) -> None:
-        """Refuse a request that could not fit in the whole pool even alone: it would never finish."""
+    def check_fits(self, seq: Sequence, num_beams: int = 1) -> None:
+        """Refuse a request that could not fit in the whole pool even alone: it would never finish. Beam search's beams
+        hold the prompt's full blocks once, and each its own blocks for the rest of its tokens."""
         final_len = min(seq.num_tokens + seq.params.max_tokens, self.max_model_len)
         kv_tokens = max(seq.num_tokens, final_len - 1)  # the last sampled token never needs KV
-        needed = self.block_manager.blocks_needed(kv_tokens)
+        shared = seq.num_tokens // self.block_manager.block_size
+        needed = shared + num_beams * (self.block_manager.blocks_needed(kv_tokens) - shared)
         if needed > self.block_manager.num_blocks:
             raise InvalidField(
                 "max_tokens",
@@ -90,9 +93,7 @@ class Scheduler:
                 self._plan(step, seq, num_new)
         # 2) the budget left admits waiting sequences, in queue order until one does not fit; none after a
         #    preemption, which would only make the pool thrash
-        if step.preempted:
-            return step
-        while self.waiting and len(self.running) < self.max_num_seqs and self._budget(step):
+        while not step.preempted and self.waiting and len(self.running) < self.max_num_seqs and self._budget(step):
             seq = self.waiting[0]
             if seq.num_pending:  # a preempted sequence waits for its tokens' values
                 break
@@ -104,6 +105,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             step.admitted.append(seq)
             self._plan(step, seq, num_new)
+        step.block_copies = self.block_manager.block_copies  # copy-on-write: made on the device before the step runs
+        self.block_manager.block_copies = []
         return step
 
     def _budget(self, step: Step) -> int:

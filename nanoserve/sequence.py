@@ -5,6 +5,7 @@ knows about tensors or models.
 The engine may launch step n+1 before reading step n's tokens back from the GPU, so a sequence's last token can
 be PENDING: sampled, counted in every length, but its value not yet on the host."""
 
+import copy
 from array import array
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -113,6 +114,13 @@ class Sequence:
     def block_tokens(self, i: int) -> tuple[int, ...]:
         """The token ids that block i of this sequence holds (or will hold)."""
         return tuple(self.token_ids[i * self.block_size : (i + 1) * self.block_size])
+
+    def fork(self) -> "Sequence":
+        """A copy under a new id, for beam search: its own tokens, block table (the same blocks: the block manager
+        counts their new user), logprobs and text, each a copy."""
+        child = copy.deepcopy(self)
+        child.seq_id = next(Sequence._ids)
+        return child
 
     def append_pending(self) -> None:
         self.token_ids.append(PENDING)

@@ -1,8 +1,9 @@
 """A step as the device sees it. The scheduler's Step (sequences, with the positions each computes) becomes flat integer
 lists (StepLists: per token its id, position and cache slot; per sequence its query start, context length and block
 table; the rows to sample; the inputs whose values are still on the device; the rows whose logits give prompt
-logprobs), uploaded in one int32 buffer with one host-to-device copy, then cut back into the same StepLists fields as
-int32 tensor views of that buffer (with the AttentionMetadata built from them), which the model and attention read.
+logprobs; the KV blocks to copy before the step runs, for beam search's copy-on-write), uploaded in one int32 buffer
+with one host-to-device copy, then cut back into the same StepLists fields as int32 tensor views of that buffer (with
+the AttentionMetadata built from them), which the model and attention read.
 
 Why one buffer: in a decode step, converting Python ints one by one and issuing a copy per tensor is most of the host's
 work. The StepHeader (each list's length, and the longest query and context) is all a reader needs to cut the buffer
@@ -52,6 +53,7 @@ class StepLists:
     # prompt_logprobs: token rows whose logits give a prompt token's logprob, and the id of that next prompt token
     prompt_rows: list[int]  # [num_prompt_rows]
     prompt_next_ids: list[int]  # [num_prompt_rows]
+    block_copies: list[int]  # [2 * num_copies]: (source, destination) KV blocks to copy before the step runs
 
 
 NUM_PARTS = len(fields(StepLists))
@@ -87,7 +89,8 @@ def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -
     padding = array.array("i", bytes(4 * width))  # a block table row's zeros past its blocks
     lists = StepLists(*([] for _ in range(NUM_PARTS)))  # every part empty, but...
     lists.query_start_loc.append(0)  # ...the first sequence's query starts at row 0...
-    lists.block_tables = array.array("i")  # ...and the block tables are an int32 array
+    lists.block_tables = array.array("i")  # ...and the block tables are an int32 array...
+    lists.block_copies = step.block_copies  # ...and the copy-on-write pairs are the scheduler's
     for scheduled in step.scheduled:
         seq = scheduled.seq
         start = scheduled.start

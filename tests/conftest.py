@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random-weight models of each family, saved as HF directories, with their
 transformers twin as the reference. On a machine without CUDA, Triton kernels run in its interpreter."""
 
+import math
 import os
 
 import torch
@@ -98,6 +99,22 @@ def fake_next_token(token_ids: list[int]) -> int:
     return (31 * a + 17 * b + 7 * c + len(token_ids)) % FAKE_VOCAB
 
 
+def fake_logprobs(token_ids: list[int]) -> list[float]:
+    """The fake model's next-token log-probabilities, for beam search (its sampled token stays fake_next_token): a
+    log-softmax of logits hashed from the last three tokens and the length, all distinct."""
+    a, b, c = ([0, 0, 0] + token_ids)[-3:]
+    logits = [3 * math.sin(31 * a + 17 * b + 7 * c + len(token_ids) + 1.7 * t) for t in range(FAKE_VOCAB)]
+    log_total = math.log(sum(math.exp(x) for x in logits))
+    return [x - log_total for x in logits]
+
+
+def fake_top_logprobs(token_ids: list[int], n: int, chosen: int) -> dict[int, float]:
+    """What the runner returns for a row that asks for logprobs=n: the top n and the chosen token's."""
+    logprobs = fake_logprobs(token_ids)
+    top = sorted(range(FAKE_VOCAB), key=lambda t: -logprobs[t])[:n]
+    return {t: logprobs[t] for t in [*top, chosen]}
+
+
 def reference_completion(prompt: list[int], max_tokens: int, stop_token_ids=()) -> list[int]:
     """What any correct engine must produce for the fake model: iterate it from the prompt."""
     tokens = list(prompt)
@@ -111,19 +128,20 @@ def reference_completion(prompt: list[int], max_tokens: int, stop_token_ids=()) 
 class FakeInFlight:
     """A launched step as the engine sees it: its samples 'on the device' and wait() to read them back."""
 
-    def __init__(self, step, tokens: list[int]):
-        self.step, self.device_tokens = step, tokens
+    def __init__(self, step, tokens: list[int], logprobs=None):
+        self.step, self.device_tokens, self.logprobs = step, tokens, logprobs
         self.row_of = {seq.seq_id: row for row, seq in enumerate(step.sampling_seqs)}
 
     def wait(self):
-        return list(self.device_tokens), None, []
+        return list(self.device_tokens), self.logprobs, []
 
 
 class FakeRunner:
     """The ModelRunner's contract (num_kvcache_blocks, launch) with a fake model and a fake KV cache that maps each
-    physical slot to the token prefix whose K/V it holds. As in each layer of the model, a step first writes its
-    new K/V, then every earlier position of each of its sequences must read back its own prefix: a wrong prefix
-    hit, an overwritten shared block, a stale block table or a block handed out twice all fail there. PENDING
+    physical slot to the token prefix whose K/V it holds. As in each layer of the model, a step first makes its
+    copy-on-write block copies, then writes its new K/V, then every earlier position of each of its sequences must read
+    back its own prefix: a wrong prefix hit, an overwritten shared block, a missing or misplaced copy, a stale block
+    table or a block handed out twice all fail there. Rows that ask for logprobs get fake_top_logprobs. PENDING
     decode inputs take their values from the previous in-flight step, as the real runner does on the device, so
     any mix-up of rows shows up as wrong tokens."""
 
@@ -134,6 +152,7 @@ class FakeRunner:
         self.steps: list[list[tuple]] = []  # per launched step: (seq, start, num_new)
         self.was_waiting: set[int] = set()  # seq ids waiting before the current step (set by FakeEngine)
         self.admissions: list[tuple] = []  # (seq, cached tokens, hit blocks) of each admission
+        self.copies: list[list[int]] = []  # per launched step: its copy-on-write (source, destination) pairs, flat
 
     def device_tokens_of(self, s, previous) -> list[int]:
         from nanoserve.sequence import PENDING
@@ -153,6 +172,12 @@ class FakeRunner:
         assert step.num_tokens <= sched.max_num_batched_tokens and len(step.scheduled) <= sched.max_num_seqs
         assert len({s.seq.seq_id for s in step.scheduled}) == len(step.scheduled)
         tokens = {s.seq.seq_id: self.device_tokens_of(s, previous) for s in step.scheduled}
+        bs = bm.block_size
+        for source, destination in zip(step.block_copies[::2], step.block_copies[1::2], strict=True):
+            assert bm.blocks[destination].ref_count <= 1, "a copy into a block that another sequence holds"
+            for j in range(bs):
+                self.kv[destination * bs + j] = self.kv.get(source * bs + j)
+        self.copies.append(list(step.block_copies))
         written = set()
         for s in step.scheduled:  # as each layer does: every write of the step's K/V, then every read
             assert s.num_new_tokens >= 1 and s.seq in sched.running
@@ -170,7 +195,16 @@ class FakeRunner:
                 hit = s.start // bm.block_size
                 self.admissions.append((s.seq, s.start, list(s.seq.block_table[:hit])))
         self.steps.append([(s.seq, s.start, s.num_new_tokens) for s in step.scheduled])
-        return FakeInFlight(step, [fake_next_token(tokens[seq.seq_id]) for seq in step.sampling_seqs])
+        sampled = [fake_next_token(tokens[seq.seq_id]) for seq in step.sampling_seqs]
+        if not any(seq.params.logprobs is not None for seq in step.sampling_seqs):
+            return FakeInFlight(step, sampled)
+        logprobs = [
+            fake_top_logprobs(tokens[seq.seq_id], seq.params.logprobs, token)
+            if seq.params.logprobs is not None
+            else None
+            for seq, token in zip(step.sampling_seqs, sampled, strict=True)
+        ]
+        return FakeInFlight(step, sampled, logprobs)
 
 
 class FakeEngine:

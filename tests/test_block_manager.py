@@ -72,6 +72,7 @@ def snapshot(bm: BlockManager, seq: Sequence):
         bm.num_allocated,
         bm.num_hit_blocks,
         bm.peak_used_blocks,
+        list(bm.block_copies),
         list(seq.block_table),
         seq.num_computed_tokens,
         seq.num_cached_tokens,
@@ -85,7 +86,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     books it; up to two pending, as with an overlapped loop), read back (the oldest pending token gets
     its value and the blocks it completes become findable, as Scheduler.update does), preempted (freed,
     back to waiting with their tokens, to be readmitted once nothing is pending and maybe hit their own
-    blocks) or finished (freed for good)."""
+    blocks) or finished (freed for good). And forked, as beam search does: the child shares every block of
+    its parent, full or not, and may change its last token (known, K/V not computed yet) to another value; the
+    first of them to write into a shared partial block gets a copy of it (the copies are made in the fake KV cache,
+    as a step would make them on the device), and compute() checks that no shared block is ever written."""
 
     @initialize(
         block_size=st.sampled_from([1, 2, 4]),
@@ -156,7 +160,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.queried_tokens += seq.num_tokens
             assert seq.num_cached_tokens == len(cached) * bs
         self.hit_blocks += len(cached)
-        self.allocated += len(seq.block_table) - len(cached)
+        self.allocated += len(seq.block_table) - len(cached) + self._make_copies()
         assert list(seq.block_table[: len(cached)]) == cached
         assert seq.num_computed_tokens == len(cached) * bs
         # the hit blocks must hold this sequence's own prefix, whole, not just matching tokens
@@ -180,8 +184,45 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not self.bm.allocate(seq, num_new):
             assert snapshot(self.bm, seq) == before, "a failed allocate changed state"
             return
-        self.allocated += len(seq.block_table) - num_blocks
+        self.allocated += len(seq.block_table) - num_blocks + self._make_copies()
         self._compute(seq, num_new, token, read_now)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 99), token=st.integers(0, SMALL_VOCAB - 1), diverge=st.booleans())
+    def fork(self, index, token, diverge):
+        """Beam search's fork, of a sequence with no token pending (beam search forks after reading a step back):
+        the child holds the parent's blocks, one more user each, nothing allocated; with diverge, the child's last
+        token takes another value, as a beam's candidate does (only a token whose K/V is not computed yet)."""
+        parent = self.live[index % len(self.live)]
+        if parent.num_pending:
+            return
+        refs = Counter(parent.block_table)
+        before = [self.bm.blocks[b].ref_count for b in parent.block_table]
+        child = self.bm.fork(parent)
+        assert child.seq_id != parent.seq_id and list(child.block_table) == list(parent.block_table)
+        assert [self.bm.blocks[b].ref_count for b in parent.block_table] == [
+            n + refs[b] for n, b in zip(before, parent.block_table, strict=True)
+        ]
+        assert child.token_ids == parent.token_ids and child.token_ids is not parent.token_ids
+        self.live.append(child)
+        self.seen.append(child)
+        if diverge and child.num_uncomputed_tokens:
+            child.token_ids[-1] = token
+
+    def _make_copies(self) -> int:
+        """The copy-on-write copies allocate booked, made in the fake KV cache (what the next step does first);
+        returns how many blocks they took. Each copies one partial block into a fresh block only its writer holds,
+        from a block that stays held by the others."""
+        copies = self.bm.block_copies
+        self.bm.block_copies = []
+        bs = self.bm.block_size
+        for source, destination in zip(copies[::2], copies[1::2], strict=True):
+            assert self.bm.blocks[destination].ref_count == 1 and self.bm.blocks[source].ref_count >= 1
+            assert self.bm.blocks[source].key is None, "a full (keyed) block is never copied: nobody writes it"
+            for j in range(bs):
+                if source * bs + j in self.kv:
+                    self.kv[destination * bs + j] = self.kv[source * bs + j]
+        return len(copies) // 2
 
     @precondition(lambda self: any(seq.num_pending for seq in self.live + self.waiting))
     @rule(index=st.integers(0, 99))
@@ -486,6 +527,41 @@ def test_block_completed_by_a_pending_token_is_cached_once_read_back():
 
 
 # ---- plain unit tests ---------------------------------------------------------------------------
+def test_fork_shares_every_block_and_the_first_writer_copies_the_partial_one():
+    """Guards against a fork that copies blocks at once, or shares without counting, and against copy-on-write that
+    copies more than one block, copies for the last holder too, or writes into the shared block: parent [1, 2, 3, 4]
+    in blocks of 2 (one full, one partial block after the sampled 4); the child takes 5 instead of 4. The child
+    writes first: it gets a copy of the partial block; the parent then writes in place; each reads its own
+    prefix, and the pool is balanced after both are freed."""
+    bm = BlockManager(6, 2)
+    kv: dict[int, tuple] = {}
+    parent = fully_computed(bm, kv, [1, 2, 3])
+    parent.append_pending()
+    parent.resolve_pending(4)  # [1, 2, 3, 4]: 4 not computed yet
+    full, partial = parent.block_table
+    child = bm.fork(parent)
+    child.token_ids[-1] = 5
+    assert list(child.block_table) == [full, partial] and bm.num_used_blocks == 2
+    assert bm.blocks[full].ref_count == bm.blocks[partial].ref_count == 2
+    assert bm.allocate(child, 1)
+    assert child.block_table[0] == full and child.block_table[1] != partial
+    assert bm.block_copies == [partial, child.block_table[1]]
+    for j in range(2):  # what the step does first, on the device
+        kv[child.block_table[1] * 2 + j] = kv.get(partial * 2 + j)
+    bm.block_copies = []
+    compute(bm, kv, child, 1)
+    assert bm.allocate(parent, 1) and bm.block_copies == []  # the last holder writes in place
+    assert list(parent.block_table) == [full, partial]
+    compute(bm, kv, parent, 1)
+    check_kv_reads(bm, kv, parent, 4)
+    check_kv_reads(bm, kv, child, 4)
+    assert bm.blocks[full].ref_count == 2 and bm.num_used_blocks == 3
+    bm.free(parent)
+    assert bm.blocks[full].ref_count == 1 and full not in bm.free_ids  # still the child's
+    bm.free(child)
+    assert bm.num_used_blocks == 0 and all(b.ref_count == 0 for b in bm.blocks)
+
+
 def test_lru_evicts_least_recently_freed_prefix_first():
     """Guards against evicting in the wrong order: of two cached prefixes, the one freed earlier goes
     first, so the one freed later survives; and a hit that revives a block makes it recent again."""

