@@ -293,3 +293,39 @@ def test_a_second_sigint_exits_at_once(server_process):
         assert time.monotonic() - interrupted < SHUTDOWN_TIMEOUT_S  # before the drain would have ended
         reader.join(WAIT_S)
     assert "data: [DONE]" not in lines  # cut off, not drained
+
+
+def test_cpu_defaults_answer_a_short_stream_while_a_long_prompt_prefills():
+    """Guards against CPU serving defaults that stall streams (issue 19): with overlap on and an 8,192-token step, a
+    short stream's first token waited 9-10 s for a 1,500-token prompt that arrived 30 ms after it (its token was read
+    back only after the long prompt's one huge step). With the CPU defaults, overlap off and 512-token steps, the
+    short stream's first token comes from its own short step: well before the long request is answered (its prompt
+    takes three steps), and within FAIRNESS_BOUND_S."""
+    from conftest import default_model_or_skip
+
+    from nanoserve import LLM
+
+    default_model_or_skip()
+    llm = LLM(max_model_len=2048, num_kvcache_blocks=256)
+    assert (llm.config.overlap, llm.config.max_num_batched_tokens) == (False, 512)  # the CPU defaults
+    with serving(llm) as base_url:
+        client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=WAIT_S)
+        answered = {}
+
+        def long_request():
+            time.sleep(0.03)  # 30 ms after the short one, as in the issue
+            sent = time.monotonic()
+            r = httpx.post(f"{base_url}/completions", json={"prompt": "word " * 1500, "max_tokens": 1}, timeout=WAIT_S)
+            answered["long"] = (sent, time.monotonic(), r)
+
+        thread = threading.Thread(target=long_request)
+        started = time.monotonic()
+        thread.start()
+        stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=0, stream=True)
+        next(iter(stream))  # the first token
+        first_token_s = time.monotonic() - started
+        thread.join(WAIT_S)
+        sent, done, long = answered["long"]
+        assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] > 1024  # three steps of 512
+        assert first_token_s < FAIRNESS_BOUND_S
+        assert first_token_s < (done - sent) / 2, (first_token_s, done - sent)
