@@ -58,15 +58,9 @@ class AttentionMetadata:
     max_query_len: int  # host-side bounds, so launching a kernel never reads the GPU
     max_context_len: int  # >= every context_len (under a CUDA graph: max_model_len); only the reference reads it
     decode_only: bool  # every sequence has exactly one query token
-    # what the PyTorch reference derives from the above: the same for every layer, so made once per step
-    _reference_gather: tuple | None = field(default=None, init=False)
-
-    def reference_gather(self, block_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The PyTorch reference's gather indices and mask for this step (gather_for_reference), computed by its
-        first layer and reused by the others."""
-        if self._reference_gather is None:
-            self._reference_gather = gather_for_reference(self, block_size)
-        return self._reference_gather
+    # what the PyTorch reference derives from the above (gather_for_reference): the same for every layer, so
+    # paged_attention_ref computes it in the step's first layer and the others reuse it
+    reference_gather: tuple | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         num_seqs = self.context_lens.shape[0]
@@ -368,7 +362,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     The sequences with several queries (prefill chunks) go through the prefill kernel, those with one (decodes)
     through the split-KV kernel and its reduce: in a mixed step both launch, each skipping the other's sequences."""
     out = torch.empty_like(q)
-    num_seqs, (_, num_heads, head_dim), num_kv_heads = meta.context_lens.shape[0], q.shape, k_cache.shape[2]
+    _, num_heads, head_dim = q.shape
+    num_seqs, num_kv_heads = meta.context_lens.shape[0], k_cache.shape[2]
     # what both attention kernels take first: the query, the caches, the step's batch, the score scale (the kernels'
     # softmax runs on exp2), then the strides of q, of the caches (block, slot, head: head_dim is contiguous) and of
     # the block tables; and the model's shape, as constexprs
@@ -496,7 +491,9 @@ def gather_for_reference(meta: AttentionMetadata, block_size: int) -> tuple[Tens
 def paged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
     """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim], causal within each sequence:
     PyTorch's SDPA over each sequence's keys gathered from its blocks (gather_for_reference), in fp32."""
-    slots, visible, query_rows, real_queries = meta.reference_gather(k_cache.shape[1])
+    if meta.reference_gather is None:  # the step's first layer
+        meta.reference_gather = gather_for_reference(meta, k_cache.shape[1])
+    slots, visible, query_rows, real_queries = meta.reference_gather
     # the keys and values by slot, [num_seqs, num_kv_heads, max_k, head_dim], and the queries, [num_seqs, num_heads,
     # max_q, head_dim]: SDPA's layout, in fp32
     k, v = (cache.flatten(0, 1)[slots].float().transpose(1, 2) for cache in (k_cache, v_cache))
