@@ -20,7 +20,7 @@ fp8 tile to the query's dtype (exact: every e4m3 value is a bf16, fp16 and fp32 
 references widen to fp32. Neither kernel nor reference branches on the cache's dtype."""
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -59,16 +59,16 @@ class AttentionMetadata:
     max_context_len: int  # >= every context_len (under a CUDA graph: max_model_len); only the reference reads it
     decode_only: bool  # every sequence has exactly one query token
     # what the PyTorch reference derives from the above (gather_for_reference): the same for every layer, so
-    # paged_attention_ref computes it in the step's first layer and the others reuse it
-    reference_gather: tuple | None = field(default=None, init=False)
+    # paged_attention_ref computes it in the step's first layer and the others reuse it; no caller passes it
+    reference_gather: tuple | None = None
 
     def __post_init__(self) -> None:
-        num_seqs = self.context_lens.shape[0]
+        num_seqs = len(self.context_lens)
         for t in (self.slot_mapping, self.query_start_loc, self.context_lens, self.block_tables):
             assert t.dtype == torch.int32 and t.device == self.context_lens.device, "metadata: int32, one device"
-        assert self.query_start_loc.shape == (num_seqs + 1,) and self.block_tables.shape[0] == num_seqs
+        assert self.query_start_loc.shape == (num_seqs + 1,) and len(self.block_tables) == num_seqs
         assert self.block_tables.stride(1) == 1
-        assert not self.decode_only or self.slot_mapping.shape[0] == num_seqs, "decode: one query per sequence"
+        assert not self.decode_only or len(self.slot_mapping) == num_seqs, "decode: one query per sequence"
 
 
 @triton.jit
@@ -363,7 +363,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     through the split-KV kernel and its reduce: in a mixed step both launch, each skipping the other's sequences."""
     out = torch.empty_like(q)
     _, num_heads, head_dim = q.shape
-    num_seqs, num_kv_heads = meta.context_lens.shape[0], k_cache.shape[2]
+    num_seqs, num_kv_heads = len(meta.context_lens), k_cache.shape[2]
     # what both attention kernels take first: the query, the caches, the step's batch, the score scale (the kernels'
     # softmax runs on exp2), then the strides of q, of the caches (block, slot, head: head_dim is contiguous) and of
     # the block tables; and the model's shape, as constexprs
@@ -482,7 +482,7 @@ def gather_for_reference(meta: AttentionMetadata, block_size: int) -> tuple[Tens
     q_lens = meta.query_start_loc.diff()[:, None]  # [num_seqs, 1]
     q_idx = torch.arange(meta.max_query_len, device=device)  # [max_q]
     # [num_seqs, max_q]; padding rows re-read the last token (num_tokens is known on the host: no sync)
-    query_rows = (meta.query_start_loc[:-1, None] + q_idx).clamp(max=meta.slot_mapping.shape[0] - 1)
+    query_rows = (meta.query_start_loc[:-1, None] + q_idx).clamp(max=len(meta.slot_mapping) - 1)
     q_pos = meta.context_lens[:, None] - q_lens + q_idx  # [num_seqs, max_q] positions of the queries
     visible = key_pos <= q_pos[:, None, :, None]  # [num_seqs, 1, max_q, max_k]: causal
     return slots, visible, query_rows, q_idx < q_lens
