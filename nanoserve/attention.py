@@ -20,7 +20,7 @@ fp8 tile to the query's dtype (exact: every e4m3 value is a bf16, fp16 and fp32 
 references widen to fp32. Neither kernel nor reference branches on the cache's dtype."""
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -58,23 +58,17 @@ class AttentionMetadata:
     max_query_len: int  # host-side bounds, so launching a kernel never reads the GPU
     max_context_len: int  # >= every context_len (under a CUDA graph: max_model_len); only the reference reads it
     decode_only: bool  # every sequence has exactly one query token
-    # what the PyTorch reference derives from the above: the same for every layer, so made once per step
-    _reference_gather: tuple | None = field(default=None, init=False)
-
-    def reference_gather(self, block_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The PyTorch reference's gather indices and mask for this step (gather_for_reference), computed by its
-        first layer and reused by the others."""
-        if self._reference_gather is None:
-            self._reference_gather = gather_for_reference(self, block_size)
-        return self._reference_gather
+    # what the PyTorch reference derives from the above (gather_for_reference): the same for every layer, so
+    # paged_attention_ref computes it in the step's first layer and the others reuse it; no caller passes it
+    reference_gather: tuple | None = None
 
     def __post_init__(self) -> None:
-        num_seqs = self.context_lens.shape[0]
+        num_seqs = len(self.context_lens)
         for t in (self.slot_mapping, self.query_start_loc, self.context_lens, self.block_tables):
             assert t.dtype == torch.int32 and t.device == self.context_lens.device, "metadata: int32, one device"
-        assert self.query_start_loc.shape == (num_seqs + 1,) and self.block_tables.shape[0] == num_seqs
+        assert self.query_start_loc.shape == (num_seqs + 1,) and len(self.block_tables) == num_seqs
         assert self.block_tables.stride(1) == 1
-        assert not self.decode_only or self.slot_mapping.shape[0] == num_seqs, "decode: one query per sequence"
+        assert not self.decode_only or len(self.slot_mapping) == num_seqs, "decode: one query per sequence"
 
 
 @triton.jit
@@ -365,9 +359,11 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
     """q: [num_tokens, num_heads, head_dim] -> out, same shape: causal attention over each sequence's cached keys.
-    The sequences with one query (decodes) go through the split-KV kernel, the others through the prefill kernel:
-    in a mixed step both launch, each skipping the other's sequences."""
+    The sequences with several queries (prefill chunks) go through the prefill kernel, those with one (decodes)
+    through the split-KV kernel and its reduce: in a mixed step both launch, each skipping the other's sequences."""
     out = torch.empty_like(q)
+    _, num_heads, head_dim = q.shape
+    num_seqs, num_kv_heads = len(meta.context_lens), k_cache.shape[2]
     # what both attention kernels take first: the query, the caches, the step's batch, the score scale (the kernels'
     # softmax runs on exp2), then the strides of q, of the caches (block, slot, head: head_dim is contiguous) and of
     # the block tables; and the model's shape, as constexprs
@@ -383,16 +379,51 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
         *k_cache.stride()[:3],
         meta.block_tables.stride(0),
     )
-    shape = {"GROUP": q.shape[1] // k_cache.shape[2], "HEAD_DIM": q.shape[2], "BLOCK_SIZE": k_cache.shape[1]}
+    shape = {"GROUP": num_heads // num_kv_heads, "HEAD_DIM": head_dim, "BLOCK_SIZE": k_cache.shape[1]}
     if not meta.decode_only:
-        _launch_prefill(args, shape, out, meta)
-    _launch_decode(args, shape, out, meta, k_cache)
+        # query rows per program: short tiles when every query is short (small chunks), from MIN_DOT_ROWS up to the
+        # query dtype's PREFILL_TILE_M
+        tile_m = min(PREFILL_TILE_M[q.dtype.itemsize], max(MIN_DOT_ROWS, triton.next_power_of_2(meta.max_query_len)))
+        _prefill_kernel[triton.cdiv(meta.max_query_len, tile_m), num_seqs, num_heads](
+            *args,
+            out,
+            *out.stride()[:2],
+            **shape,
+            TILE_M=tile_m,
+            TILE_N=PREFILL_TILE_N,
+            num_warps=prefill_num_warps(tile_m, q.dtype),
+        )
+    # the decodes: the split kernel writes each split's partial output and log-sum-exp, the reduce merges them into
+    # out. Both launch in every step, even one without decodes (they skip every sequence), so warm-up's prefill steps
+    # compile them.
+    num_splits = decode_splits(num_seqs, num_kv_heads, _num_sms(q.device))
+    part_out = out.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32)
+    part_lse = part_out.new_empty(part_out.shape[:3])
+    _decode_split_kernel[num_seqs, num_kv_heads, num_splits](
+        *args,
+        part_out,
+        part_lse,
+        **shape,
+        GROUP_PAD=decode_group_pad(shape["GROUP"]),
+        TILE_N=DECODE_TILE_N[q.dtype.itemsize, k_cache.dtype.itemsize],
+        num_warps=DECODE_NUM_WARPS,
+    )
+    _decode_reduce_kernel[num_seqs, num_heads](
+        part_out,
+        part_lse,
+        out,
+        meta.query_start_loc,
+        part_out.stride(1),
+        *out.stride()[:2],
+        HEAD_DIM=head_dim,
+        MAX_SPLITS=MAX_SPLITS,  # one variant for any number of splits
+    )
     return out
 
 
 def prefill_tile_sizes(dtype: torch.dtype) -> list[int]:
-    """Every query tile _launch_prefill can pick: MIN_DOT_ROWS, twice that, ... up to PREFILL_TILE_M (16-bit:
-    16 ... 128; fp32: 16, 32)."""
+    """Every query tile paged_attention can pick for a prefill: MIN_DOT_ROWS, twice that, ... up to PREFILL_TILE_M
+    (16-bit: 16 ... 128; fp32: 16, 32)."""
     sizes = [MIN_DOT_ROWS]
     while sizes[-1] < PREFILL_TILE_M[dtype.itemsize]:
         sizes.append(sizes[-1] * 2)
@@ -404,56 +435,10 @@ def prefill_num_warps(tile_m: int, dtype: torch.dtype) -> int:
     return 8 if tile_m >= PREFILL_WIDE_TILE_M[dtype.itemsize] else 4
 
 
-def _launch_prefill(args: tuple, shape: dict, out: Tensor, meta: AttentionMetadata) -> None:
-    """The prefill kernel over every sequence with several queries; args and shape: paged_attention's."""
-    # query rows per program: short tiles when every query is short (small chunks), from MIN_DOT_ROWS up to the query
-    # dtype's PREFILL_TILE_M
-    tile_m = min(PREFILL_TILE_M[out.dtype.itemsize], max(MIN_DOT_ROWS, triton.next_power_of_2(meta.max_query_len)))
-    grid = (triton.cdiv(meta.max_query_len, tile_m), meta.context_lens.shape[0], out.shape[1])
-    _prefill_kernel[grid](
-        *args,
-        out,
-        *out.stride()[:2],
-        **shape,
-        TILE_M=tile_m,
-        TILE_N=PREFILL_TILE_N,
-        num_warps=prefill_num_warps(tile_m, out.dtype),
-    )
-
-
 def decode_group_pad(group: int) -> int:
     """Rows of the decode kernel's tl.dot: the GQA group (query heads sharing a KV head), padded to a power of two
     and to at least MIN_DOT_ROWS."""
     return max(MIN_DOT_ROWS, triton.next_power_of_2(group))
-
-
-def _launch_decode(args: tuple, shape: dict, out: Tensor, meta: AttentionMetadata, k_cache: Tensor) -> None:
-    """The split-KV kernel over every sequence with one query, then the reduce that merges its splits into out;
-    args and shape: paged_attention's."""
-    _, num_heads, head_dim = out.shape
-    num_seqs, num_kv_heads = meta.context_lens.shape[0], k_cache.shape[2]
-    num_splits = decode_splits(num_seqs, num_kv_heads, _num_sms(out.device))
-    part_out = out.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32)
-    part_lse = part_out.new_empty(part_out.shape[:3])
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        *args,
-        part_out,
-        part_lse,
-        **shape,
-        GROUP_PAD=decode_group_pad(shape["GROUP"]),
-        TILE_N=DECODE_TILE_N[out.dtype.itemsize, k_cache.dtype.itemsize],
-        num_warps=DECODE_NUM_WARPS,
-    )
-    _decode_reduce_kernel[(num_seqs, num_heads)](
-        part_out,
-        part_lse,
-        out,
-        meta.query_start_loc,
-        part_out.stride(1),
-        *out.stride()[:2],
-        HEAD_DIM=head_dim,
-        MAX_SPLITS=MAX_SPLITS,  # one variant for any number of splits
-    )
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
@@ -497,7 +482,7 @@ def gather_for_reference(meta: AttentionMetadata, block_size: int) -> tuple[Tens
     q_lens = meta.query_start_loc.diff()[:, None]  # [num_seqs, 1]
     q_idx = torch.arange(meta.max_query_len, device=device)  # [max_q]
     # [num_seqs, max_q]; padding rows re-read the last token (num_tokens is known on the host: no sync)
-    query_rows = (meta.query_start_loc[:-1, None] + q_idx).clamp(max=meta.slot_mapping.shape[0] - 1)
+    query_rows = (meta.query_start_loc[:-1, None] + q_idx).clamp(max=len(meta.slot_mapping) - 1)
     q_pos = meta.context_lens[:, None] - q_lens + q_idx  # [num_seqs, max_q] positions of the queries
     visible = key_pos <= q_pos[:, None, :, None]  # [num_seqs, 1, max_q, max_k]: causal
     return slots, visible, query_rows, q_idx < q_lens
@@ -506,7 +491,9 @@ def gather_for_reference(meta: AttentionMetadata, block_size: int) -> tuple[Tens
 def paged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
     """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim], causal within each sequence:
     PyTorch's SDPA over each sequence's keys gathered from its blocks (gather_for_reference), in fp32."""
-    slots, visible, query_rows, real_queries = meta.reference_gather(k_cache.shape[1])
+    if meta.reference_gather is None:  # the step's first layer
+        meta.reference_gather = gather_for_reference(meta, k_cache.shape[1])
+    slots, visible, query_rows, real_queries = meta.reference_gather
     # the keys and values by slot, [num_seqs, num_kv_heads, max_k, head_dim], and the queries, [num_seqs, num_heads,
     # max_q, head_dim]: SDPA's layout, in fp32
     k, v = (cache.flatten(0, 1)[slots].float().transpose(1, 2) for cache in (k_cache, v_cache))

@@ -332,6 +332,13 @@ def triton_variant_key(arg):
     return type(arg)
 
 
+class NotLaunched:
+    """Stands in for a kernel that should not run: kernel[grid](*args, **constexprs) does nothing."""
+
+    def __getitem__(self, grid: tuple):
+        return lambda *args, **constexprs: None
+
+
 def test_decode_kernels_have_one_variant_for_every_batch(monkeypatch):
     """Guards against decode kernels compiled in the middle of an eager run (0.5-1 s each on a GPU): warm-up runs
     prefill steps only, which launch the decode kernels too, so every decode step, whatever its batch size and
@@ -358,7 +365,7 @@ def test_decode_kernels_have_one_variant_for_every_batch(monkeypatch):
             q, k_cache, v_cache, meta = make_batch(
                 query_lens, context_lens, **heads(2), head_dim=32, block_size=16, dtype=torch.float16
             )
-            monkeypatch.setattr(attention, "_launch_prefill", lambda *args: None)
+            monkeypatch.setattr(attention, "_prefill_kernel", NotLaunched())
             paged_attention(q, k_cache, v_cache, meta, 0.125)
         splits.add(decode_splits(num_seqs, 2, _num_sms(q.device)))
     assert 1 in splits and len(splits) == 5
@@ -395,11 +402,13 @@ def test_mixed_step_sends_decodes_to_the_split_kernel(group, dtype, monkeypatch)
     out = paged_attention(q, k_cache, v_cache, meta, 32**-0.5)
     assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 32**-0.5), ATOL[dtype], "mixed step")
     decode_row = torch.tensor([n == 1 for n in query_lens for _ in range(n)], device=DEVICE)
-    for launcher, unwritten in (("_launch_decode", decode_row), ("_launch_prefill", ~decode_row)):
+    decode_kernels, prefill_kernels = ("_decode_split_kernel", "_decode_reduce_kernel"), ("_prefill_kernel",)
+    for kernels, unwritten in ((decode_kernels, decode_row), (prefill_kernels, ~decode_row)):
         with monkeypatch.context() as patch:
-            patch.setattr(attention, launcher, lambda *args: None)
+            for kernel in kernels:
+                patch.setattr(attention, kernel, NotLaunched())
             partial = paged_attention(q, k_cache, v_cache, meta, 32**-0.5)
-        assert partial[unwritten].isnan().all() and torch.equal(partial[~unwritten], out[~unwritten]), launcher
+        assert partial[unwritten].isnan().all() and torch.equal(partial[~unwritten], out[~unwritten]), kernels
 
 
 @pytest.mark.gpu
