@@ -2,6 +2,7 @@
 Request record the engine keeps while it runs: its sequences, its timings, and whether it streams."""
 
 import time
+from copy import copy
 from dataclasses import dataclass, field
 
 from nanoserve.sequence import Sequence
@@ -70,7 +71,7 @@ class Request:
             self.finished,
             first.num_cached_tokens or 0,
             self.metrics,
-            list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+            copy(first.prompt_logprobs),  # a snapshot: later steps fill in more (None if not asked for)
         )
 
     def _completion(self, index: int, seq: Sequence) -> CompletionOutput:
