@@ -2,6 +2,7 @@
 Request record the engine keeps while it runs: its sequences, its timings, and whether it streams."""
 
 import time
+from copy import copy
 from dataclasses import dataclass, field
 
 from nanoserve.sequence import Sequence
@@ -60,7 +61,7 @@ class Request:
     def take_output(self) -> RequestOutput:
         """The request as it stands. Streaming, each completion also carries what changed since the previous call,
         and this call advances the stream cursors: calling it twice hands out each delta once."""
-        outputs = [self._completion(index, seq) for index, seq in enumerate(self.seqs)]
+        outputs = [take_completion(index, seq) for index, seq in enumerate(self.seqs)]
         first = self.seqs[0]
         return RequestOutput(
             self.request_id,
@@ -70,23 +71,26 @@ class Request:
             self.finished,
             first.num_cached_tokens or 0,
             self.metrics,
-            list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+            copy(first.prompt_logprobs),  # a snapshot: later steps fill in more (None if not asked for)
         )
 
-    def _completion(self, index: int, seq: Sequence) -> CompletionOutput:
-        decoded = seq.text
-        token_ids = seq.completion_token_ids
-        text_delta = take_stream_delta(seq)  # advances decoded.num_streamed (without streaming: all of it, at the end)
-        token_ids_delta = token_ids[decoded.num_tokens_streamed :]
-        decoded.num_tokens_streamed = len(token_ids)
-        wants_logprobs = seq.params.logprobs is not None
-        return CompletionOutput(  # in the fields' order
-            index,
-            decoded.text[: decoded.num_streamed],  # the text: once finished, all of decoded.final, streamed by now
-            token_ids,
-            seq.finish_reason,
-            list(seq.logprobs) if wants_logprobs else None,
-            seq.cumulative_logprob if wants_logprobs else None,
-            text_delta,
-            token_ids_delta,
-        )
+
+def take_completion(index: int, seq: Sequence) -> CompletionOutput:
+    """Sample `index` of a request as it stands, with what changed since the previous call (this advances seq's
+    stream cursors)."""
+    decoded = seq.text
+    token_ids = seq.completion_token_ids
+    text_delta = take_stream_delta(seq)  # advances decoded.num_streamed (without streaming: all of it, at the end)
+    token_ids_delta = token_ids[decoded.num_tokens_streamed :]
+    decoded.num_tokens_streamed = len(token_ids)
+    wants_logprobs = seq.params.logprobs is not None
+    return CompletionOutput(  # in the fields' order
+        index,
+        decoded.text[: decoded.num_streamed],  # the text: once finished, all of decoded.final, streamed by now
+        token_ids,
+        seq.finish_reason,
+        list(seq.logprobs) if wants_logprobs else None,
+        seq.cumulative_logprob if wants_logprobs else None,
+        text_delta,
+        token_ids_delta,
+    )

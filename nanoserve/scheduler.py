@@ -81,14 +81,11 @@ class Scheduler:
         step = Step()
         # 1) the running sequences, oldest first (a copy: preemption removes from the list)
         for seq in list(self.running):
-            # skip one preempted just now, or at its length limit with the last token pending (it ends when read)
-            if (
-                seq.status != SequenceStatus.RUNNING
-                or not self._budget(step)
-                or reached_length_limit(seq, self.max_model_len)
-            ):
-                continue
+            # (a running sequence has at least one uncomputed token: none only when the budget is spent)
             num_new = min(seq.num_uncomputed_tokens, self._budget(step))
+            # skip one preempted just now, or at its length limit with the last token pending (it ends when read)
+            if seq.status != SequenceStatus.RUNNING or not num_new or reached_length_limit(seq, self.max_model_len):
+                continue
             if self._make_room(seq, num_new, step):
                 self._plan(step, seq, num_new)
         # 2) the budget left admits waiting sequences, in queue order until one does not fit; none after a

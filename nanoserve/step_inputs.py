@@ -137,7 +137,7 @@ def slots_of(block_table: array.array, start: int, end: int, block_size: int) ->
 def upload(lists: StepLists, device: torch.device) -> tuple[StepHeader, Tensor]:
     """All of a step's integer inputs in one int32 buffer and one host-to-device copy (asynchronous on a GPU: the
     source is pinned). Returns the header that says how to cut it up, and the buffer on the device."""
-    parts = list(vars(lists).values())  # StepLists' fields, in order
+    parts = vars(lists).values()  # StepLists' fields, in order
     flat = array.array("i")
     for part in parts:
         flat.extend(part)  # a list int by int; an int32 array (the block tables) in one copy
@@ -146,7 +146,7 @@ def upload(lists: StepLists, device: torch.device) -> tuple[StepHeader, Tensor]:
     if device.type == "cuda":
         host = host.pin_memory()  # a pinned source lets the copy run asynchronously
     header = StepHeader(
-        part_lengths=[len(part) for part in parts],
+        part_lengths=list(map(len, parts)),
         max_query_len=max(end - start for start, end in pairwise(lists.query_start_loc)),
         max_context_len=max(lists.context_lens),
     )
