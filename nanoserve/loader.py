@@ -78,10 +78,8 @@ def eos_ids_of(
     sources.append(hf_config.eos_token_id)
     if all(source is None for source in sources) and tokenizer is not None:
         sources.append(tokenizer.eos_token_id)
-    eos_ids = set()
-    for source in sources:  # each None, one id, or a list of ids
-        eos_ids.update([source] if isinstance(source, int) else source or [])
-    return frozenset(eos_ids)
+    # each source is None, one id, or a list of ids
+    return frozenset(eos_id for source in sources for eos_id in ([source] if isinstance(source, int) else source or []))
 
 
 def checkpoint_dtype(hf_config: PretrainedConfig) -> torch.dtype | None:
@@ -109,27 +107,19 @@ def read_safetensors(model_dir: str, shapes_only: bool = False) -> Iterator[tupl
             raise InvalidField("model", f"{path}: {error}") from None
 
 
-def checkpoint_tensors(name: str) -> list[tuple[str, tuple[int, ...]]]:
-    """The checkpoint tensors that fill our parameter `name`, as (HF name, extra weight_loader arguments): q, k and v
-    each fill their shard of the fused qkv_proj, gate and up theirs of gate_up_proj; any other parameter is one tensor
-    of its own name, copied whole."""
-    proj = name.split(".")[-2]  # model.layers.0.self_attn.qkv_proj.weight: qkv_proj
-    if proj not in FUSED:
-        return [(name, ())]
-    # model.layers.0.self_attn.q_proj.weight fills shard 0 of model.layers.0.self_attn.qkv_proj.weight, and so on
-    return [(name.replace(proj, part), (index,)) for index, part in enumerate(FUSED[proj])]
-
-
 @torch.no_grad()  # parameters are copied into in place, which autograd would refuse
 def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """tensors: (HF name, tensor) pairs, each loaded by its parameter's weight_loader, or copied whole into a
-    parameter that defines none. A tensor with no place, one whose shape does not fit, or one missing is an
+    parameter that defines none. q, k and v each fill their shard of our fused qkv_proj, gate and up theirs of
+    gate_up_proj (FUSED). A tensor with no place, one whose shape does not fit, or one missing is an
     InvalidField("model") naming it."""
-    places = {  # HF name -> (our parameter, extra weight_loader arguments), until its tensor is loaded
-        hf_name: (param, shard)
-        for name, param in model.named_parameters(remove_duplicate=False)
-        for hf_name, shard in checkpoint_tensors(name)
-    }
+    places = {}  # HF name -> (our parameter, extra weight_loader arguments), until its tensor is loaded
+    for name, param in model.named_parameters(remove_duplicate=False):
+        proj = name.split(".")[-2]  # model.layers.0.self_attn.qkv_proj.weight: qkv_proj
+        if proj in FUSED:  # model.layers.0.self_attn.q_proj.weight fills shard 0 of its qkv_proj.weight, and so on
+            places |= {name.replace(proj, part): (param, (index,)) for index, part in enumerate(FUSED[proj])}
+        else:  # any other parameter is one tensor of its own name, copied whole
+            places[name] = (param, ())
     for hf_name, tensor in tensors:
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue  # older checkpoints store RoPE frequencies; we compute them
@@ -170,27 +160,6 @@ def build_model(
     return model.eval()
 
 
-def read_hf_config(model_dir: str) -> PretrainedConfig:
-    """config.json through transformers, after checking it is a JSON object whose sizes are positive integers: a
-    broken file is an InvalidField naming it (and the field), whatever transformers would have raised."""
-    path = f"{model_dir}/config.json"
-    try:
-        with open(path, encoding="utf-8") as f:
-            fields = json.load(f)
-    except (OSError, ValueError) as error:  # missing, unreadable, or not JSON
-        raise InvalidField("model", f"{path}: {error}") from None
-    if not isinstance(fields, dict):
-        raise InvalidField("model", f"{path}: not a JSON object")
-    for name in CONFIG_SIZES:
-        value = fields.get(name)
-        if value is not None and not (is_integer(value) and value > 0):
-            raise InvalidField("model", f"{path}: {name}={value!r} is not a positive integer")
-    try:
-        return AutoConfig.from_pretrained(model_dir)
-    except Exception as error:  # an unknown model_type, or a field transformers' own checks refuse
-        raise InvalidField("model", f"{path}: {error}") from error
-
-
 def check_kv_cache_fits(config: EngineConfig, args: ModelArgs, dtype: torch.dtype) -> None:
     """num_kvcache_blocks, when given, within the memory that would hold the pool (ModelArgs.kv_bytes_per_token x
     block_size x blocks). dtype: the model's; the pool's is config.kv_cache_dtype's (fp8: 1 byte)."""
@@ -215,9 +184,28 @@ def check_kv_cache_fits(config: EngineConfig, args: ModelArgs, dtype: torch.dtyp
 
 
 def load_hf_config(model_dir: str, config: EngineConfig) -> tuple[PretrainedConfig, ModelArgs]:
-    """The HF config and our ModelArgs from it, refused (InvalidField) where the engine config cannot serve it.
-    The engine process then checks the checkpoint against it (check_checkpoint, check_kv_cache_fits)."""
-    hf_config = read_hf_config(model_dir)
+    """The HF config and our ModelArgs from it, refused (InvalidField) where config.json is broken or the engine config
+    cannot serve it. The engine process then checks the checkpoint against it (check_checkpoint, check_kv_cache_fits).
+    """
+    # 1) config.json, a JSON object whose sizes are positive integers: a broken file is an InvalidField naming it (and
+    # the field), whatever transformers would have raised
+    path = f"{model_dir}/config.json"
+    try:
+        with open(path, encoding="utf-8") as f:
+            fields = json.load(f)
+    except (OSError, ValueError) as error:  # missing, unreadable, or not JSON
+        raise InvalidField("model", f"{path}: {error}") from None
+    if not isinstance(fields, dict):
+        raise InvalidField("model", f"{path}: not a JSON object")
+    for name in CONFIG_SIZES:
+        value = fields.get(name)
+        if value is not None and not (is_integer(value) and value > 0):
+            raise InvalidField("model", f"{path}: {name}={value!r} is not a positive integer")
+    try:
+        hf_config = AutoConfig.from_pretrained(model_dir)
+    except Exception as error:  # an unknown model_type, or a field transformers' own checks refuse
+        raise InvalidField("model", f"{path}: {error}") from error
+    # 2) what this engine config can serve of it
     args = ModelArgs.from_hf(hf_config)
     if config.max_model_len > args.max_position:
         raise InvalidField(

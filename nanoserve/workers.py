@@ -177,8 +177,7 @@ class Workers:
         start-up at once), then join them."""
         deadline = time.monotonic() + START_TIMEOUT.total_seconds()
         while not all(self._heartbeats().values()):
-            exited = self._exit_reports()
-            if exited:
+            if exited := self._exit_reports():
                 raise RuntimeError("\n".join(exited.values()))
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the tensor-parallel ranks did not all join within {START_TIMEOUT}")
