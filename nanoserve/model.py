@@ -72,8 +72,8 @@ class ModelArgs:
             rope_scaling=rope if rope_type == "llama3" else None,
             tie_word_embeddings=cfg.tie_word_embeddings,
             qk_norm=cfg.model_type == "qwen3",
-            qkv_bias=cfg.model_type == "qwen2" or bias,
-            o_bias=cfg.model_type != "qwen2" and bias,
+            qkv_bias=cfg.model_type == "qwen2" or bias,  # Qwen2's config has no attention_bias: q, k, v only
+            o_bias=bias,
         )
 
 
@@ -146,22 +146,19 @@ class Attention(nn.Module):
         return self.o_proj(o.flatten(1))
 
 
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP) -> None:
-        super().__init__()
-        self.kernels = kernels
-        self.gate_up_proj = ColumnParallelLinear(args.hidden_size, [args.intermediate_size] * 2, False, tp)
-        self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, False, tp)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP) -> None:
         super().__init__()
+        self.kernels = kernels
         self.self_attn = Attention(args, kernels, tp)
-        self.mlp = MLP(args, kernels, tp)
+        # the MLP, down(silu(gate) * up), with gate|up fused: only a ModuleDict of its projections (the names
+        # mlp.gate_up_proj and mlp.down_proj find the checkpoint's weights), run in forward below
+        self.mlp = nn.ModuleDict(
+            {
+                "gate_up_proj": ColumnParallelLinear(args.hidden_size, [args.intermediate_size] * 2, False, tp),
+                "down_proj": RowParallelLinear(args.intermediate_size, args.hidden_size, False, tp),
+            }
+        )
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
 
@@ -183,7 +180,8 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_layernorm(x, residual)  # residual = x + residual (the h above); h = norm of it
         attn_out = self.self_attn(h, positions, rotary, kv_cache, meta)
         h, residual = self.post_attention_layernorm(attn_out, residual)  # residual += attn(...); h = norm of it
-        return self.mlp(h), residual
+        mlp_out = self.mlp.down_proj(self.kernels.silu_and_mul(self.mlp.gate_up_proj(h)))  # down(silu(gate) * up)
+        return mlp_out, residual
 
 
 class CausalLM(nn.Module):
@@ -214,9 +212,8 @@ class CausalLM(nn.Module):
         residual = torch.zeros_like(x)  # the residual stream starts empty: layer 0's add gives the embeddings
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
-        return self.model.norm(x, residual)[
-            0
-        ]  # the last MLP's output added, then the final norm (the stream is dropped)
+        hidden, _ = self.model.norm(x, residual)  # the last MLP's output added, then the final norm (stream dropped)
+        return hidden
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] in the model dtype, the whole vocabulary on every rank."""

@@ -65,13 +65,12 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, vocab_size: int, dim: int, tp: TP) -> None:
         super().__init__(vocab_size // tp.size, dim)
         self.tp = tp
-        self.first_id = tp.rank * self.num_embeddings  # the first vocabulary id this rank holds
         self.weight.weight_loader = tp.load_slice
 
     def forward(self, ids: Tensor) -> Tensor:
         if self.tp.size == 1:
             return super().forward(ids)
-        local = ids - self.first_id
+        local = ids - self.tp.rank * self.num_embeddings  # ids as rows of this rank's slice
         mine = (local >= 0) & (local < self.num_embeddings)
         x = super().forward(local * mine) * mine[:, None]  # ids not mine look up row 0, then are zeroed
         dist.all_reduce(x)
