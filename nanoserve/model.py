@@ -65,7 +65,7 @@ class ModelArgs:
             num_layers=cfg.num_hidden_layers,
             num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads,  # transformers sets it to num_attention_heads when not given
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,  # Qwen2 has none
+            head_dim=getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads),  # Qwen2 has none
             rms_norm_eps=cfg.rms_norm_eps,
             max_position=cfg.max_position_embeddings,
             rope_theta=rope["rope_theta"],
