@@ -77,18 +77,14 @@ class ModelArgs:
         )
 
 
-class RMSNorm(nn.Module):
-    """An RMSNorm's weight and eps, in a module so that the checkpoint's name (input_layernorm.weight,
-    self_attn.q_norm.weight) finds the weight. Its forward is the residual stream's: it adds a sublayer's output into
-    the stream, then RMS-normalises the sum: forward(x, residual) -> (RMSNorm(x + residual) * weight, x + residual).
-    One fused kernel does both (the Triton one writes the sum into `residual` in place), so the stream is a tensor the
-    model owns. Qwen3's per-head q_norm and k_norm are never called: the fused qk_norm_rope kernel reads their weight
-    and eps."""
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm module for its weight and eps, so that the checkpoint's name (input_layernorm.weight) finds
+    the weight, with the residual stream's forward: it adds a sublayer's output into the stream, then RMS-normalises
+    the sum: forward(x, residual) -> (RMSNorm(x + residual) * weight, x + residual). One fused kernel does both (the
+    Triton one writes the sum into `residual` in place), so the stream is a tensor the model owns."""
 
     def __init__(self, dim: int, eps: float, kernels: Kernels) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        super().__init__(dim, eps)
         self.kernels = kernels
 
     def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
@@ -128,8 +124,9 @@ class Attention(nn.Module):
         kv_size = args.num_kv_heads * args.head_dim
         self.qkv_proj = ColumnParallelLinear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias, tp)
         self.o_proj = RowParallelLinear(q_size, args.hidden_size, args.o_bias, tp)
-        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels) if args.qk_norm else None  # Qwen3
-        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels) if args.qk_norm else None
+        # Qwen3's per-head norms of q and k: never called, the fused qk_norm_rope kernel reads their weight and eps
+        self.q_norm = nn.RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = nn.RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
     def forward(
         self, x: Tensor, positions: Tensor, rotary: Rotary, kv_cache: KVCache, meta: AttentionMetadata
