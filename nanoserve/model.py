@@ -83,8 +83,8 @@ class RMSNorm(nn.RMSNorm):
     the sum: forward(x, residual) -> (RMSNorm(x + residual) * weight, x + residual). One fused kernel does both (the
     Triton one writes the sum into `residual` in place), so the stream is a tensor the model owns."""
 
-    def __init__(self, dim: int, eps: float, kernels: Kernels) -> None:
-        super().__init__(dim, eps)
+    def __init__(self, args: ModelArgs, kernels: Kernels) -> None:
+        super().__init__(args.hidden_size, args.rms_norm_eps)  # every one normalises the residual stream
         self.kernels = kernels
 
     def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
@@ -156,8 +156,8 @@ class DecoderLayer(nn.Module):
                 "down_proj": RowParallelLinear(args.intermediate_size, args.hidden_size, False, tp),
             }
         )
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+        self.input_layernorm = RMSNorm(args, kernels)
+        self.post_attention_layernorm = RMSNorm(args, kernels)
 
     def forward(
         self,
@@ -193,7 +193,7 @@ class CausalLM(nn.Module):
             {
                 "embed_tokens": VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp),
                 "layers": nn.ModuleList(DecoderLayer(args, kernels, tp) for _ in range(args.num_layers)),
-                "norm": RMSNorm(args.hidden_size, args.rms_norm_eps, kernels),
+                "norm": RMSNorm(args, kernels),
             }
         )
         self.rotary = Rotary(args)

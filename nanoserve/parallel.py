@@ -34,7 +34,7 @@ class ColumnParallelLinear(nn.Linear):
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, tp: TP) -> None:
         self.shard_sizes = [size // tp.size for size in shard_sizes]
-        super().__init__(in_features, sum(self.shard_sizes), bias=bias)
+        super().__init__(in_features, sum(self.shard_sizes), bias)
         self.tp = tp
         for param in self.parameters():
             param.weight_loader = self.load_shard
@@ -48,7 +48,7 @@ class RowParallelLinear(nn.Linear):
     """Input features split across ranks: each computes a partial product, and one all-reduce sums them."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TP) -> None:
-        super().__init__(in_features // tp.size, out_features, bias=bias)
+        super().__init__(in_features // tp.size, out_features, bias)
         self.tp = tp
         self.weight.weight_loader = partial(tp.load_slice, dim=1)
 
