@@ -11,11 +11,6 @@ from nanoserve.attention import PAD_SLOT, AttentionMetadata
 from nanoserve.model import CausalLM, KVCache
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """The batch sizes that get a graph: 1, 2, 4, 8, then every 16, and max_num_seqs itself."""
-    return [size for size in (1, 2, 4, 8, *range(16, max_num_seqs, 16)) if size < max_num_seqs] + [max_num_seqs]
-
-
 class DecodeGraphs:
     def __init__(
         self, model: CausalLM, kv_caches: list[KVCache], max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int
@@ -23,7 +18,8 @@ class DecodeGraphs:
         self.model = model
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
-        self.sizes = graph_batch_sizes(max_num_seqs)
+        # the batch sizes that get a graph: 1, 2, 4, 8, then every 16, and max_num_seqs itself
+        self.sizes = [s for s in (1, 2, 4, 8, *range(16, max_num_seqs, 16)) if s < max_num_seqs] + [max_num_seqs]
         # the static input buffers every graph reads, max_num_seqs rows each
         ints = {"dtype": torch.int32, "device": next(model.parameters()).device}
         self.input_ids = torch.zeros(max_num_seqs, **ints)
@@ -34,8 +30,8 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(max_num_seqs + 1, **ints)  # one query per sequence
         # each graph's output [size, hidden_size]: the tensor its capture made (in the shared pool), which every replay
         # of that graph rewrites in place, so no copy into a static output buffer; valid until the next replay
-        self.hidden: dict[int, Tensor] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden = {}
+        self.graphs = {}  # batch size -> its torch.cuda.CUDAGraph
 
     def forward(self, size: int) -> None:
         """The decode forward on the first `size` rows of the static buffers, its output kept as hidden[size]. A
@@ -43,10 +39,10 @@ class DecodeGraphs:
         its own context into the grid's splits, so a short context keeps every split busy (max_context_len, read only
         by the PyTorch reference, is max_model_len here)."""
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            query_start_loc=self.query_start_loc[: size + 1],
-            context_lens=self.context_lens[:size],
-            block_tables=self.block_tables[:size],
+            self.slot_mapping[:size],  # the static buffers, named as the fields they fill
+            self.query_start_loc[: size + 1],
+            self.context_lens[:size],
+            self.block_tables[:size],
             max_query_len=1,
             max_context_len=self.max_model_len,
             decode_only=True,

@@ -190,7 +190,7 @@ def qk_norm_rope(
 
 def rope_ref(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [tokens, heads, head_dim] in the rotate-half layout; cos, sin: [max_pos, head_dim / 2] fp32."""
-    cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
+    cos, sin = cos[positions, None], sin[positions, None]  # [tokens, 1, head_dim / 2]: one row for all heads
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 

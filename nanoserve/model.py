@@ -65,30 +65,26 @@ class ModelArgs:
             num_layers=cfg.num_hidden_layers,
             num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads,  # transformers sets it to num_attention_heads when not given
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,  # Qwen2 has none
+            head_dim=getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads),  # Qwen2 has none
             rms_norm_eps=cfg.rms_norm_eps,
             max_position=cfg.max_position_embeddings,
             rope_theta=rope["rope_theta"],
             rope_scaling=rope if rope_type == "llama3" else None,
             tie_word_embeddings=cfg.tie_word_embeddings,
             qk_norm=cfg.model_type == "qwen3",
-            qkv_bias=cfg.model_type == "qwen2" or bias,
-            o_bias=cfg.model_type != "qwen2" and bias,
+            qkv_bias=cfg.model_type == "qwen2" or bias,  # Qwen2's config has no attention_bias: q, k, v only
+            o_bias=bias,
         )
 
 
-class RMSNorm(nn.Module):
-    """An RMSNorm's weight and eps, in a module so that the checkpoint's name (input_layernorm.weight,
-    self_attn.q_norm.weight) finds the weight. Its forward is the residual stream's: it adds a sublayer's output into
-    the stream, then RMS-normalises the sum: forward(x, residual) -> (RMSNorm(x + residual) * weight, x + residual).
-    One fused kernel does both (the Triton one writes the sum into `residual` in place), so the stream is a tensor the
-    model owns. Qwen3's per-head q_norm and k_norm are never called: the fused qk_norm_rope kernel reads their weight
-    and eps."""
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm module for its weight and eps, so that the checkpoint's name (input_layernorm.weight) finds
+    the weight, with the residual stream's forward: it adds a sublayer's output into the stream, then RMS-normalises
+    the sum: forward(x, residual) -> (RMSNorm(x + residual) * weight, x + residual). One fused kernel does both (the
+    Triton one writes the sum into `residual` in place), so the stream is a tensor the model owns."""
 
-    def __init__(self, dim: int, eps: float, kernels: Kernels) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+    def __init__(self, args: ModelArgs, kernels: Kernels) -> None:
+        super().__init__(args.hidden_size, args.rms_norm_eps)  # every one normalises the residual stream
         self.kernels = kernels
 
     def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
@@ -128,8 +124,9 @@ class Attention(nn.Module):
         kv_size = args.num_kv_heads * args.head_dim
         self.qkv_proj = ColumnParallelLinear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias, tp)
         self.o_proj = RowParallelLinear(q_size, args.hidden_size, args.o_bias, tp)
-        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels) if args.qk_norm else None  # Qwen3
-        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels) if args.qk_norm else None
+        # Qwen3's per-head norms of q and k: never called, the fused qk_norm_rope kernel reads their weight and eps
+        self.q_norm = nn.RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = nn.RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
     def forward(
         self, x: Tensor, positions: Tensor, rotary: Rotary, kv_cache: KVCache, meta: AttentionMetadata
@@ -146,24 +143,21 @@ class Attention(nn.Module):
         return self.o_proj(o.flatten(1))
 
 
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP) -> None:
-        super().__init__()
-        self.kernels = kernels
-        self.gate_up_proj = ColumnParallelLinear(args.hidden_size, [args.intermediate_size] * 2, False, tp)
-        self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, False, tp)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP) -> None:
         super().__init__()
+        self.kernels = kernels
         self.self_attn = Attention(args, kernels, tp)
-        self.mlp = MLP(args, kernels, tp)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+        # the MLP, down(silu(gate) * up), with gate|up fused: only a ModuleDict of its projections (the names
+        # mlp.gate_up_proj and mlp.down_proj find the checkpoint's weights), run in forward below
+        self.mlp = nn.ModuleDict(
+            {
+                "gate_up_proj": ColumnParallelLinear(args.hidden_size, [args.intermediate_size] * 2, False, tp),
+                "down_proj": RowParallelLinear(args.intermediate_size, args.hidden_size, False, tp),
+            }
+        )
+        self.input_layernorm = RMSNorm(args, kernels)
+        self.post_attention_layernorm = RMSNorm(args, kernels)
 
     def forward(
         self,
@@ -183,7 +177,8 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_layernorm(x, residual)  # residual = x + residual (the h above); h = norm of it
         attn_out = self.self_attn(h, positions, rotary, kv_cache, meta)
         h, residual = self.post_attention_layernorm(attn_out, residual)  # residual += attn(...); h = norm of it
-        return self.mlp(h), residual
+        mlp_out = self.mlp.down_proj(self.kernels.silu_and_mul(self.mlp.gate_up_proj(h)))  # down(silu(gate) * up)
+        return mlp_out, residual
 
 
 class CausalLM(nn.Module):
@@ -198,7 +193,7 @@ class CausalLM(nn.Module):
             {
                 "embed_tokens": VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp),
                 "layers": nn.ModuleList(DecoderLayer(args, kernels, tp) for _ in range(args.num_layers)),
-                "norm": RMSNorm(args.hidden_size, args.rms_norm_eps, kernels),
+                "norm": RMSNorm(args, kernels),
             }
         )
         self.rotary = Rotary(args)
@@ -214,9 +209,8 @@ class CausalLM(nn.Module):
         residual = torch.zeros_like(x)  # the residual stream starts empty: layer 0's add gives the embeddings
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
-        return self.model.norm(x, residual)[
-            0
-        ]  # the last MLP's output added, then the final norm (the stream is dropped)
+        hidden, _ = self.model.norm(x, residual)  # the last MLP's output added, then the final norm (stream dropped)
+        return hidden
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] in the model dtype, the whole vocabulary on every rank."""

@@ -34,7 +34,7 @@ class ColumnParallelLinear(nn.Linear):
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, tp: TP) -> None:
         self.shard_sizes = [size // tp.size for size in shard_sizes]
-        super().__init__(in_features, sum(self.shard_sizes), bias=bias)
+        super().__init__(in_features, sum(self.shard_sizes), bias)
         self.tp = tp
         for param in self.parameters():
             param.weight_loader = self.load_shard
@@ -48,7 +48,7 @@ class RowParallelLinear(nn.Linear):
     """Input features split across ranks: each computes a partial product, and one all-reduce sums them."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TP) -> None:
-        super().__init__(in_features // tp.size, out_features, bias=bias)
+        super().__init__(in_features // tp.size, out_features, bias)
         self.tp = tp
         self.weight.weight_loader = partial(tp.load_slice, dim=1)
 
@@ -65,13 +65,12 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, vocab_size: int, dim: int, tp: TP) -> None:
         super().__init__(vocab_size // tp.size, dim)
         self.tp = tp
-        self.first_id = tp.rank * self.num_embeddings  # the first vocabulary id this rank holds
         self.weight.weight_loader = tp.load_slice
 
     def forward(self, ids: Tensor) -> Tensor:
         if self.tp.size == 1:
             return super().forward(ids)
-        local = ids - self.first_id
+        local = ids - self.tp.rank * self.num_embeddings  # ids as rows of this rank's slice
         mine = (local >= 0) & (local < self.num_embeddings)
         x = super().forward(local * mine) * mine[:, None]  # ids not mine look up row 0, then are zeroed
         dist.all_reduce(x)
