@@ -24,6 +24,7 @@ from nanoserve.sampling_params import (
     InvalidField,
     SamplingParams,
     check_flag,
+    check_number,
     check_text,
     check_token_ids,
     is_integer,
@@ -144,13 +145,10 @@ class LLM:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidField("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
-        for field in ("stop_token_ids", "logit_bias"):
-            if not all(0 <= t < self.vocab_size for t in getattr(params, field)):
-                raise InvalidField(field, f"token ids must lie in [0, {self.vocab_size})")
-        for field in ("logprobs", "prompt_logprobs"):
-            num = getattr(params, field)
-            if num is not None and num > self.vocab_size:
-                raise InvalidField(field, f"{num} exceeds the vocabulary ({self.vocab_size})")
+        for field in ("stop_token_ids", "logit_bias"):  # their ids, now against the vocabulary
+            check_token_ids(field, list(getattr(params, field)), self.vocab_size)
+        for field in ("logprobs", "prompt_logprobs"):  # at most the whole vocabulary (None: not asked for)
+            check_number(field, getattr(params, field) or 0, 0, self.vocab_size, integer=True)
         if params.n > self.config.max_num_seqs:  # each sample is a sequence; a step runs at most max_num_seqs
             raise InvalidField("n", f"{params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         check_flag("stream", stream)
@@ -194,13 +192,10 @@ class LLM:
             if self.tokenizer is None:
                 raise InvalidField("prompt", "this model has no tokenizer; pass token ids")
             check_text("prompt", prompt)
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = check_token_ids("prompt", prompt)
+            prompt = self.tokenizer.encode(prompt)
+        ids = check_token_ids("prompt", prompt, self.vocab_size)
         if not ids:
             raise InvalidField("prompt", "is empty")
-        if not all(0 <= t < self.vocab_size for t in ids):
-            raise InvalidField("prompt", f"token ids must lie in [0, {self.vocab_size})")
         if len(ids) >= self.config.max_model_len:
             raise InvalidField(
                 "prompt", f"has {len(ids)} tokens; max_model_len={self.config.max_model_len} leaves no room to generate"
@@ -447,6 +442,4 @@ def sample_params(params: SamplingParams, index: int, engine_seed: int | None) -
     seed = engine_seed if params.seed is None else params.seed
     if index == 0:
         return replace(params, seed=seed)
-    if seed is not None:
-        seed = hash((seed, index))
-    return replace(params, seed=seed, prompt_logprobs=None)
+    return replace(params, seed=None if seed is None else hash((seed, index)), prompt_logprobs=None)

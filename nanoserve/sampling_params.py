@@ -67,7 +67,7 @@ def check_number(
     if not is_kind or not (isinstance(value, numbers.Rational) or math.isfinite(value)):
         wanted = "an integer" if integer else "a finite int or float"
         raise InvalidField(field, f"{shown(value)} is not {wanted}")
-    if isinstance(value, numbers.Integral):
+    if integer:
         value = int(value)  # numpy's too: compared as a Python int, exactly
     if value < low or (above_low and value == low) or value > high:
         opening = "(" if above_low else "["
@@ -104,12 +104,16 @@ def is_integer(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_token_ids(field: str, ids: object) -> list[int]:
-    """A list of integer token ids (a numpy array or tensor of them is fine): returned as plain ints."""
+def check_token_ids(field: str, ids: object, vocab_size: int = MAX_INT) -> list[int]:
+    """A list of integer token ids in [0, vocab_size) (a numpy array or tensor of them is fine): returned as plain
+    ints. Without a vocab_size (SamplingParams, made before a model is known) only the sign is checked; the engine
+    checks the ids again against its vocabulary (LLM._make_request)."""
     if hasattr(ids, "tolist"):
         ids = ids.tolist()  # a numpy array or a tensor
     if not isinstance(ids, (list, tuple)) or not all(map(is_integer, ids)):
         raise InvalidField(field, "expected a list of integer token ids")
+    if not all(0 <= t < vocab_size for t in ids):
+        raise InvalidField(field, f"token ids must lie in [0, {vocab_size})")
     return [int(t) for t in ids]
 
 
