@@ -21,6 +21,7 @@ from nanoserve.block_manager import BlockManager
 from nanoserve.config import EngineConfig
 from nanoserve.outputs import Request, RequestOutput
 from nanoserve.sampling_params import (
+    LISTS,
     InvalidField,
     SamplingParams,
     check_flag,
@@ -307,7 +308,7 @@ class LLM:
         # 1) check everything: a bad prompt or parameter refuses the whole batch before any work
         if is_one_prompt(prompts):
             prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
+        if not isinstance(prompts, LISTS):
             raise InvalidField("prompts", "expected a string, token ids, or a list of them")
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
@@ -342,7 +343,7 @@ class LLM:
     def beam_search(self, prompts: list[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """vLLM's beam search: per prompt (a list of them, as vLLM takes), params.beam_width beams, best first, on
         forked sequences that share KV blocks (beam_search.py, with transformers' rule). Needs an idle engine."""
-        if not isinstance(prompts, (list, tuple)):
+        if not isinstance(prompts, LISTS):
             raise InvalidField("prompts", "expected a list of prompts")
         if not isinstance(params, BeamSearchParams):
             raise InvalidField("params", f"expected BeamSearchParams, got {type(params).__name__}")
@@ -365,7 +366,7 @@ class LLM:
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise InvalidField("model", "this model has no chat template")
         # a list of conversations, or one (anything else is one too, which check_conversation then refuses)
-        is_many = isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], (list, tuple))
+        is_many = isinstance(messages, LISTS) and messages and isinstance(messages[0], LISTS)
         conversations = messages if is_many else [messages]
         for conversation in conversations:
             check_conversation(conversation)
@@ -400,7 +401,7 @@ def is_one_prompt(prompts: object) -> bool:
     """A single prompt rather than a list of them: a string, a vLLM prompt dict, a list of token ids, or an array."""
     if isinstance(prompts, (str, dict)) or hasattr(prompts, "ndim"):
         return True
-    return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and is_integer(prompts[0])
+    return isinstance(prompts, LISTS) and len(prompts) > 0 and is_integer(prompts[0])
 
 
 def unwrap_prompt(prompt: object) -> object:
@@ -419,7 +420,7 @@ def unwrap_prompt(prompt: object) -> object:
 def check_conversation(conversation: object) -> None:
     """A non-empty list of {"role": one of CHAT_ROLES, "content": valid Unicode text} dicts; an optional "name" is a
     string too."""
-    if not isinstance(conversation, (list, tuple)) or not conversation:
+    if not isinstance(conversation, LISTS) or not conversation:
         raise InvalidField("messages", "expected a non-empty list of {'role': str, 'content': str} dicts")
     for message in conversation:
         is_valid = (
