@@ -21,9 +21,11 @@ from nanoserve.block_manager import BlockManager
 from nanoserve.config import EngineConfig
 from nanoserve.outputs import Request, RequestOutput
 from nanoserve.sampling_params import (
+    LISTS,
     InvalidField,
     SamplingParams,
     check_flag,
+    check_number,
     check_text,
     check_token_ids,
     is_integer,
@@ -144,13 +146,10 @@ class LLM:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidField("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
-        for field in ("stop_token_ids", "logit_bias"):
-            if not all(0 <= t < self.vocab_size for t in getattr(params, field)):
-                raise InvalidField(field, f"token ids must lie in [0, {self.vocab_size})")
-        for field in ("logprobs", "prompt_logprobs"):
-            num = getattr(params, field)
-            if num is not None and num > self.vocab_size:
-                raise InvalidField(field, f"{num} exceeds the vocabulary ({self.vocab_size})")
+        for field in ("stop_token_ids", "logit_bias"):  # their ids, now against the vocabulary
+            check_token_ids(field, list(getattr(params, field)), self.vocab_size)
+        for field in ("logprobs", "prompt_logprobs"):  # at most the whole vocabulary (None: not asked for)
+            check_number(field, getattr(params, field) or 0, 0, self.vocab_size, integer=True)
         if params.n > self.config.max_num_seqs:  # each sample is a sequence; a step runs at most max_num_seqs
             raise InvalidField("n", f"{params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         check_flag("stream", stream)
@@ -194,13 +193,10 @@ class LLM:
             if self.tokenizer is None:
                 raise InvalidField("prompt", "this model has no tokenizer; pass token ids")
             check_text("prompt", prompt)
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = check_token_ids("prompt", prompt)
+            prompt = self.tokenizer.encode(prompt)
+        ids = check_token_ids("prompt", prompt, self.vocab_size)
         if not ids:
             raise InvalidField("prompt", "is empty")
-        if not all(0 <= t < self.vocab_size for t in ids):
-            raise InvalidField("prompt", f"token ids must lie in [0, {self.vocab_size})")
         if len(ids) >= self.config.max_model_len:
             raise InvalidField(
                 "prompt", f"has {len(ids)} tokens; max_model_len={self.config.max_model_len} leaves no room to generate"
@@ -312,7 +308,7 @@ class LLM:
         # 1) check everything: a bad prompt or parameter refuses the whole batch before any work
         if is_one_prompt(prompts):
             prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
+        if not isinstance(prompts, LISTS):
             raise InvalidField("prompts", "expected a string, token ids, or a list of them")
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
@@ -347,7 +343,7 @@ class LLM:
     def beam_search(self, prompts: list[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """vLLM's beam search: per prompt (a list of them, as vLLM takes), params.beam_width beams, best first, on
         forked sequences that share KV blocks (beam_search.py, with transformers' rule). Needs an idle engine."""
-        if not isinstance(prompts, (list, tuple)):
+        if not isinstance(prompts, LISTS):
             raise InvalidField("prompts", "expected a list of prompts")
         if not isinstance(params, BeamSearchParams):
             raise InvalidField("params", f"expected BeamSearchParams, got {type(params).__name__}")
@@ -370,7 +366,7 @@ class LLM:
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise InvalidField("model", "this model has no chat template")
         # a list of conversations, or one (anything else is one too, which check_conversation then refuses)
-        is_many = isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], (list, tuple))
+        is_many = isinstance(messages, LISTS) and messages and isinstance(messages[0], LISTS)
         conversations = messages if is_many else [messages]
         for conversation in conversations:
             check_conversation(conversation)
@@ -405,7 +401,7 @@ def is_one_prompt(prompts: object) -> bool:
     """A single prompt rather than a list of them: a string, a vLLM prompt dict, a list of token ids, or an array."""
     if isinstance(prompts, (str, dict)) or hasattr(prompts, "ndim"):
         return True
-    return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and is_integer(prompts[0])
+    return isinstance(prompts, LISTS) and len(prompts) > 0 and is_integer(prompts[0])
 
 
 def unwrap_prompt(prompt: object) -> object:
@@ -424,7 +420,7 @@ def unwrap_prompt(prompt: object) -> object:
 def check_conversation(conversation: object) -> None:
     """A non-empty list of {"role": one of CHAT_ROLES, "content": valid Unicode text} dicts; an optional "name" is a
     string too."""
-    if not isinstance(conversation, (list, tuple)) or not conversation:
+    if not isinstance(conversation, LISTS) or not conversation:
         raise InvalidField("messages", "expected a non-empty list of {'role': str, 'content': str} dicts")
     for message in conversation:
         is_valid = (
@@ -447,6 +443,4 @@ def sample_params(params: SamplingParams, index: int, engine_seed: int | None) -
     seed = engine_seed if params.seed is None else params.seed
     if index == 0:
         return replace(params, seed=seed)
-    if seed is not None:
-        seed = hash((seed, index))
-    return replace(params, seed=seed, prompt_logprobs=None)
+    return replace(params, seed=None if seed is None else hash((seed, index)), prompt_logprobs=None)

@@ -15,6 +15,7 @@ SEED_RANGE = 2**63  # a seed is used mod this: torch's generators take 64-bit se
 MAX_TEMPERATURE = 1e30  # far past where sampling is uniform to float32's precision; logits / T stays finite
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], OpenAI's range
 MAX_LOGIT_BIAS = 100.0  # a logit_bias lies in [-100, 100], OpenAI's range: -100 bans a token in practice
+LISTS = (list, tuple)  # where a list is asked for (prompts, token ids, stop strings, messages), a tuple does too
 # check_number's limits for SamplingParams' number fields (an integer's high is MAX_INT unless stated); min_tokens,
 # whose high is max_tokens, is checked after them
 NUMBER_LIMITS = {
@@ -67,7 +68,7 @@ def check_number(
     if not is_kind or not (isinstance(value, numbers.Rational) or math.isfinite(value)):
         wanted = "an integer" if integer else "a finite int or float"
         raise InvalidField(field, f"{shown(value)} is not {wanted}")
-    if isinstance(value, numbers.Integral):
+    if integer:
         value = int(value)  # numpy's too: compared as a Python int, exactly
     if value < low or (above_low and value == low) or value > high:
         opening = "(" if above_low else "["
@@ -104,12 +105,16 @@ def is_integer(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_token_ids(field: str, ids: object) -> list[int]:
-    """A list of integer token ids (a numpy array or tensor of them is fine): returned as plain ints."""
+def check_token_ids(field: str, ids: object, vocab_size: int | None = None) -> list[int]:
+    """A list of integer token ids (a numpy array or tensor of them is fine), each in [0, vocab_size) where the
+    vocabulary is known: returned as plain ints. SamplingParams, made before there is a model, checks only the types;
+    the engine checks the range when the request comes (LLM._make_request)."""
     if hasattr(ids, "tolist"):
         ids = ids.tolist()  # a numpy array or a tensor
-    if not isinstance(ids, (list, tuple)) or not all(map(is_integer, ids)):
+    if not isinstance(ids, LISTS) or not all(map(is_integer, ids)):
         raise InvalidField(field, "expected a list of integer token ids")
+    if vocab_size is not None and not all(0 <= t < vocab_size for t in ids):
+        raise InvalidField(field, f"token ids must lie in [0, {vocab_size})")
     return [int(t) for t in ids]
 
 
@@ -154,7 +159,7 @@ class SamplingParams:
         for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             check_flag(flag, getattr(self, flag))
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []  # one stop string, a list, or None
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        if not isinstance(stop, LISTS) or not all(isinstance(s, str) and s for s in stop):
             raise InvalidField("stop", f"{shown(self.stop)} is not a non-empty string or a list of them")
         self.stop = list(stop)
         self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids or [])
