@@ -32,17 +32,18 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nanoserve.sampling_params import InvalidField, SamplingParams, check_flag, check_numbers
+from nanoserve.sampling_params import NUMBER_LIMITS, InvalidField, SamplingParams, check_flag, check_numbers
 from nanoserve.sequence import Sequence
 
 if TYPE_CHECKING:
     from nanoserve.llm import LLM
 
 MAX_LENGTH_PENALTY = 10.0  # any length to a power in [-10, 10] is a finite float64, never an OverflowError
-# check_number's limits for BeamSearchParams' number fields (an integer's high is MAX_INT)
-NUMBER_LIMITS = {
-    "beam_width": {"low": 1, "integer": True},
-    "max_tokens": {"low": 1, "integer": True},
+# check_number's limits for BeamSearchParams' number fields: beam_width's are n's (a count, at least 1), max_tokens'
+# are SamplingParams' own
+BEAM_LIMITS = {
+    "beam_width": NUMBER_LIMITS["n"],
+    "max_tokens": NUMBER_LIMITS["max_tokens"],
     "temperature": {"low": 0, "high": 0},
     "length_penalty": {"low": -MAX_LENGTH_PENALTY, "high": MAX_LENGTH_PENALTY},
 }
@@ -59,7 +60,7 @@ class BeamSearchParams:
     length_penalty: float = 1.0  # in [-10, 10]; finished beams rank by cum_logprob / generated_length ** this
 
     def __post_init__(self) -> None:
-        check_numbers(self, NUMBER_LIMITS)  # each stored back as a plain int or float
+        check_numbers(self, BEAM_LIMITS)  # each stored back as a plain int or float
         check_flag("ignore_eos", self.ignore_eos)
 
 
@@ -119,7 +120,7 @@ def search(llm: "LLM", first: Sequence, params: BeamSearchParams, stop_ids: froz
             # 2. the k best that end here: (tokens, cum_logprob, score, finish_reason)
             finished += [
                 BeamSearchSequence(
-                    [*seq.token_ids[:-1], token],
+                    seq.token_ids[:-1] + [token],
                     cum,
                     cum / length**params.length_penalty,
                     "stop" if token in stop_ids else "length",
