@@ -32,15 +32,21 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nanoserve.sampling_params import InvalidField, SamplingParams, check_flag, check_number
+from nanoserve.sampling_params import NUMBER_LIMITS, InvalidField, SamplingParams, check_flag, check_numbers
 from nanoserve.sequence import Sequence
 
 if TYPE_CHECKING:
     from nanoserve.llm import LLM
 
 MAX_LENGTH_PENALTY = 10.0  # any length to a power in [-10, 10] is a finite float64, never an OverflowError
-Beam = tuple[float, Sequence]  # (cum_logprob, its sequence: the last token is the beam's newest, its K/V not computed)
-Candidate = tuple[float, Sequence, int]  # (cum_logprob, the beam it extends, its next token)
+# check_number's limits for BeamSearchParams' number fields: beam_width's are n's (a count, at least 1), max_tokens'
+# are SamplingParams' own
+BEAM_LIMITS = {
+    "beam_width": NUMBER_LIMITS["n"],
+    "max_tokens": NUMBER_LIMITS["max_tokens"],
+    "temperature": {"low": 0, "high": 0},
+    "length_penalty": {"low": -MAX_LENGTH_PENALTY, "high": MAX_LENGTH_PENALTY},
+}
 
 
 @dataclass
@@ -54,13 +60,8 @@ class BeamSearchParams:
     length_penalty: float = 1.0  # in [-10, 10]; finished beams rank by cum_logprob / generated_length ** this
 
     def __post_init__(self) -> None:
-        self.beam_width = check_number("beam_width", self.beam_width, low=1, integer=True)
-        self.max_tokens = check_number("max_tokens", self.max_tokens, low=1, integer=True)
+        check_numbers(self, BEAM_LIMITS)  # each stored back as a plain int or float
         check_flag("ignore_eos", self.ignore_eos)
-        self.temperature = check_number("temperature", self.temperature, low=0, high=0)
-        self.length_penalty = check_number(
-            "length_penalty", self.length_penalty, low=-MAX_LENGTH_PENALTY, high=MAX_LENGTH_PENALTY
-        )
 
 
 @dataclass
@@ -89,8 +90,9 @@ def run_beam_search(llm: "LLM", prompts: list[list[int]], params: BeamSearchPara
     k = params.beam_width
     if k > min(llm.config.max_num_seqs, llm.config.max_num_batched_tokens, llm.vocab_size - len(stop_ids)):
         raise InvalidField("beam_width", f"{k} beams do not fit one step (max_num_seqs, max_num_batched_tokens)")
-    # each beam's next token comes with its top k + len(stop_ids) logprobs: k candidates that do not end in EOS
-    sampling = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True, logprobs=k + len(stop_ids))
+    # each beam's next token comes with its top k + len(stop_ids) logprobs: k candidates that do not end in EOS. (The
+    # driver, not the stop rules, ends beams: the sequences carry no stop ids.)
+    sampling = SamplingParams(temperature=0, max_tokens=params.max_tokens, logprobs=k + len(stop_ids))
     firsts = [Sequence(prompt, sampling, llm.config.kvcache_block_size) for prompt in prompts]
     for seq in firsts:
         llm.scheduler.check_fits(seq, num_beams=k)
@@ -103,33 +105,57 @@ def search(llm: "LLM", first: Sequence, params: BeamSearchParams, stop_ids: froz
     k = params.beam_width
     max_tokens = min(params.max_tokens, llm.config.max_model_len - first.num_prompt_tokens)
     llm.scheduler.add(first)
-    beams: list[Beam] = [(0.0, first)]
-    finished: list[BeamSearchSequence] = []
+    # the beams: (cum_logprob, its sequence), whose last token is the beam's newest, its K/V not computed yet
+    beams = [(0.0, first)]
+    finished = []
     try:
         for length in range(1, max_tokens + 1):  # tokens generated, once this step's are chosen
             run_until_sampled(llm, len(beams))
-            candidates = sorted(  # 1. (each beam's logprobs are popped: a fork copies no history of them)
+            # 1. (cum_logprob, the beam it extends, its next token); each beam's logprobs are popped: a fork copies no
+            #    history of them
+            candidates = sorted(
                 ((cum + logprob, seq, token) for cum, seq in beams for token, logprob in seq.logprobs.pop().items()),
                 key=lambda candidate: -candidate[0],
             )
-            for cum, seq, token in candidates[:k]:  # 2. the k best that end here
-                if token in stop_ids or length == max_tokens:
-                    reason = "stop" if token in stop_ids else "length"
-                    score = cum / length**params.length_penalty
-                    finished.append(BeamSearchSequence([*seq.token_ids[:-1], token], cum, score, reason))
+            # 2. the k best that end here: (tokens, cum_logprob, score, finish_reason)
+            finished += [
+                BeamSearchSequence(
+                    seq.token_ids[:-1] + [token],
+                    cum,
+                    cum / length**params.length_penalty,
+                    "stop" if token in stop_ids else "length",
+                )
+                for cum, seq, token in candidates[:k]
+                if token in stop_ids or length == max_tokens
+            ]
             finished = sorted(finished, key=lambda beam: -beam.score)[:k]
             running = [c for c in candidates if c[2] not in stop_ids][:k]  # 3.
             if length == max_tokens or (
                 len(finished) == k and running[0][0] / length**params.length_penalty <= finished[-1].score
             ):
                 break  # 4.
-            beams = advance(llm, beams, running)
+            # the running candidates become the beams: each forks the beam it extends (sharing all its blocks) and
+            # replaces the token the step sampled there (its argmax, whose K/V is not computed yet) with its own;
+            # then the old beams end. Their blocks go back to the pool only where no fork holds them: a beam that one
+            # candidate extends leaves its fork the sole holder (it writes in place), one that c candidates extend
+            # leaves c holders of its partial block, c - 1 of which copy it when they write.
+            parents = beams
+            beams = []
+            for cum, parent, token in running:
+                seq = llm.block_manager.fork(parent)
+                llm.scheduler.running.append(seq)  # a running sequence from the next step on
+                seq.token_ids[-1] = token
+                beams.append((cum, seq))
+            for _, seq in parents:
+                llm.scheduler.finish_sequence(seq, "stop")
     finally:
         for _, seq in beams:
             llm.scheduler.finish_sequence(seq, "stop")
-    for beam in finished if llm.tokenizer is not None else []:
-        generated = beam.tokens[first.num_prompt_tokens : len(beam.tokens) - (beam.finish_reason == "stop")]
-        beam.text = llm.tokenizer.decode(generated, skip_special_tokens=True)
+    if llm.tokenizer is not None:
+        for beam in finished:
+            # the generated tokens less an EOS that ended the beam (no other generated token is one)
+            generated = [t for t in beam.tokens[first.num_prompt_tokens :] if t not in stop_ids]
+            beam.text = llm.tokenizer.decode(generated, skip_special_tokens=True)
     return BeamSearchOutput(finished)
 
 
@@ -137,7 +163,8 @@ def run_until_sampled(llm: "LLM", num_beams: int) -> None:
     """Run steps until every beam has its next token's logprobs: one step, or a few while a long prompt prefills in
     chunks. LLM.step's phases without overlap (each step's forks depend on the previous step's values); a failed step
     forgets the prefix cache, as LLM.step does (its blocks were findable before their K/V were written)."""
-    while True:
+    sampled = []
+    while not sampled:
         started = time.perf_counter()
         step = llm.scheduler.schedule()
         llm.counters.computed_tokens += step.num_tokens
@@ -146,27 +173,9 @@ def run_until_sampled(llm: "LLM", num_beams: int) -> None:
         except BaseException:
             llm.block_manager.cached.clear()
             raise
-        llm.scheduler.update(step, tokens, logprobs)
+        sampled = llm.scheduler.update(step, tokens, logprobs)
         if llm.trace is not None:
             llm.trace.begin(step)
             llm.trace.end(started)
-        if step.sampling_seqs:  # the pool was checked to hold every beam: none preempted, each in every step
-            assert len(step.sampling_seqs) == num_beams, "a beam missed a step"
-            return
-
-
-def advance(llm: "LLM", beams: list[Beam], running: list[Candidate]) -> list[Beam]:
-    """The running candidates become the beams: each forks the beam it extends (sharing all its blocks) and replaces
-    the token the step sampled there (its argmax, whose K/V is not computed yet) with its own; then the old beams end.
-    Their blocks go back to the pool only where no fork holds them: a beam that one candidate extends leaves its fork
-    the sole holder (it writes in place), one that c candidates extend leaves c holders of its partial block, c - 1 of
-    which copy it when they write."""
-    new_beams = []
-    for cum, parent, token in running:
-        seq = llm.block_manager.fork(parent)
-        llm.scheduler.running.append(seq)  # a running sequence from the next step on
-        seq.token_ids[-1] = token
-        new_beams.append((cum, seq))
-    for _, seq in beams:
-        llm.scheduler.finish_sequence(seq, "stop")
-    return new_beams
+    # the pool was checked to hold every beam: none preempted, each in every step
+    assert len(sampled) == num_beams, "a beam missed a step"
