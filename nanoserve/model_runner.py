@@ -26,7 +26,7 @@ from nanoserve.loader import build_model, checkpoint_dtype
 from nanoserve.model import ModelArgs
 from nanoserve.parallel import TP
 from nanoserve.penalties import Penalties
-from nanoserve.sampler import SampledLogprobs, Sampler, Samples
+from nanoserve.sampler import SampledLogprobs, Sampler, Samples, logprobs_of
 from nanoserve.sampling_params import InvalidField, SamplingParams
 from nanoserve.scheduler import ScheduledSeq, Step
 from nanoserve.sequence import Sequence
@@ -50,49 +50,48 @@ CPU_KV_CACHE_BYTES = 1 << 30  # no GPU to profile: the KV pool gets 1 GiB of hos
 PROFILE_SAMPLING = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, logprobs=1)  # the sampler's costliest path
 
 
+def running_processes() -> int:
+    """Linux: the processes running right now, this one included ("0.52 0.58 0.59 running/total last_pid")."""
+    time.sleep(0.01)  # looks 10 ms apart
+    with open("/proc/loadavg") as f:
+        return int(f.read().split()[3].split("/")[0])
+
+
 def free_cores() -> int:
     """Cores this process may use that other processes are not busy on. On a CPU, more torch threads than free
     cores is ruinous: each parallel region waits for a thread that is not running (60 -> 1.4 tok/s measured)."""
-    if hasattr(os, "sched_getaffinity"):
-        cores = len(os.sched_getaffinity(0))
-    else:
-        cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     busy = 0  # Windows: no measure
-    if os.path.exists("/proc/loadavg"):  # Linux: processes running right now, less this one; fewest of 5 looks
-        looks = []
-        for _ in range(5):
-            with open("/proc/loadavg") as f:  # "0.52 0.58 0.59 running/total last_pid"
-                looks.append(int(f.read().split()[3].split("/")[0]) - 1)
-            time.sleep(0.01)
-        busy = min(looks)
+    if os.path.exists("/proc/loadavg"):  # Linux: the fewest of 5 looks, less this process
+        busy = min(running_processes() for _ in range(5)) - 1
     elif hasattr(os, "getloadavg"):  # macOS: the last minute's average number of busy cores
         busy = round(os.getloadavg()[0])
     return max(1, cores - busy)
 
 
 def copy_to_host_async(samples: Samples | None) -> Samples | None:
-    """A pinned host copy of a GPU's samples, queued behind the kernels that compute them: it waits for nothing.
-    A CPU's samples (or None) are already on the host."""
+    """A host copy of a GPU's samples, queued behind the kernels that compute them: it waits for nothing (a
+    non_blocking copy from a GPU to the CPU lands in pinned memory that torch allocates for it). A CPU's tensors are
+    their own copy."""
 
-    def pinned_copy(t: Tensor) -> Tensor:
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+    def to_host(t: Tensor) -> Tensor:
+        return t.to("cpu", non_blocking=True)
 
-    if samples is None or not samples.tokens.is_cuda:
-        return samples
+    if samples is None:
+        return None
     logprobs = samples.logprobs
-    if logprobs is not None:  # every field of SampledLogprobs is a tensor
-        logprobs = SampledLogprobs(*map(pinned_copy, vars(logprobs).values()))
-    return Samples(pinned_copy(samples.tokens), logprobs)
+    if logprobs is not None:
+        logprobs = SampledLogprobs(*map(to_host, logprobs))
+    return Samples(to_host(samples.tokens), logprobs)
 
 
 def logprob_dicts(samples: Samples, nums: list[int | None]) -> list[dict[int, float] | None]:
     """Host samples with logprobs as one {token: logprob} per row: the top nums[row], then the row's own token (its
     entry again if it is among them); None for a row that asked for none."""
-    logprobs = samples.logprobs
-    columns = [samples.tokens, logprobs.chosen, logprobs.top_ids, logprobs.top_values]  # each one .tolist() call
+    columns = [samples.tokens, *samples.logprobs]  # tokens, chosen, top values, top ids: each one .tolist() call
     return [
         None if n is None else dict(zip(top_ids[:n] + [token], top_values[:n] + [chosen], strict=True))
-        for n, token, chosen, top_ids, top_values in zip(nums, *(c.tolist() for c in columns), strict=True)
+        for n, token, chosen, top_values, top_ids in zip(nums, *(c.tolist() for c in columns), strict=True)
     ]
 
 
@@ -101,14 +100,14 @@ class InFlightStep:
     copy to the host is queued behind the step's kernels, so launching the next step need not wait for it. So is the
     copy of its prompt logprobs, if a sequence asked for them: Samples whose tokens are the actual prompt tokens."""
 
-    def __init__(self, step: Step, samples: Samples | None, prompt_samples: Samples | None) -> None:
+    def __init__(self, step: Step, samples: Samples | None, prompt_samples: Samples | None, on_gpu: bool) -> None:
         self.step = step
         self.row_of = {seq.seq_id: row for row, seq in enumerate(step.sampling_seqs)}  # seq -> row of its sample
         self.device_tokens = samples.tokens if samples is not None else None
         self.host_samples = copy_to_host_async(samples)
         self.host_prompt_samples = copy_to_host_async(prompt_samples)
-        self.ready = None  # on a GPU: the event after which the host copies are complete
-        if self.host_samples is not samples or self.host_prompt_samples is not prompt_samples:  # copies were queued
+        self.ready = None
+        if on_gpu:  # the event after which the host copies are complete
             self.ready = torch.cuda.current_stream().record_event()
 
     def wait(self) -> tuple[list[int], list[dict[int, float] | None] | None, list[tuple]]:
@@ -154,8 +153,9 @@ class ModelRunner:
             torch.set_num_threads(config.threads or max(1, free_cores() // tp.size))
         self.block_size = config.kvcache_block_size
         self.num_kv_heads = args.num_kv_heads // tp.size  # this rank's share
-        max_blocks = -(-config.max_model_len // self.block_size)
-        self.max_blocks_per_seq = round_up(max_blocks, BLOCK_TABLE_WIDTH_MULTIPLE)
+        # a block table long enough for max_model_len tokens, its width a multiple of BLOCK_TABLE_WIDTH_MULTIPLE
+        widest = round_up(config.max_model_len, self.block_size * BLOCK_TABLE_WIDTH_MULTIPLE)
+        self.max_blocks_per_seq = widest // self.block_size
         # 1) the model in the serving dtype, and the sampler
         kernels = get_kernels(config.kernels)
         self.dtype = config.torch_dtype(checkpoint_dtype(hf_config))
@@ -171,18 +171,7 @@ class ModelRunner:
             fewest = torch.tensor([self.num_kvcache_blocks], device=self.device)
             dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
             self.num_kvcache_blocks = int(fewest)
-        # [K or V, layer, block, slot, kv head (this rank's), head_dim], not zeroed: every slot is written before it is
-        # read, and on a CPU memory pages are only taken as the cache fills
-        self.kv_cache = torch.empty(
-            2,
-            args.num_layers,
-            self.num_kvcache_blocks,
-            self.block_size,
-            self.num_kv_heads,
-            args.head_dim,
-            dtype=self.kv_dtype,
-            device=self.device,
-        )
+        self.kv_cache = self.empty_kv_cache(self.num_kvcache_blocks)
         self.kv_caches = list(zip(*self.kv_cache, strict=True))  # per layer i: (kv_cache[0, i], kv_cache[1, i])
         logger.info(self.kv_account())
         # 3) the decode graphs, captured over that cache
@@ -219,6 +208,12 @@ class ModelRunner:
             f"{self.num_kvcache_blocks} blocks x {self.block_size} = {num_tokens:,} tokens, "
             f"{num_tokens * self.kv_bytes_per_token / 2**30:.2f} GiB ({sized_by})"
         )
+
+    def empty_kv_cache(self, num_blocks: int) -> Tensor:
+        """[K or V, layer, block, slot, kv head (this rank's), head_dim], not zeroed: every slot is written before it
+        is read, and on a CPU memory pages are only taken as the cache fills."""
+        shape = (2, self.args.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.args.head_dim)
+        return torch.empty(shape, dtype=self.kv_dtype, device=self.device)
 
     def blocks_from_memory(self) -> int:
         block_bytes = self.kv_bytes_per_token * self.block_size
@@ -262,16 +257,14 @@ class ModelRunner:
     def _dummy_prefill(self, seq_lens: list[int]) -> Tensor:
         """A prefill of sequences of token 0 whose K/V go nowhere that matters: every entry of their block tables is
         block 0 of a zeroed scratch cache, so warm-up runs the real step path without the real cache."""
-        scratch = torch.zeros(
-            2, 1, self.block_size, self.num_kv_heads, self.args.head_dim, dtype=self.kv_dtype, device=self.device
-        )
+        scratch = self.empty_kv_cache(1).zero_()
         step = Step()
         for n in seq_lens:
             seq = Sequence([0] * n, SamplingParams(), self.block_size)
             seq.block_table = array.array("i", bytes(4 * self.max_blocks_per_seq))  # all block 0
             step.scheduled.append(ScheduledSeq(seq, start=0, num_new_tokens=n, picks_next_token=False))
-        views, meta = step_inputs(*upload(flatten_step(step, self.block_size, None), self.device), previous_tokens=None)
-        return self.model(views.input_ids, views.positions, [tuple(scratch)] * self.args.num_layers, meta)
+        views, meta = step_inputs(*upload(flatten_step(step, self.block_size, None), self.device), None)
+        return self.model(views.input_ids, views.positions, list(zip(*scratch, strict=True)), meta)
 
     # ---- one step ---------------------------------------------------------------------------------
     def prepare(self, step: Step, previous: InFlightStep | None) -> StepLists:
@@ -305,7 +298,7 @@ class ModelRunner:
                 )
                 if self.workers is not None:
                     dist.broadcast(samples.tokens, 0)  # the workers' next decode inputs
-            return InFlightStep(step, samples, prompt_samples)
+            return InFlightStep(step, samples, prompt_samples, on_gpu=self.device.type == "cuda")
         except BaseException as error:  # Ctrl-C too: the workers may be waiting inside the step
             if self.workers is not None:
                 self.workers.failed(error)  # raises, naming the rank at fault
@@ -318,7 +311,7 @@ class ModelRunner:
         rows' logprobs with the top prompt_top_n (each None if the step has no such rows; a worker's are dropped)."""
         views, meta = step_inputs(header, flat, previous_tokens)  # StepLists of int32 views on the device
         if len(views.block_copies):  # copy-on-write: a fork's shared partial block, before the step writes into it
-            source, destination = views.block_copies.view(-1, 2).long().unbind(1)
+            source, destination = views.block_copies.view(-1, 2).T  # int32 indices index as int64 ones do
             cache = self.kv_cache.view(torch.uint8)  # as bytes: any KV dtype, fp8 included; [K or V, layer, block, ...]
             cache[:, :, destination] = cache[:, :, source]
         if meta.decode_only and self.graphs is not None:
@@ -327,23 +320,23 @@ class ModelRunner:
             hidden = self.model(views.input_ids, views.positions, self.kv_caches, meta)
         prompt_samples = None
         if len(views.prompt_rows):
-            prompt_samples = self.prompt_logprobs(hidden, views.prompt_rows, views.prompt_next_ids, prompt_top_n)
+            prompt_samples = self.prompt_logprobs(hidden[views.prompt_rows], views.prompt_next_ids, prompt_top_n)
         if not len(views.sample_rows):
             return None, prompt_samples
         return self.model.compute_logits(hidden[views.sample_rows]), prompt_samples
 
-    def prompt_logprobs(self, hidden: Tensor, prompt_rows: Tensor, next_ids: Tensor, top_n: int) -> Samples:
-        """Per prompt row, the next prompt token (as the row's "sample") with its logprob and the top_n, in fp32 from
-        the log_softmax of the row's logits. A step may hold thousands of prompt rows and the vocabulary 152k
-        entries, so the logits are made in slices of max_num_seqs rows, the most warm_up measured memory for (the
-        sampler's rows): they never need memory the KV cache has taken. Every rank makes them (each slice gathers the
-        vocabulary across ranks)."""
+    def prompt_logprobs(self, hidden: Tensor, next_ids: Tensor, top_n: int) -> Samples:
+        """Per prompt row (hidden: [prompt rows, hidden_size], their hidden states), the next prompt token (as the
+        row's "sample") with its logprob and the top_n, in fp32 from the log_softmax of the row's logits. A step may
+        hold thousands of prompt rows and the vocabulary 152k entries, so the logits are made in slices of
+        max_num_seqs rows, the most warm_up measured memory for (the sampler's rows): they never need memory the KV
+        cache has taken. Every rank makes them (each slice gathers the vocabulary across ranks)."""
         next_ids = next_ids.long()
         slice_rows = self.config.max_num_seqs
-        pieces = []  # per slice: (chosen, top values, top ids)
-        for rows, ids in zip(prompt_rows.split(slice_rows), next_ids.split(slice_rows), strict=True):
-            logprobs = self.model.compute_logits(hidden[rows]).float().log_softmax(-1)  # [rows, vocab]
-            pieces.append((logprobs.gather(-1, ids[:, None])[:, 0], *logprobs.topk(top_n, dim=-1)))
+        pieces = []  # per slice: SampledLogprobs
+        for rows, ids in zip(hidden.split(slice_rows), next_ids.split(slice_rows), strict=True):
+            logprobs = self.model.compute_logits(rows).float().log_softmax(-1)  # [rows, vocab]
+            pieces.append(logprobs_of(logprobs, ids, top_n))
         columns = zip(*pieces, strict=True)  # chosen, top values, top ids: each concatenated over the slices
         return Samples(next_ids, SampledLogprobs(*(torch.cat(column) for column in columns)))
 

@@ -11,8 +11,7 @@ best chunk. Its PyTorch reference writes the noise out with a seeded generator p
 (equally valid) samples for a seed."""
 
 import random
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -26,7 +25,6 @@ if TYPE_CHECKING:  # for annotations only: kernels.py and penalties.py import th
 
 SEED_MIX = 1_000_003  # mixes a request's seed with its length, so each step draws fresh noise
 GUMBEL_TILE = 1024  # vocabulary entries per program of the sampling kernel: ~150 programs per row of a 152k vocabulary
-GUMBEL_NUM_WARPS = 4
 # A temperature T > 0 is used clamped into [MIN_TEMPERATURE, MAX_TEMPERATURE], so that logits / T stays finite and
 # never NaN (a huge T made -inf / inf = NaN, which argmax picks; a tiny one made every top logit +inf, a tie the noise
 # could not break). Below MIN_TEMPERATURE the draw is already the argmax unless two logits lie within ~1e-5 of each
@@ -35,17 +33,16 @@ GUMBEL_NUM_WARPS = 4
 MIN_TEMPERATURE = 1e-6
 
 
-@dataclass
-class SampledLogprobs:
-    """Per row: the chosen token's logprob and the top-N logprobs with their ids (N = the most any row asked for)."""
+class SampledLogprobs(NamedTuple):
+    """Per row: the chosen token's logprob and the top-N logprobs with their ids (N = the most any row asked for).
+    A tuple of tensors: code that moves or concatenates them iterates over it."""
 
     chosen: Tensor  # [rows] fp32
     top_values: Tensor  # [rows, N] fp32
     top_ids: Tensor  # [rows, N] int64
 
 
-@dataclass
-class Samples:
+class Samples(NamedTuple):
     """One step's draws, on the device: the next step reads its decode inputs from `tokens` there."""
 
     tokens: Tensor  # [rows] int64
@@ -96,8 +93,7 @@ def gumbel_argmax(logits: Tensor, temperatures: list[float], seeds: list[int]) -
         chunk_best,
         chunk_id,
         vocab_size,
-        TILE=GUMBEL_TILE,
-        num_warps=GUMBEL_NUM_WARPS,
+        TILE=GUMBEL_TILE,  # and Triton's default of 4 warps
     )
     best_chunk = chunk_best.argmax(-1, keepdim=True)  # the second pass: the first of equal maxima, as in a chunk
     return chunk_id.gather(-1, best_chunk)[:, 0]
@@ -116,6 +112,11 @@ def gumbel_argmax_ref(logits: Tensor, temperatures: list[float], seeds: list[int
             noise = torch.empty_like(row_logits).exponential_(generator=generator)  # E ~ Exp(1)
             tokens[row] = (row_logits / t - noise.log()).argmax()  # -log(E) is Gumbel noise
     return tokens
+
+
+def logprobs_of(logprobs: Tensor, tokens: Tensor, top_n: int) -> SampledLogprobs:
+    """Per row of logprobs ([rows, vocab] fp32): the logprob of tokens[row], and the top_n logprobs with their ids."""
+    return SampledLogprobs(logprobs.gather(-1, tokens[:, None])[:, 0], *logprobs.topk(top_n, dim=-1))
 
 
 def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -154,7 +155,8 @@ class Sampler:
         None. Returns the tokens and, if any row asked for logprobs, their logprobs, all on the device. vLLM's order:
         bans, the grammar's mask, bias and penalties, then temperature and the filters."""
         logprobs = None
-        if any(p.logprobs is not None for p in params):
+        asked = [p.logprobs for p in params if p.logprobs is not None]  # top-N logprobs per row that asked for some
+        if asked:
             # of the model's own distribution (vLLM's default): before bias, penalties, filters and T
             logprobs = logits.float().log_softmax(-1)  # [rows, vocab]
         if any(banned):
@@ -176,11 +178,9 @@ class Sampler:
         tokens = self.kernels.gumbel_argmax(logits, temperatures, seeds)
         if penalties is not None:
             penalties.count(tokens)  # on the device: the next step's penalties see these tokens, pending or not
-        if logprobs is None:
+        if not asked:
             return Samples(tokens)
-        num_top = max(p.logprobs or 0 for p in params)  # the most any row asked for; 0 gives empty rows
-        chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
-        return Samples(tokens, SampledLogprobs(chosen, *logprobs.topk(num_top, dim=-1)))  # and the top values, ids
+        return Samples(tokens, logprobs_of(logprobs, tokens, max(asked)))  # the most any row asked for; 0: empty rows
 
 
 def drop_filtered(logits: Tensor, params: list[SamplingParams]) -> Tensor:
