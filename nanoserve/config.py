@@ -4,11 +4,15 @@
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanoserve.sampling_params import InvalidField, SamplingParams, check_flag, check_numbers, shown
 from nanoserve.triton_shim import HAVE_TRITON
+
+if TYPE_CHECKING:  # for annotations only
+    from transformers import PretrainedConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CHOICES = {
@@ -202,11 +206,12 @@ class EngineConfig:
         """The KV cache's element type: the model's, or float8 e4m3 for 'fp8'."""
         return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else model_dtype
 
-    def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+    def torch_dtype(self, hf_config: "PretrainedConfig") -> torch.dtype:
         """The serving dtype: the one asked for; 'auto' is float32 on a CPU, and on a GPU float16 for a float16
-        checkpoint, else bfloat16."""
+        checkpoint, else bfloat16 (the checkpoint's dtype: transformers reads config.json's `dtype`, or the older
+        `torch_dtype`, into hf_config.dtype; None if the config does not say)."""
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         if self.device == "cpu":
             return torch.float32
-        return checkpoint_dtype if checkpoint_dtype == torch.float16 else torch.bfloat16  # bf16 stays bf16 too
+        return hf_config.dtype if hf_config.dtype == torch.float16 else torch.bfloat16  # bf16 stays bf16 too

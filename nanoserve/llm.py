@@ -67,7 +67,7 @@ class LLM:
         model_dir = loader.resolve_model_dir(model)
         hf_config, args = loader.load_hf_config(model_dir, config)
         loader.check_checkpoint(model_dir, args)  # here, once: tensor-parallel workers read the same folder
-        loader.check_kv_cache_fits(config, args, config.torch_dtype(loader.checkpoint_dtype(hf_config)))
+        loader.check_kv_cache_fits(config, args, config.torch_dtype(hf_config))
         tokenizer = loader.load_tokenizer(config.tokenizer or model_dir)
         if tokenizer is None and config.tokenizer is not None:
             raise InvalidField("tokenizer", f"no tokenizer files in {config.tokenizer!r}")

@@ -82,12 +82,6 @@ def eos_ids_of(
     return frozenset(eos_id for source in sources for eos_id in ([source] if isinstance(source, int) else source or []))
 
 
-def checkpoint_dtype(hf_config: PretrainedConfig) -> torch.dtype | None:
-    """The dtype the weights were saved in, if the config says (transformers reads config.json's `dtype`, or the
-    older `torch_dtype`, into a torch.dtype)."""
-    return hf_config.dtype
-
-
 def read_safetensors(model_dir: str, shapes_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of every *.safetensors file in model_dir, one at a time, on the CPU; with
     shapes_only, an empty meta tensor of its shape instead (only the file's header is read). A file that is not

@@ -22,7 +22,7 @@ from nanoserve.attention import prefill_tile_sizes
 from nanoserve.config import EngineConfig
 from nanoserve.cuda_graphs import DecodeGraphs
 from nanoserve.kernels import get_kernels
-from nanoserve.loader import build_model, checkpoint_dtype
+from nanoserve.loader import build_model
 from nanoserve.model import ModelArgs
 from nanoserve.parallel import TP
 from nanoserve.penalties import Penalties
@@ -158,7 +158,7 @@ class ModelRunner:
         self.max_blocks_per_seq = widest // self.block_size
         # 1) the model in the serving dtype, and the sampler
         kernels = get_kernels(config.kernels)
-        self.dtype = config.torch_dtype(checkpoint_dtype(hf_config))
+        self.dtype = config.torch_dtype(hf_config)
         self.kv_dtype = config.kv_cache_torch_dtype(self.dtype)
         self.model = build_model(args, model_dir, self.dtype, self.device, kernels, tp)
         self.sampler = Sampler(kernels)
