@@ -25,6 +25,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -152,7 +153,7 @@ class EngineLoop:
         self.llm = llm
         self.commands = queue.Queue()  # (concurrent future, function, args), or None: stop
         self.sinks: dict[str, Sink] = {}  # request_id -> its sink, used on the engine thread only
-        self.deadline: float | None = None  # set at shutdown (time.monotonic()): requests still open then fail
+        self.deadline = math.inf  # set at shutdown (time.monotonic()): requests still open then fail
         self.thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
 
     def call(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
@@ -178,7 +179,7 @@ class EngineLoop:
             await self.call(self._add, prompts, params, request_ids, stream, sink)
             yield None
             while unfinished:
-                if self.deadline is not None and time.monotonic() > self.deadline:
+                if time.monotonic() > self.deadline:
                     raise RuntimeError("the server shut down before this request finished")
                 try:
                     out = await asyncio.wait_for(outputs.get(), DISCONNECT_POLL_S)
@@ -631,17 +632,19 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
 
         # 2) the prompts as token ids
         prompt_field = "messages" if chat else "prompt"
+        # to_ids() tokenizes, on the executor: the engine thread, and with it every stream, does not wait for it
         if chat:  # one conversation, as a list of one: chat_prompts takes a list of conversations
             prompts = [normalized(body.get("messages"))]
-            to_ids = partial(llm.chat_prompts, tools=body.get("tools"))  # rendered by the template, if it can
+            to_ids = partial(llm.chat_prompts, prompts, tools=body.get("tools"))  # rendered by the template, if it can
         else:  # a string, token ids, or a list of either; the engine refuses anything else as "prompt"
             prompt = body.get("prompt")
             is_list = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
             prompts = prompt if is_list else [prompt]  # a list of prompts, or one: text or token ids
-            to_ids = tokenize
+            # each checked as the engine checks a prompt (which it does again on the ids, in O(length)); prompt_ids
+            # reads only the tokenizer and the config, so any thread may call it. map is lazy: list() runs it there
+            to_ids = partial(list, map(llm.prompt_ids, prompts))
         check_cost(prompts, params, prompt_field)
-        # tokenized on the executor: the engine thread, and with it every stream, does not wait for it
-        prompts = await asyncio.get_running_loop().run_in_executor(None, to_ids, prompts)
+        prompts = await asyncio.get_running_loop().run_in_executor(None, to_ids)
         # chat's default max_tokens, the whole context, means as much as fits; any other is checked against it
         if not chat or max_tokens_field(body) is not None:
             check_context(prompts, params.max_tokens, llm.config.max_model_len, prompt_field)
@@ -723,11 +726,6 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
         num_chars = text_length(prompts)
         if num_chars > max_prompt_chars:
             raise InvalidField(prompt_field, f"has {num_chars} characters; this server takes {max_prompt_chars}")
-
-    def tokenize(prompts: list) -> list[list[int]]:
-        """Each prompt as token ids, checked as the engine checks a prompt, which it does again on the ids, in
-        O(length). Safe on any thread: it reads only the tokenizer and the config."""
-        return [llm.prompt_ids(prompt) for prompt in prompts]
 
     return app
 
