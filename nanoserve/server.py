@@ -25,6 +25,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -45,6 +46,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from tokenizers import decoders
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from nanoserve.config import EngineConfig
 from nanoserve.default_model import DEFAULT_MODEL
@@ -114,8 +116,11 @@ NOT_IMPLEMENTED = dict.fromkeys(
     "return_token_ids": False,
     "priority": 0,
 }
-# OpenAI's ranges, inclusive, where SamplingParams allows more (it holds the penalties to OpenAI's [-2, 2] itself)
+# OpenAI's ranges, inclusive, where SamplingParams allows more (it holds the penalties to OpenAI's [-2, 2] itself).
+# Its caps on logprobs too: each alternative costs a decode and a JSON entry per token (49,152 would build megabytes).
 RANGES = {"temperature": (0, 2)}
+CHAT_RANGES = RANGES | {"top_logprobs": (0, MAX_TOP_LOGPROBS)}
+COMPLETION_RANGES = RANGES | {"logprobs": (0, MAX_COMPLETION_LOGPROBS)}
 GAUGES = "running waiting kv_blocks_used kv_blocks_cached kv_blocks_total prefix_hit_rate".split()  # LLM.stats() keys
 COUNTERS = "preemptions generated_tokens finished_requests prefix_hit_tokens prefix_queried_tokens".split()
 
@@ -135,10 +140,9 @@ class ServerConfig:
     api_key: str | None = None  # every /v1 request must send `Authorization: Bearer KEY`; None: no key needed
 
     def __post_init__(self) -> None:
-        for limit in fields(self):
-            value = getattr(self, limit.name)
-            if value is not None and limit.name != "api_key":
-                check_number(limit.name, value, low=0, above_low=True)
+        for name, value in vars(self).items():
+            if name != "api_key" and value is not None:
+                check_number(name, value, low=0, above_low=True)
 
 
 class EngineLoop:
@@ -149,7 +153,7 @@ class EngineLoop:
         self.llm = llm
         self.commands = queue.Queue()  # (concurrent future, function, args), or None: stop
         self.sinks: dict[str, Sink] = {}  # request_id -> its sink, used on the engine thread only
-        self.deadline: float | None = None  # set at shutdown (time.monotonic()): requests still open then fail
+        self.deadline = math.inf  # set at shutdown (time.monotonic()): requests still open then fail
         self.thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
 
     def call(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
@@ -175,7 +179,7 @@ class EngineLoop:
             await self.call(self._add, prompts, params, request_ids, stream, sink)
             yield None
             while unfinished:
-                if self.deadline is not None and time.monotonic() > self.deadline:
+                if time.monotonic() > self.deadline:
                     raise RuntimeError("the server shut down before this request finished")
                 try:
                     out = await asyncio.wait_for(outputs.get(), DISCONNECT_POLL_S)
@@ -305,13 +309,15 @@ def field(body: dict, name: str, kind: type[T], default: T) -> T:
 def check_fields(body: dict, chat: bool) -> None:
     """Every field of the body is honoured, ignorable, or refused by name: unknown, out of OpenAI's range, or not
     implemented yet (a value that asks for nothing, such as best_of 1, is fine). stream_options too. The honoured
-    fields' types and ranges are SamplingParams' to check (sampling_params), except OpenAI's narrower RANGES."""
-    known = (CHAT_HONOURED if chat else COMPLETION_HONOURED) + IGNORED
+    fields' types and ranges are SamplingParams' to check (sampling_params), except OpenAI's narrower ranges and
+    caps (CHAT_RANGES, COMPLETION_RANGES)."""
+    known = (CHAT_HONOURED if chat else COMPLETION_HONOURED) + IGNORED + list(NOT_IMPLEMENTED)
+    ranges = CHAT_RANGES if chat else COMPLETION_RANGES
     for name, value in body.items():
-        if name not in known and name not in NOT_IMPLEMENTED:
+        if name not in known:
             raise InvalidField(name, "unrecognized request argument (nanoserve/server.py lists the known fields)")
-        if name in RANGES and value is not None:
-            check_number(name, value, *RANGES[name])
+        if name in ranges and value is not None:
+            check_number(name, value, *ranges[name])
         if name in NOT_IMPLEMENTED and value not in (None, NOT_IMPLEMENTED[name]):
             raise InvalidField(name, "nanoserve does not implement this field yet")
     for name in field(body, "stream_options", dict, {}):
@@ -386,10 +392,8 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
     string temperature or a negative one with the same code as the offline API."""
     kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
     # max_tokens: by default, the whole context (chat) or OpenAI's 16 (completions)
-    kwargs["max_tokens"] = max_model_len if chat else COMPLETION_MAX_TOKENS
     given = max_tokens_field(body)
-    if given is not None:
-        kwargs["max_tokens"] = body[given]
+    kwargs["max_tokens"] = body[given] if given else (max_model_len if chat else COMPLETION_MAX_TOKENS)
     bias = kwargs.get("logit_bias")
     if isinstance(bias, dict):  # JSON's keys are strings: OpenAI's token ids come as "50256"; others are refused
         kwargs["logit_bias"] = {int(key) if key.isdecimal() else key: value for key, value in bias.items()}
@@ -402,14 +406,9 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
         kwargs["logprobs"] = body.get("top_logprobs") or 0
     kwargs["structured_outputs"] = structured_outputs(body)
     try:
-        params = SamplingParams(**kwargs)
-        # OpenAI's caps: each alternative costs a decode and a JSON entry per token (a 49,152 would build megabytes)
-        cap = MAX_TOP_LOGPROBS if chat else MAX_COMPLETION_LOGPROBS
-        if params.logprobs is not None and params.logprobs > cap:
-            raise InvalidField("logprobs", f"{params.logprobs} is over {cap}, OpenAI's limit")
+        return SamplingParams(**kwargs)
     except InvalidField as e:  # under the client's name: chat's `logprobs` count is its top_logprobs
         raise client_named(e, body, chat) from None
-    return params
 
 
 def structured_outputs(body: dict) -> dict | None:
@@ -430,10 +429,11 @@ def forced_tool(body: dict) -> dict | None:
     """The tool a chat body's tool_choice forces (a named function, or "required" with one tool); None: "none". "auto"
     (the default with tools) is refused: nanoserve does not parse free-form tool calls out of a model's text."""
     tools = field(body, "tools", list, [])
-    if not all(isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"] for t in tools):
-        raise InvalidField("tools", "expected a list of {'type': 'function', 'function': {'name': str, ...}}")
+    try:
+        names = [tool["function"]["name"] for tool in tools]
+    except (TypeError, KeyError):  # a tool that is not a dict of that shape
+        raise InvalidField("tools", "expected a list of {'type': 'function', 'function': {'name': str, ...}}") from None
     choice = body.get("tool_choice") or ("auto" if tools else "none")
-    names = [tool["function"]["name"] for tool in tools]
     if choice == "none":
         return None
     if choice == "auto":
@@ -444,21 +444,18 @@ def forced_tool(body: dict) -> dict | None:
         raise InvalidField("stream", "nanoserve does not stream tool calls yet")
     if choice == "required" and len(tools) == 1:
         return tools[0]
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if name not in names:
-        raise InvalidField("tool_choice", f"{shown(choice)} is not 'none', 'required' with one tool, or a tool's name")
-    return tools[names.index(name)]
+    try:  # {"type": "function", "function": {"name": NAME}}, as a tool names itself
+        return tools[names.index(choice["function"]["name"])]
+    except (TypeError, KeyError, ValueError):  # not a dict of that shape, or no tool of that name
+        raise InvalidField(
+            "tool_choice", f"{shown(choice)} is not 'none', 'required' with one tool, or a tool's name"
+        ) from None
 
 
-def gpt2_byte_decoder() -> dict[str, int]:
-    """Byte-level BPE (GPT-2's, and SmolLM2's, Llama 3's, Qwen's) spells each byte as one printable character: the
-    printable Latin-1 bytes as themselves, the other 68 as chr(256 + k) in order. Inverted here: character -> byte."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]  # "!" to "~", "¡" to "¬", "®" to "ÿ"
-    others = [byte for byte in range(256) if byte not in printable]
-    return {chr(byte): byte for byte in printable} | {chr(256 + k): byte for k, byte in enumerate(others)}
-
-
-BYTE_OF_CHAR = gpt2_byte_decoder()
+# Byte-level BPE (GPT-2's, and SmolLM2's, Llama 3's, Qwen's) spells each byte as one printable character: the
+# printable Latin-1 bytes ("!" to "~", "¡" to "¬", "®" to "ÿ") as themselves, the other 68 as chr(256 + k) in order.
+# transformers' bytes_to_unicode is that table (byte -> character); inverted here: character -> byte.
+BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def token_bytes(tokenizer: "PreTrainedTokenizerBase", token_id: int) -> bytes:
@@ -481,8 +478,9 @@ def logprobs_json(
     """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: the legacy parallel lists."""
     if logprobs is None:
         return None
-    # per position, its num_top most likely (token id, logprob), most likely first (an echoed prompt's first: None)
-    tops = [position and sorted(position.items(), key=lambda item: -item[1])[:num_top] for position in logprobs]
+    # per position, its num_top most likely (token id, logprob), most likely first (an echoed prompt's first: None):
+    # the engine's dicts hold those first, then the chosen token where it is not among them (logprob_dicts)
+    tops = [position and list(position.items())[:num_top] for position in logprobs]
     if not chat:
         tokens = [tokenizer.decode([token_id]) for token_id in token_ids]
         return {
@@ -532,12 +530,9 @@ def choice_json(
     choice = {"index": index, "logprobs": logprobs, "finish_reason": completion.finish_reason}
     if not chat:
         return {**choice, "text": text}
-    if first == 0:  # the whole message, or a stream's first chunk: it names the role
-        message = {"role": "assistant", "content": text}
-    else:
-        message = {"content": text}
-    key = "delta" if stream else "message"
-    return {**choice, key: message}
+    # the whole message, or a stream's first chunk, names the role
+    message = {"role": "assistant", "content": text} if first == 0 else {"content": text}
+    return {**choice, "delta" if stream else "message": message}
 
 
 def usage_json(finals: Collection[RequestOutput]) -> dict:
@@ -613,6 +608,9 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
     @app.post("/v1/completions", response_model=None)
     @app.post("/v1/chat/completions", response_model=None)
     async def completions(http: Request) -> Response | dict:
+        """Both endpoints, which differ in the prompt's form and the choices' shape: 1) the body, checked and turned
+        into SamplingParams; 2) the prompts as token ids; 3) queued; 4) the answer, whole or as a stream of chunks."""
+        # 1) the body: nothing is tokenized or queued before every field has been checked
         authorize(http)  # before the body is read: a client without the key costs nothing more
         chat = http.url.path.endswith("/chat/completions")
         body = await read_json(http, config)
@@ -627,57 +625,38 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
                 "model_not_found",
             )
         params = sampling_params(body, chat, llm.config.max_model_len)
+        stream = field(body, "stream", bool, False)
+        usage = field(field(body, "stream_options", dict, {}), "include_usage", bool, False)
+        echo = field(body, "echo", bool, False)  # never in a stream: check_fields refuses it
+        tool = forced_tool(body)  # its arguments are the constrained output: never in a stream either
+
+        # 2) the prompts as token ids
         prompt_field = "messages" if chat else "prompt"
+        # to_ids() tokenizes, on the executor: the engine thread, and with it every stream, does not wait for it
         if chat:  # one conversation, as a list of one: chat_prompts takes a list of conversations
             prompts = [normalized(body.get("messages"))]
-            to_ids = partial(llm.chat_prompts, tools=body.get("tools"))  # rendered by the template, if it can
+            to_ids = partial(llm.chat_prompts, prompts, tools=body.get("tools"))  # rendered by the template, if it can
         else:  # a string, token ids, or a list of either; the engine refuses anything else as "prompt"
             prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-                prompts = prompt  # a list of prompts
-            else:
-                prompts = [prompt]  # one prompt: text or token ids
-            to_ids = tokenize
+            is_list = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+            prompts = prompt if is_list else [prompt]  # a list of prompts, or one: text or token ids
+            # each checked as the engine checks a prompt (which it does again on the ids, in O(length)); prompt_ids
+            # reads only the tokenizer and the config, so any thread may call it. map is lazy: list() runs it there
+            to_ids = partial(list, map(llm.prompt_ids, prompts))
         check_cost(prompts, params, prompt_field)
-        # tokenized on the executor: the engine thread, and with it every stream, does not wait for it
-        prompts = await asyncio.get_running_loop().run_in_executor(None, to_ids, prompts)
+        prompts = await asyncio.get_running_loop().run_in_executor(None, to_ids)
         # chat's default max_tokens, the whole context, means as much as fits; any other is checked against it
         if not chat or max_tokens_field(body) is not None:
             check_context(prompts, params.max_tokens, llm.config.max_model_len, prompt_field)
-        return await serve(http, body, chat, params, prompts)
 
-    def authorize(http: Request) -> None:
-        """With an API key set, a /v1 request without it is a 401; compared in constant time."""
-        sent = http.headers.get("authorization", "").encode()
-        if config.api_key and not hmac.compare_digest(sent, f"Bearer {config.api_key}".encode()):
-            raise HTTPException(401, "a valid API key is needed (Authorization: Bearer KEY)")
-
-    def check_cost(prompts: list, params: SamplingParams, prompt_field: str) -> None:
-        """The request's choices (prompts x n) and its prompt text within the caps, before anything is tokenized."""
-        if len(prompts) * params.n > config.max_n:
-            name = "n" if params.n > 1 else prompt_field
-            raise InvalidField(name, f"{len(prompts)} prompt(s) x n={params.n} is over {config.max_n} choices")
-        num_chars = text_length(prompts)
-        if num_chars > max_prompt_chars:
-            raise InvalidField(prompt_field, f"has {num_chars} characters; this server takes {max_prompt_chars}")
-
-    def tokenize(prompts: list) -> list[list[int]]:
-        """Each prompt as token ids, checked as the engine checks a prompt, which it does again on the ids, in
-        O(length). Safe on any thread: it reads only the tokenizer and the config."""
-        return [llm.prompt_ids(prompt) for prompt in prompts]
-
-    async def serve(http: Request, body: dict, chat: bool, params: SamplingParams, prompts: list) -> Response | dict:
-        """Queue the prompts; answer with the whole result, or a stream of chunks."""
-        stream = field(body, "stream", bool, False)
-        options = field(body, "stream_options", dict, {})
-        usage = field(options, "include_usage", bool, False)  # checked before anything is queued
-        echo = field(body, "echo", bool, False)  # never in a stream: check_fields refuses it
-        tool = forced_tool(body)  # its arguments are the constrained output: never in a stream either
+        # 3) queued: every prompt, or none
         results = engine.generate(http, prompts, params, stream)
         try:
             await anext(results)  # queues every prompt, or raises why not
         except InvalidField as e:
             raise client_named(e, body, chat) from None
+
+        # 4) the answer
         kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -733,6 +712,21 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
         choices = [choice(index, out, sample) for index, out in sorted(finals.items()) for sample in out.outputs]
         return {**head, "choices": choices, "usage": usage_json(finals.values())}
 
+    def authorize(http: Request) -> None:
+        """With an API key set, a /v1 request without it is a 401; compared in constant time."""
+        sent = http.headers.get("authorization", "").encode()
+        if config.api_key and not hmac.compare_digest(sent, f"Bearer {config.api_key}".encode()):
+            raise HTTPException(401, "a valid API key is needed (Authorization: Bearer KEY)")
+
+    def check_cost(prompts: list, params: SamplingParams, prompt_field: str) -> None:
+        """The request's choices (prompts x n) and its prompt text within the caps, before anything is tokenized."""
+        if len(prompts) * params.n > config.max_n:
+            name = "n" if params.n > 1 else prompt_field
+            raise InvalidField(name, f"{len(prompts)} prompt(s) x n={params.n} is over {config.max_n} choices")
+        num_chars = text_length(prompts)
+        if num_chars > max_prompt_chars:
+            raise InvalidField(prompt_field, f"has {num_chars} characters; this server takes {max_prompt_chars}")
+
     return app
 
 
@@ -777,14 +771,6 @@ def serve_in_background(llm: LLM, config: ServerConfig | None = None) -> Iterato
         thread.join()
 
 
-def flag_type(annotation: type) -> type:
-    """What argparse converts an EngineConfig field's flag to: int or float (also from `int | None`), else str."""
-    for kind in (annotation, *get_args(annotation)):
-        if kind in (int, float):
-            return kind
-    return str
-
-
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """The command line: every EngineConfig and ServerConfig field is a flag; one left out keeps its default. prog:
     the command's name in --help (`nanoserve serve` from cli.py)."""
@@ -801,10 +787,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         if config_field.name == "model":
             continue  # its flag, with its help, is above
         flag = "--" + config_field.name.replace("_", "-")
-        if bool in (config_field.type, *get_args(config_field.type)):
+        # the flag's type: the field's (bool, int or float), also from `int | None`; else str
+        kinds = (config_field.type, *get_args(config_field.type))
+        kind = next((kind for kind in (bool, int, float) if kind in kinds), str)
+        if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction)  # --x and --no-x
         else:
-            parser.add_argument(flag, type=flag_type(config_field.type))
+            parser.add_argument(flag, type=kind)
     parser.set_defaults(api_key=os.environ.get(API_KEY_ENV))  # the key from the environment, unless --api-key
     args = vars(parser.parse_args(argv))
     host, port, model_name = args.pop("host"), args.pop("port"), args.pop("served_model_name")
