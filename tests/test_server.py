@@ -404,7 +404,7 @@ def test_a_bug_answers_500_in_openai_shape(served):
     """Guards against Starlette's plain-text "Internal Server Error": an exception no handler expects (here a
     TypeError from the chat template) is a 500 in OpenAI's shape, and the server serves on."""
 
-    def broken(messages):
+    def broken(messages, tools=None):
         raise TypeError("injected bug")
 
     served.llm.chat_prompts = broken  # the handler looks it up per request
