@@ -10,7 +10,6 @@ id; orange cells are shared through the prefix cache (one copy of a common prefi
 (LLM.beam_search), the rows are the beams alive at the end, and orange cells the blocks they share since their forks:
 the prompt's, held once, and their common history."""
 
-import itertools
 import json
 import time
 from pathlib import Path
@@ -66,32 +65,26 @@ class StepTrace:
         sched = self.scheduler
         bm = self.bm
         counters = self.counters()
-        self.file.write(
-            json.dumps(
-                {
-                    "step": self.num_steps,
-                    "time": round(now - self.start, 6),
-                    "step_ms": round(1000 * (now - started), 3),
-                    "seqs": self.seqs,
-                    "preempted": self.preempted,
-                    "running": len(sched.running),
-                    "waiting": len(sched.waiting),
-                    "blocks": dict(
-                        used=bm.num_used_blocks,
-                        cached=bm.count_cached_free_blocks(),
-                        free=bm.num_free_blocks,
-                        **{k: counters[k] - self.last[k] for k in counters},
-                    ),
-                    "kv_tokens": sum(
-                        seq.num_computed_tokens for seq in sched.running
-                    ),  # a shared block counts per user
-                    "kv_unused_slots": sum(
-                        len(seq.block_table) * bm.block_size - seq.num_computed_tokens for seq in sched.running
-                    ),
-                }
-            )
-            + "\n"
-        )
+        kv_tokens = sum(seq.num_computed_tokens for seq in sched.running)  # a shared block counts per user
+        step = {
+            "step": self.num_steps,
+            "time": round(now - self.start, 6),
+            "step_ms": round(1000 * (now - started), 3),
+            "seqs": self.seqs,
+            "preempted": self.preempted,
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "block_size": bm.block_size,
+            "blocks": dict(
+                used=bm.num_used_blocks,
+                cached=bm.count_cached_free_blocks(),
+                free=bm.num_free_blocks,
+                **{k: counters[k] - self.last[k] for k in counters},
+            ),
+            "kv_tokens": kv_tokens,
+            "kv_unused_slots": bm.block_size * sum(len(seq.block_table) for seq in sched.running) - kv_tokens,
+        }
+        print(json.dumps(step), file=self.file)
         self.num_steps += 1
         self.last = counters
 
@@ -141,43 +134,35 @@ def plot_batches(steps: list[dict], top: "Axes", bottom: "Axes") -> None:
 
 
 def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
-    seqs = [q for s in steps for q in s["seqs"]]
-    bs = next(
-        b for b in 2 ** np.arange(16) if all(len(q["block_table"]) == -(-(q["start"] + q["tokens"]) // b) for q in seqs)
-    )  # the block size: every table's length fits it
-    first_kinds = {}
-    for q in seqs:
-        first_kinds.setdefault(q["id"], q["kind"])
-    # a sequence first seen decoding is a forked beam (beam search): then draw the beams alive at the end
-    forked = "decode" in first_kinds.values()
-    rows_of = {q["id"] for q in steps[-1]["seqs"]} if forked else first_kinds
-    tables, hits = {}, {}  # the first sequences: id -> longest block table, blocks found cached or shared when added
-    for q in seqs:
-        if q["id"] in rows_of and (q["id"] in tables or len(tables) < MAX_ROWS):
-            hits.setdefault(q["id"], q["start"] // bs)  # its first entry is its admission
-            tables[q["id"]] = max(tables.get(q["id"], []), q["block_table"], key=len)
+    tables = {q["id"]: q["block_table"] for s in steps for q in s["seqs"]}  # id -> its last (longest) block table
+    admissions = {q["id"]: q for s in reversed(steps) for q in s["seqs"]}  # id -> its first entry
+    # a sequence first seen decoding is a forked beam (beam search): then draw the beams alive at the end, else the
+    # first sequences admitted
+    forked = any(q["kind"] == "decode" for q in admissions.values())
+    ids = ([q["id"] for q in steps[-1]["seqs"]] if forked else list(tables))[:MAX_ROWS]
+    longest = max(len(tables[i]) for i in ids)
+    blocks = np.array([tables[i] + [np.nan] * (longest - len(tables[i])) for i in ids])  # [row, position]: block ids
+    # Row r's block k is shared when another row holds the same blocks up to k, and one of the two found them cached
+    # (its admission started past them) or forked from the other. NaN equals nothing: no sharing past a table's end
+    same = np.logical_and.accumulate(blocks[:, None] == blocks[None], axis=2)  # [row, other row, position]
+    hit = np.array([admissions[i]["start"] for i in ids]) // steps[0]["block_size"]  # blocks found at admission
+    same &= np.arange(longest) < np.maximum.outer(hit, hit)[..., None]
+    same[np.diag_indices(len(ids))] = False  # a row shares nothing with itself
     # a long table is cut to MAX_CELLS cells: its start, or for beams its end, where they part
-    first = max(0, max(map(len, tables.values()), default=0) - MAX_CELLS) if forked else 0
-    ids, rows = list(tables), [t[first : first + MAX_CELLS] for t in tables.values()]
-    width = max(map(len, rows), default=1)
-    grid = np.full((len(rows), width), np.nan)  # per cell: 0 private, 1 shared, NaN past the table's end
-    for i, row in enumerate(rows):
-        grid[i, : len(row)] = 0
-        for j, block in enumerate(row):  # each cell labelled with its physical block id
-            ax.text(j + 0.5, i + 0.5, str(block), ha="center", va="center", fontsize=9 if width <= 16 else 6)
-    # Row i's block k is shared when another row holds the same blocks up to k, and one of the two found them cached
-    # or forked from the other
-    for i, j in itertools.permutations(range(len(rows)), 2):
-        for k in range(min(len(rows[i]), len(rows[j]), max(hits[ids[i]], hits[ids[j]]) - first)):
-            if rows[i][k] != rows[j][k]:
-                break
-            grid[i, k] = 1
+    first = max(0, longest - MAX_CELLS) if forked else 0
+    shown = slice(first, first + MAX_CELLS)
+    blocks, shared = blocks[:, shown], same.any(axis=1)[:, shown]
+    width = blocks.shape[1]
+    for (row, k), block in np.ndenumerate(blocks):  # each cell labelled with its physical block id
+        if not np.isnan(block):
+            ax.text(k + 0.5, row + 0.5, f"{block:.0f}", ha="center", va="center", fontsize=9 if width <= 16 else 6)
     colors = pyplot().matplotlib.colors.ListedColormap(["lightsteelblue", "orange"])  # private, shared
-    ax.pcolormesh(np.ma.masked_invalid(grid), cmap=colors, vmin=0, vmax=1, edgecolors="white", linewidth=3)
+    grid = np.ma.array(shared, mask=np.isnan(blocks))  # no cell past a table's end
+    ax.pcolormesh(grid, cmap=colors, vmin=0, vmax=1, edgecolors="white", linewidth=3)
     ax.set_xticks(np.arange(width) + 0.5, range(first, first + width))
-    ax.set_yticks(np.arange(len(rows)) + 0.5, [f"seq {i}" for i in ids])
+    ax.set_yticks(np.arange(len(ids)) + 0.5, [f"seq {i}" for i in ids])
     ax.set(
-        ylim=(len(rows), 0),
+        ylim=(len(ids), 0),
         xlabel=f"position in the block table (at most {MAX_CELLS} shown, from {first})",
         title="Block tables (physical block ids); orange: shared (a prefix-cache hit, or a forked beam's)",
     )
