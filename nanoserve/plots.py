@@ -104,26 +104,29 @@ def pyplot() -> ModuleType:
 
 
 def plot_kv_blocks(steps: list[dict], ax: "Axes") -> None:
-    x = [s["step"] for s in steps]
     # per step; "free" counts the cached blocks too
     used, cached, free = np.array([[s["blocks"][key] for key in ("used", "cached", "free")] for s in steps]).T
+    total = used[0] + free[0]
     ax.stackplot(
-        x,
+        range(len(steps)),
         used,
         cached,
         free - cached,
         labels=["used", "cached (free, prefix kept)", "free"],
         colors=["tab:blue", "tab:orange", "0.9"],
     )
-    for i, s in enumerate(s for s in steps if s["preempted"]):
-        ax.axvline(s["step"], color="red", lw=0.8, ls="--", label=None if i else "preemption")
-    total, top = used[0] + free[0], max(used + cached)
-    ax.set_ylim(0, min(total, 2 * top + 4))  # in a big pool, the free blocks above this are cut off
-    ax.set(xlabel="step", ylabel="KV blocks", title=f"KV block pool after each step (of {total} blocks)")
+    preempted = [s["step"] for s in steps if s["preempted"]]
+    ax.vlines(preempted, 0, total, color="red", lw=0.8, ls="--", label="preemption" if preempted else None)
+    ax.set(
+        ylim=(0, min(total, 2 * max(used + cached) + 4)),  # in a big pool, the free blocks above this are cut off
+        xlabel="step",
+        ylabel="KV blocks",
+        title=f"KV block pool after each step (of {total} blocks)",
+    )
 
 
 def plot_batches(steps: list[dict], top: "Axes", bottom: "Axes") -> None:
-    x = [s["step"] for s in steps]
+    x = range(len(steps))  # the step numbers
     prefill = [sum(q["tokens"] for q in s["seqs"] if q["kind"] == "prefill") for s in steps]
     decodes = [sum(q["kind"] == "decode" for q in s["seqs"]) for s in steps]
     top.bar(x, prefill, width=1.0, color="tab:purple", label="prefill tokens (prompt chunks)")
