@@ -13,7 +13,6 @@ the prompt's, held once, and their common history."""
 import json
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,6 +21,7 @@ from nanoserve.scheduler import Scheduler, Step
 
 if TYPE_CHECKING:  # matplotlib is needed only to draw
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 MAX_ROWS, MAX_CELLS = 6, 32  # block_tables.png: sequences shown, blocks shown per sequence
 
@@ -92,15 +92,14 @@ class StepTrace:
         self.file.close()
 
 
-def pyplot() -> ModuleType:
+def figure_class() -> "type[Figure]":
+    """matplotlib's Figure, or an ImportError that says how to install it. A plain Figure, not pyplot's: drawing into
+    files needs no window, and a caller's pyplot state (its backend, its open figures) stays as it was."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only, no window
-        import matplotlib.pyplot as plt
+        import matplotlib.figure
     except ImportError as error:
         raise ImportError("nanoserve.plots needs matplotlib to draw: pip install matplotlib") from error
-    return plt
+    return matplotlib.figure.Figure
 
 
 def plot_kv_blocks(steps: list[dict], ax: "Axes") -> None:
@@ -159,7 +158,9 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
     for (row, k), block in np.ndenumerate(blocks):  # each cell labelled with its physical block id
         if not np.isnan(block):
             ax.text(k + 0.5, row + 0.5, f"{block:.0f}", ha="center", va="center", fontsize=9 if width <= 16 else 6)
-    colors = pyplot().matplotlib.colors.ListedColormap(["lightsteelblue", "orange"])  # private, shared
+    from matplotlib.colors import ListedColormap
+
+    colors = ListedColormap(["lightsteelblue", "orange"])  # private, shared
     grid = np.ma.array(shared, mask=np.isnan(blocks))  # no cell past a table's end
     ax.pcolormesh(grid, cmap=colors, vmin=0, vmax=1, edgecolors="white", linewidth=3)
     ax.set_xticks(np.arange(width) + 0.5, range(first, first + width))
@@ -174,7 +175,7 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
 def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
     """Write kv_blocks.png, batches.png and block_tables.png for the trace into out_dir; returns their paths."""
     steps = [json.loads(line) for line in Path(trace_path).read_text().splitlines()]
-    plt = pyplot()
+    make_figure = figure_class()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -183,11 +184,11 @@ def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
         ("batches", plot_batches, 2),
         ("block_tables", plot_block_tables, 1),
     ):
-        fig, axes = plt.subplots(panels, 1, figsize=(9, 1 + 3 * panels), sharex=True, squeeze=False, layout="tight")
-        draw(steps, *axes[:, 0])
-        for ax in axes[:, 0] if name != "block_tables" else []:  # the block tables' colours are in their title
+        fig = make_figure(figsize=(9, 1 + 3 * panels), layout="tight")
+        axes = fig.subplots(panels, sharex=True, squeeze=False)[:, 0]
+        draw(steps, *axes)
+        for ax in axes if name != "block_tables" else []:  # the block tables' colours are in their title
             ax.legend(loc="upper right", fontsize=8)
         paths.append(out_dir / f"{name}.png")
         fig.savefig(paths[-1], dpi=100)
-        plt.close(fig)
     return paths
