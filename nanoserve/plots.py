@@ -74,7 +74,6 @@ class StepTrace:
             "preempted": self.preempted,
             "running": len(sched.running),
             "waiting": len(sched.waiting),
-            "block_size": bm.block_size,
             "blocks": dict(
                 used=bm.num_used_blocks,
                 cached=bm.count_cached_free_blocks(),
@@ -136,8 +135,9 @@ def plot_batches(steps: list[dict], top: "Axes", bottom: "Axes") -> None:
 
 
 def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
-    tables = {q["id"]: q["block_table"] for s in steps for q in s["seqs"]}  # id -> its last (longest) block table
-    admissions = {q["id"]: q for s in reversed(steps) for q in s["seqs"]}  # id -> its first entry
+    entries = [q for s in steps for q in s["seqs"]]  # each sequence's entry in each step it ran in
+    tables = {q["id"]: q["block_table"] for q in entries}  # id -> its last (longest) block table
+    admissions = {q["id"]: q for q in reversed(entries)}  # id -> its first entry
     # a sequence first seen decoding is a forked beam (beam search): then draw the beams alive at the end, else the
     # first sequences admitted
     forked = any(q["kind"] == "decode" for q in admissions.values())
@@ -147,7 +147,13 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
     # Row r's block k is shared when another row holds the same blocks up to k, and one of the two found them cached
     # (its admission started past them) or forked from the other. NaN equals nothing: no sharing past a table's end
     same = np.logical_and.accumulate(blocks[:, None] == blocks[None], axis=2)  # [row, other row, position]
-    hit = np.array([admissions[i]["start"] for i in ids]) // steps[0]["block_size"]  # blocks found at admission
+    # the block size (the trace does not record it): the smallest power of two that every table's length fits
+    bs = next(
+        b
+        for b in 2 ** np.arange(16)
+        if all(len(q["block_table"]) == -(-(q["start"] + q["tokens"]) // b) for q in entries)
+    )
+    hit = np.array([admissions[i]["start"] for i in ids]) // bs  # blocks found at admission
     same &= np.arange(longest) < np.maximum.outer(hit, hit)[..., None]
     same[np.diag_indices(len(ids))] = False  # a row shares nothing with itself
     # a long table is cut to MAX_CELLS cells: its start, or for beams its end, where they part
