@@ -31,7 +31,7 @@ class StepTrace:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.file = open(path, "w", buffering=1)  # line-buffered: a trace is readable while the engine runs
         self.scheduler = scheduler
-        self.bm = scheduler.block_manager
+        self.bm = scheduler.block_manager  # its pool and counters
         self.num_steps = 0
         self.last = self.counters()  # the pool's counters after the previous step
         self.start = time.perf_counter()
@@ -62,18 +62,18 @@ class StepTrace:
     def end(self, started: float) -> None:
         """The pool and queues after the step, and its time."""
         now = time.perf_counter()
-        sched = self.scheduler
+        running = self.scheduler.running
         bm = self.bm
         counters = self.counters()
-        kv_tokens = sum(seq.num_computed_tokens for seq in sched.running)  # a shared block counts per user
+        kv_tokens = sum(seq.num_computed_tokens for seq in running)  # a shared block counts per user
         step = {
             "step": self.num_steps,
             "time": round(now - self.start, 6),
             "step_ms": round(1000 * (now - started), 3),
             "seqs": self.seqs,
             "preempted": self.preempted,
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
+            "running": len(running),
+            "waiting": len(self.scheduler.waiting),
             "blocks": dict(
                 used=bm.num_used_blocks,
                 cached=bm.count_cached_free_blocks(),
@@ -81,7 +81,7 @@ class StepTrace:
                 **{k: counters[k] - self.last[k] for k in counters},
             ),
             "kv_tokens": kv_tokens,
-            "kv_unused_slots": bm.block_size * sum(len(seq.block_table) for seq in sched.running) - kv_tokens,
+            "kv_unused_slots": bm.block_size * sum(len(seq.block_table) for seq in running) - kv_tokens,
         }
         print(json.dumps(step), file=self.file)
         self.num_steps += 1
