@@ -64,10 +64,6 @@ class StructuredOutputsParams:
             raise InvalidField(FIELD, f"{given[0]}: {problem}") from None
 
     def _parse(self, grammar: "type[xgrammar.Grammar]") -> "xgrammar.Grammar":
-        if self.json is not None or self.json_object is True:
-            # compact JSON (no whitespace between tokens): a small model given any whitespace may emit it forever
-            schema = {"type": "object"} if self.json is None else self.json
-            return grammar.from_json_schema(schema, any_whitespace=False)
         if self.choice is not None:
             if not isinstance(self.choice, list) or not all(isinstance(c, str) for c in self.choice):
                 raise TypeError(f"{shown(self.choice)} is not a list of strings")
@@ -75,7 +71,12 @@ class StructuredOutputsParams:
             return grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice))
         if self.regex is not None:
             return grammar.from_regex(self.regex)
-        return grammar.from_ebnf(self.grammar)
+        if self.grammar is not None:
+            return grammar.from_ebnf(self.grammar)
+        # json, or json_object: any object. Compact JSON (no whitespace between tokens): a small model given any
+        # whitespace may emit it forever
+        schema = {"type": "object"} if self.json is None else self.json
+        return grammar.from_json_schema(schema, any_whitespace=False)
 
 
 def structured_outputs_params(value: object) -> StructuredOutputsParams:
