@@ -1,6 +1,7 @@
 """The engine's inner life, for the course: LLM(..., trace=PATH) writes a step trace (off by default: this file is then
 never imported), one JSON line per step: its sequences (prefill chunk or decode, block tables), blocks allocated, freed,
-hit and revived, used/cached/free after it, preemptions, queues, time; plot_trace(trace, out_dir) draws it (matplotlib).
+hit and revived, used/cached/free after it, preemptions, queues, the step's time (step_ms), the K/V tokens held and the
+slots reserved but unused (kv_tokens, kv_unused_slots); plot_trace(trace, out_dir) draws it (matplotlib).
 
 kv_blocks.png: the block pool after each step: used (held by running sequences), cached (free, still holding a findable
 prefix) and free; red dashed lines mark preemptions. batches.png: top, each step's prefill tokens under its decodes (one
@@ -34,7 +35,6 @@ class StepTrace:
         self.bm = scheduler.block_manager  # its pool and counters
         self.num_steps = 0
         self.last = self.counters()  # the pool's counters after the previous step
-        self.start = time.perf_counter()
 
     def counters(self) -> dict[str, int]:
         bm = self.bm
@@ -61,15 +61,13 @@ class StepTrace:
 
     def end(self, started: float) -> None:
         """The pool and queues after the step, and its time."""
-        now = time.perf_counter()
         running = self.scheduler.running
         bm = self.bm
         counters = self.counters()
         kv_tokens = sum(seq.num_computed_tokens for seq in running)  # a shared block counts per user
         step = {
             "step": self.num_steps,
-            "time": round(now - self.start, 6),
-            "step_ms": round(1000 * (now - started), 3),
+            "step_ms": round(1000 * (time.perf_counter() - started), 3),
             "seqs": self.seqs,
             "preempted": self.preempted,
             "running": len(running),

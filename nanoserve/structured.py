@@ -11,7 +11,7 @@ before its next mask is made: the engine does not overlap steps while a constrai
 
 import json
 import weakref
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nanoserve.sampling_params import InvalidField, shown
@@ -53,7 +53,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None  # True: any JSON object
 
     def __post_init__(self) -> None:
-        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        given = [name for name, value in vars(self).items() if value not in (None, False)]  # the fields, so far
         if len(given) != 1:
             raise InvalidField(FIELD, f"set exactly one of json, regex, choice, grammar, json_object; got {given}")
         xgr = import_xgrammar()
