@@ -34,16 +34,8 @@ class StepTrace:
         self.scheduler = scheduler
         self.bm = scheduler.block_manager  # its pool and counters
         self.num_steps = 0
-        self.last = self.counters()  # the pool's counters after the previous step
-
-    def counters(self) -> dict[str, int]:
-        bm = self.bm
-        return {
-            "allocated": bm.num_allocated,
-            "freed": bm.num_freed,
-            "hit": bm.num_hit_blocks,
-            "revived": bm.num_revived,
-        }
+        # the pool's counters after the previous step; none before the first (the pool is as new as the engine: all 0)
+        self.last = {}
 
     def begin(self, step: Step) -> None:
         """The step as launched (before finishing the previous one may free blocks)."""
@@ -63,7 +55,12 @@ class StepTrace:
         """The pool and queues after the step, and its time."""
         running = self.scheduler.running
         bm = self.bm
-        counters = self.counters()
+        counters = {
+            "allocated": bm.num_allocated,
+            "freed": bm.num_freed,
+            "hit": bm.num_hit_blocks,
+            "revived": bm.num_revived,
+        }
         kv_tokens = sum(seq.num_computed_tokens for seq in running)  # a shared block counts per user
         step = {
             "step": self.num_steps,
@@ -76,7 +73,7 @@ class StepTrace:
                 used=bm.num_used_blocks,
                 cached=bm.count_cached_free_blocks(),
                 free=bm.num_free_blocks,
-                **{k: counters[k] - self.last[k] for k in counters},
+                **{k: n - self.last.get(k, 0) for k, n in counters.items()},  # what the step did
             ),
             "kv_tokens": kv_tokens,
             "kv_unused_slots": bm.block_size * sum(len(seq.block_table) for seq in running) - kv_tokens,
