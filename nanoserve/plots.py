@@ -1,6 +1,7 @@
 """The engine's inner life, for the course: LLM(..., trace=PATH) writes a step trace (off by default: this file is then
 never imported), one JSON line per step: its sequences (prefill chunk or decode, block tables), blocks allocated, freed,
-hit and revived, used/cached/free after it, preemptions, queues, time; plot_trace(trace, out_dir) draws it (matplotlib).
+hit and revived, used/cached/free after it, preemptions, queues, the step's time (step_ms), the K/V tokens held and the
+slots reserved but unused (kv_tokens, kv_unused_slots); plot_trace(trace, out_dir) draws it (matplotlib).
 
 kv_blocks.png: the block pool after each step: used (held by running sequences), cached (free, still holding a findable
 prefix) and free; red dashed lines mark preemptions. batches.png: top, each step's prefill tokens under its decodes (one
@@ -10,11 +11,9 @@ id; orange cells are shared through the prefix cache (one copy of a common prefi
 (LLM.beam_search), the rows are the beams alive at the end, and orange cells the blocks they share since their forks:
 the prompt's, held once, and their common history."""
 
-import itertools
 import json
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,6 +22,7 @@ from nanoserve.scheduler import Scheduler, Step
 
 if TYPE_CHECKING:  # matplotlib is needed only to draw
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 MAX_ROWS, MAX_CELLS = 6, 32  # block_tables.png: sequences shown, blocks shown per sequence
 
@@ -32,19 +32,10 @@ class StepTrace:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.file = open(path, "w", buffering=1)  # line-buffered: a trace is readable while the engine runs
         self.scheduler = scheduler
-        self.bm = scheduler.block_manager
+        self.bm = scheduler.block_manager  # its pool and counters
         self.num_steps = 0
-        self.last = self.counters()  # the pool's counters after the previous step
-        self.start = time.perf_counter()
-
-    def counters(self) -> dict[str, int]:
-        bm = self.bm
-        return {
-            "allocated": bm.num_allocated,
-            "freed": bm.num_freed,
-            "hit": bm.num_hit_blocks,
-            "revived": bm.num_revived,
-        }
+        # the pool's counters after the previous step; none before the first (the pool is as new as the engine: all 0)
+        self.last = {}
 
     def begin(self, step: Step) -> None:
         """The step as launched (before finishing the previous one may free blocks)."""
@@ -62,36 +53,32 @@ class StepTrace:
 
     def end(self, started: float) -> None:
         """The pool and queues after the step, and its time."""
-        now = time.perf_counter()
-        sched = self.scheduler
+        running = self.scheduler.running
         bm = self.bm
-        counters = self.counters()
-        self.file.write(
-            json.dumps(
-                {
-                    "step": self.num_steps,
-                    "time": round(now - self.start, 6),
-                    "step_ms": round(1000 * (now - started), 3),
-                    "seqs": self.seqs,
-                    "preempted": self.preempted,
-                    "running": len(sched.running),
-                    "waiting": len(sched.waiting),
-                    "blocks": dict(
-                        used=bm.num_used_blocks,
-                        cached=bm.count_cached_free_blocks(),
-                        free=bm.num_free_blocks,
-                        **{k: counters[k] - self.last[k] for k in counters},
-                    ),
-                    "kv_tokens": sum(
-                        seq.num_computed_tokens for seq in sched.running
-                    ),  # a shared block counts per user
-                    "kv_unused_slots": sum(
-                        len(seq.block_table) * bm.block_size - seq.num_computed_tokens for seq in sched.running
-                    ),
-                }
-            )
-            + "\n"
-        )
+        counters = {
+            "allocated": bm.num_allocated,
+            "freed": bm.num_freed,
+            "hit": bm.num_hit_blocks,
+            "revived": bm.num_revived,
+        }
+        kv_tokens = sum(seq.num_computed_tokens for seq in running)  # a shared block counts per user
+        step = {
+            "step": self.num_steps,
+            "step_ms": round(1000 * (time.perf_counter() - started), 3),
+            "seqs": self.seqs,
+            "preempted": self.preempted,
+            "running": len(running),
+            "waiting": len(self.scheduler.waiting),
+            "blocks": dict(
+                used=bm.num_used_blocks,
+                cached=bm.count_cached_free_blocks(),
+                free=bm.num_free_blocks,
+                **{k: n - self.last.get(k, 0) for k, n in counters.items()},  # what the step did
+            ),
+            "kv_tokens": kv_tokens,
+            "kv_unused_slots": bm.block_size * sum(len(seq.block_table) for seq in running) - kv_tokens,
+        }
+        print(json.dumps(step), file=self.file)
         self.num_steps += 1
         self.last = counters
 
@@ -99,38 +86,40 @@ class StepTrace:
         self.file.close()
 
 
-def pyplot() -> ModuleType:
+def figure_class() -> "type[Figure]":
+    """matplotlib's Figure, or an ImportError that says how to install it. A plain Figure, not pyplot's: drawing into
+    files needs no window, and a caller's pyplot state (its backend, its open figures) stays as it was."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only, no window
-        import matplotlib.pyplot as plt
+        import matplotlib.figure
     except ImportError as error:
         raise ImportError("nanoserve.plots needs matplotlib to draw: pip install matplotlib") from error
-    return plt
+    return matplotlib.figure.Figure
 
 
 def plot_kv_blocks(steps: list[dict], ax: "Axes") -> None:
-    x = [s["step"] for s in steps]
     # per step; "free" counts the cached blocks too
     used, cached, free = np.array([[s["blocks"][key] for key in ("used", "cached", "free")] for s in steps]).T
+    total = used[0] + free[0]
     ax.stackplot(
-        x,
+        range(len(steps)),
         used,
         cached,
         free - cached,
         labels=["used", "cached (free, prefix kept)", "free"],
         colors=["tab:blue", "tab:orange", "0.9"],
     )
-    for i, s in enumerate(s for s in steps if s["preempted"]):
-        ax.axvline(s["step"], color="red", lw=0.8, ls="--", label=None if i else "preemption")
-    total, top = used[0] + free[0], max(used + cached)
-    ax.set_ylim(0, min(total, 2 * top + 4))  # in a big pool, the free blocks above this are cut off
-    ax.set(xlabel="step", ylabel="KV blocks", title=f"KV block pool after each step (of {total} blocks)")
+    preempted = [s["step"] for s in steps if s["preempted"]]
+    ax.vlines(preempted, 0, total, color="red", lw=0.8, ls="--", label="preemption" if preempted else None)
+    ax.set(
+        ylim=(0, min(total, 2 * max(used + cached) + 4)),  # in a big pool, the free blocks above this are cut off
+        xlabel="step",
+        ylabel="KV blocks",
+        title=f"KV block pool after each step (of {total} blocks)",
+    )
 
 
 def plot_batches(steps: list[dict], top: "Axes", bottom: "Axes") -> None:
-    x = [s["step"] for s in steps]
+    x = range(len(steps))  # the step numbers
     prefill = [sum(q["tokens"] for q in s["seqs"] if q["kind"] == "prefill") for s in steps]
     decodes = [sum(q["kind"] == "decode" for q in s["seqs"]) for s in steps]
     top.bar(x, prefill, width=1.0, color="tab:purple", label="prefill tokens (prompt chunks)")
@@ -141,43 +130,44 @@ def plot_batches(steps: list[dict], top: "Axes", bottom: "Axes") -> None:
 
 
 def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
-    seqs = [q for s in steps for q in s["seqs"]]
+    entries = [q for s in steps for q in s["seqs"]]  # each sequence's entry in each step it ran in
+    tables = {q["id"]: q["block_table"] for q in entries}  # id -> its last (longest) block table
+    admissions = {q["id"]: q for q in reversed(entries)}  # id -> its first entry
+    # a sequence first seen decoding is a forked beam (beam search): then draw the beams alive at the end, else the
+    # first sequences admitted
+    forked = any(q["kind"] == "decode" for q in admissions.values())
+    ids = ([q["id"] for q in steps[-1]["seqs"]] if forked else list(tables))[:MAX_ROWS]
+    longest = max(len(tables[i]) for i in ids)
+    blocks = np.array([tables[i] + [np.nan] * (longest - len(tables[i])) for i in ids])  # [row, position]: block ids
+    # Row r's block k is shared when another row holds the same blocks up to k, and one of the two found them cached
+    # (its admission started past them) or forked from the other. NaN equals nothing: no sharing past a table's end
+    same = np.logical_and.accumulate(blocks[:, None] == blocks[None], axis=2)  # [row, other row, position]
+    # the block size (the trace does not record it): the smallest power of two that every table's length fits
     bs = next(
-        b for b in 2 ** np.arange(16) if all(len(q["block_table"]) == -(-(q["start"] + q["tokens"]) // b) for q in seqs)
-    )  # the block size: every table's length fits it
-    first_kinds = {}
-    for q in seqs:
-        first_kinds.setdefault(q["id"], q["kind"])
-    # a sequence first seen decoding is a forked beam (beam search): then draw the beams alive at the end
-    forked = "decode" in first_kinds.values()
-    rows_of = {q["id"] for q in steps[-1]["seqs"]} if forked else first_kinds
-    tables, hits = {}, {}  # the first sequences: id -> longest block table, blocks found cached or shared when added
-    for q in seqs:
-        if q["id"] in rows_of and (q["id"] in tables or len(tables) < MAX_ROWS):
-            hits.setdefault(q["id"], q["start"] // bs)  # its first entry is its admission
-            tables[q["id"]] = max(tables.get(q["id"], []), q["block_table"], key=len)
+        b
+        for b in 2 ** np.arange(16)
+        if all(len(q["block_table"]) == -(-(q["start"] + q["tokens"]) // b) for q in entries)
+    )
+    hit = np.array([admissions[i]["start"] for i in ids]) // bs  # blocks found at admission
+    same &= np.arange(longest) < np.maximum.outer(hit, hit)[..., None]
+    same[np.diag_indices(len(ids))] = False  # a row shares nothing with itself
     # a long table is cut to MAX_CELLS cells: its start, or for beams its end, where they part
-    first = max(0, max(map(len, tables.values()), default=0) - MAX_CELLS) if forked else 0
-    ids, rows = list(tables), [t[first : first + MAX_CELLS] for t in tables.values()]
-    width = max(map(len, rows), default=1)
-    grid = np.full((len(rows), width), np.nan)  # per cell: 0 private, 1 shared, NaN past the table's end
-    for i, row in enumerate(rows):
-        grid[i, : len(row)] = 0
-        for j, block in enumerate(row):  # each cell labelled with its physical block id
-            ax.text(j + 0.5, i + 0.5, str(block), ha="center", va="center", fontsize=9 if width <= 16 else 6)
-    # Row i's block k is shared when another row holds the same blocks up to k, and one of the two found them cached
-    # or forked from the other
-    for i, j in itertools.permutations(range(len(rows)), 2):
-        for k in range(min(len(rows[i]), len(rows[j]), max(hits[ids[i]], hits[ids[j]]) - first)):
-            if rows[i][k] != rows[j][k]:
-                break
-            grid[i, k] = 1
-    colors = pyplot().matplotlib.colors.ListedColormap(["lightsteelblue", "orange"])  # private, shared
-    ax.pcolormesh(np.ma.masked_invalid(grid), cmap=colors, vmin=0, vmax=1, edgecolors="white", linewidth=3)
+    first = max(0, longest - MAX_CELLS) if forked else 0
+    shown = slice(first, first + MAX_CELLS)
+    blocks, shared = blocks[:, shown], same.any(axis=1)[:, shown]
+    width = blocks.shape[1]
+    for (row, k), block in np.ndenumerate(blocks):  # each cell labelled with its physical block id
+        if not np.isnan(block):
+            ax.text(k + 0.5, row + 0.5, f"{block:.0f}", ha="center", va="center", fontsize=9 if width <= 16 else 6)
+    from matplotlib.colors import ListedColormap
+
+    colors = ListedColormap(["lightsteelblue", "orange"])  # private, shared
+    grid = np.ma.array(shared, mask=np.isnan(blocks))  # no cell past a table's end
+    ax.pcolormesh(grid, cmap=colors, vmin=0, vmax=1, edgecolors="white", linewidth=3)
     ax.set_xticks(np.arange(width) + 0.5, range(first, first + width))
-    ax.set_yticks(np.arange(len(rows)) + 0.5, [f"seq {i}" for i in ids])
+    ax.set_yticks(np.arange(len(ids)) + 0.5, [f"seq {i}" for i in ids])
     ax.set(
-        ylim=(len(rows), 0),
+        ylim=(len(ids), 0),
         xlabel=f"position in the block table (at most {MAX_CELLS} shown, from {first})",
         title="Block tables (physical block ids); orange: shared (a prefix-cache hit, or a forked beam's)",
     )
@@ -186,7 +176,7 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
 def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
     """Write kv_blocks.png, batches.png and block_tables.png for the trace into out_dir; returns their paths."""
     steps = [json.loads(line) for line in Path(trace_path).read_text().splitlines()]
-    plt = pyplot()
+    make_figure = figure_class()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -195,11 +185,11 @@ def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
         ("batches", plot_batches, 2),
         ("block_tables", plot_block_tables, 1),
     ):
-        fig, axes = plt.subplots(panels, 1, figsize=(9, 1 + 3 * panels), sharex=True, squeeze=False, layout="tight")
-        draw(steps, *axes[:, 0])
-        for ax in axes[:, 0] if name != "block_tables" else []:  # the block tables' colours are in their title
+        fig = make_figure(figsize=(9, 1 + 3 * panels), layout="tight")
+        axes = fig.subplots(panels, sharex=True, squeeze=False)[:, 0]
+        draw(steps, *axes)
+        for ax in axes if name != "block_tables" else []:  # the block tables' colours are in their title
             ax.legend(loc="upper right", fontsize=8)
         paths.append(out_dir / f"{name}.png")
         fig.savefig(paths[-1], dpi=100)
-        plt.close(fig)
     return paths

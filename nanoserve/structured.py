@@ -11,7 +11,7 @@ before its next mask is made: the engine does not overlap steps while a constrai
 
 import json
 import weakref
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nanoserve.sampling_params import InvalidField, shown
@@ -53,7 +53,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None  # True: any JSON object
 
     def __post_init__(self) -> None:
-        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        given = [name for name, value in vars(self).items() if value not in (None, False)]  # the fields, so far
         if len(given) != 1:
             raise InvalidField(FIELD, f"set exactly one of json, regex, choice, grammar, json_object; got {given}")
         xgr = import_xgrammar()
@@ -64,10 +64,6 @@ class StructuredOutputsParams:
             raise InvalidField(FIELD, f"{given[0]}: {problem}") from None
 
     def _parse(self, grammar: "type[xgrammar.Grammar]") -> "xgrammar.Grammar":
-        if self.json is not None or self.json_object is True:
-            # compact JSON (no whitespace between tokens): a small model given any whitespace may emit it forever
-            schema = {"type": "object"} if self.json is None else self.json
-            return grammar.from_json_schema(schema, any_whitespace=False)
         if self.choice is not None:
             if not isinstance(self.choice, list) or not all(isinstance(c, str) for c in self.choice):
                 raise TypeError(f"{shown(self.choice)} is not a list of strings")
@@ -75,7 +71,12 @@ class StructuredOutputsParams:
             return grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice))
         if self.regex is not None:
             return grammar.from_regex(self.regex)
-        return grammar.from_ebnf(self.grammar)
+        if self.grammar is not None:
+            return grammar.from_ebnf(self.grammar)
+        # json, or json_object: any object. Compact JSON (no whitespace between tokens): a small model given any
+        # whitespace may emit it forever
+        schema = {"type": "object"} if self.json is None else self.json
+        return grammar.from_json_schema(schema, any_whitespace=False)
 
 
 def structured_outputs_params(value: object) -> StructuredOutputsParams:
