@@ -81,7 +81,7 @@ BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # opening: +1, cl
 # Named alike in OpenAI's body (with vLLM's extras) and SamplingParams
 SAMPLING_FIELDS = """
     n temperature top_p top_k min_p min_tokens ignore_eos stop stop_token_ids seed presence_penalty frequency_penalty
-    repetition_penalty logit_bias include_stop_str_in_output skip_special_tokens
+    repetition_penalty logit_bias include_stop_str_in_output skip_special_tokens prompt_logprobs
 """.split()
 # The body's fields. Honoured: SAMPLING_FIELDS and these. Anything in no table is refused, as OpenAI does.
 HONOURED = "model max_tokens logprobs stream stream_options response_format".split() + SAMPLING_FIELDS
@@ -97,7 +97,7 @@ IGNORED = """
 NOT_IMPLEMENTED = dict.fromkeys(
     """
     suffix functions audio prediction reasoning_effort verbosity web_search_options moderation
-    prompt_logprobs allowed_token_ids logits_processors truncate_prompt_tokens guided_json guided_regex guided_choice
+    allowed_token_ids logits_processors truncate_prompt_tokens guided_json guided_regex guided_choice
     guided_grammar guided_decoding_backend guided_whitespace_pattern structural_tag structured_outputs chat_template
     chat_template_kwargs documents mm_processor_kwargs add_special_tokens request_id cache_salt kv_transfer_params
     vllm_xargs
@@ -323,8 +323,9 @@ def check_fields(body: dict, chat: bool) -> None:
     for name in field(body, "stream_options", dict, {}):
         if name != "include_usage":
             raise InvalidField(f"stream_options.{name}", "nanoserve does not implement this field yet")
-    if body.get("echo") and body.get("stream"):  # either not a bool is refused by name later, too
-        raise InvalidField("echo", "nanoserve does not implement echo in a stream yet")
+    for name in ("echo", "prompt_logprobs"):  # a stream's chunks carry only the completion
+        if body.get(name) not in (None, False) and body.get("stream"):  # a bad type is refused by name later, too
+            raise InvalidField(name, "nanoserve does not implement this field in a stream yet")
     if chat and body.get("top_logprobs") is not None and body.get("logprobs") is not True:
         raise InvalidField("top_logprobs", "needs logprobs: true")
 
@@ -399,8 +400,8 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
         kwargs["logit_bias"] = {int(key) if key.isdecimal() else key: value for key, value in bias.items()}
     if not chat:  # `logprobs` is how many alternatives; with echo, of the prompt's tokens too
         kwargs["logprobs"] = body.get("logprobs")
-        if field(body, "echo", bool, False):
-            kwargs["prompt_logprobs"] = kwargs["logprobs"]
+        if field(body, "echo", bool, False):  # vLLM's prompt_logprobs, if given too, says how many for the prompt
+            kwargs.setdefault("prompt_logprobs", kwargs["logprobs"])
             kwargs["max_tokens"] = max(kwargs["max_tokens"], 1)  # 0: the prompt's logprobs only (one token, dropped)
     elif field(body, "logprobs", bool, False):  # chat: `logprobs` says whether, `top_logprobs` how many
         kwargs["logprobs"] = body.get("top_logprobs") or 0
@@ -671,6 +672,12 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
             result = choice_json(
                 llm.tokenizer, chat, stream, choice_index, sample, params.logprobs, out if echo else None
             )
+            if body.get("prompt_logprobs") is not None:  # vLLM's: per prompt token (the first: None), by token id
+                result["prompt_logprobs"] = [
+                    entry
+                    and {str(t): {"logprob": p, "decoded_token": llm.tokenizer.decode(t)} for t, p in entry.items()}
+                    for entry in out.prompt_logprobs
+                ]
             if tool is not None:  # OpenAI's tool call, the output its arguments
                 function = {"name": tool["function"]["name"], "arguments": sample.text}
                 call = {"id": f"call_{uuid.uuid4().hex}", "type": "function", "function": function}

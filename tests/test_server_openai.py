@@ -57,7 +57,8 @@ REFUSED = [  # (endpoint, fields added to a good body, the param the 400 names)
     ("completions", {"echo": True, "stream": True}, "echo"),
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "end"}, "suffix"),
-    ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("chat/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
     ("completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ("completions", {"response_format": {"type": "yaml"}}, "response_format"),
     # tools: "auto" (the default with tools) would need free-form tool calls parsed (tests/test_structured.py has more)
@@ -340,6 +341,34 @@ def test_echo_with_logprobs_equals_transformers_log_softmax(served):
     one = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0)
     assert one.choices[0].text.startswith(choice.text) and len(one.choices[0].logprobs.tokens) == len(ids) + 1
     assert one.choices[0].logprobs.token_logprobs[1:-1] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-4)
+
+
+def test_vllm_prompt_logprobs_field_equals_offline_prompt_logprobs(served):
+    """Guards against vLLM's prompt_logprobs extra being refused or returned shifted: on both endpoints, each choice's
+    prompt_logprobs has None for the first prompt token, then per token a dict by token id (the top 2 and the token
+    itself) of {logprob, decoded_token}, equal to the offline engine's RequestOutput.prompt_logprobs."""
+    from nanoserve import LLM, SamplingParams
+
+    base_url, tokenizer = served
+    llm = LLM(max_model_len=512, num_kvcache_blocks=64)
+    asked = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    prompt = "The capital of France is"
+    completion = httpx.post(
+        f"{base_url}/completions", json={"prompt": prompt, **GREEDY, "max_tokens": 1, "prompt_logprobs": 2}
+    ).json()
+    chat = httpx.post(
+        f"{base_url}/chat/completions", json={"messages": MESSAGES, **GREEDY, "max_tokens": 1, "prompt_logprobs": 2}
+    ).json()
+    expected = [llm.generate(prompt, asked)[0], llm.chat(MESSAGES, asked)[0]]
+    llm.close()
+    for reply, offline in zip((completion, chat), expected, strict=True):
+        served_entries = reply["choices"][0]["prompt_logprobs"]
+        assert served_entries[0] is None and len(served_entries) == len(offline.prompt_token_ids)
+        pairs = zip(served_entries[1:], offline.prompt_logprobs[1:], offline.prompt_token_ids[1:], strict=True)
+        for entry, want, token in pairs:
+            assert str(token) in entry and len(entry) <= 3
+            assert {int(t): e["logprob"] for t, e in entry.items()} == pytest.approx(want, abs=1e-4)
+            assert entry[str(token)]["decoded_token"] == tokenizer.decode(token)
 
 
 # ---- the API key ----------------------------------------------------------------------------------------------------
