@@ -23,12 +23,11 @@ The k finished beams are returned best first. Ties between equal scores are brok
 top-N order), not necessarily as torch.topk breaks them in transformers; scores are summed in float64, transformers'
 in float32, so a near-tie within float32's rounding may rank differently.
 
-The driver runs the engine's steps itself (schedule, launch, read back, without overlap: each step's forks depend on
-the previous step's values), one prompt at a time, and needs an idle engine: no other request in flight, so that every
+The driver runs the engine's step phases (LLM._run_step: schedule, launch, read back) without overlap, since each
+step's forks depend on the previous step's values, one prompt at a time, and needs an idle engine: no other request in flight, so that every
 beam runs in every step. Before any work it checks that the pool holds a prompt's search at its largest (the prompt's
 full blocks once, each beam's own blocks at max_tokens), so no beam is ever preempted."""
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -161,21 +160,10 @@ def search(llm: "LLM", first: Sequence, params: BeamSearchParams, stop_ids: froz
 
 def run_until_sampled(llm: "LLM", num_beams: int) -> None:
     """Run steps until every beam has its next token's logprobs: one step, or a few while a long prompt prefills in
-    chunks. LLM.step's phases without overlap (each step's forks depend on the previous step's values); a failed step
-    forgets the prefix cache, as LLM.step does (its blocks were findable before their K/V were written)."""
+    chunks. LLM.step's phases (LLM._run_step), without overlap: each step's forks depend on the previous step's
+    values; a failed step forgets the prefix cache, as LLM.step does."""
     sampled = []
     while not sampled:
-        started = time.perf_counter()
-        step = llm.scheduler.schedule()
-        llm.counters.computed_tokens += step.num_tokens
-        try:
-            tokens, logprobs, _ = llm.runner.launch(step, None).wait()
-        except BaseException:
-            llm.block_manager.cached.clear()
-            raise
-        sampled = llm.scheduler.update(step, tokens, logprobs)
-        if llm.trace is not None:
-            llm.trace.begin(step)
-            llm.trace.end(started)
+        sampled = llm._run_step(False, llm._receive_tokens)
     # the pool was checked to hold every beam: none preempted, each in every step
     assert len(sampled) == num_beams, "a beam missed a step"
