@@ -23,10 +23,11 @@ The k finished beams are returned best first. Ties between equal scores are brok
 top-N order), not necessarily as torch.topk breaks them in transformers; scores are summed in float64, transformers'
 in float32, so a near-tie within float32's rounding may rank differently.
 
-The driver runs the engine's step phases (LLM._run_step: schedule, launch, read back) without overlap, since each
-step's forks depend on the previous step's values, one prompt at a time, and needs an idle engine: no other request in flight, so that every
-beam runs in every step. Before any work it checks that the pool holds a prompt's search at its largest (the prompt's
-full blocks once, each beam's own blocks at max_tokens), so no beam is ever preempted."""
+The driver runs one prompt at a time, through the engine's own step phases (LLM._run_step: schedule, launch, read
+back) without overlap, since each step's forks depend on the previous step's values. It needs an idle engine: no other
+request in flight, so that every beam runs in every step. Before any work it checks that the pool holds a prompt's
+search at its largest (the prompt's full blocks once, each beam's own blocks at max_tokens), so no beam is ever
+preempted."""
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING

@@ -123,13 +123,12 @@ class LLM:
         """Stop a request wherever it is (queued, prefilling, decoding, preempted): its blocks return at once.
         A request that has already finished (or an unknown id) is left as it is. It returns no output, so its text
         is not decoded further."""
-        request = self.requests.get(request_id)
+        request = self.requests.pop(request_id, None)  # the engine forgets it
         if request is None:
             return
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish_sequence(seq, "abort")
-        del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
