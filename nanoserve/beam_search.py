@@ -104,13 +104,20 @@ def search(llm: "LLM", first: Sequence, params: BeamSearchParams, stop_ids: froz
     freed when it ends."""
     k = params.beam_width
     max_tokens = min(params.max_tokens, llm.config.max_model_len - first.num_prompt_tokens)
-    llm.scheduler.add(first)
+    scheduler = llm.scheduler
+    scheduler.add(first)
     # the beams: (cum_logprob, its sequence), whose last token is the beam's newest, its K/V not computed yet
     beams = [(0.0, first)]
     finished = []
     try:
         for length in range(1, max_tokens + 1):  # tokens generated, once this step's are chosen
-            run_until_sampled(llm, len(beams))
+            # run steps until every beam has its next token's logprobs: one step, or a few while a long prompt prefills
+            # in chunks. LLM.step's phases, without overlap: each step's forks depend on the previous step's values
+            sampled = []
+            while not sampled:
+                sampled = llm._run_step(False, llm._receive_tokens)
+            # the pool was checked to hold every beam: none preempted, each in every step
+            assert len(sampled) == len(beams), "a beam missed a step"
             # 1. (cum_logprob, the beam it extends, its next token); each beam's logprobs are popped: a fork copies no
             #    history of them
             candidates = sorted(
@@ -143,28 +150,17 @@ def search(llm: "LLM", first: Sequence, params: BeamSearchParams, stop_ids: froz
             beams = []
             for cum, parent, token in running:
                 seq = llm.block_manager.fork(parent)
-                llm.scheduler.running.append(seq)  # a running sequence from the next step on
+                scheduler.running.append(seq)  # a running sequence from the next step on
                 seq.token_ids[-1] = token
                 beams.append((cum, seq))
             for _, seq in parents:
-                llm.scheduler.finish_sequence(seq, "stop")
+                scheduler.finish_sequence(seq, "stop")
     finally:
         for _, seq in beams:
-            llm.scheduler.finish_sequence(seq, "stop")
+            scheduler.finish_sequence(seq, "stop")
     if llm.tokenizer is not None:
         for beam in finished:
             # the generated tokens less an EOS that ended the beam (no other generated token is one)
             generated = [t for t in beam.tokens[first.num_prompt_tokens :] if t not in stop_ids]
             beam.text = llm.tokenizer.decode(generated, skip_special_tokens=True)
     return BeamSearchOutput(finished)
-
-
-def run_until_sampled(llm: "LLM", num_beams: int) -> None:
-    """Run steps until every beam has its next token's logprobs: one step, or a few while a long prompt prefills in
-    chunks. LLM.step's phases (LLM._run_step), without overlap: each step's forks depend on the previous step's
-    values; a failed step forgets the prefix cache, as LLM.step does."""
-    sampled = []
-    while not sampled:
-        sampled = llm._run_step(False, llm._receive_tokens)
-    # the pool was checked to hold every beam: none preempted, each in every step
-    assert len(sampled) == num_beams, "a beam missed a step"

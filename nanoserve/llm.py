@@ -266,10 +266,8 @@ class LLM:
         streaming one, and the others once they have finished."""
         sampled = self._receive_tokens(in_flight)
         now = time.time()
-        changed: dict[Request, None] = {}  # an ordered set
         for seq in sampled:
             request = seq.request
-            changed[request] = None
             reason = self.stop_checker.check(seq, incremental=request.stream)
             if reason is not None:
                 self.scheduler.finish_sequence(seq, reason)
@@ -277,7 +275,7 @@ class LLM:
                 request.metrics.first_token_time = now
             self.counters.generated_tokens += 1
         outputs = []
-        for request in changed:
+        for request in dict.fromkeys(seq.request for seq in sampled):  # the requests that changed, each once, in order
             if request.finished:
                 self._record_finished(request)
                 del self.requests[request.request_id]
