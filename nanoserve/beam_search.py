@@ -23,12 +23,12 @@ The k finished beams are returned best first. Ties between equal scores are brok
 top-N order), not necessarily as torch.topk breaks them in transformers; scores are summed in float64, transformers'
 in float32, so a near-tie within float32's rounding may rank differently.
 
-The driver runs the engine's steps itself (schedule, launch, read back, without overlap: each step's forks depend on
-the previous step's values), one prompt at a time, and needs an idle engine: no other request in flight, so that every
-beam runs in every step. Before any work it checks that the pool holds a prompt's search at its largest (the prompt's
-full blocks once, each beam's own blocks at max_tokens), so no beam is ever preempted."""
+The driver runs one prompt at a time, through the engine's own step phases (LLM._run_step: schedule, launch, read
+back) without overlap, since each step's forks depend on the previous step's values. It needs an idle engine: no other
+request in flight, so that every beam runs in every step. Before any work it checks that the pool holds a prompt's
+search at its largest (the prompt's full blocks once, each beam's own blocks at max_tokens), so no beam is ever
+preempted."""
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -104,13 +104,20 @@ def search(llm: "LLM", first: Sequence, params: BeamSearchParams, stop_ids: froz
     freed when it ends."""
     k = params.beam_width
     max_tokens = min(params.max_tokens, llm.config.max_model_len - first.num_prompt_tokens)
-    llm.scheduler.add(first)
+    scheduler = llm.scheduler
+    scheduler.add(first)
     # the beams: (cum_logprob, its sequence), whose last token is the beam's newest, its K/V not computed yet
     beams = [(0.0, first)]
     finished = []
     try:
         for length in range(1, max_tokens + 1):  # tokens generated, once this step's are chosen
-            run_until_sampled(llm, len(beams))
+            # run steps until every beam has its next token's logprobs: one step, or a few while a long prompt prefills
+            # in chunks. LLM.step's phases, without overlap: each step's forks depend on the previous step's values
+            sampled = []
+            while not sampled:
+                sampled = llm._run_step(False, llm._receive_tokens)
+            # the pool was checked to hold every beam: none preempted, each in every step
+            assert len(sampled) == len(beams), "a beam missed a step"
             # 1. (cum_logprob, the beam it extends, its next token); each beam's logprobs are popped: a fork copies no
             #    history of them
             candidates = sorted(
@@ -143,39 +150,17 @@ def search(llm: "LLM", first: Sequence, params: BeamSearchParams, stop_ids: froz
             beams = []
             for cum, parent, token in running:
                 seq = llm.block_manager.fork(parent)
-                llm.scheduler.running.append(seq)  # a running sequence from the next step on
+                scheduler.running.append(seq)  # a running sequence from the next step on
                 seq.token_ids[-1] = token
                 beams.append((cum, seq))
             for _, seq in parents:
-                llm.scheduler.finish_sequence(seq, "stop")
+                scheduler.finish_sequence(seq, "stop")
     finally:
         for _, seq in beams:
-            llm.scheduler.finish_sequence(seq, "stop")
+            scheduler.finish_sequence(seq, "stop")
     if llm.tokenizer is not None:
         for beam in finished:
             # the generated tokens less an EOS that ended the beam (no other generated token is one)
             generated = [t for t in beam.tokens[first.num_prompt_tokens :] if t not in stop_ids]
             beam.text = llm.tokenizer.decode(generated, skip_special_tokens=True)
     return BeamSearchOutput(finished)
-
-
-def run_until_sampled(llm: "LLM", num_beams: int) -> None:
-    """Run steps until every beam has its next token's logprobs: one step, or a few while a long prompt prefills in
-    chunks. LLM.step's phases without overlap (each step's forks depend on the previous step's values); a failed step
-    forgets the prefix cache, as LLM.step does (its blocks were findable before their K/V were written)."""
-    sampled = []
-    while not sampled:
-        started = time.perf_counter()
-        step = llm.scheduler.schedule()
-        llm.counters.computed_tokens += step.num_tokens
-        try:
-            tokens, logprobs, _ = llm.runner.launch(step, None).wait()
-        except BaseException:
-            llm.block_manager.cached.clear()
-            raise
-        sampled = llm.scheduler.update(step, tokens, logprobs)
-        if llm.trace is not None:
-            llm.trace.begin(step)
-            llm.trace.end(started)
-    # the pool was checked to hold every beam: none preempted, each in every step
-    assert len(sampled) == num_beams, "a beam missed a step"

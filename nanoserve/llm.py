@@ -10,6 +10,7 @@ right after it is launched: the plain synchronous loop, with the same outputs.""
 
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from itertools import count
 from typing import TYPE_CHECKING
@@ -97,7 +98,6 @@ class LLM:
         )
         self.stop_checker = StopChecker(tokenizer, config.max_model_len)
         self.requests: dict[str, Request] = {}
-        self.request_of: dict[Sequence, Request] = {}  # each sequence's request
         self.in_flight: InFlightStep | None = None  # with overlap: the launched step not yet read back
         self.trace = None
         if config.trace is not None:  # opt-in: the trace writer lives with its pictures, in the optional plots.py
@@ -123,13 +123,12 @@ class LLM:
         """Stop a request wherever it is (queued, prefilling, decoding, preempted): its blocks return at once.
         A request that has already finished (or an unknown id) is left as it is. It returns no output, so its text
         is not decoded further."""
-        request = self.requests.get(request_id)
+        request = self.requests.pop(request_id, None)  # the engine forgets it
         if request is None:
             return
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish_sequence(seq, "abort")
-        self._forget(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -176,15 +175,9 @@ class LLM:
     def _queue(self, request: Request) -> str:
         self.requests[request.request_id] = request
         for seq in request.seqs:
-            self.request_of[seq] = request
+            seq.request = request
             self.scheduler.add(seq)
         return request.request_id
-
-    def _forget(self, request: Request) -> None:
-        """The request no longer exists for the engine: every sequence of it has finished."""
-        del self.requests[request.request_id]
-        for seq in request.seqs:
-            del self.request_of[seq]
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """The prompt as checked token ids (text through the tokenizer). It reads only the tokenizer and the config,
@@ -206,13 +199,19 @@ class LLM:
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs that changed (streaming requests) or finished."""
-        started = time.perf_counter()
         # a constrained sequence's mask needs its newest token read back: no overlap while one runs (structured.py)
         overlap = self.config.overlap and not any(seq.matcher for seq in self.scheduler.running)
+        return self._run_step(overlap, self._read_back)
+
+    def _run_step(self, overlap: bool, read_back: Callable[["InFlightStep"], list]) -> list:
+        """One step's phases, each step finished by read_back: step() finishes the requests' steps (their outputs);
+        beam search (beam_search.py) runs its steps here too, without overlap, finishing them with _receive_tokens
+        (the sequences that got a token): its beams belong to no request."""
+        started = time.perf_counter()
         try:
-            outputs = []
+            finished = []
             if not overlap and self.in_flight is not None:  # 0) finish step n first: the plain loop from here
-                outputs = self._read_back(self.in_flight)
+                finished = read_back(self.in_flight)
                 self.in_flight = None
             # 1) schedule step n+1
             step = self.scheduler.schedule()
@@ -232,13 +231,13 @@ class LLM:
                 to_read_back = launched
             if to_read_back is None and launched is None and self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler found nothing to run")  # a bug, never a state
-            outputs += self._read_back(to_read_back) if to_read_back is not None else []
+            finished += read_back(to_read_back) if to_read_back is not None else []
         except BaseException:  # a failed or interrupted step: blocks it planned were findable before their K/V existed
             self._forget_failed_step()
             raise
         if self.trace is not None:
             self.trace.end(started)
-        return outputs
+        return finished
 
     def _record_first_scheduled(self, step: Step) -> None:
         """vLLM's first_scheduled_time and time_in_queue of the requests this step starts: a request starts when its
@@ -246,7 +245,9 @@ class LLM:
         not every scheduled sequence of every decode step."""
         now = time.time()
         for seq in step.admitted:
-            metrics = self.request_of[seq].metrics
+            if seq.request is None:  # beam search's sequences belong to no request
+                continue
+            metrics = seq.request.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
                 metrics.time_in_queue = now - metrics.arrival_time
@@ -263,14 +264,10 @@ class LLM:
         """Finish a launched step: wait for its tokens, hand them to their sequences, apply the stop rules, and forget
         the requests that finished. Returns the outputs of the requests that changed, each once, in order: every
         streaming one, and the others once they have finished."""
-        tokens, logprobs, prompt_logprobs = in_flight.wait()
-        for (seq, position), entry in prompt_logprobs:  # by position: a preempted sequence's recompute rewrites its own
-            seq.prompt_logprobs[position] = entry
+        sampled = self._receive_tokens(in_flight)
         now = time.time()
-        changed: dict[Request, None] = {}  # an ordered set
-        for seq in self.scheduler.update(in_flight.step, tokens, logprobs):
-            request = self.request_of[seq]
-            changed[request] = None
+        for seq in sampled:
+            request = seq.request
             reason = self.stop_checker.check(seq, incremental=request.stream)
             if reason is not None:
                 self.scheduler.finish_sequence(seq, reason)
@@ -278,13 +275,21 @@ class LLM:
                 request.metrics.first_token_time = now
             self.counters.generated_tokens += 1
         outputs = []
-        for request in changed:
+        for request in dict.fromkeys(seq.request for seq in sampled):  # the requests that changed, each once, in order
             if request.finished:
                 self._record_finished(request)
-                self._forget(request)
+                del self.requests[request.request_id]
             if request.stream or request.finished:
                 outputs.append(request.take_output())
         return outputs
+
+    def _receive_tokens(self, in_flight: "InFlightStep") -> list[Sequence]:
+        """Wait for a launched step's tokens and hand them to their sequences (and the prompt logprobs it computed);
+        returns the sequences that got a token."""
+        tokens, logprobs, prompt_logprobs = in_flight.wait()
+        for (seq, position), entry in prompt_logprobs:  # by position: a preempted sequence's recompute rewrites its own
+            seq.prompt_logprobs[position] = entry
+        return self.scheduler.update(in_flight.step, tokens, logprobs)
 
     def _record_finished(self, request: Request) -> None:
         """Its finish time, and its TTFT and mean inter-token latency into the running totals."""

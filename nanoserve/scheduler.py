@@ -58,15 +58,16 @@ class Scheduler:
     def check_fits(self, seq: Sequence, num_beams: int = 1) -> None:
         """Refuse a request that could not fit in the whole pool even alone: it would never finish. Beam search's beams
         hold the prompt's full blocks once, and each its own blocks for the rest of its tokens."""
+        bm = self.block_manager
         final_len = min(seq.num_tokens + seq.params.max_tokens, self.max_model_len)
         kv_tokens = max(seq.num_tokens, final_len - 1)  # the last sampled token never needs KV
-        shared = seq.num_tokens // self.block_manager.block_size
-        needed = shared + num_beams * (self.block_manager.blocks_needed(kv_tokens) - shared)
-        if needed > self.block_manager.num_blocks:
+        shared = seq.num_tokens // bm.block_size
+        needed = shared + num_beams * (bm.blocks_needed(kv_tokens) - shared)
+        if needed > bm.num_blocks:
             raise InvalidField(
                 "max_tokens",
                 f"the request needs {needed} KV blocks ({kv_tokens} tokens) but the pool "
-                f"has {self.block_manager.num_blocks}: lower max_tokens or add KV memory",
+                f"has {bm.num_blocks}: lower max_tokens or add KV memory",
             )
 
     def add(self, seq: Sequence) -> None:
@@ -79,10 +80,11 @@ class Scheduler:
     def schedule(self) -> Step:
         """Plan the next step in two phases: 1) the running sequences; 2) with the budget left, the waiting ones."""
         step = Step()
+        bm = self.block_manager
         # 1) the running sequences, oldest first (a copy: preemption removes from the list)
         for seq in list(self.running):
             # (a running sequence has at least one uncomputed token: none only when the budget is spent)
-            num_new = min(seq.num_uncomputed_tokens, self._budget(step))
+            num_new = min(seq.num_uncomputed_tokens, self.max_num_batched_tokens - step.num_tokens)
             # skip one preempted just now, or at its length limit with the last token pending (it ends when read)
             if seq.status != SequenceStatus.RUNNING or not num_new or reached_length_limit(seq, self.max_model_len):
                 continue
@@ -90,24 +92,29 @@ class Scheduler:
                 self._plan(step, seq, num_new)
         # 2) the budget left admits waiting sequences, in queue order until one does not fit; none after a
         #    preemption, which would only make the pool thrash
-        while not step.preempted and self.waiting and len(self.running) < self.max_num_seqs and self._budget(step):
+        while (
+            not step.preempted
+            and self.waiting
+            and len(self.running) < self.max_num_seqs
+            and step.num_tokens < self.max_num_batched_tokens
+        ):
             seq = self.waiting[0]
             if seq.num_pending:  # a preempted sequence waits for its tokens' values
                 break
-            cached = self.block_manager.find_cached_prefix(seq)  # none if it asked for prompt_logprobs
-            num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, self._budget(step))
-            if not self.block_manager.allocate(seq, num_new, cached):
+            cached = bm.find_cached_prefix(seq)  # none if it asked for prompt_logprobs
+            num_new = min(
+                seq.num_tokens - len(cached) * bm.block_size,
+                self.max_num_batched_tokens - step.num_tokens,
+            )
+            if not bm.allocate(seq, num_new, cached):
                 break
             self.running.append(self.waiting.popleft())
             seq.status = SequenceStatus.RUNNING
             step.admitted.append(seq)
             self._plan(step, seq, num_new)
-        step.block_copies = self.block_manager.block_copies  # copy-on-write: made on the device before the step runs
-        self.block_manager.block_copies = []
+        step.block_copies = bm.block_copies  # copy-on-write: made on the device before the step runs
+        bm.block_copies = []
         return step
-
-    def _budget(self, step: Step) -> int:
-        return self.max_num_batched_tokens - step.num_tokens
 
     def _plan(self, step: Step, seq: Sequence, num_new: int) -> None:
         """Add seq's next num_new tokens to the step, and book them."""

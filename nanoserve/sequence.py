@@ -78,6 +78,9 @@ class Sequence:
         # a constrained request's structured.StructuredMatcher: this sequence's place in its grammar, told each token
         # read back (None: unconstrained)
         self.matcher = None
+        # the outputs.Request it samples for, set when the engine queues it (None: beam search's sequences, which
+        # belong to no request)
+        self.request = None
 
     # Lengths: every token counts, pending ones included; only their values are unknown.
     @property
@@ -117,7 +120,8 @@ class Sequence:
 
     def fork(self) -> "Sequence":
         """A copy under a new id, for beam search: its own tokens, block table (the same blocks: the block manager
-        counts their new user), logprobs and text, each a copy."""
+        counts their new user), logprobs and text, each a copy. (A deep copy: beam search's sequences have no request,
+        which it would copy too.)"""
         child = copy.deepcopy(self)
         child.seq_id = next(Sequence._ids)
         return child
