@@ -20,19 +20,21 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "kernels": ("auto", "triton", "torch"),
     "kv_cache_dtype": ("auto", "fp8"),
-    "kvcache_block_size": (16, 32, 64, 128, 256),  # powers of two; a plain int by then (_check_numbers)
+    "kvcache_block_size": (16, 32, 64, 128, 256),  # powers of two; a plain int by then (LIMITS)
 }
 GPU_STEP_TOKENS = 8192  # vLLM's default step budget with chunked prefill
 CPU_STEP_TOKENS = 512  # a CPU step of ~0.5-1 s with SmolLM2-135M on 2 cores (BENCHMARKS.md, 2026-11-24: TTFT, ITL)
-LEAST = {
-    "max_model_len": 2,
-    "max_num_seqs": 1,
-    "max_num_batched_tokens": 1,
-    "kvcache_block_size": 16,
-    "num_kvcache_blocks": 1,
-    "tensor_parallel_size": 1,
-    "threads": 1,
-}  # integer fields and their least values (None, the default of num_kvcache_blocks and threads: chosen at startup)
+# check_numbers' limits for the number fields: integers up to MAX_INT where no high is given (threads' high, the
+# machine's cores, is added in __post_init__); None, the default of some, is chosen at startup
+LIMITS = {
+    "max_model_len": {"low": 2},
+    "max_num_seqs": {"low": 1},
+    "max_num_batched_tokens": {"low": 1},
+    "kvcache_block_size": {"low": 16},  # an integer here; then one of its CHOICES
+    "num_kvcache_blocks": {"low": 1},
+    "gpu_memory_utilization": {"low": 0, "high": 1, "above_low": True},
+    "tensor_parallel_size": {"low": 1},
+}
 TRITON_INTERPRET_ON = ("1", "true", "on", "yes")  # values of TRITON_INTERPRET that turn Triton's interpreter on
 # vLLM's engine arguments (EngineArgs, LLM(...)) that nanoserve does not implement: refused as such, not as unknown.
 # Those it takes: its own fields below, block_size (kvcache_block_size), trust_remote_code=False, disable_log_stats.
@@ -110,10 +112,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         # The checks run in this order, so a config with several faults names the first of them.
         self._check_paths()
-        self._check_numbers()
+        # the numbers in their LIMITS (threads: at most the machine's cores) and the flags (bools: a string "no" would
+        # be truthy), each stored as a plain int or float; the seed is checked as a request's seed is
+        check_numbers(self, LIMITS | {"threads": {"low": 1, "high": os.cpu_count() or 1}})
+        self.seed = SamplingParams(seed=self.seed).seed
         self._check_choices()
         self._resolve_device()
-        self._check_flags()
         self._resolve_kernels()
         self._check_fp8_kv_cache_works()
 
@@ -132,20 +136,6 @@ class EngineConfig:
             folder = next(p for p in path.parents if p.exists())
             if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
                 raise InvalidField("trace", f"cannot write {self.trace!r} (a folder, or no writable folder there)")
-
-    def _check_numbers(self) -> None:
-        """The integer fields in [LEAST, MAX_INT] (threads: at most the machine's cores), the memory share in (0, 1];
-        each stored as a plain int or float. The seed is checked as a request's seed is."""
-        limits = {name: {"low": least, "integer": True} for name, least in LEAST.items()}
-        limits["threads"]["high"] = os.cpu_count() or 1
-        limits["gpu_memory_utilization"] = {"low": 0, "high": 1, "above_low": True}
-        check_numbers(self, limits)
-        self.seed = SamplingParams(seed=self.seed).seed
-
-    def _check_flags(self) -> None:
-        """The on/off fields are bools (a string "no" would be truthy)."""
-        for name in ("enable_prefix_caching", "enforce_eager", "overlap"):
-            check_flag(name, getattr(self, name))
 
     def _check_choices(self) -> None:
         """dtype, device, kernels, kv_cache_dtype and the KV block size are among their CHOICES."""

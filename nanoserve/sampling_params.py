@@ -19,18 +19,18 @@ LISTS = (list, tuple)  # where a list is asked for (prompts, token ids, stop str
 # check_number's limits for SamplingParams' number fields (an integer's high is MAX_INT unless stated); min_tokens,
 # whose high is max_tokens, is checked after them
 NUMBER_LIMITS = {
-    "n": {"low": 1, "integer": True},
+    "n": {"low": 1},
     "temperature": {"low": 0, "high": MAX_TEMPERATURE},
     "top_p": {"low": 0, "high": 1, "above_low": True},
-    "top_k": {"low": -1, "integer": True},
+    "top_k": {"low": -1},
     "min_p": {"low": 0, "high": 1},
-    "max_tokens": {"low": 1, "integer": True},
-    "seed": {"low": -math.inf, "high": math.inf, "integer": True},  # any integer: it is kept mod SEED_RANGE
-    "logprobs": {"low": 0, "integer": True},
+    "max_tokens": {"low": 1},
+    "seed": {"low": -math.inf, "high": math.inf},  # any integer: it is kept mod SEED_RANGE
+    "logprobs": {"low": 0},
     "repetition_penalty": {"low": 0, "above_low": True},
     "presence_penalty": {"low": -MAX_PENALTY, "high": MAX_PENALTY},
     "frequency_penalty": {"low": -MAX_PENALTY, "high": MAX_PENALTY},
-    "prompt_logprobs": {"low": 0, "integer": True},
+    "prompt_logprobs": {"low": 0},
 }
 
 
@@ -77,12 +77,18 @@ def check_number(
 
 
 def check_numbers(settings: object, limits: dict[str, dict]) -> None:
-    """Each field of the dataclass `settings` that limits names goes through check_number with its limits and is
-    stored back as a plain int or float. A field whose default is None may be None: it is unset."""
+    """The numbers and flags of the dataclass `settings`, as its field types say: each field that limits names goes
+    through check_number with its limits, as an integer if the field is an int, and is stored back as a plain int or
+    float; each bool field must be a bool (check_flag). A field whose default is None may be None: it is unset."""
     for field in fields(settings):
         value = getattr(settings, field.name)
-        if field.name in limits and (value is not None or field.default is not None):
-            setattr(settings, field.name, check_number(field.name, value, **limits[field.name]))
+        if value is None and field.default is None:
+            continue
+        if field.type in (bool, bool | None):
+            check_flag(field.name, value)
+        if field.name in limits:
+            integer = field.type in (int, int | None)
+            setattr(settings, field.name, check_number(field.name, value, integer=integer, **limits[field.name]))
 
 
 def check_flag(field: str, value: object) -> None:
@@ -156,8 +162,6 @@ class SamplingParams:
         self.min_tokens = check_number("min_tokens", self.min_tokens, 0, self.max_tokens, integer=True)
         if self.seed is not None:
             self.seed %= SEED_RANGE
-        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            check_flag(flag, getattr(self, flag))
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []  # one stop string, a list, or None
         if not isinstance(stop, LISTS) or not all(isinstance(s, str) and s for s in stop):
             raise InvalidField("stop", f"{shown(self.stop)} is not a non-empty string or a list of them")
