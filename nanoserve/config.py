@@ -153,15 +153,15 @@ class EngineConfig:
             raise InvalidField("device", "'cuda' but no GPU is visible to torch")
         if self.device == "auto":
             self.device = "cuda" if gpu_visible else "cpu"
+        on_gpu = self.device == "cuda"
         # the ranks on this machine: all of them, unless a launcher (torchrun) spreads them over several machines
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.tensor_parallel_size))
-        if self.device == "cuda" and local_ranks > torch.cuda.device_count():
+        if on_gpu and local_ranks > torch.cuda.device_count():
             raise InvalidField(
                 "tensor_parallel_size",
                 f"{local_ranks} ranks on this machine exceed its {torch.cuda.device_count()} GPUs",
             )
         # the defaults whose best value differs between a GPU and a CPU
-        on_gpu = self.device == "cuda"
         if self.overlap is None:
             self.overlap = on_gpu
         if self.max_num_batched_tokens is None:

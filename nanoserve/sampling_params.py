@@ -16,8 +16,8 @@ MAX_TEMPERATURE = 1e30  # far past where sampling is uniform to float32's precis
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], OpenAI's range
 MAX_LOGIT_BIAS = 100.0  # a logit_bias lies in [-100, 100], OpenAI's range: -100 bans a token in practice
 LISTS = (list, tuple)  # where a list is asked for (prompts, token ids, stop strings, messages), a tuple does too
-# check_number's limits for SamplingParams' number fields (an integer's high is MAX_INT unless stated); min_tokens,
-# whose high is max_tokens, is checked after them
+# check_numbers' limits for SamplingParams' number fields, integers where the field is an int (an integer's high is
+# MAX_INT unless stated); min_tokens', whose high is max_tokens, are added in __post_init__
 NUMBER_LIMITS = {
     "n": {"low": 1},
     "temperature": {"low": 0, "high": MAX_TEMPERATURE},
@@ -156,10 +156,10 @@ class SamplingParams:
     structured_outputs: object = None
 
     def __post_init__(self) -> None:
-        check_numbers(self, NUMBER_LIMITS)
+        # min_tokens' high is max_tokens, a valid count by then: it comes first among the fields
+        check_numbers(self, NUMBER_LIMITS | {"min_tokens": {"low": 0, "high": self.max_tokens}})
         if self.top_k == 0:
             raise InvalidField("top_k", "0 is out of range: -1 keeps all tokens, k >= 1 keeps k")
-        self.min_tokens = check_number("min_tokens", self.min_tokens, 0, self.max_tokens, integer=True)
         if self.seed is not None:
             self.seed %= SEED_RANGE
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []  # one stop string, a list, or None
@@ -174,13 +174,13 @@ class SamplingParams:
         self.logit_bias = {
             int(t): check_number("logit_bias", b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) for t, b in bias.items()
         }
-        # derived, read for every row of every step (attributes: a property cost 40 us a step at 256 rows): the three
-        # penalties in the order penalties.py reads them, and whether a bias or a penalty applies, so that the sampler
-        # needs this request's row of counts (penalties.py)
         if self.structured_outputs is not None:
             from nanoserve.structured import structured_outputs_params
 
             self.structured_outputs = structured_outputs_params(self.structured_outputs)
+        # derived, read for every row of every step (attributes: a property cost 40 us a step at 256 rows): the three
+        # penalties in the order penalties.py reads them, and whether a bias or a penalty applies, so that the sampler
+        # needs this request's row of counts (penalties.py)
         self.penalties = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
         self.penalized = bool(self.logit_bias) or self.penalties != (1, 0, 0)
         # derived too: whether top-k, top-p or min-p trims the distribution before the draw (sampler.drop_filtered)
