@@ -103,10 +103,9 @@ class EngineConfig:
         if kwargs.pop("trust_remote_code", False) is not False:
             raise InvalidField("trust_remote_code", "only False: nanoserve runs only its own model code (Llama, Qwen)")
         if unknown := sorted(set(kwargs) - {f.name for f in fields(cls)}):
-            problem = f"unknown config keys: {', '.join(unknown)}"
             if unknown[0] in VLLM_ONLY:
-                problem = "a vLLM option that nanoserve does not implement"
-            raise InvalidField(unknown[0], problem)
+                raise InvalidField(unknown[0], "a vLLM option that nanoserve does not implement")
+            raise InvalidField(unknown[0], f"unknown config keys: {', '.join(unknown)}")
         return cls(**kwargs)
 
     def __post_init__(self) -> None:
@@ -116,7 +115,11 @@ class EngineConfig:
         # be truthy), each stored as a plain int or float; the seed is checked as a request's seed is
         check_numbers(self, LIMITS | {"threads": {"low": 1, "high": os.cpu_count() or 1}})
         self.seed = SamplingParams(seed=self.seed).seed
-        self._check_choices()
+        # dtype, device, kernels, kv_cache_dtype and the KV block size are among their CHOICES
+        for name, allowed in CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise InvalidField(name, f"{shown(value)} is not one of {', '.join(map(str, allowed))}")
         self._resolve_device()
         self._resolve_kernels()
         self._check_fp8_kv_cache_works()
@@ -136,13 +139,6 @@ class EngineConfig:
             folder = next(p for p in path.parents if p.exists())
             if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
                 raise InvalidField("trace", f"cannot write {self.trace!r} (a folder, or no writable folder there)")
-
-    def _check_choices(self) -> None:
-        """dtype, device, kernels, kv_cache_dtype and the KV block size are among their CHOICES."""
-        for name, allowed in CHOICES.items():
-            value = getattr(self, name)
-            if value not in allowed:
-                raise InvalidField(name, f"{shown(value)} is not one of {', '.join(map(str, allowed))}")
 
     def _resolve_device(self) -> None:
         """device 'cuda' needs a visible GPU, and 'auto' becomes cuda when one is visible, else cpu; on cuda, one GPU
