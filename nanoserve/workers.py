@@ -246,8 +246,7 @@ class Workers:
             self.stderr[rank].close()
         if dist.is_initialized():
             dist.destroy_process_group()
-        self.host_group = None
-        self.procs = {}
+        self.host_group = None  # send_step refuses from now on; a second close finds every process ended
 
 
 def start_runner(config: EngineConfig, model_dir: str, hf_config: PretrainedConfig, args: ModelArgs) -> ModelRunner:
