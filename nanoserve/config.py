@@ -121,8 +121,7 @@ class EngineConfig:
             if value not in allowed:
                 raise InvalidField(name, f"{shown(value)} is not one of {', '.join(map(str, allowed))}")
         self._resolve_device()
-        self._resolve_kernels()
-        self._check_fp8_kv_cache_works()
+        self._resolve_kernels()  # and what they need of an fp8 KV cache
 
     def _check_paths(self) -> None:
         """model, trace and tokenizer are None or a path (a pathlib.Path becomes its string); trace not a folder, and in
@@ -166,7 +165,8 @@ class EngineConfig:
     def _resolve_kernels(self) -> None:
         """kernels 'triton' needs the triton package, and on a CPU its interpreter; 'auto' becomes triton on cuda
         (when installed), else torch. Then enforce_eager on a CPU or with the PyTorch kernels: CUDA graphs need a GPU
-        and the sync-free Triton kernels."""
+        and the sync-free Triton kernels. Last, what kv_cache_dtype 'fp8' needs: torch's float8 e4m3 type, and on a
+        GPU, for the Triton kernels, its conversions, which NVIDIA GPUs have from sm_89 (Ada, Hopper) on."""
         if self.kernels == "triton" and not HAVE_TRITON:
             raise InvalidField("kernels", "'triton' needs the triton package (Linux only); use kernels='torch'")
         if self.kernels == "auto":
@@ -177,15 +177,10 @@ class EngineConfig:
             raise InvalidField("kernels", "'triton' on a CPU needs TRITON_INTERPRET=1 set before nanoserve is imported")
         if self.device == "cpu" or self.kernels == "torch":  # CUDA graphs need a GPU and the sync-free Triton kernels
             self.enforce_eager = True
-
-    def _check_fp8_kv_cache_works(self) -> None:
-        """kv_cache_dtype 'fp8' needs torch's float8 e4m3 type, and on a GPU the Triton kernels need its conversions,
-        which NVIDIA GPUs have from sm_89 (Ada, Hopper) on."""
-        if self.kv_cache_dtype != "fp8":
-            return
-        if not hasattr(torch, "float8_e4m3fn"):
+        fp8 = self.kv_cache_dtype == "fp8"
+        if fp8 and not hasattr(torch, "float8_e4m3fn"):
             raise InvalidField("kv_cache_dtype", f"'fp8' needs float8 types, which torch {torch.__version__} lacks")
-        if self.device == "cuda" and self.kernels == "triton" and torch.cuda.get_device_capability() < (8, 9):
+        if fp8 and self.device == "cuda" and self.kernels == "triton" and torch.cuda.get_device_capability() < (8, 9):
             raise InvalidField("kv_cache_dtype", "'fp8' needs an sm_89+ GPU for the Triton kernels: kernels='torch'")
 
     def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:

@@ -228,9 +228,10 @@ class Workers:
             if code is None:
                 continue
             how = f"exited with code {code}" if code >= 0 else f"was killed by {signal.Signals(-code).name}"
-            self.stderr[rank].seek(0)
-            stderr = self.stderr[rank].read()[-STDERR_TAIL_CHARS:]
-            reports[rank] = f"tensor-parallel rank {rank} {how}; its stderr ends:\n{stderr}"
+            stderr = self.stderr[rank]
+            stderr.seek(0)  # read from the start, its end shown
+            tail = stderr.read()[-STDERR_TAIL_CHARS:]
+            reports[rank] = f"tensor-parallel rank {rank} {how}; its stderr ends:\n{tail}"
         return reports
 
     def close(self, graceful: bool = True) -> None:
