@@ -20,19 +20,21 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "kernels": ("auto", "triton", "torch"),
     "kv_cache_dtype": ("auto", "fp8"),
-    "kvcache_block_size": (16, 32, 64, 128, 256),  # powers of two; a plain int by then (_check_numbers)
+    "kvcache_block_size": (16, 32, 64, 128, 256),  # powers of two; a plain int by then (LIMITS)
 }
 GPU_STEP_TOKENS = 8192  # vLLM's default step budget with chunked prefill
 CPU_STEP_TOKENS = 512  # a CPU step of ~0.5-1 s with SmolLM2-135M on 2 cores (BENCHMARKS.md, 2026-11-24: TTFT, ITL)
-LEAST = {
-    "max_model_len": 2,
-    "max_num_seqs": 1,
-    "max_num_batched_tokens": 1,
-    "kvcache_block_size": 16,
-    "num_kvcache_blocks": 1,
-    "tensor_parallel_size": 1,
-    "threads": 1,
-}  # integer fields and their least values (None, the default of num_kvcache_blocks and threads: chosen at startup)
+# check_numbers' limits for the number fields: integers up to MAX_INT where no high is given (threads' high, the
+# machine's cores, is added in __post_init__); None, the default of some, is chosen at startup
+LIMITS = {
+    "max_model_len": {"low": 2},
+    "max_num_seqs": {"low": 1},
+    "max_num_batched_tokens": {"low": 1},
+    "kvcache_block_size": {"low": 16},  # an integer here; then one of its CHOICES
+    "num_kvcache_blocks": {"low": 1},
+    "gpu_memory_utilization": {"low": 0, "high": 1, "above_low": True},
+    "tensor_parallel_size": {"low": 1},
+}
 TRITON_INTERPRET_ON = ("1", "true", "on", "yes")  # values of TRITON_INTERPRET that turn Triton's interpreter on
 # vLLM's engine arguments (EngineArgs, LLM(...)) that nanoserve does not implement: refused as such, not as unknown.
 # Those it takes: its own fields below, block_size (kvcache_block_size), trust_remote_code=False, disable_log_stats.
@@ -101,21 +103,25 @@ class EngineConfig:
         if kwargs.pop("trust_remote_code", False) is not False:
             raise InvalidField("trust_remote_code", "only False: nanoserve runs only its own model code (Llama, Qwen)")
         if unknown := sorted(set(kwargs) - {f.name for f in fields(cls)}):
-            problem = f"unknown config keys: {', '.join(unknown)}"
             if unknown[0] in VLLM_ONLY:
-                problem = "a vLLM option that nanoserve does not implement"
-            raise InvalidField(unknown[0], problem)
+                raise InvalidField(unknown[0], "a vLLM option that nanoserve does not implement")
+            raise InvalidField(unknown[0], f"unknown config keys: {', '.join(unknown)}")
         return cls(**kwargs)
 
     def __post_init__(self) -> None:
         # The checks run in this order, so a config with several faults names the first of them.
         self._check_paths()
-        self._check_numbers()
-        self._check_choices()
+        # the numbers in their LIMITS (threads: at most the machine's cores) and the flags (bools: a string "no" would
+        # be truthy), each stored as a plain int or float; the seed is checked as a request's seed is
+        check_numbers(self, LIMITS | {"threads": {"low": 1, "high": os.cpu_count() or 1}})
+        self.seed = SamplingParams(seed=self.seed).seed
+        # dtype, device, kernels, kv_cache_dtype and the KV block size are among their CHOICES
+        for name, allowed in CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise InvalidField(name, f"{shown(value)} is not one of {', '.join(map(str, allowed))}")
         self._resolve_device()
-        self._check_flags()
-        self._resolve_kernels()
-        self._check_fp8_kv_cache_works()
+        self._resolve_kernels()  # and what they need of an fp8 KV cache
 
     def _check_paths(self) -> None:
         """model, trace and tokenizer are None or a path (a pathlib.Path becomes its string); trace not a folder, and in
@@ -133,27 +139,6 @@ class EngineConfig:
             if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
                 raise InvalidField("trace", f"cannot write {self.trace!r} (a folder, or no writable folder there)")
 
-    def _check_numbers(self) -> None:
-        """The integer fields in [LEAST, MAX_INT] (threads: at most the machine's cores), the memory share in (0, 1];
-        each stored as a plain int or float. The seed is checked as a request's seed is."""
-        limits = {name: {"low": least, "integer": True} for name, least in LEAST.items()}
-        limits["threads"]["high"] = os.cpu_count() or 1
-        limits["gpu_memory_utilization"] = {"low": 0, "high": 1, "above_low": True}
-        check_numbers(self, limits)
-        self.seed = SamplingParams(seed=self.seed).seed
-
-    def _check_flags(self) -> None:
-        """The on/off fields are bools (a string "no" would be truthy)."""
-        for name in ("enable_prefix_caching", "enforce_eager", "overlap"):
-            check_flag(name, getattr(self, name))
-
-    def _check_choices(self) -> None:
-        """dtype, device, kernels, kv_cache_dtype and the KV block size are among their CHOICES."""
-        for name, allowed in CHOICES.items():
-            value = getattr(self, name)
-            if value not in allowed:
-                raise InvalidField(name, f"{shown(value)} is not one of {', '.join(map(str, allowed))}")
-
     def _resolve_device(self) -> None:
         """device 'cuda' needs a visible GPU, and 'auto' becomes cuda when one is visible, else cpu; on cuda, one GPU
         per tensor-parallel rank. Then overlap and the step budget, where not given: their best value differs between
@@ -163,15 +148,15 @@ class EngineConfig:
             raise InvalidField("device", "'cuda' but no GPU is visible to torch")
         if self.device == "auto":
             self.device = "cuda" if gpu_visible else "cpu"
+        on_gpu = self.device == "cuda"
         # the ranks on this machine: all of them, unless a launcher (torchrun) spreads them over several machines
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.tensor_parallel_size))
-        if self.device == "cuda" and local_ranks > torch.cuda.device_count():
+        if on_gpu and local_ranks > torch.cuda.device_count():
             raise InvalidField(
                 "tensor_parallel_size",
                 f"{local_ranks} ranks on this machine exceed its {torch.cuda.device_count()} GPUs",
             )
         # the defaults whose best value differs between a GPU and a CPU
-        on_gpu = self.device == "cuda"
         if self.overlap is None:
             self.overlap = on_gpu
         if self.max_num_batched_tokens is None:
@@ -180,7 +165,8 @@ class EngineConfig:
     def _resolve_kernels(self) -> None:
         """kernels 'triton' needs the triton package, and on a CPU its interpreter; 'auto' becomes triton on cuda
         (when installed), else torch. Then enforce_eager on a CPU or with the PyTorch kernels: CUDA graphs need a GPU
-        and the sync-free Triton kernels."""
+        and the sync-free Triton kernels. Last, what kv_cache_dtype 'fp8' needs: torch's float8 e4m3 type, and on a
+        GPU, for the Triton kernels, its conversions, which NVIDIA GPUs have from sm_89 (Ada, Hopper) on."""
         if self.kernels == "triton" and not HAVE_TRITON:
             raise InvalidField("kernels", "'triton' needs the triton package (Linux only); use kernels='torch'")
         if self.kernels == "auto":
@@ -191,15 +177,10 @@ class EngineConfig:
             raise InvalidField("kernels", "'triton' on a CPU needs TRITON_INTERPRET=1 set before nanoserve is imported")
         if self.device == "cpu" or self.kernels == "torch":  # CUDA graphs need a GPU and the sync-free Triton kernels
             self.enforce_eager = True
-
-    def _check_fp8_kv_cache_works(self) -> None:
-        """kv_cache_dtype 'fp8' needs torch's float8 e4m3 type, and on a GPU the Triton kernels need its conversions,
-        which NVIDIA GPUs have from sm_89 (Ada, Hopper) on."""
-        if self.kv_cache_dtype != "fp8":
-            return
-        if not hasattr(torch, "float8_e4m3fn"):
+        fp8 = self.kv_cache_dtype == "fp8"
+        if fp8 and not hasattr(torch, "float8_e4m3fn"):
             raise InvalidField("kv_cache_dtype", f"'fp8' needs float8 types, which torch {torch.__version__} lacks")
-        if self.device == "cuda" and self.kernels == "triton" and torch.cuda.get_device_capability() < (8, 9):
+        if fp8 and self.device == "cuda" and self.kernels == "triton" and torch.cuda.get_device_capability() < (8, 9):
             raise InvalidField("kv_cache_dtype", "'fp8' needs an sm_89+ GPU for the Triton kernels: kernels='torch'")
 
     def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:

@@ -22,7 +22,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.kernels import Kernels, get_kernels
 from nanoserve.model import CausalLM, ModelArgs
 from nanoserve.parallel import TP
-from nanoserve.sampling_params import InvalidField, is_integer
+from nanoserve.sampling_params import InvalidField, check_number
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # ours -> HF's shards
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]  # config, weights, tokenizer, chat template
@@ -181,23 +181,20 @@ def load_hf_config(model_dir: str, config: EngineConfig) -> tuple[PretrainedConf
     """The HF config and our ModelArgs from it, refused (InvalidField) where config.json is broken or the engine config
     cannot serve it. The engine process then checks the checkpoint against it (check_checkpoint, check_kv_cache_fits).
     """
-    # 1) config.json, a JSON object whose sizes are positive integers: a broken file is an InvalidField naming it (and
-    # the field), whatever transformers would have raised
+    # 1) config.json, a JSON object whose sizes are positive integers: any fault (missing, unreadable, not JSON, a bad
+    # size, an unknown model_type, a field that transformers' own checks refuse) is an InvalidField naming the file
+    # (and the field), whatever transformers would have raised
     path = f"{model_dir}/config.json"
     try:
         with open(path, encoding="utf-8") as f:
             fields = json.load(f)
-    except (OSError, ValueError) as error:  # missing, unreadable, or not JSON
-        raise InvalidField("model", f"{path}: {error}") from None
-    if not isinstance(fields, dict):
-        raise InvalidField("model", f"{path}: not a JSON object")
-    for name in CONFIG_SIZES:
-        value = fields.get(name)
-        if value is not None and not (is_integer(value) and value > 0):
-            raise InvalidField("model", f"{path}: {name}={value!r} is not a positive integer")
-    try:
+        if not isinstance(fields, dict):
+            raise ValueError("not a JSON object")
+        for name in CONFIG_SIZES:
+            if fields.get(name) is not None:
+                check_number(name, fields[name], 1, integer=True)
         hf_config = AutoConfig.from_pretrained(model_dir)
-    except Exception as error:  # an unknown model_type, or a field transformers' own checks refuse
+    except Exception as error:
         raise InvalidField("model", f"{path}: {error}") from error
     # 2) what this engine config can serve of it
     args = ModelArgs.from_hf(hf_config)

@@ -16,21 +16,21 @@ MAX_TEMPERATURE = 1e30  # far past where sampling is uniform to float32's precis
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], OpenAI's range
 MAX_LOGIT_BIAS = 100.0  # a logit_bias lies in [-100, 100], OpenAI's range: -100 bans a token in practice
 LISTS = (list, tuple)  # where a list is asked for (prompts, token ids, stop strings, messages), a tuple does too
-# check_number's limits for SamplingParams' number fields (an integer's high is MAX_INT unless stated); min_tokens,
-# whose high is max_tokens, is checked after them
+# check_numbers' limits for SamplingParams' number fields, integers where the field is an int (an integer's high is
+# MAX_INT unless stated); min_tokens', whose high is max_tokens, are added in __post_init__
 NUMBER_LIMITS = {
-    "n": {"low": 1, "integer": True},
+    "n": {"low": 1},
     "temperature": {"low": 0, "high": MAX_TEMPERATURE},
     "top_p": {"low": 0, "high": 1, "above_low": True},
-    "top_k": {"low": -1, "integer": True},
+    "top_k": {"low": -1},
     "min_p": {"low": 0, "high": 1},
-    "max_tokens": {"low": 1, "integer": True},
-    "seed": {"low": -math.inf, "high": math.inf, "integer": True},  # any integer: it is kept mod SEED_RANGE
-    "logprobs": {"low": 0, "integer": True},
+    "max_tokens": {"low": 1},
+    "seed": {"low": -math.inf, "high": math.inf},  # any integer: it is kept mod SEED_RANGE
+    "logprobs": {"low": 0},
     "repetition_penalty": {"low": 0, "above_low": True},
     "presence_penalty": {"low": -MAX_PENALTY, "high": MAX_PENALTY},
     "frequency_penalty": {"low": -MAX_PENALTY, "high": MAX_PENALTY},
-    "prompt_logprobs": {"low": 0, "integer": True},
+    "prompt_logprobs": {"low": 0},
 }
 
 
@@ -77,12 +77,18 @@ def check_number(
 
 
 def check_numbers(settings: object, limits: dict[str, dict]) -> None:
-    """Each field of the dataclass `settings` that limits names goes through check_number with its limits and is
-    stored back as a plain int or float. A field whose default is None may be None: it is unset."""
+    """The numbers and flags of the dataclass `settings`, as its field types say: each field that limits names goes
+    through check_number with its limits, as an integer if the field is an int, and is stored back as a plain int or
+    float; each bool field must be a bool (check_flag). A field whose default is None may be None: it is unset."""
     for field in fields(settings):
         value = getattr(settings, field.name)
-        if field.name in limits and (value is not None or field.default is not None):
-            setattr(settings, field.name, check_number(field.name, value, **limits[field.name]))
+        if value is None and field.default is None:
+            continue
+        if field.type in (bool, bool | None):
+            check_flag(field.name, value)
+        if field.name in limits:
+            integer = field.type in (int, int | None)
+            setattr(settings, field.name, check_number(field.name, value, integer=integer, **limits[field.name]))
 
 
 def check_flag(field: str, value: object) -> None:
@@ -150,14 +156,12 @@ class SamplingParams:
     structured_outputs: object = None
 
     def __post_init__(self) -> None:
-        check_numbers(self, NUMBER_LIMITS)
+        # min_tokens' high is max_tokens, a valid count by then: it comes first among the fields
+        check_numbers(self, NUMBER_LIMITS | {"min_tokens": {"low": 0, "high": self.max_tokens}})
         if self.top_k == 0:
             raise InvalidField("top_k", "0 is out of range: -1 keeps all tokens, k >= 1 keeps k")
-        self.min_tokens = check_number("min_tokens", self.min_tokens, 0, self.max_tokens, integer=True)
         if self.seed is not None:
             self.seed %= SEED_RANGE
-        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            check_flag(flag, getattr(self, flag))
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []  # one stop string, a list, or None
         if not isinstance(stop, LISTS) or not all(isinstance(s, str) and s for s in stop):
             raise InvalidField("stop", f"{shown(self.stop)} is not a non-empty string or a list of them")
@@ -170,13 +174,13 @@ class SamplingParams:
         self.logit_bias = {
             int(t): check_number("logit_bias", b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) for t, b in bias.items()
         }
-        # derived, read for every row of every step (attributes: a property cost 40 us a step at 256 rows): the three
-        # penalties in the order penalties.py reads them, and whether a bias or a penalty applies, so that the sampler
-        # needs this request's row of counts (penalties.py)
         if self.structured_outputs is not None:
             from nanoserve.structured import structured_outputs_params
 
             self.structured_outputs = structured_outputs_params(self.structured_outputs)
+        # derived, read for every row of every step (attributes: a property cost 40 us a step at 256 rows): the three
+        # penalties in the order penalties.py reads them, and whether a bias or a penalty applies, so that the sampler
+        # needs this request's row of counts (penalties.py)
         self.penalties = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
         self.penalized = bool(self.logit_bias) or self.penalties != (1, 0, 0)
         # derived too: whether top-k, top-p or min-p trims the distribution before the draw (sampler.drop_filtered)

@@ -228,9 +228,10 @@ class Workers:
             if code is None:
                 continue
             how = f"exited with code {code}" if code >= 0 else f"was killed by {signal.Signals(-code).name}"
-            self.stderr[rank].seek(0)
-            stderr = self.stderr[rank].read()[-STDERR_TAIL_CHARS:]
-            reports[rank] = f"tensor-parallel rank {rank} {how}; its stderr ends:\n{stderr}"
+            stderr = self.stderr[rank]
+            stderr.seek(0)  # read from the start, its end shown
+            tail = stderr.read()[-STDERR_TAIL_CHARS:]
+            reports[rank] = f"tensor-parallel rank {rank} {how}; its stderr ends:\n{tail}"
         return reports
 
     def close(self, graceful: bool = True) -> None:
@@ -246,8 +247,7 @@ class Workers:
             self.stderr[rank].close()
         if dist.is_initialized():
             dist.destroy_process_group()
-        self.host_group = None
-        self.procs = {}
+        self.host_group = None  # send_step refuses from now on; a second close finds every process ended
 
 
 def start_runner(config: EngineConfig, model_dir: str, hf_config: PretrainedConfig, args: ModelArgs) -> ModelRunner:
