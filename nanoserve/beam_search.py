@@ -32,7 +32,7 @@ preempted."""
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nanoserve.sampling_params import NUMBER_LIMITS, InvalidField, SamplingParams, check_flag, check_numbers
+from nanoserve.sampling_params import NUMBER_LIMITS, InvalidField, SamplingParams, check_numbers
 from nanoserve.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -60,8 +60,7 @@ class BeamSearchParams:
     length_penalty: float = 1.0  # in [-10, 10]; finished beams rank by cum_logprob / generated_length ** this
 
     def __post_init__(self) -> None:
-        check_numbers(self, BEAM_LIMITS)  # each stored back as a plain int or float
-        check_flag("ignore_eos", self.ignore_eos)
+        check_numbers(self, BEAM_LIMITS)  # numbers stored back as plain ints or floats; ignore_eos a bool
 
 
 @dataclass
