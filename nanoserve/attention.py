@@ -113,10 +113,9 @@ def _attend_key_tiles(
     k_cache_ptr,
     v_cache_ptr,
     block_table_ptr,
-    kv_head,
+    head_offset,
     stride_cb,
     stride_cs,
-    stride_ch,
     qk_scale,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
@@ -124,7 +123,8 @@ def _attend_key_tiles(
     """Attend q's rows to the keys of one sequence at positions [start, end), TILE_N at a time (flash attention: an
     online softmax per row); returns its state (row_max, row_sum, acc), below. q: [M, HEAD_DIM]. K/V tiles come in
     the cache's dtype and are widened to q's (exact for fp8). Each key position looks up its own block in the
-    sequence's block table, so a tile may span several small blocks or part of a big one.
+    sequence's block table, so a tile may span several small blocks or part of a big one; head_offset (kv_head *
+    stride_ch) is where the KV head's elements start within a slot.
     Two passes of one loop body, each compiled on its own (MASKED is a compile-time constant):
       unmasked, tiles [start, unmasked_end): whole tiles known to lie below end and below every row's last key, so
         no load is predicated and every key is seen (unmasked_end == start: none);
@@ -133,13 +133,13 @@ def _attend_key_tiles(
     Every row must see a key by its first tile, or its max stays -inf and the rescale is NaN."""
     # the online softmax's running state per row: max score, sum of exp2(score - max), unnormalised output (fp32)
     row_max = tl.full([q.shape[0]], float("-inf"), tl.float32)  # [M]
-    row_sum = tl.zeros([q.shape[0]], tl.float32)  # [M]
+    row_sum = tl.zeros_like(row_max)  # [M]
     acc = tl.zeros(q.shape, tl.float32)  # [M, HEAD_DIM]
     for MASKED in tl.static_range(2):  # unrolled: the unmasked pass (MASKED = 0), then the masked one (1)
         for n in range(unmasked_end if MASKED else start, end if MASKED else unmasked_end, TILE_N):
             pos = n + tl.arange(0, TILE_N)  # [TILE_N] key positions
             # [TILE_N, HEAD_DIM] offsets of the keys within their blocks; the blocks' own offsets are added next
-            offs = tl.arange(0, q.shape[1])[None, :] + kv_head * stride_ch + (pos % BLOCK_SIZE)[:, None] * stride_cs
+            offs = tl.arange(0, q.shape[1])[None, :] + head_offset + (pos % BLOCK_SIZE)[:, None] * stride_cs
             if MASKED:
                 valid = pos < end
                 block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
@@ -199,8 +199,9 @@ def _prefill_kernel(
     q_pos = ctx - q_len + rows  # the queries are the sequence's last tokens
     real_rows = (rows < q_len)[:, None]  # [TILE_M, 1]: rows past the sequence's last query are padding
     d = tl.arange(0, HEAD_DIM)
+    tokens = (q_start + rows)[:, None]  # [TILE_M, 1] the queries' rows of q and out
     q = tl.load(
-        q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :], mask=real_rows, other=0.0
+        q_ptr + tokens * stride_qt + head * stride_qh + d[None, :], mask=real_rows, other=0.0
     )  # [TILE_M, HEAD_DIM]
     # Keys up to the tile's first query are seen by all its rows: whole tiles of them need no mask. Keys after
     # its last query are seen by none: stop there (skips the tiles above the diagonal).
@@ -218,16 +219,15 @@ def _prefill_kernel(
         k_cache_ptr,
         v_cache_ptr,
         block_tables_ptr + seq * stride_bt,
-        head // GROUP,
+        head // GROUP * stride_ch,  # the KV head's offset within a slot
         stride_cb,
         stride_cs,
-        stride_ch,
         qk_scale,
         BLOCK_SIZE,
         TILE_N,
     )
     tl.store(
-        out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
+        out_ptr + tokens * stride_ot + head * stride_oh + d[None, :],
         (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty),
         mask=real_rows,
     )
@@ -284,10 +284,9 @@ def _decode_split_kernel(
         k_cache_ptr,
         v_cache_ptr,
         block_tables_ptr + seq * stride_bt,
-        kv_head,
+        kv_head * stride_ch,
         stride_cb,
         stride_cs,
-        stride_ch,
         qk_scale,
         BLOCK_SIZE,
         TILE_N,
