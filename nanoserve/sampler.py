@@ -82,10 +82,10 @@ def sampling_temperature(temperature: float) -> float:
 def gumbel_argmax(logits: Tensor, temperatures: list[float], seeds: list[int]) -> Tensor:
     """logits: [rows, vocab] -> [rows] int64 token ids, one draw per row from softmax(logits / T)."""
     num_rows, vocab_size = logits.shape
-    num_chunks = triton.cdiv(vocab_size, GUMBEL_TILE)
-    chunk_best = logits.new_empty(num_rows, num_chunks, dtype=torch.float32)
+    # one program per (row, chunk of GUMBEL_TILE entries): the grid is the shape of the per-chunk results
+    chunk_best = logits.new_empty(num_rows, triton.cdiv(vocab_size, GUMBEL_TILE), dtype=torch.float32)
     chunk_id = torch.empty_like(chunk_best, dtype=torch.int64)
-    _gumbel_argmax_kernel[(num_rows, num_chunks)](
+    _gumbel_argmax_kernel[chunk_best.shape](
         logits,
         logits.stride(0),
         to_device(temperatures, torch.float32, logits.device),
