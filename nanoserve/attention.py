@@ -113,10 +113,9 @@ def _attend_key_tiles(
     k_cache_ptr,
     v_cache_ptr,
     block_table_ptr,
-    kv_head,
+    head_offset,
     stride_cb,
     stride_cs,
-    stride_ch,
     qk_scale,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
@@ -124,7 +123,8 @@ def _attend_key_tiles(
     """Attend q's rows to the keys of one sequence at positions [start, end), TILE_N at a time (flash attention: an
     online softmax per row); returns its state (row_max, row_sum, acc), below. q: [M, HEAD_DIM]. K/V tiles come in
     the cache's dtype and are widened to q's (exact for fp8). Each key position looks up its own block in the
-    sequence's block table, so a tile may span several small blocks or part of a big one.
+    sequence's block table, so a tile may span several small blocks or part of a big one; head_offset (kv_head *
+    stride_ch) is where the KV head's elements start within a slot.
     Two passes of one loop body, each compiled on its own (MASKED is a compile-time constant):
       unmasked, tiles [start, unmasked_end): whole tiles known to lie below end and below every row's last key, so
         no load is predicated and every key is seen (unmasked_end == start: none);
@@ -133,13 +133,13 @@ def _attend_key_tiles(
     Every row must see a key by its first tile, or its max stays -inf and the rescale is NaN."""
     # the online softmax's running state per row: max score, sum of exp2(score - max), unnormalised output (fp32)
     row_max = tl.full([q.shape[0]], float("-inf"), tl.float32)  # [M]
-    row_sum = tl.zeros([q.shape[0]], tl.float32)  # [M]
+    row_sum = tl.zeros_like(row_max)  # [M]
     acc = tl.zeros(q.shape, tl.float32)  # [M, HEAD_DIM]
     for MASKED in tl.static_range(2):  # unrolled: the unmasked pass (MASKED = 0), then the masked one (1)
         for n in range(unmasked_end if MASKED else start, end if MASKED else unmasked_end, TILE_N):
             pos = n + tl.arange(0, TILE_N)  # [TILE_N] key positions
             # [TILE_N, HEAD_DIM] offsets of the keys within their blocks; the blocks' own offsets are added next
-            offs = tl.arange(0, q.shape[1])[None, :] + kv_head * stride_ch + (pos % BLOCK_SIZE)[:, None] * stride_cs
+            offs = tl.arange(0, q.shape[1])[None, :] + head_offset + (pos % BLOCK_SIZE)[:, None] * stride_cs
             if MASKED:
                 valid = pos < end
                 block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
@@ -198,10 +198,9 @@ def _prefill_kernel(
     rows = tile * TILE_M + tl.arange(0, TILE_M)  # [TILE_M] query index within the sequence
     q_pos = ctx - q_len + rows  # the queries are the sequence's last tokens
     real_rows = (rows < q_len)[:, None]  # [TILE_M, 1]: rows past the sequence's last query are padding
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :], mask=real_rows, other=0.0
-    )  # [TILE_M, HEAD_DIM]
+    d = tl.arange(0, HEAD_DIM)[None, :]  # [1, HEAD_DIM]
+    tokens = (q_start + rows)[:, None]  # [TILE_M, 1] the queries' rows of q and out
+    q = tl.load(q_ptr + tokens * stride_qt + head * stride_qh + d, mask=real_rows, other=0.0)  # [TILE_M, HEAD_DIM]
     # Keys up to the tile's first query are seen by all its rows: whole tiles of them need no mask. Keys after
     # its last query are seen by none: stop there (skips the tiles above the diagonal).
     first_q_pos = ctx - q_len + tile * TILE_M  # the position of the tile's first query
@@ -218,16 +217,15 @@ def _prefill_kernel(
         k_cache_ptr,
         v_cache_ptr,
         block_tables_ptr + seq * stride_bt,
-        head // GROUP,
+        head // GROUP * stride_ch,  # the KV head's offset within a slot
         stride_cb,
         stride_cs,
-        stride_ch,
         qk_scale,
         BLOCK_SIZE,
         TILE_N,
     )
     tl.store(
-        out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
+        out_ptr + tokens * stride_ot + head * stride_oh + d,
         (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty),
         mask=real_rows,
     )
@@ -271,9 +269,9 @@ def _decode_split_kernel(
     g = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + g  # [GROUP_PAD] query heads
     real_rows = g < GROUP  # [GROUP_PAD]: rows g >= GROUP are padding
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HEAD_DIM)[None, :]  # [1, HEAD_DIM]
     q = tl.load(
-        q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=real_rows[:, None], other=0.0
+        q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + d, mask=real_rows[:, None], other=0.0
     )  # [GROUP_PAD, HEAD_DIM]
     row_max, row_sum, acc = _attend_key_tiles(
         q,
@@ -284,10 +282,9 @@ def _decode_split_kernel(
         k_cache_ptr,
         v_cache_ptr,
         block_tables_ptr + seq * stride_bt,
-        kv_head,
+        kv_head * stride_ch,
         stride_cb,
         stride_cs,
-        stride_ch,
         qk_scale,
         BLOCK_SIZE,
         TILE_N,
@@ -299,7 +296,7 @@ def _decode_split_kernel(
     # partials are contiguous: part_lse [num_seqs, num_heads, num_splits], part_out [..., HEAD_DIM]
     row = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split  # [GROUP_PAD]
     tl.store(part_lse_ptr + row, lse, mask=real_rows)
-    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=real_rows[:, None])
+    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d, out, mask=real_rows[:, None])
 
 
 @triton.jit
@@ -464,11 +461,12 @@ def store_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_ma
         cache.flatten(0, 1)[slot_mapping[keep]] = new[keep].to(cache.dtype)  # fp8: saturating, to nearest
 
 
-def gather_for_reference(meta: AttentionMetadata, block_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def gather_for_reference(meta: AttentionMetadata, block_size: int) -> tuple[Tensor, ...]:
     """How paged_attention_ref lays a step out for SDPA: each sequence's keys gathered from its blocks into a batch
     padded to the longest context, its queries into one padded to the longest query, and a causal mask. It depends on
     the metadata only, so every layer of a step shares one (AttentionMetadata.reference_gather keeps it). Returns
-      slots         [num_seqs, max_k] cache slot of each key; padding keys re-read the sequence's first one
+      blocks        [num_seqs, max_k] cache block of each key; padding keys re-read the sequence's first one
+      offsets       [num_seqs, max_k] its slot within that block
       visible       [num_seqs, 1, max_q, max_k] bool: which keys each query sees
       query_rows    [num_seqs, max_q] rows of q
       real_queries  [num_seqs, max_q] bool: not padding
@@ -478,14 +476,14 @@ def gather_for_reference(meta: AttentionMetadata, block_size: int) -> tuple[Tens
     key_pos = torch.arange(meta.max_context_len, device=device)  # [max_k]
     # padding keys re-read the sequence's first key (slots past a context may hold anything, even NaN)
     pos = torch.where(key_pos < meta.context_lens[:, None], key_pos, 0)  # [num_seqs, max_k]
-    slots = meta.block_tables.gather(1, pos // block_size) * block_size + pos % block_size
+    blocks = meta.block_tables.gather(1, pos // block_size)  # [num_seqs, max_k]
     q_lens = meta.query_start_loc.diff()[:, None]  # [num_seqs, 1]
     q_idx = torch.arange(meta.max_query_len, device=device)  # [max_q]
     # [num_seqs, max_q]; padding rows re-read the last token (num_tokens is known on the host: no sync)
     query_rows = (meta.query_start_loc[:-1, None] + q_idx).clamp(max=len(meta.slot_mapping) - 1)
     q_pos = meta.context_lens[:, None] - q_lens + q_idx  # [num_seqs, max_q] positions of the queries
     visible = key_pos <= q_pos[:, None, :, None]  # [num_seqs, 1, max_q, max_k]: causal
-    return slots, visible, query_rows, q_idx < q_lens
+    return blocks, pos % block_size, visible, query_rows, q_idx < q_lens
 
 
 def paged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
@@ -493,10 +491,10 @@ def paged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Atten
     PyTorch's SDPA over each sequence's keys gathered from its blocks (gather_for_reference), in fp32."""
     if meta.reference_gather is None:  # the step's first layer
         meta.reference_gather = gather_for_reference(meta, k_cache.shape[1])
-    slots, visible, query_rows, real_queries = meta.reference_gather
-    # the keys and values by slot, [num_seqs, num_kv_heads, max_k, head_dim], and the queries, [num_seqs, num_heads,
-    # max_q, head_dim]: SDPA's layout, in fp32
-    k, v = (cache.flatten(0, 1)[slots].float().transpose(1, 2) for cache in (k_cache, v_cache))
+    blocks, offsets, visible, query_rows, real_queries = meta.reference_gather
+    # the keys and values by (block, offset), [num_seqs, num_kv_heads, max_k, head_dim], and the queries,
+    # [num_seqs, num_heads, max_q, head_dim]: SDPA's layout, in fp32
+    k, v = (cache[blocks, offsets].float().transpose(1, 2) for cache in (k_cache, v_cache))
     queries = q[query_rows].float().transpose(1, 2)
     out = F.scaled_dot_product_attention(queries, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
     out = out.transpose(1, 2)[real_queries]  # [num_tokens, num_heads, head_dim]: padded query rows dropped

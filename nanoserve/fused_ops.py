@@ -46,17 +46,17 @@ def _norm_rope_heads(
     eps,
     HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,
-    HAS_NORM: tl.constexpr,
 ):
-    """In place on one token's heads [num_heads, 2 * HALF] at ptr: optional per-head RMSNorm, then rotate-half
-    RoPE with this position's cos and sin [HALF] (fp32)."""
+    """In place on one token's heads [num_heads, 2 * HALF] at ptr: per-head RMSNorm with the weight at weight_ptr
+    (skipped when it is None: a compile-time constant), then rotate-half RoPE with this position's cos and sin
+    [HALF] (fp32)."""
     h, d = tl.arange(0, HEADS_PAD)[:, None], tl.arange(0, HALF)[None, :]
     mask = h < num_heads
     first = ptr + h * stride_h + d  # [HEADS_PAD, HALF] pointers to each head's first half; its second: first + HALF
     # a padded head's lanes (masked) are loaded as anything and never stored; sums run within a head, never across
     x1 = tl.load(first, mask=mask).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask).to(tl.float32)
-    if HAS_NORM:
+    if weight_ptr is not None:
         sum_sq = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)  # [HEADS_PAD] over both halves: the whole head
         inv_rms = 1.0 / tl.sqrt(sum_sq / (2 * HALF) + eps)[:, None]
         w1, w2 = tl.load(weight_ptr + d), tl.load(weight_ptr + HALF + d)  # in the model dtype
@@ -87,19 +87,14 @@ def _qk_norm_rope_kernel(
     Q_HEADS_PAD: tl.constexpr,
     K_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,
-    HAS_NORM: tl.constexpr,
 ):
     # program t: every q and k head of token t, which share its position's cos and sin
     t = tl.program_id(0)
     pos = tl.load(positions_ptr + t)  # int32: pos * HALF stays far below 2**31
     row = pos * HALF + tl.arange(0, HALF)[None, :]  # this position's row of the cos and sin tables
     cos, sin = tl.load(cos_ptr + row), tl.load(sin_ptr + row)
-    _norm_rope_heads(
-        q_ptr + t * stride_qt, stride_qh, num_q_heads, q_weight_ptr, cos, sin, eps, Q_HEADS_PAD, HALF, HAS_NORM
-    )
-    _norm_rope_heads(
-        k_ptr + t * stride_kt, stride_kh, num_k_heads, k_weight_ptr, cos, sin, eps, K_HEADS_PAD, HALF, HAS_NORM
-    )
+    _norm_rope_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, q_weight_ptr, cos, sin, eps, Q_HEADS_PAD, HALF)
+    _norm_rope_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, k_weight_ptr, cos, sin, eps, K_HEADS_PAD, HALF)
 
 
 @triton.jit
@@ -173,7 +168,7 @@ def qk_norm_rope(
         positions,
         cos,
         sin,
-        q_weight,  # None without the norm: Triton makes it a constant, never read
+        q_weight,  # None without the norm: Triton compiles the kernel without it (a constant None)
         k_weight,
         *q.stride()[:2],  # its token and head strides (a head's elements are adjacent)
         *k.stride()[:2],
@@ -183,7 +178,6 @@ def qk_norm_rope(
         Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
         K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
         HALF=head_dim // 2,
-        HAS_NORM=q_weight is not None,
     )
     return q, k
 

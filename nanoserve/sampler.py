@@ -82,10 +82,10 @@ def sampling_temperature(temperature: float) -> float:
 def gumbel_argmax(logits: Tensor, temperatures: list[float], seeds: list[int]) -> Tensor:
     """logits: [rows, vocab] -> [rows] int64 token ids, one draw per row from softmax(logits / T)."""
     num_rows, vocab_size = logits.shape
-    num_chunks = triton.cdiv(vocab_size, GUMBEL_TILE)
-    chunk_best = logits.new_empty(num_rows, num_chunks, dtype=torch.float32)
+    # one program per (row, chunk of GUMBEL_TILE entries): the grid is the shape of the per-chunk results
+    chunk_best = logits.new_empty(num_rows, triton.cdiv(vocab_size, GUMBEL_TILE), dtype=torch.float32)
     chunk_id = torch.empty_like(chunk_best, dtype=torch.int64)
-    _gumbel_argmax_kernel[(num_rows, num_chunks)](
+    _gumbel_argmax_kernel[chunk_best.shape](
         logits,
         logits.stride(0),
         to_device(temperatures, torch.float32, logits.device),
@@ -154,11 +154,9 @@ class Sampler:
         penalty (penalties.py), or None; matchers: each row's grammar (a structured.StructuredMatcher or None), or
         None. Returns the tokens and, if any row asked for logprobs, their logprobs, all on the device. vLLM's order:
         bans, the grammar's mask, bias and penalties, then temperature and the filters."""
-        logprobs = None
         asked = [p.logprobs for p in params if p.logprobs is not None]  # top-N logprobs per row that asked for some
-        if asked:
-            # of the model's own distribution (vLLM's default): before bias, penalties, filters and T
-            logprobs = logits.float().log_softmax(-1)  # [rows, vocab]
+        # [rows, vocab], of the model's own distribution (vLLM's default): before bias, penalties, filters and T
+        logprobs = logits.float().log_softmax(-1) if asked else None
         if any(banned):
             # logits[row, id] = -inf for each id in banned[row], in one indexed write for the whole batch
             pairs = [(row, token) for row, ids in enumerate(banned) for token in ids]
@@ -178,9 +176,8 @@ class Sampler:
         tokens = self.kernels.gumbel_argmax(logits, temperatures, seeds)
         if penalties is not None:
             penalties.count(tokens)  # on the device: the next step's penalties see these tokens, pending or not
-        if not asked:
-            return Samples(tokens)
-        return Samples(tokens, logprobs_of(logprobs, tokens, max(asked)))  # the most any row asked for; 0: empty rows
+        # top-N: the most any row asked for (0: empty rows)
+        return Samples(tokens, logprobs_of(logprobs, tokens, max(asked)) if asked else None)
 
 
 def drop_filtered(logits: Tensor, params: list[SamplingParams]) -> Tensor:

@@ -135,7 +135,7 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
             "k_weight_ptr": dtype,
             "eps": "fp32",
         },
-        {"Q_HEADS_PAD": 8 * group, "K_HEADS_PAD": 8, "HALF": head_dim // 2, "HAS_NORM": True},
+        {"Q_HEADS_PAD": 8 * group, "K_HEADS_PAD": 8, "HALF": head_dim // 2},
         4,
     )
     yield build(F._silu_mul_kernel, {"x_ptr": dtype, "out_ptr": dtype}, {"BLOCK": F.SILU_BLOCK}, 4)
