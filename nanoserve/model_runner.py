@@ -147,7 +147,7 @@ class ModelRunner:
         self.config = config
         self.args = args
         self.tp = tp
-        self.workers = workers  # rank 0 of several: its handle on the other ranks
+        self.workers = None  # rank 0 of several: its handle on the other ranks, once start-up's steps have run
         self.device = torch.device(f"cuda:{tp.local_rank}" if config.device == "cuda" else "cpu")
         if self.device.type == "cpu":
             torch.set_num_threads(config.threads or max(1, free_cores() // tp.size))
@@ -171,8 +171,7 @@ class ModelRunner:
             fewest = torch.tensor([self.num_kvcache_blocks], device=self.device)
             dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
             self.num_kvcache_blocks = int(fewest)
-        self.kv_cache = self.empty_kv_cache(self.num_kvcache_blocks)
-        self.kv_caches = list(zip(*self.kv_cache, strict=True))  # per layer i: (kv_cache[0, i], kv_cache[1, i])
+        self.make_kv_cache(self.num_kvcache_blocks)
         logger.info(self.kv_account())
         # 3) the decode graphs, captured over that cache
         self.graphs = None
@@ -181,6 +180,7 @@ class ModelRunner:
                 self.model, self.kv_caches, config.max_num_seqs, self.max_blocks_per_seq, config.max_model_len
             )
             self.graphs.capture()
+        self.workers = workers  # set last: every rank runs start-up's steps (warm_up) on its own
 
     def close(self) -> None:
         if self.workers is not None:
@@ -209,11 +209,13 @@ class ModelRunner:
             f"{num_tokens * self.kv_bytes_per_token / 2**30:.2f} GiB ({sized_by})"
         )
 
-    def empty_kv_cache(self, num_blocks: int) -> Tensor:
-        """[K or V, layer, block, slot, kv head (this rank's), head_dim], not zeroed: every slot is written before it
-        is read, and on a CPU memory pages are only taken as the cache fills."""
+    def make_kv_cache(self, num_blocks: int) -> None:
+        """kv_cache: [K or V, layer, block, slot, kv head (this rank's), head_dim], not zeroed: every slot is written
+        before it is read, and on a CPU memory pages are only taken as the cache fills; kv_caches, what the model
+        reads: per layer i, (kv_cache[0, i], kv_cache[1, i])."""
         shape = (2, self.args.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.args.head_dim)
-        return torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+        self.kv_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+        self.kv_caches = list(zip(*self.kv_cache, strict=True))
 
     def blocks_from_memory(self) -> int:
         block_bytes = self.kv_bytes_per_token * self.block_size
@@ -238,33 +240,31 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Before the KV cache exists: compile a prefill kernel per query-tile size, and with them the decode kernels
         (every step launches them; they have one variant for any batch size, so an eager run, too, never waits for a
-        compile: Triton compiles on first use), then run the biggest step the scheduler can make
-        (max_num_batched_tokens of prefill; logits and the sampler's costliest path for max_num_seqs rows) to measure
-        the memory left."""
+        compile: Triton compiles on first use), then run the biggest step the scheduler can make to measure the memory
+        left: max_num_batched_tokens of prompt, cut into sequences no longer than max_model_len, and max_num_seqs
+        rows of logits through the sampler's costliest path (rows past those sequences are one-token sequences: a
+        few tokens over the budget, on the safe side). Each is a real step (launch), its sequences all token 0 and
+        their block tables all block 0 of a zeroed one-block scratch cache: no K/V goes anywhere that matters."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        self.make_kv_cache(1)
+        self.kv_cache.zero_()  # the scratch cache; the real one replaces it
         for tile in prefill_tile_sizes(self.dtype):
-            self._dummy_prefill([tile])
+            self.launch(self._dummy_step([tile]), None)
         config = self.config
-        # the step budget of prompt tokens, cut into sequences no longer than max_model_len
         budget = config.max_num_batched_tokens
         seq_lens = [min(config.max_model_len, budget - i) for i in range(0, budget, config.max_model_len)]
-        hidden = self._dummy_prefill(seq_lens)
-        n = config.max_num_seqs
-        logits = self.model.compute_logits(hidden[:1].expand(n, -1))
-        self.sampler(logits, [PROFILE_SAMPLING] * n, [1] * n, [frozenset()] * n)  # the allocator counts at launch
+        seq_lens = seq_lens[: config.max_num_seqs]  # a step holds at most max_num_seqs sequences
+        self.launch(self._dummy_step(seq_lens + [1] * (config.max_num_seqs - len(seq_lens))), None)
 
-    def _dummy_prefill(self, seq_lens: list[int]) -> Tensor:
-        """A prefill of sequences of token 0 whose K/V go nowhere that matters: every entry of their block tables is
-        block 0 of a zeroed scratch cache, so warm-up runs the real step path without the real cache."""
-        scratch = self.empty_kv_cache(1).zero_()
+    def _dummy_step(self, seq_lens: list[int]) -> Step:
+        """A step of whole prompts of token 0, each sampling its next token (PROFILE_SAMPLING), all in block 0."""
         step = Step()
         for n in seq_lens:
-            seq = Sequence([0] * n, SamplingParams(), self.block_size)
+            seq = Sequence([0] * n, PROFILE_SAMPLING, self.block_size)
             seq.block_table = array.array("i", bytes(4 * self.max_blocks_per_seq))  # all block 0
-            step.scheduled.append(ScheduledSeq(seq, start=0, num_new_tokens=n, picks_next_token=False))
-        views, meta = step_inputs(*upload(flatten_step(step, self.block_size, None), self.device), None)
-        return self.model(views.input_ids, views.positions, list(zip(*scratch, strict=True)), meta)
+            step.scheduled.append(ScheduledSeq(seq, start=0, num_new_tokens=n, picks_next_token=True))
+        return step
 
     # ---- one step ---------------------------------------------------------------------------------
     def prepare(self, step: Step, previous: InFlightStep | None) -> StepLists:
