@@ -241,10 +241,11 @@ class ModelRunner:
         """Before the KV cache exists: compile a prefill kernel per query-tile size, and with them the decode kernels
         (every step launches them; they have one variant for any batch size, so an eager run, too, never waits for a
         compile: Triton compiles on first use), then run the biggest step the scheduler can make to measure the memory
-        left: max_num_batched_tokens of prompt, cut into sequences no longer than max_model_len, and max_num_seqs
-        rows of logits through the sampler's costliest path (rows past those sequences are one-token sequences: a
-        few tokens over the budget, on the safe side). Each is a real step (launch), its sequences all token 0 and
-        their block tables all block 0 of a zeroed one-block scratch cache: no K/V goes anywhere that matters."""
+        left: max_num_batched_tokens of prompt, cut into sequences no longer than max_model_len, each sampling its
+        next token through the sampler's costliest path, with one-token sequences added up to max_num_seqs sampling
+        rows (on the safe side: a few tokens, or rows, more than a real step holds). Each is a real step (launch), its
+        sequences all token 0, their block tables all block 0 of a zeroed one-block scratch cache: no K/V goes
+        anywhere that matters."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         self.make_kv_cache(1)
@@ -254,7 +255,6 @@ class ModelRunner:
         config = self.config
         budget = config.max_num_batched_tokens
         seq_lens = [min(config.max_model_len, budget - i) for i in range(0, budget, config.max_model_len)]
-        seq_lens = seq_lens[: config.max_num_seqs]  # a step holds at most max_num_seqs sequences
         self.launch(self._dummy_step(seq_lens + [1] * (config.max_num_seqs - len(seq_lens))), None)
 
     def _dummy_step(self, seq_lens: list[int]) -> Step:
@@ -321,9 +321,8 @@ class ModelRunner:
         prompt_samples = None
         if len(views.prompt_rows):
             prompt_samples = self.prompt_logprobs(hidden[views.prompt_rows], views.prompt_next_ids, prompt_top_n)
-        if not len(views.sample_rows):
-            return None, prompt_samples
-        return self.model.compute_logits(hidden[views.sample_rows]), prompt_samples
+        logits = self.model.compute_logits(hidden[views.sample_rows]) if len(views.sample_rows) else None
+        return logits, prompt_samples
 
     def prompt_logprobs(self, hidden: Tensor, next_ids: Tensor, top_n: int) -> Samples:
         """Per prompt row (hidden: [prompt rows, hidden_size], their hidden states), the next prompt token (as the
