@@ -66,7 +66,7 @@ class DecodeGraphs:
     def run(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         """Decode rows [num_seqs] -> hidden states [num_seqs, hidden_size], by replaying the graph of the next size
         up: the rows past num_seqs are padding."""
-        num_seqs = input_ids.shape[0]
+        num_seqs = len(input_ids)
         size = next(s for s in self.sizes if s >= num_seqs)
         self.per_row[:, :num_seqs] = torch.stack([input_ids, positions, meta.slot_mapping, meta.context_lens])
         self.slot_mapping[num_seqs:size] = PAD_SLOT  # padded rows write nothing...

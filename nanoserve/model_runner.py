@@ -90,7 +90,7 @@ def logprob_dicts(samples: Samples, nums: list[int | None]) -> list[dict[int, fl
     entry again if it is among them); None for a row that asked for none."""
     columns = [samples.tokens, *samples.logprobs]  # tokens, chosen, top values, top ids: each one .tolist() call
     return [
-        None if n is None else dict(zip(top_ids[:n] + [token], top_values[:n] + [chosen], strict=True))
+        None if n is None else dict(zip(top_ids[:n], top_values[:n], strict=True)) | {token: chosen}
         for n, token, chosen, top_values, top_ids in zip(nums, *(c.tolist() for c in columns), strict=True)
     ]
 
@@ -281,9 +281,8 @@ class ModelRunner:
             if self.workers is not None:  # tensor parallel: every rank runs the step; rank 0 samples
                 self.workers.send_step(header, flat)  # the header as host ints: no copy to the device, no sync
             previous_tokens = previous.device_tokens if previous is not None else None
-            prompt_top_n = 0  # the most top logprobs a prompt row asks for; ordinary steps skip the look
-            if lists.prompt_rows:
-                prompt_top_n = max(s.seq.params.prompt_logprobs or 0 for s in step.scheduled)
+            # the most top logprobs a prompt row asks for; ordinary steps skip the look
+            prompt_top_n = max(s.seq.params.prompt_logprobs or 0 for s in step.scheduled) if lists.prompt_rows else 0
             logits, prompt_samples = self.execute(header, flat, previous_tokens, prompt_top_n)
             samples = None  # a step of prompt chunks only samples nothing
             if logits is not None:
