@@ -7,7 +7,6 @@ KV cache size: every token keeps a K and a V vector per layer and KV head, so
 and the pool is as many blocks of `block_size` tokens as the memory left after weights and activations holds. The
 element is the model's dtype, or 1 byte with kv_cache_dtype="fp8": twice bf16's tokens in the same memory."""
 
-import array
 import logging
 import os
 import time
@@ -48,6 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("nanoserve")
 CPU_KV_CACHE_BYTES = 1 << 30  # no GPU to profile: the KV pool gets 1 GiB of host memory (config.num_kvcache_blocks)
 PROFILE_SAMPLING = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, logprobs=1)  # the sampler's costliest path
+RowLogprobs = dict[int, float] | None  # one row's {token: logprob}; None for a row that asked for none
 
 
 def running_processes() -> int:
@@ -85,7 +85,7 @@ def copy_to_host_async(samples: Samples | None) -> Samples | None:
     return Samples(to_host(samples.tokens), logprobs)
 
 
-def logprob_dicts(samples: Samples, nums: list[int | None]) -> list[dict[int, float] | None]:
+def logprob_dicts(samples: Samples, nums: list[int | None]) -> list[RowLogprobs]:
     """Host samples with logprobs as one {token: logprob} per row: the top nums[row], then the row's own token (its
     entry again if it is among them); None for a row that asked for none."""
     columns = [samples.tokens, *samples.logprobs]  # tokens, chosen, top values, top ids: each one .tolist() call
@@ -106,11 +106,10 @@ class InFlightStep:
         self.device_tokens = samples.tokens if samples is not None else None
         self.host_samples = copy_to_host_async(samples)
         self.host_prompt_samples = copy_to_host_async(prompt_samples)
-        self.ready = None
-        if on_gpu:  # the event after which the host copies are complete
-            self.ready = torch.cuda.current_stream().record_event()
+        # on a GPU, the event after which the host copies are complete
+        self.ready = torch.cuda.current_stream().record_event() if on_gpu else None
 
-    def wait(self) -> tuple[list[int], list[dict[int, float] | None] | None, list[tuple]]:
+    def wait(self) -> tuple[list[int], list[RowLogprobs] | None, list[tuple]]:
         """The tokens (waiting for the GPU if needed); per row, {token: logprob} if any row asked for them: the chosen
         token's and the top-N, N as that row asked; and ((sequence, prompt position), {token: logprob}) per prompt
         position this step computed the logprobs of."""
@@ -262,7 +261,7 @@ class ModelRunner:
         step = Step()
         for n in seq_lens:
             seq = Sequence([0] * n, PROFILE_SAMPLING, self.block_size)
-            seq.block_table = array.array("i", bytes(4 * self.max_blocks_per_seq))  # all block 0
+            seq.block_table.frombytes(bytes(4 * self.max_blocks_per_seq))  # int32 zeros: every entry block 0
             step.scheduled.append(ScheduledSeq(seq, start=0, num_new_tokens=n, picks_next_token=True))
         return step
 
