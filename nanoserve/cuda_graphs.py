@@ -9,6 +9,7 @@ from torch import Tensor
 
 from nanoserve.attention import PAD_SLOT, AttentionMetadata
 from nanoserve.model import CausalLM, KVCache
+from nanoserve.step_inputs import INTS_PER_16_BYTES, round_up
 
 
 class DecodeGraphs:
@@ -20,12 +21,13 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         # the batch sizes that get a graph: 1, 2, 4, 8, then every 16, and max_num_seqs itself
         self.sizes = [s for s in (1, 2, 4, 8, *range(16, max_num_seqs, 16)) if s < max_num_seqs] + [max_num_seqs]
-        # the static input buffers every graph reads, max_num_seqs rows each
+        # the static input buffers every graph reads, max_num_seqs rows each. The four per-row ones are the rows of
+        # one tensor, so a step fills them with one copy (its row length a multiple of 4 int32s: each row 16-byte
+        # aligned, as step_inputs keeps its views, so the kernels compile no second variant)
         ints = {"dtype": torch.int32, "device": next(model.parameters()).device}
-        self.input_ids = torch.zeros(max_num_seqs, **ints)
-        self.positions = torch.zeros(max_num_seqs, **ints)
-        self.slot_mapping = torch.full((max_num_seqs,), PAD_SLOT, **ints)
-        self.context_lens = torch.zeros(max_num_seqs, **ints)
+        self.per_row = torch.zeros(4, round_up(max_num_seqs, INTS_PER_16_BYTES), **ints)
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens = self.per_row
+        self.slot_mapping.fill_(PAD_SLOT)  # the captures write no KV
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, **ints)
         self.query_start_loc = torch.arange(max_num_seqs + 1, **ints)  # one query per sequence
         # each graph's output [size, hidden_size]: the tensor its capture made (in the shared pool), which every replay
@@ -64,13 +66,10 @@ class DecodeGraphs:
     def run(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         """Decode rows [num_seqs] -> hidden states [num_seqs, hidden_size], by replaying the graph of the next size
         up: the rows past num_seqs are padding."""
-        num_seqs = input_ids.shape[0]
+        num_seqs = len(input_ids)
         size = next(s for s in self.sizes if s >= num_seqs)
-        self.input_ids[:num_seqs] = input_ids
-        self.positions[:num_seqs] = positions
-        self.slot_mapping[:num_seqs] = meta.slot_mapping
+        self.per_row[:, :num_seqs] = torch.stack([input_ids, positions, meta.slot_mapping, meta.context_lens])
         self.slot_mapping[num_seqs:size] = PAD_SLOT  # padded rows write nothing...
-        self.context_lens[:num_seqs] = meta.context_lens
         self.context_lens[num_seqs:size] = 0  # ...and read nothing
         self.block_tables[:num_seqs, : meta.block_tables.shape[1]] = meta.block_tables
         self.graphs[size].replay()

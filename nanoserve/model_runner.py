@@ -7,7 +7,6 @@ KV cache size: every token keeps a K and a V vector per layer and KV head, so
 and the pool is as many blocks of `block_size` tokens as the memory left after weights and activations holds. The
 element is the model's dtype, or 1 byte with kv_cache_dtype="fp8": twice bf16's tokens in the same memory."""
 
-import array
 import logging
 import os
 import time
@@ -48,6 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("nanoserve")
 CPU_KV_CACHE_BYTES = 1 << 30  # no GPU to profile: the KV pool gets 1 GiB of host memory (config.num_kvcache_blocks)
 PROFILE_SAMPLING = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, logprobs=1)  # the sampler's costliest path
+RowLogprobs = dict[int, float] | None  # one row's {token: logprob}; None for a row that asked for none
 
 
 def running_processes() -> int:
@@ -85,12 +85,12 @@ def copy_to_host_async(samples: Samples | None) -> Samples | None:
     return Samples(to_host(samples.tokens), logprobs)
 
 
-def logprob_dicts(samples: Samples, nums: list[int | None]) -> list[dict[int, float] | None]:
+def logprob_dicts(samples: Samples, nums: list[int | None]) -> list[RowLogprobs]:
     """Host samples with logprobs as one {token: logprob} per row: the top nums[row], then the row's own token (its
     entry again if it is among them); None for a row that asked for none."""
     columns = [samples.tokens, *samples.logprobs]  # tokens, chosen, top values, top ids: each one .tolist() call
     return [
-        None if n is None else dict(zip(top_ids[:n] + [token], top_values[:n] + [chosen], strict=True))
+        None if n is None else dict(zip(top_ids[:n], top_values[:n], strict=True)) | {token: chosen}
         for n, token, chosen, top_values, top_ids in zip(nums, *(c.tolist() for c in columns), strict=True)
     ]
 
@@ -106,11 +106,10 @@ class InFlightStep:
         self.device_tokens = samples.tokens if samples is not None else None
         self.host_samples = copy_to_host_async(samples)
         self.host_prompt_samples = copy_to_host_async(prompt_samples)
-        self.ready = None
-        if on_gpu:  # the event after which the host copies are complete
-            self.ready = torch.cuda.current_stream().record_event()
+        # on a GPU, the event after which the host copies are complete
+        self.ready = torch.cuda.current_stream().record_event() if on_gpu else None
 
-    def wait(self) -> tuple[list[int], list[dict[int, float] | None] | None, list[tuple]]:
+    def wait(self) -> tuple[list[int], list[RowLogprobs] | None, list[tuple]]:
         """The tokens (waiting for the GPU if needed); per row, {token: logprob} if any row asked for them: the chosen
         token's and the top-N, N as that row asked; and ((sequence, prompt position), {token: logprob}) per prompt
         position this step computed the logprobs of."""
@@ -147,7 +146,7 @@ class ModelRunner:
         self.config = config
         self.args = args
         self.tp = tp
-        self.workers = workers  # rank 0 of several: its handle on the other ranks
+        self.workers = None  # rank 0 of several: its handle on the other ranks, once start-up's steps have run
         self.device = torch.device(f"cuda:{tp.local_rank}" if config.device == "cuda" else "cpu")
         if self.device.type == "cpu":
             torch.set_num_threads(config.threads or max(1, free_cores() // tp.size))
@@ -171,8 +170,7 @@ class ModelRunner:
             fewest = torch.tensor([self.num_kvcache_blocks], device=self.device)
             dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
             self.num_kvcache_blocks = int(fewest)
-        self.kv_cache = self.empty_kv_cache(self.num_kvcache_blocks)
-        self.kv_caches = list(zip(*self.kv_cache, strict=True))  # per layer i: (kv_cache[0, i], kv_cache[1, i])
+        self.make_kv_cache(self.num_kvcache_blocks)
         logger.info(self.kv_account())
         # 3) the decode graphs, captured over that cache
         self.graphs = None
@@ -181,6 +179,7 @@ class ModelRunner:
                 self.model, self.kv_caches, config.max_num_seqs, self.max_blocks_per_seq, config.max_model_len
             )
             self.graphs.capture()
+        self.workers = workers  # set last: every rank runs start-up's steps (warm_up) on its own
 
     def close(self) -> None:
         if self.workers is not None:
@@ -209,11 +208,13 @@ class ModelRunner:
             f"{num_tokens * self.kv_bytes_per_token / 2**30:.2f} GiB ({sized_by})"
         )
 
-    def empty_kv_cache(self, num_blocks: int) -> Tensor:
-        """[K or V, layer, block, slot, kv head (this rank's), head_dim], not zeroed: every slot is written before it
-        is read, and on a CPU memory pages are only taken as the cache fills."""
+    def make_kv_cache(self, num_blocks: int) -> None:
+        """kv_cache: [K or V, layer, block, slot, kv head (this rank's), head_dim], not zeroed: every slot is written
+        before it is read, and on a CPU memory pages are only taken as the cache fills; kv_caches, what the model
+        reads: per layer i, (kv_cache[0, i], kv_cache[1, i])."""
         shape = (2, self.args.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.args.head_dim)
-        return torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+        self.kv_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+        self.kv_caches = list(zip(*self.kv_cache, strict=True))
 
     def blocks_from_memory(self) -> int:
         block_bytes = self.kv_bytes_per_token * self.block_size
@@ -238,33 +239,31 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Before the KV cache exists: compile a prefill kernel per query-tile size, and with them the decode kernels
         (every step launches them; they have one variant for any batch size, so an eager run, too, never waits for a
-        compile: Triton compiles on first use), then run the biggest step the scheduler can make
-        (max_num_batched_tokens of prefill; logits and the sampler's costliest path for max_num_seqs rows) to measure
-        the memory left."""
+        compile: Triton compiles on first use), then run the biggest step the scheduler can make to measure the memory
+        left: max_num_batched_tokens of prompt, cut into sequences no longer than max_model_len, each sampling its
+        next token through the sampler's costliest path, with one-token sequences added up to max_num_seqs sampling
+        rows (on the safe side: a few tokens, or rows, more than a real step holds). Each is a real step (launch), its
+        sequences all token 0, their block tables all block 0 of a zeroed one-block scratch cache: no K/V goes
+        anywhere that matters."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        self.make_kv_cache(1)
+        self.kv_cache.zero_()  # the scratch cache; the real one replaces it
         for tile in prefill_tile_sizes(self.dtype):
-            self._dummy_prefill([tile])
+            self.launch(self._dummy_step([tile]), None)
         config = self.config
-        # the step budget of prompt tokens, cut into sequences no longer than max_model_len
         budget = config.max_num_batched_tokens
         seq_lens = [min(config.max_model_len, budget - i) for i in range(0, budget, config.max_model_len)]
-        hidden = self._dummy_prefill(seq_lens)
-        n = config.max_num_seqs
-        logits = self.model.compute_logits(hidden[:1].expand(n, -1))
-        self.sampler(logits, [PROFILE_SAMPLING] * n, [1] * n, [frozenset()] * n)  # the allocator counts at launch
+        self.launch(self._dummy_step(seq_lens + [1] * (config.max_num_seqs - len(seq_lens))), None)
 
-    def _dummy_prefill(self, seq_lens: list[int]) -> Tensor:
-        """A prefill of sequences of token 0 whose K/V go nowhere that matters: every entry of their block tables is
-        block 0 of a zeroed scratch cache, so warm-up runs the real step path without the real cache."""
-        scratch = self.empty_kv_cache(1).zero_()
+    def _dummy_step(self, seq_lens: list[int]) -> Step:
+        """A step of whole prompts of token 0, each sampling its next token (PROFILE_SAMPLING), all in block 0."""
         step = Step()
         for n in seq_lens:
-            seq = Sequence([0] * n, SamplingParams(), self.block_size)
-            seq.block_table = array.array("i", bytes(4 * self.max_blocks_per_seq))  # all block 0
-            step.scheduled.append(ScheduledSeq(seq, start=0, num_new_tokens=n, picks_next_token=False))
-        views, meta = step_inputs(*upload(flatten_step(step, self.block_size, None), self.device), None)
-        return self.model(views.input_ids, views.positions, list(zip(*scratch, strict=True)), meta)
+            seq = Sequence([0] * n, PROFILE_SAMPLING, self.block_size)
+            seq.block_table.frombytes(bytes(4 * self.max_blocks_per_seq))  # int32 zeros: every entry block 0
+            step.scheduled.append(ScheduledSeq(seq, start=0, num_new_tokens=n, picks_next_token=True))
+        return step
 
     # ---- one step ---------------------------------------------------------------------------------
     def prepare(self, step: Step, previous: InFlightStep | None) -> StepLists:
@@ -281,9 +280,8 @@ class ModelRunner:
             if self.workers is not None:  # tensor parallel: every rank runs the step; rank 0 samples
                 self.workers.send_step(header, flat)  # the header as host ints: no copy to the device, no sync
             previous_tokens = previous.device_tokens if previous is not None else None
-            prompt_top_n = 0  # the most top logprobs a prompt row asks for; ordinary steps skip the look
-            if lists.prompt_rows:
-                prompt_top_n = max(s.seq.params.prompt_logprobs or 0 for s in step.scheduled)
+            # the most top logprobs a prompt row asks for; ordinary steps skip the look
+            prompt_top_n = max(s.seq.params.prompt_logprobs or 0 for s in step.scheduled) if lists.prompt_rows else 0
             logits, prompt_samples = self.execute(header, flat, previous_tokens, prompt_top_n)
             samples = None  # a step of prompt chunks only samples nothing
             if logits is not None:
@@ -321,9 +319,8 @@ class ModelRunner:
         prompt_samples = None
         if len(views.prompt_rows):
             prompt_samples = self.prompt_logprobs(hidden[views.prompt_rows], views.prompt_next_ids, prompt_top_n)
-        if not len(views.sample_rows):
-            return None, prompt_samples
-        return self.model.compute_logits(hidden[views.sample_rows]), prompt_samples
+        logits = self.model.compute_logits(hidden[views.sample_rows]) if len(views.sample_rows) else None
+        return logits, prompt_samples
 
     def prompt_logprobs(self, hidden: Tensor, next_ids: Tensor, top_n: int) -> Samples:
         """Per prompt row (hidden: [prompt rows, hidden_size], their hidden states), the next prompt token (as the
