@@ -127,9 +127,13 @@ COUNTERS = "preemptions generated_tokens finished_requests prefix_hit_tokens pre
 
 @dataclass
 class ServerConfig:
-    """What one request may cost, how long the server waits, and the API key (EngineConfig is the engine's): each field
-    is a flag of its own, --max-n, --api-key and so on. Every limit must be positive."""
+    """Where the server listens and under what name, what one request may cost, how long the server waits, and the API
+    key (EngineConfig is the engine's): each field is a flag of its own, --host, --port, --max-n, --api-key and so on.
+    Every limit must be positive; the port may be 0 (any free one)."""
 
+    host: str = LOCALHOST  # 0.0.0.0 serves every interface
+    port: int = DEFAULT_PORT
+    served_model_name: str | None = None  # the `model` clients ask for; None: the engine's model (--model)
     max_n: int = 128  # choices one request may ask for (n x prompts); OpenAI allows n <= 128
     # characters of prompt text (all prompts, or all messages), checked before tokenizing; None: PROMPT_CHARS_PER_TOKEN
     # (32) x max_model_len, which English text (4-5 characters a token) cannot approach
@@ -141,8 +145,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if name != "api_key" and value is not None:
-                check_number(name, value, low=0, above_low=True)
+            if name not in ("host", "served_model_name", "api_key") and value is not None:
+                check_number(name, value, low=0, above_low=name != "port")
 
 
 class EngineLoop:
@@ -505,37 +509,6 @@ def logprobs_json(
     return {"content": content}
 
 
-def choice_json(
-    tokenizer: "PreTrainedTokenizerBase",
-    chat: bool,
-    stream: bool,
-    index: int,
-    completion: CompletionOutput,
-    num_top: int | None,
-    echo: RequestOutput | None,
-) -> dict:
-    """A choice: the whole completion, or in a stream its new text and tokens (a chat stream names the role first).
-    With `echo` (completions, not streamed): the prompt's text and tokens, and their logprobs, before the completion."""
-    if stream:
-        text, token_ids = completion.text_delta, completion.token_ids_delta
-    else:
-        text, token_ids = completion.text, completion.token_ids
-    first = len(completion.token_ids) - len(token_ids)  # where these tokens start in the completion
-    token_logprobs = completion.logprobs and completion.logprobs[first:]  # None: no logprobs asked for
-    if echo is not None:
-        text = tokenizer.decode(echo.prompt_token_ids) + text
-        token_ids = echo.prompt_token_ids + token_ids
-        if token_logprobs is not None:
-            token_logprobs = echo.prompt_logprobs + token_logprobs
-    logprobs = logprobs_json(tokenizer, chat, token_ids, token_logprobs, num_top)
-    choice = {"index": index, "logprobs": logprobs, "finish_reason": completion.finish_reason}
-    if not chat:
-        return {**choice, "text": text}
-    # the whole message, or a stream's first chunk, names the role
-    message = {"role": "assistant", "content": text} if first == 0 else {"content": text}
-    return {**choice, "delta" if stream else "message": message}
-
-
 def usage_json(finals: Collection[RequestOutput]) -> dict:
     """OpenAI's usage: prompt and completion tokens of the finished requests, and the prompt's cached share."""
     prompt = sum(len(out.prompt_token_ids) for out in finals)
@@ -548,11 +521,11 @@ def usage_json(finals: Collection[RequestOutput]) -> dict:
     }
 
 
-def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | None = None) -> FastAPI:
+def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     """The FastAPI app serving llm; its engine thread runs while the app does (lifespan)."""
     engine = EngineLoop(llm)
-    model_name = model_name or llm.config.model or DEFAULT_MODEL
     config = config or ServerConfig()
+    model_name = config.served_model_name or llm.config.model or DEFAULT_MODEL
     max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * llm.config.max_model_len
 
     @contextlib.asynccontextmanager
@@ -667,23 +640,43 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
         }
 
         def choice(index: int, out: RequestOutput, sample: CompletionOutput) -> dict:
-            """One sample of prompt `index` as a choice; OpenAI numbers them prompt x n + sample."""
-            choice_index = index * params.n + sample.index
-            result = choice_json(
-                llm.tokenizer, chat, stream, choice_index, sample, params.logprobs, out if echo else None
-            )
+            """Sample `sample` of prompt `index` as a choice, which OpenAI numbers prompt x n + sample: the whole
+            completion, or in a stream its new text and tokens (a chat stream names the role first). With echo
+            (completions, never streamed): the prompt's text, tokens and logprobs before the completion's. A forced
+            tool call (chat, never streamed): OpenAI's tool_calls, the output its arguments."""
+            if stream:
+                text, token_ids = sample.text_delta, sample.token_ids_delta
+            else:
+                text, token_ids = sample.text, sample.token_ids
+            first = len(sample.token_ids) - len(token_ids)  # where these tokens start in the completion
+            token_logprobs = sample.logprobs and sample.logprobs[first:]  # None: no logprobs asked for
+            if echo:
+                text = llm.tokenizer.decode(out.prompt_token_ids) + text
+                token_ids = out.prompt_token_ids + token_ids
+                if token_logprobs is not None:
+                    token_logprobs = out.prompt_logprobs + token_logprobs
+            result = {
+                "index": index * params.n + sample.index,
+                "logprobs": logprobs_json(llm.tokenizer, chat, token_ids, token_logprobs, params.logprobs),
+                "finish_reason": sample.finish_reason,
+            }
+            if not chat:
+                result["text"] = text
+            elif tool is not None:
+                function = {"name": tool["function"]["name"], "arguments": text}
+                call = {"id": f"call_{uuid.uuid4().hex}", "type": "function", "function": function}
+                result["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+                if sample.finish_reason == "stop":
+                    result["finish_reason"] = "tool_calls"
+            else:  # the whole message, or a stream's first chunk, names the role
+                message = {"role": "assistant", "content": text} if first == 0 else {"content": text}
+                result["delta" if stream else "message"] = message
             if body.get("prompt_logprobs") is not None:  # vLLM's: per prompt token (the first: None), by token id
                 result["prompt_logprobs"] = [
                     entry
                     and {str(t): {"logprob": p, "decoded_token": llm.tokenizer.decode(t)} for t, p in entry.items()}
                     for entry in out.prompt_logprobs
                 ]
-            if tool is not None:  # OpenAI's tool call, the output its arguments
-                function = {"name": tool["function"]["name"], "arguments": sample.text}
-                call = {"id": f"call_{uuid.uuid4().hex}", "type": "function", "function": function}
-                result["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
-                if sample.finish_reason == "stop":
-                    result["finish_reason"] = "tool_calls"
             return result
 
         async def chunks() -> AsyncIterator[str]:
@@ -740,11 +733,14 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
 class Server(uvicorn.Server):
     """uvicorn's server, with a bounded drain at shutdown and a second Ctrl+C that exits at once."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, log_level: str | None = None) -> None:
+    def __init__(self, app: FastAPI, log_level: str | None = None) -> None:
+        config = app.state.config  # its host and port, and the drain's shutdown_timeout
         self.engine = app.state.engine  # an EngineLoop
-        self.shutdown_timeout = app.state.config.shutdown_timeout
+        self.shutdown_timeout = config.shutdown_timeout
         grace = self.shutdown_timeout + SHUTDOWN_GRACE_S  # then uvicorn cancels whatever still runs
-        super().__init__(uvicorn.Config(app, host, port, log_level=log_level, timeout_graceful_shutdown=grace))
+        super().__init__(
+            uvicorn.Config(app, config.host, config.port, log_level=log_level, timeout_graceful_shutdown=grace)
+        )
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn stops accepting and waits for the open requests: after shutdown_timeout, they fail."""
@@ -764,7 +760,8 @@ class Server(uvicorn.Server):
 def serve_in_background(llm: LLM, config: ServerConfig | None = None) -> Iterator[str]:
     """Serve llm from a thread (tests, benchmarks) on a free port of 127.0.0.1; yields the base URL
     "http://127.0.0.1:PORT/v1"."""
-    server = Server(build_app(llm, config=config), LOCALHOST, 0, log_level="warning")  # port 0: any free one
+    config = replace(config or ServerConfig(), host=LOCALHOST, port=0)  # port 0: any free one
+    server = Server(build_app(llm, config), log_level="warning")
     thread = threading.Thread(target=server.run, name="nanoserve-http", daemon=True)
     thread.start()
     while not server.started and thread.is_alive():  # started: the engine thread runs and the socket listens
@@ -786,9 +783,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         prog, description="nanoserve's OpenAI-compatible server", argument_default=argparse.SUPPRESS
     )
     parser.add_argument("--model", help="HF model directory or hub id (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--host", default=LOCALHOST, help="0.0.0.0 serves every interface")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--served-model-name", default=None, help="the `model` clients ask for (default: --model)")
     server_fields = fields(ServerConfig)
     for config_field in fields(EngineConfig) + server_fields:
         if config_field.name == "model":
@@ -803,11 +797,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             parser.add_argument(flag, type=kind)
     parser.set_defaults(api_key=os.environ.get(API_KEY_ENV))  # the key from the environment, unless --api-key
     args = vars(parser.parse_args(argv))
-    host, port, model_name = args.pop("host"), args.pop("port"), args.pop("served_model_name")
     config = ServerConfig(**{f.name: args.pop(f.name) for f in server_fields if f.name in args})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     llm = LLM(**args)  # what is left: the EngineConfig fields given, --model among them
-    server = Server(build_app(llm, model_name, config), host, port)
+    server = Server(build_app(llm, config))
     with contextlib.suppress(KeyboardInterrupt):  # after a Ctrl+C's drain, uvicorn raises it again
         server.run()
 
