@@ -117,10 +117,10 @@ NOT_IMPLEMENTED = dict.fromkeys(
     "priority": 0,
 }
 # OpenAI's ranges, inclusive, where SamplingParams allows more (it holds the penalties to OpenAI's [-2, 2] itself).
-# Its caps on logprobs too: each alternative costs a decode and a JSON entry per token (49,152 would build megabytes).
-RANGES = {"temperature": (0, 2)}
-CHAT_RANGES = RANGES | {"top_logprobs": (0, MAX_TOP_LOGPROBS)}
-COMPLETION_RANGES = RANGES | {"logprobs": (0, MAX_COMPLETION_LOGPROBS)}
+# Its caps on logprobs too: each alternative costs a decode and a JSON entry per token (49,152 would build megabytes):
+# chat's top_logprobs, and the legacy completions' logprobs (chat's logprobs is a flag: a number there is refused
+# either way, and top_logprobs in a completions body is unknown).
+RANGES = {"temperature": (0, 2), "top_logprobs": (0, MAX_TOP_LOGPROBS), "logprobs": (0, MAX_COMPLETION_LOGPROBS)}
 GAUGES = "running waiting kv_blocks_used kv_blocks_cached kv_blocks_total prefix_hit_rate".split()  # LLM.stats() keys
 COUNTERS = "preemptions generated_tokens finished_requests prefix_hit_tokens prefix_queried_tokens".split()
 
@@ -314,14 +314,13 @@ def check_fields(body: dict, chat: bool) -> None:
     """Every field of the body is honoured, ignorable, or refused by name: unknown, out of OpenAI's range, or not
     implemented yet (a value that asks for nothing, such as best_of 1, is fine). stream_options too. The honoured
     fields' types and ranges are SamplingParams' to check (sampling_params), except OpenAI's narrower ranges and
-    caps (CHAT_RANGES, COMPLETION_RANGES)."""
+    caps (RANGES), checked here on numbers only: true or a string is for the type checks to refuse."""
     known = (CHAT_HONOURED if chat else COMPLETION_HONOURED) + IGNORED + list(NOT_IMPLEMENTED)
-    ranges = CHAT_RANGES if chat else COMPLETION_RANGES
     for name, value in body.items():
         if name not in known:
             raise InvalidField(name, "unrecognized request argument (nanoserve/server.py lists the known fields)")
-        if name in ranges and value is not None:
-            check_number(name, value, *ranges[name])
+        if name in RANGES and type(value) in (int, float):  # JSON's numbers (a bool is not one)
+            check_number(name, value, *RANGES[name])
         if name in NOT_IMPLEMENTED and value not in (None, NOT_IMPLEMENTED[name]):
             raise InvalidField(name, "nanoserve does not implement this field yet")
     for name in field(body, "stream_options", dict, {}):
@@ -406,7 +405,8 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
         kwargs["logprobs"] = body.get("logprobs")
         if field(body, "echo", bool, False):  # vLLM's prompt_logprobs, if given too, says how many for the prompt
             kwargs.setdefault("prompt_logprobs", kwargs["logprobs"])
-            kwargs["max_tokens"] = max(kwargs["max_tokens"], 1)  # 0: the prompt's logprobs only (one token, dropped)
+            if kwargs["max_tokens"] == 0:  # the prompt's logprobs only: one token is run for them, and dropped
+                kwargs["max_tokens"] = 1  # (not max(): a string max_tokens is SamplingParams' to refuse, by name)
     elif field(body, "logprobs", bool, False):  # chat: `logprobs` says whether, `top_logprobs` how many
         kwargs["logprobs"] = body.get("top_logprobs") or 0
     kwargs["structured_outputs"] = structured_outputs(body)
@@ -435,7 +435,7 @@ def forced_tool(body: dict) -> dict | None:
     (the default with tools) is refused: nanoserve does not parse free-form tool calls out of a model's text."""
     tools = field(body, "tools", list, [])
     try:
-        names = [tool["function"]["name"] for tool in tools]
+        by_name = {tool["function"]["name"]: tool for tool in tools}
     except (TypeError, KeyError):  # a tool that is not a dict of that shape
         raise InvalidField("tools", "expected a list of {'type': 'function', 'function': {'name': str, ...}}") from None
     choice = body.get("tool_choice") or ("auto" if tools else "none")
@@ -450,8 +450,8 @@ def forced_tool(body: dict) -> dict | None:
     if choice == "required" and len(tools) == 1:
         return tools[0]
     try:  # {"type": "function", "function": {"name": NAME}}, as a tool names itself
-        return tools[names.index(choice["function"]["name"])]
-    except (TypeError, KeyError, ValueError):  # not a dict of that shape, or no tool of that name
+        return by_name[choice["function"]["name"]]
+    except (TypeError, KeyError):  # not a dict of that shape, or no tool of that name
         raise InvalidField(
             "tool_choice", f"{shown(choice)} is not 'none', 'required' with one tool, or a tool's name"
         ) from None
@@ -521,10 +521,9 @@ def usage_json(finals: Collection[RequestOutput]) -> dict:
     }
 
 
-def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
-    """The FastAPI app serving llm; its engine thread runs while the app does (lifespan)."""
-    engine = EngineLoop(llm)
-    config = config or ServerConfig()
+def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
+    """The FastAPI app serving engine.llm; the engine thread runs while the app does (lifespan)."""
+    llm = engine.llm
     model_name = config.served_model_name or llm.config.model or DEFAULT_MODEL
     max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * llm.config.max_model_len
 
@@ -536,8 +535,6 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         engine.thread.join()
 
     app = FastAPI(title="nanoserve", lifespan=lifespan)
-    app.state.engine = engine  # for Server: it drains the engine's requests at shutdown
-    app.state.config = config
 
     @app.exception_handler(ValueError)
     def bad_input(request: Request, error: ValueError) -> JSONResponse:
@@ -618,7 +615,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
             # reads only the tokenizer and the config, so any thread may call it. map is lazy: list() runs it there
             to_ids = partial(list, map(llm.prompt_ids, prompts))
         check_cost(prompts, params, prompt_field)
-        prompts = await asyncio.get_running_loop().run_in_executor(None, to_ids)
+        prompts = await asyncio.to_thread(to_ids)
         # chat's default max_tokens, the whole context, means as much as fits; any other is checked against it
         if not chat or max_tokens_field(body) is not None:
             check_context(prompts, params.max_tokens, llm.config.max_model_len, prompt_field)
@@ -731,13 +728,14 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, with a bounded drain at shutdown and a second Ctrl+C that exits at once."""
+    """uvicorn's server for llm on config.host and config.port: it owns the engine thread (EngineLoop), whose open
+    requests get a bounded drain at shutdown, and a second Ctrl+C exits at once."""
 
-    def __init__(self, app: FastAPI, log_level: str | None = None) -> None:
-        config = app.state.config  # its host and port, and the drain's shutdown_timeout
-        self.engine = app.state.engine  # an EngineLoop
+    def __init__(self, llm: LLM, config: ServerConfig, log_level: str | None = None) -> None:
+        self.engine = EngineLoop(llm)
         self.shutdown_timeout = config.shutdown_timeout
         grace = self.shutdown_timeout + SHUTDOWN_GRACE_S  # then uvicorn cancels whatever still runs
+        app = build_app(self.engine, config)
         super().__init__(
             uvicorn.Config(app, config.host, config.port, log_level=log_level, timeout_graceful_shutdown=grace)
         )
@@ -761,7 +759,7 @@ def serve_in_background(llm: LLM, config: ServerConfig | None = None) -> Iterato
     """Serve llm from a thread (tests, benchmarks) on a free port of 127.0.0.1; yields the base URL
     "http://127.0.0.1:PORT/v1"."""
     config = replace(config or ServerConfig(), host=LOCALHOST, port=0)  # port 0: any free one
-    server = Server(build_app(llm, config), log_level="warning")
+    server = Server(llm, config, log_level="warning")
     thread = threading.Thread(target=server.run, name="nanoserve-http", daemon=True)
     thread.start()
     while not server.started and thread.is_alive():  # started: the engine thread runs and the socket listens
@@ -800,7 +798,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     config = ServerConfig(**{f.name: args.pop(f.name) for f in server_fields if f.name in args})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     llm = LLM(**args)  # what is left: the EngineConfig fields given, --model among them
-    server = Server(build_app(llm, config))
+    server = Server(llm, config)
     with contextlib.suppress(KeyboardInterrupt):  # after a Ctrl+C's drain, uvicorn raises it again
         server.run()
 
