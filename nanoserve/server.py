@@ -179,8 +179,18 @@ class EngineLoop:
 
         request_ids = [f"{uuid.uuid4().hex}-{i}" for i in range(len(prompts))]
         unfinished = set(request_ids)
+
+        def add() -> None:  # on the engine thread: all prompts are queued or none (one bad prompt refuses them all)
+            try:
+                for prompt, request_id in zip(prompts, request_ids, strict=True):
+                    self.llm.add_request(prompt, params, request_id, stream)
+                    self.sinks[request_id] = sink
+            except Exception:
+                self._abort(request_ids)
+                raise
+
         try:
-            await self.call(self._add, prompts, params, request_ids, stream, sink)
+            await self.call(add)
             yield None
             while unfinished:
                 if time.monotonic() > self.deadline:
@@ -229,16 +239,6 @@ class EngineLoop:
             for request_id, sink in list(self.sinks.items()):
                 self._abort([request_id])
                 sink(error)
-
-    def _add(self, prompts: list, params: SamplingParams, request_ids: list[str], stream: bool, sink: Sink) -> None:
-        """All prompts are queued or none: one bad prompt in a list refuses the whole HTTP request."""
-        try:
-            for prompt, request_id in zip(prompts, request_ids, strict=False):
-                self.llm.add_request(prompt, params, request_id, stream)
-                self.sinks[request_id] = sink
-        except Exception:
-            self._abort(request_ids)
-            raise
 
     def _abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
