@@ -117,19 +117,23 @@ NOT_IMPLEMENTED = dict.fromkeys(
     "priority": 0,
 }
 # OpenAI's ranges, inclusive, where SamplingParams allows more (it holds the penalties to OpenAI's [-2, 2] itself).
-# Its caps on logprobs too: each alternative costs a decode and a JSON entry per token (49,152 would build megabytes).
-RANGES = {"temperature": (0, 2)}
-CHAT_RANGES = RANGES | {"top_logprobs": (0, MAX_TOP_LOGPROBS)}
-COMPLETION_RANGES = RANGES | {"logprobs": (0, MAX_COMPLETION_LOGPROBS)}
+# Its caps on logprobs too: each alternative costs a decode and a JSON entry per token (49,152 would build megabytes):
+# chat's top_logprobs, and the legacy completions' logprobs (chat's logprobs is a flag: a number there is refused
+# either way, and top_logprobs in a completions body is unknown).
+RANGES = {"temperature": (0, 2), "top_logprobs": (0, MAX_TOP_LOGPROBS), "logprobs": (0, MAX_COMPLETION_LOGPROBS)}
 GAUGES = "running waiting kv_blocks_used kv_blocks_cached kv_blocks_total prefix_hit_rate".split()  # LLM.stats() keys
 COUNTERS = "preemptions generated_tokens finished_requests prefix_hit_tokens prefix_queried_tokens".split()
 
 
 @dataclass
 class ServerConfig:
-    """What one request may cost, how long the server waits, and the API key (EngineConfig is the engine's): each field
-    is a flag of its own, --max-n, --api-key and so on. Every limit must be positive."""
+    """Where the server listens and under what name, what one request may cost, how long the server waits, and the API
+    key (EngineConfig is the engine's): each field is a flag of its own, --host, --port, --max-n, --api-key and so on.
+    Every limit must be positive; the port may be 0 (any free one)."""
 
+    host: str = LOCALHOST  # 0.0.0.0 serves every interface
+    port: int = DEFAULT_PORT
+    served_model_name: str | None = None  # the `model` clients ask for; None: the engine's model (--model)
     max_n: int = 128  # choices one request may ask for (n x prompts); OpenAI allows n <= 128
     # characters of prompt text (all prompts, or all messages), checked before tokenizing; None: PROMPT_CHARS_PER_TOKEN
     # (32) x max_model_len, which English text (4-5 characters a token) cannot approach
@@ -141,8 +145,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if name != "api_key" and value is not None:
-                check_number(name, value, low=0, above_low=True)
+            if name not in ("host", "served_model_name", "api_key") and value is not None:
+                check_number(name, value, low=0, above_low=name != "port")
 
 
 class EngineLoop:
@@ -175,8 +179,18 @@ class EngineLoop:
 
         request_ids = [f"{uuid.uuid4().hex}-{i}" for i in range(len(prompts))]
         unfinished = set(request_ids)
+
+        def add() -> None:  # on the engine thread: all prompts are queued or none (one bad prompt refuses them all)
+            try:
+                for prompt, request_id in zip(prompts, request_ids, strict=True):
+                    self.llm.add_request(prompt, params, request_id, stream)
+                    self.sinks[request_id] = sink
+            except Exception:
+                self._abort(request_ids)
+                raise
+
         try:
-            await self.call(self._add, prompts, params, request_ids, stream, sink)
+            await self.call(add)
             yield None
             while unfinished:
                 if time.monotonic() > self.deadline:
@@ -225,16 +239,6 @@ class EngineLoop:
             for request_id, sink in list(self.sinks.items()):
                 self._abort([request_id])
                 sink(error)
-
-    def _add(self, prompts: list, params: SamplingParams, request_ids: list[str], stream: bool, sink: Sink) -> None:
-        """All prompts are queued or none: one bad prompt in a list refuses the whole HTTP request."""
-        try:
-            for prompt, request_id in zip(prompts, request_ids, strict=False):
-                self.llm.add_request(prompt, params, request_id, stream)
-                self.sinks[request_id] = sink
-        except Exception:
-            self._abort(request_ids)
-            raise
 
     def _abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -310,14 +314,13 @@ def check_fields(body: dict, chat: bool) -> None:
     """Every field of the body is honoured, ignorable, or refused by name: unknown, out of OpenAI's range, or not
     implemented yet (a value that asks for nothing, such as best_of 1, is fine). stream_options too. The honoured
     fields' types and ranges are SamplingParams' to check (sampling_params), except OpenAI's narrower ranges and
-    caps (CHAT_RANGES, COMPLETION_RANGES)."""
+    caps (RANGES), checked here on numbers only: true or a string is for the type checks to refuse."""
     known = (CHAT_HONOURED if chat else COMPLETION_HONOURED) + IGNORED + list(NOT_IMPLEMENTED)
-    ranges = CHAT_RANGES if chat else COMPLETION_RANGES
     for name, value in body.items():
         if name not in known:
             raise InvalidField(name, "unrecognized request argument (nanoserve/server.py lists the known fields)")
-        if name in ranges and value is not None:
-            check_number(name, value, *ranges[name])
+        if name in RANGES and type(value) in (int, float):  # JSON's numbers (a bool is not one)
+            check_number(name, value, *RANGES[name])
         if name in NOT_IMPLEMENTED and value not in (None, NOT_IMPLEMENTED[name]):
             raise InvalidField(name, "nanoserve does not implement this field yet")
     for name in field(body, "stream_options", dict, {}):
@@ -402,7 +405,8 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
         kwargs["logprobs"] = body.get("logprobs")
         if field(body, "echo", bool, False):  # vLLM's prompt_logprobs, if given too, says how many for the prompt
             kwargs.setdefault("prompt_logprobs", kwargs["logprobs"])
-            kwargs["max_tokens"] = max(kwargs["max_tokens"], 1)  # 0: the prompt's logprobs only (one token, dropped)
+            if kwargs["max_tokens"] == 0:  # the prompt's logprobs only: one token is run for them, and dropped
+                kwargs["max_tokens"] = 1  # (not max(): a string max_tokens is SamplingParams' to refuse, by name)
     elif field(body, "logprobs", bool, False):  # chat: `logprobs` says whether, `top_logprobs` how many
         kwargs["logprobs"] = body.get("top_logprobs") or 0
     kwargs["structured_outputs"] = structured_outputs(body)
@@ -431,7 +435,7 @@ def forced_tool(body: dict) -> dict | None:
     (the default with tools) is refused: nanoserve does not parse free-form tool calls out of a model's text."""
     tools = field(body, "tools", list, [])
     try:
-        names = [tool["function"]["name"] for tool in tools]
+        by_name = {tool["function"]["name"]: tool for tool in tools}
     except (TypeError, KeyError):  # a tool that is not a dict of that shape
         raise InvalidField("tools", "expected a list of {'type': 'function', 'function': {'name': str, ...}}") from None
     choice = body.get("tool_choice") or ("auto" if tools else "none")
@@ -446,8 +450,8 @@ def forced_tool(body: dict) -> dict | None:
     if choice == "required" and len(tools) == 1:
         return tools[0]
     try:  # {"type": "function", "function": {"name": NAME}}, as a tool names itself
-        return tools[names.index(choice["function"]["name"])]
-    except (TypeError, KeyError, ValueError):  # not a dict of that shape, or no tool of that name
+        return by_name[choice["function"]["name"]]
+    except (TypeError, KeyError):  # not a dict of that shape, or no tool of that name
         raise InvalidField(
             "tool_choice", f"{shown(choice)} is not 'none', 'required' with one tool, or a tool's name"
         ) from None
@@ -505,37 +509,6 @@ def logprobs_json(
     return {"content": content}
 
 
-def choice_json(
-    tokenizer: "PreTrainedTokenizerBase",
-    chat: bool,
-    stream: bool,
-    index: int,
-    completion: CompletionOutput,
-    num_top: int | None,
-    echo: RequestOutput | None,
-) -> dict:
-    """A choice: the whole completion, or in a stream its new text and tokens (a chat stream names the role first).
-    With `echo` (completions, not streamed): the prompt's text and tokens, and their logprobs, before the completion."""
-    if stream:
-        text, token_ids = completion.text_delta, completion.token_ids_delta
-    else:
-        text, token_ids = completion.text, completion.token_ids
-    first = len(completion.token_ids) - len(token_ids)  # where these tokens start in the completion
-    token_logprobs = completion.logprobs and completion.logprobs[first:]  # None: no logprobs asked for
-    if echo is not None:
-        text = tokenizer.decode(echo.prompt_token_ids) + text
-        token_ids = echo.prompt_token_ids + token_ids
-        if token_logprobs is not None:
-            token_logprobs = echo.prompt_logprobs + token_logprobs
-    logprobs = logprobs_json(tokenizer, chat, token_ids, token_logprobs, num_top)
-    choice = {"index": index, "logprobs": logprobs, "finish_reason": completion.finish_reason}
-    if not chat:
-        return {**choice, "text": text}
-    # the whole message, or a stream's first chunk, names the role
-    message = {"role": "assistant", "content": text} if first == 0 else {"content": text}
-    return {**choice, "delta" if stream else "message": message}
-
-
 def usage_json(finals: Collection[RequestOutput]) -> dict:
     """OpenAI's usage: prompt and completion tokens of the finished requests, and the prompt's cached share."""
     prompt = sum(len(out.prompt_token_ids) for out in finals)
@@ -548,11 +521,10 @@ def usage_json(finals: Collection[RequestOutput]) -> dict:
     }
 
 
-def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | None = None) -> FastAPI:
-    """The FastAPI app serving llm; its engine thread runs while the app does (lifespan)."""
-    engine = EngineLoop(llm)
-    model_name = model_name or llm.config.model or DEFAULT_MODEL
-    config = config or ServerConfig()
+def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
+    """The FastAPI app serving engine.llm; the engine thread runs while the app does (lifespan)."""
+    llm = engine.llm
+    model_name = config.served_model_name or llm.config.model or DEFAULT_MODEL
     max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * llm.config.max_model_len
 
     @contextlib.asynccontextmanager
@@ -563,8 +535,6 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
         engine.thread.join()
 
     app = FastAPI(title="nanoserve", lifespan=lifespan)
-    app.state.engine = engine  # for Server: it drains the engine's requests at shutdown
-    app.state.config = config
 
     @app.exception_handler(ValueError)
     def bad_input(request: Request, error: ValueError) -> JSONResponse:
@@ -645,7 +615,7 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
             # reads only the tokenizer and the config, so any thread may call it. map is lazy: list() runs it there
             to_ids = partial(list, map(llm.prompt_ids, prompts))
         check_cost(prompts, params, prompt_field)
-        prompts = await asyncio.get_running_loop().run_in_executor(None, to_ids)
+        prompts = await asyncio.to_thread(to_ids)
         # chat's default max_tokens, the whole context, means as much as fits; any other is checked against it
         if not chat or max_tokens_field(body) is not None:
             check_context(prompts, params.max_tokens, llm.config.max_model_len, prompt_field)
@@ -667,23 +637,43 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
         }
 
         def choice(index: int, out: RequestOutput, sample: CompletionOutput) -> dict:
-            """One sample of prompt `index` as a choice; OpenAI numbers them prompt x n + sample."""
-            choice_index = index * params.n + sample.index
-            result = choice_json(
-                llm.tokenizer, chat, stream, choice_index, sample, params.logprobs, out if echo else None
-            )
+            """Sample `sample` of prompt `index` as a choice, which OpenAI numbers prompt x n + sample: the whole
+            completion, or in a stream its new text and tokens (a chat stream names the role first). With echo
+            (completions, never streamed): the prompt's text, tokens and logprobs before the completion's. A forced
+            tool call (chat, never streamed): OpenAI's tool_calls, the output its arguments."""
+            if stream:
+                text, token_ids = sample.text_delta, sample.token_ids_delta
+            else:
+                text, token_ids = sample.text, sample.token_ids
+            first = len(sample.token_ids) - len(token_ids)  # where these tokens start in the completion
+            token_logprobs = sample.logprobs and sample.logprobs[first:]  # None: no logprobs asked for
+            if echo:
+                text = llm.tokenizer.decode(out.prompt_token_ids) + text
+                token_ids = out.prompt_token_ids + token_ids
+                if token_logprobs is not None:
+                    token_logprobs = out.prompt_logprobs + token_logprobs
+            result = {
+                "index": index * params.n + sample.index,
+                "logprobs": logprobs_json(llm.tokenizer, chat, token_ids, token_logprobs, params.logprobs),
+                "finish_reason": sample.finish_reason,
+            }
+            if not chat:
+                result["text"] = text
+            elif tool is not None:
+                function = {"name": tool["function"]["name"], "arguments": text}
+                call = {"id": f"call_{uuid.uuid4().hex}", "type": "function", "function": function}
+                result["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+                if sample.finish_reason == "stop":
+                    result["finish_reason"] = "tool_calls"
+            else:  # the whole message, or a stream's first chunk, names the role
+                message = {"role": "assistant", "content": text} if first == 0 else {"content": text}
+                result["delta" if stream else "message"] = message
             if body.get("prompt_logprobs") is not None:  # vLLM's: per prompt token (the first: None), by token id
                 result["prompt_logprobs"] = [
                     entry
                     and {str(t): {"logprob": p, "decoded_token": llm.tokenizer.decode(t)} for t, p in entry.items()}
                     for entry in out.prompt_logprobs
                 ]
-            if tool is not None:  # OpenAI's tool call, the output its arguments
-                function = {"name": tool["function"]["name"], "arguments": sample.text}
-                call = {"id": f"call_{uuid.uuid4().hex}", "type": "function", "function": function}
-                result["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
-                if sample.finish_reason == "stop":
-                    result["finish_reason"] = "tool_calls"
             return result
 
         async def chunks() -> AsyncIterator[str]:
@@ -738,13 +728,17 @@ def build_app(llm: LLM, model_name: str | None = None, config: ServerConfig | No
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, with a bounded drain at shutdown and a second Ctrl+C that exits at once."""
+    """uvicorn's server for llm on config.host and config.port: it owns the engine thread (EngineLoop), whose open
+    requests get a bounded drain at shutdown, and a second Ctrl+C exits at once."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, log_level: str | None = None) -> None:
-        self.engine = app.state.engine  # an EngineLoop
-        self.shutdown_timeout = app.state.config.shutdown_timeout
+    def __init__(self, llm: LLM, config: ServerConfig, log_level: str | None = None) -> None:
+        self.engine = EngineLoop(llm)
+        self.shutdown_timeout = config.shutdown_timeout
         grace = self.shutdown_timeout + SHUTDOWN_GRACE_S  # then uvicorn cancels whatever still runs
-        super().__init__(uvicorn.Config(app, host, port, log_level=log_level, timeout_graceful_shutdown=grace))
+        app = build_app(self.engine, config)
+        super().__init__(
+            uvicorn.Config(app, config.host, config.port, log_level=log_level, timeout_graceful_shutdown=grace)
+        )
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn stops accepting and waits for the open requests: after shutdown_timeout, they fail."""
@@ -764,7 +758,8 @@ class Server(uvicorn.Server):
 def serve_in_background(llm: LLM, config: ServerConfig | None = None) -> Iterator[str]:
     """Serve llm from a thread (tests, benchmarks) on a free port of 127.0.0.1; yields the base URL
     "http://127.0.0.1:PORT/v1"."""
-    server = Server(build_app(llm, config=config), LOCALHOST, 0, log_level="warning")  # port 0: any free one
+    config = replace(config or ServerConfig(), host=LOCALHOST, port=0)  # port 0: any free one
+    server = Server(llm, config, log_level="warning")
     thread = threading.Thread(target=server.run, name="nanoserve-http", daemon=True)
     thread.start()
     while not server.started and thread.is_alive():  # started: the engine thread runs and the socket listens
@@ -786,9 +781,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         prog, description="nanoserve's OpenAI-compatible server", argument_default=argparse.SUPPRESS
     )
     parser.add_argument("--model", help="HF model directory or hub id (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--host", default=LOCALHOST, help="0.0.0.0 serves every interface")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--served-model-name", default=None, help="the `model` clients ask for (default: --model)")
     server_fields = fields(ServerConfig)
     for config_field in fields(EngineConfig) + server_fields:
         if config_field.name == "model":
@@ -803,11 +795,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             parser.add_argument(flag, type=kind)
     parser.set_defaults(api_key=os.environ.get(API_KEY_ENV))  # the key from the environment, unless --api-key
     args = vars(parser.parse_args(argv))
-    host, port, model_name = args.pop("host"), args.pop("port"), args.pop("served_model_name")
     config = ServerConfig(**{f.name: args.pop(f.name) for f in server_fields if f.name in args})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     llm = LLM(**args)  # what is left: the EngineConfig fields given, --model among them
-    server = Server(build_app(llm, model_name, config), host, port)
+    server = Server(llm, config)
     with contextlib.suppress(KeyboardInterrupt):  # after a Ctrl+C's drain, uvicorn raises it again
         server.run()
 

@@ -407,7 +407,7 @@ def test_api_key_from_the_environment(monkeypatch):
     class Stop(Exception):
         pass
 
-    def capture(llm, model_name, config):
+    def capture(engine, config):
         configs.append(config)
         raise Stop
 
