@@ -1,7 +1,8 @@
 """The engine's inner life, for the course: LLM(..., trace=PATH) writes a step trace (off by default: this file is then
 never imported), one JSON line per step: its sequences (prefill chunk or decode, block tables), blocks allocated, freed,
-hit and revived, used/cached/free after it, preemptions, queues, the step's time (step_ms), the K/V tokens held and the
-slots reserved but unused (kv_tokens, kv_unused_slots); plot_trace(trace, out_dir) draws it (matplotlib).
+hit and revived, used/cached/free after it, preemptions, queues, the step's time (step_ms), the block size, the K/V
+tokens held and the slots reserved but unused (kv_tokens, kv_unused_slots); plot_trace(trace, out_dir) draws it
+(matplotlib).
 
 kv_blocks.png: the block pool after each step: used (held by running sequences), cached (free, still holding a findable
 prefix) and free; red dashed lines mark preemptions. batches.png: top, each step's prefill tokens under its decodes (one
@@ -75,6 +76,7 @@ class StepTrace:
                 free=bm.num_free_blocks,
                 **{k: n - self.last.get(k, 0) for k, n in counters.items()},  # what the step did
             ),
+            "block_size": bm.block_size,  # tokens per KV block
             "kv_tokens": kv_tokens,
             "kv_unused_slots": bm.block_size * sum(len(seq.block_table) for seq in running) - kv_tokens,
         }
@@ -142,13 +144,7 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
     # Row r's block k is shared when another row holds the same blocks up to k, and one of the two found them cached
     # (its admission started past them) or forked from the other. NaN equals nothing: no sharing past a table's end
     same = np.logical_and.accumulate(blocks[:, None] == blocks[None], axis=2)  # [row, other row, position]
-    # the block size (the trace does not record it): the smallest power of two that every table's length fits
-    bs = next(
-        b
-        for b in 2 ** np.arange(16)
-        if all(len(q["block_table"]) == -(-(q["start"] + q["tokens"]) // b) for q in entries)
-    )
-    hit = np.array([admissions[i]["start"] for i in ids]) // bs  # blocks found at admission
+    hit = np.array([admissions[i]["start"] for i in ids]) // steps[0]["block_size"]  # blocks found at admission
     same &= np.arange(longest) < np.maximum.outer(hit, hit)[..., None]
     same[np.diag_indices(len(ids))] = False  # a row shares nothing with itself
     # a long table is cut to MAX_CELLS cells: its start, or for beams its end, where they part
