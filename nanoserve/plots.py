@@ -23,7 +23,6 @@ from nanoserve.scheduler import Scheduler, Step
 
 if TYPE_CHECKING:  # matplotlib is needed only to draw
     from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
 
 MAX_ROWS, MAX_CELLS = 6, 32  # block_tables.png: sequences shown, blocks shown per sequence
 
@@ -32,8 +31,7 @@ class StepTrace:
     def __init__(self, path: str, scheduler: Scheduler) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.file = open(path, "w", buffering=1)  # line-buffered: a trace is readable while the engine runs
-        self.scheduler = scheduler
-        self.bm = scheduler.block_manager  # its pool and counters
+        self.scheduler = scheduler  # its queues, and its block manager: the pool and its counters
         self.num_steps = 0
         # the pool's counters after the previous step; none before the first (the pool is as new as the engine: all 0)
         self.last = {}
@@ -55,7 +53,7 @@ class StepTrace:
     def end(self, started: float) -> None:
         """The pool and queues after the step, and its time."""
         running = self.scheduler.running
-        bm = self.bm
+        bm = self.scheduler.block_manager
         counters = {
             "allocated": bm.num_allocated,
             "freed": bm.num_freed,
@@ -86,16 +84,6 @@ class StepTrace:
 
     def close(self) -> None:
         self.file.close()
-
-
-def figure_class() -> "type[Figure]":
-    """matplotlib's Figure, or an ImportError that says how to install it. A plain Figure, not pyplot's: drawing into
-    files needs no window, and a caller's pyplot state (its backend, its open figures) stays as it was."""
-    try:
-        import matplotlib.figure
-    except ImportError as error:
-        raise ImportError("nanoserve.plots needs matplotlib to draw: pip install matplotlib") from error
-    return matplotlib.figure.Figure
 
 
 def plot_kv_blocks(steps: list[dict], ax: "Axes") -> None:
@@ -155,11 +143,9 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
     for (row, k), block in np.ndenumerate(blocks):  # each cell labelled with its physical block id
         if not np.isnan(block):
             ax.text(k + 0.5, row + 0.5, f"{block:.0f}", ha="center", va="center", fontsize=9 if width <= 16 else 6)
-    from matplotlib.colors import ListedColormap
-
-    colors = ListedColormap(["lightsteelblue", "orange"])  # private, shared
     grid = np.ma.array(shared, mask=np.isnan(blocks))  # no cell past a table's end
-    ax.pcolormesh(grid, cmap=colors, vmin=0, vmax=1, edgecolors="white", linewidth=3)
+    # the first two of tab10's ten colours: 0 (private) blue, 1 (shared) orange
+    ax.pcolormesh(grid, cmap="tab10", vmin=0, vmax=10, edgecolors="white", linewidth=3)
     ax.set_xticks(np.arange(width) + 0.5, range(first, first + width))
     ax.set_yticks(np.arange(len(ids)) + 0.5, [f"seq {i}" for i in ids])
     ax.set(
@@ -171,8 +157,13 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
 
 def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
     """Write kv_blocks.png, batches.png and block_tables.png for the trace into out_dir; returns their paths."""
+    # plain Figures, not pyplot's: drawing into files needs no window, and a caller's pyplot state (its backend, its
+    # open figures) stays as it was. Without matplotlib, an ImportError says how to install it
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise ImportError("nanoserve.plots needs matplotlib to draw: pip install matplotlib") from error
     steps = [json.loads(line) for line in Path(trace_path).read_text().splitlines()]
-    make_figure = figure_class()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -181,7 +172,7 @@ def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
         ("batches", plot_batches, 2),
         ("block_tables", plot_block_tables, 1),
     ):
-        fig = make_figure(figsize=(9, 1 + 3 * panels), layout="tight")
+        fig = Figure(figsize=(9, 1 + 3 * panels), layout="tight")
         axes = fig.subplots(panels, sharex=True, squeeze=False)[:, 0]
         draw(steps, *axes)
         for ax in axes if name != "block_tables" else []:  # the block tables' colours are in their title
