@@ -160,7 +160,7 @@ def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
     # plain Figures, not pyplot's: drawing into files needs no window, and a caller's pyplot state (its backend, its
     # open figures) stays as it was. Without matplotlib, an ImportError says how to install it
     try:
-        from matplotlib.figure import Figure
+        import matplotlib.figure
     except ImportError as error:
         raise ImportError("nanoserve.plots needs matplotlib to draw: pip install matplotlib") from error
     steps = [json.loads(line) for line in Path(trace_path).read_text().splitlines()]
@@ -172,7 +172,7 @@ def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
         ("batches", plot_batches, 2),
         ("block_tables", plot_block_tables, 1),
     ):
-        fig = Figure(figsize=(9, 1 + 3 * panels), layout="tight")
+        fig = matplotlib.figure.Figure(figsize=(9, 1 + 3 * panels), layout="tight")
         axes = fig.subplots(panels, sharex=True, squeeze=False)[:, 0]
         draw(steps, *axes)
         for ax in axes if name != "block_tables" else []:  # the block tables' colours are in their title
