@@ -24,9 +24,6 @@ if TYPE_CHECKING:  # for annotations only
     from nanoserve.sequence import Sequence
 
 FIELD = "structured_outputs"
-INSTALL_HINT = (
-    'structured outputs need xgrammar: pip install xgrammar (or nanoserve\'s extra: pip install -e ".[serve]")'
-)
 # one grammar compiler per tokenizer: it holds the vocabulary's token table, which takes a while to build, and caches
 # the grammars it compiled. Keyed weakly: a tokenizer's compiler goes with it
 _compilers: "weakref.WeakKeyDictionary[PreTrainedTokenizerBase, xgrammar.GrammarCompiler]" = weakref.WeakKeyDictionary()
@@ -37,7 +34,10 @@ def import_xgrammar() -> "xgrammar":
     try:
         import xgrammar
     except ImportError:
-        raise InvalidField(FIELD, INSTALL_HINT) from None
+        raise InvalidField(
+            FIELD,
+            'structured outputs need xgrammar: pip install xgrammar (or nanoserve\'s extra: pip install -e ".[serve]")',
+        ) from None
     return xgrammar
 
 
@@ -73,6 +73,8 @@ class StructuredOutputsParams:
             return grammar.from_regex(self.regex)
         if self.grammar is not None:
             return grammar.from_ebnf(self.grammar)
+        if self.json is None and self.json_object is not True:  # json_object alone, but not True (1, "yes")
+            raise TypeError(f"{shown(self.json_object)} is not a bool")
         # json, or json_object: any object. Compact JSON (no whitespace between tokens): a small model given any
         # whitespace may emit it forever
         schema = {"type": "object"} if self.json is None else self.json
@@ -95,6 +97,8 @@ class StructuredMatcher:
         # the grammar may end only on a token the engine stops on (None: the tokenizer's EOS, with ignore_eos)
         self.matcher = self.xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids) or None)
         self.bitmask = self.xgr.allocate_token_bitmask(1, vocab_size)  # [1, vocab / 32] int32, on the host
+        # accept(token_id): the token sampled for this sequence (the mask allowed it) moves the matcher past it
+        self.accept = self.matcher.accept_token
 
     def mask(self, logits: "Tensor") -> None:
         """logits: [vocab], one row on the device: every token the grammar does not allow next becomes -inf. A
@@ -102,10 +106,6 @@ class StructuredMatcher:
         if not self.matcher.is_terminated():
             self.matcher.fill_next_token_bitmask(self.bitmask)
             self.xgr.apply_token_bitmask_inplace(logits[None], self.bitmask.to(logits.device, non_blocking=True))
-
-    def accept(self, token_id: int) -> None:
-        """The token sampled for this sequence (the mask allowed it): the matcher moves past it."""
-        self.matcher.accept_token(token_id)
 
 
 def attach_matchers(seqs: "list[Sequence]", tokenizer: "PreTrainedTokenizerBase | None", vocab_size: int) -> None:
