@@ -128,22 +128,24 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
     forked = any(q["kind"] == "decode" for q in admissions.values())
     ids = ([q["id"] for q in steps[-1]["seqs"]] if forked else list(tables))[:MAX_ROWS]
     longest = max(len(tables[i]) for i in ids)
-    blocks = np.array([tables[i] + [np.nan] * (longest - len(tables[i])) for i in ids])  # [row, position]: block ids
-    # Row r's block k is shared when another row holds the same blocks up to k, and one of the two found them cached
-    # (its admission started past them) or forked from the other. NaN equals nothing: no sharing past a table's end
-    same = np.logical_and.accumulate(blocks[:, None] == blocks[None], axis=2)  # [row, other row, position]
-    hit = np.array([admissions[i]["start"] for i in ids]) // steps[0]["block_size"]  # blocks found at admission
-    same &= np.arange(longest) < np.maximum.outer(hit, hit)[..., None]
-    same[np.diag_indices(len(ids))] = False  # a row shares nothing with itself
     # a long table is cut to MAX_CELLS cells: its start, or for beams its end, where they part
     first = max(0, longest - MAX_CELLS) if forked else 0
-    shown = slice(first, first + MAX_CELLS)
-    blocks, shared = blocks[:, shown], same.any(axis=1)[:, shown]
+    padded = [tables[i] + [np.nan] * (longest - len(tables[i])) for i in ids]  # NaN past a table's end
+    blocks = np.array(padded)[:, first : first + MAX_CELLS]  # [row, cell]: the block ids shown
     width = blocks.shape[1]
+    # Row r's block k is shared when another row holds the same blocks up to k, and one of the two found them cached
+    # (its admission started past them) or forked from the other. NaN equals nothing: no sharing past a table's end.
+    # (Beams' tables may be cut at their start, but what two beams share is a prefix of both: comparing from the cut
+    # finds the same.)
+    same = np.logical_and.accumulate(blocks[:, None] == blocks[None], axis=2)  # [row, other row, cell]
+    # the blocks each row found at admission, counted from the first cell shown
+    hit = np.array([admissions[i]["start"] for i in ids]) // steps[0]["block_size"] - first
+    same &= np.arange(width) < np.maximum.outer(hit, hit)[..., None]
+    same[np.diag_indices(len(ids))] = False  # a row shares nothing with itself
     for (row, k), block in np.ndenumerate(blocks):  # each cell labelled with its physical block id
         if not np.isnan(block):
             ax.text(k + 0.5, row + 0.5, f"{block:.0f}", ha="center", va="center", fontsize=9 if width <= 16 else 6)
-    grid = np.ma.array(shared, mask=np.isnan(blocks))  # no cell past a table's end
+    grid = np.ma.array(same.any(axis=1), mask=np.isnan(blocks))  # shared or not; no cell past a table's end
     # the first two of tab10's ten colours: 0 (private) blue, 1 (shared) orange
     ax.pcolormesh(grid, cmap="tab10", vmin=0, vmax=10, edgecolors="white", linewidth=3)
     ax.set_xticks(np.arange(width) + 0.5, range(first, first + width))
