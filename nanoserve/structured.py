@@ -59,7 +59,7 @@ class StructuredOutputsParams:
         xgr = import_xgrammar()
         try:
             self.rules = self._parse(xgr.Grammar)
-        except (RuntimeError, TypeError) as error:  # xgrammar's parse errors
+        except (RuntimeError, TypeError, ValueError) as error:  # xgrammar's parse errors (json=5: a ValueError)
             problem = str(error).split(": ", 1)[-1].strip()  # without xgrammar's "[time] file.cc:line: " in front
             raise InvalidField(FIELD, f"{given[0]}: {problem}") from None
 
