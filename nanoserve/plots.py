@@ -131,11 +131,11 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
     longest = max(len(tables[i]) for i in ids)
     # a long table is cut to MAX_CELLS cells: its start, or for beams its end, where they part
     first = max(0, longest - MAX_CELLS) if forked else 0
-    padded = [tables[i] + [-1] * (longest - len(tables[i])) for i in ids]  # -1: no block, past a table's end
+    padded = [tables[i] + [np.nan] * (longest - len(tables[i])) for i in ids]  # NaN past a table's end
     blocks = np.array(padded)[:, first : first + MAX_CELLS]  # [row, cell]: the block ids shown
     width = blocks.shape[1]
     # Row r's block k is shared when another row holds the same blocks up to k, and one of the two found them cached
-    # (its admission started past them) or forked from the other (cells past a table's end are not drawn).
+    # (its admission started past them) or forked from the other. NaN equals nothing: no sharing past a table's end.
     # (Beams' tables may be cut at their start, but what two beams share is a prefix of both: comparing from the cut
     # finds the same.)
     same = np.logical_and.accumulate(blocks[:, None] == blocks[None], axis=2)  # [row, other row, cell]
@@ -144,9 +144,9 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
     same &= np.arange(width) < np.maximum.outer(hit, hit)[..., None]
     same[np.diag_indices(len(ids))] = False  # a row shares nothing with itself
     for (row, k), block in np.ndenumerate(blocks):  # each cell labelled with its physical block id
-        if block >= 0:
-            ax.text(k + 0.5, row + 0.5, f"{block}", ha="center", va="center", fontsize=9 if width <= 16 else 6)
-    grid = np.ma.array(same.any(axis=1), mask=blocks < 0)  # shared or not; no cell past a table's end
+        if not np.isnan(block):
+            ax.text(k + 0.5, row + 0.5, f"{block:.0f}", ha="center", va="center", fontsize=9 if width <= 16 else 6)
+    grid = np.ma.array(same.any(axis=1), mask=np.isnan(blocks))  # shared or not; no cell past a table's end
     # the first two of tab10's ten colours: 0 (private) blue, 1 (shared) orange
     ax.pcolormesh(grid, cmap="tab10", vmin=0, vmax=10, edgecolors="white", linewidth=3)
     ax.set_xticks(np.arange(width) + 0.5, range(first, first + width))
