@@ -24,21 +24,12 @@ if TYPE_CHECKING:  # for annotations only
     from nanoserve.sequence import Sequence
 
 FIELD = "structured_outputs"
+INSTALL_HINT = (
+    'structured outputs need xgrammar: pip install xgrammar (or nanoserve\'s extra: pip install -e ".[serve]")'
+)
 # one grammar compiler per tokenizer: it holds the vocabulary's token table, which takes a while to build, and caches
 # the grammars it compiled. Keyed weakly: a tokenizer's compiler goes with it
 _compilers: "weakref.WeakKeyDictionary[PreTrainedTokenizerBase, xgrammar.GrammarCompiler]" = weakref.WeakKeyDictionary()
-
-
-def import_xgrammar() -> "xgrammar":
-    """xgrammar, or an InvalidField saying how to install it."""
-    try:
-        import xgrammar
-    except ImportError:
-        raise InvalidField(
-            FIELD,
-            'structured outputs need xgrammar: pip install xgrammar (or nanoserve\'s extra: pip install -e ".[serve]")',
-        ) from None
-    return xgrammar
 
 
 @dataclass
@@ -56,9 +47,12 @@ class StructuredOutputsParams:
         given = [name for name, value in vars(self).items() if value not in (None, False)]  # the fields, so far
         if len(given) != 1:
             raise InvalidField(FIELD, f"set exactly one of json, regex, choice, grammar, json_object; got {given}")
-        xgr = import_xgrammar()
         try:
-            self.rules = self._parse(xgr.Grammar)
+            import xgrammar  # here first: later steps (attach_matchers) find it imported
+
+            self.rules = self._parse(xgrammar.Grammar)
+        except ImportError:
+            raise InvalidField(FIELD, INSTALL_HINT) from None
         except (RuntimeError, TypeError, ValueError) as error:  # xgrammar's parse errors (json=5: a ValueError)
             problem = str(error).split(": ", 1)[-1].strip()  # without xgrammar's "[time] file.cc:line: " in front
             raise InvalidField(FIELD, f"{given[0]}: {problem}") from None
@@ -93,7 +87,9 @@ class StructuredMatcher:
     """One sequence's place in its grammar: masks its row of logits, and accepts the tokens it samples."""
 
     def __init__(self, compiled: "xgrammar.CompiledGrammar", vocab_size: int, stop_token_ids: frozenset[int]) -> None:
-        self.xgr = import_xgrammar()
+        import xgrammar  # imported already: the request's params were made with it
+
+        self.xgr = xgrammar
         # the grammar may end only on a token the engine stops on (None: the tokenizer's EOS, with ignore_eos)
         self.matcher = self.xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids) or None)
         self.bitmask = self.xgr.allocate_token_bitmask(1, vocab_size)  # [1, vocab / 32] int32, on the host
@@ -113,10 +109,11 @@ def attach_matchers(seqs: "list[Sequence]", tokenizer: "PreTrainedTokenizerBase 
     compiled for the model's vocabulary (which may be larger than the tokenizer's: the extra ids are never allowed)."""
     if tokenizer is None:
         raise InvalidField(FIELD, "needs a tokenizer; this model has none")
-    xgr = import_xgrammar()
+    import xgrammar  # imported already: the request's params were made with it
+
     if tokenizer not in _compilers:
-        _compilers[tokenizer] = xgr.GrammarCompiler(
-            xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        _compilers[tokenizer] = xgrammar.GrammarCompiler(
+            xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         )
     compiled = _compilers[tokenizer].compile_grammar(seqs[0].params.structured_outputs.rules)
     for seq in seqs:
