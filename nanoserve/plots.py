@@ -176,7 +176,7 @@ def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
         ("block_tables", plot_block_tables, 1),
     ):
         fig = matplotlib.figure.Figure(figsize=(9, 1 + 3 * panels), layout="tight")
-        axes = fig.subplots(panels, sharex=True, squeeze=False)[:, 0]
+        axes = np.atleast_1d(fig.subplots(panels, sharex=True))  # one Axes, or an array of them: an array
         draw(steps, *axes)
         for ax in axes if name != "block_tables" else []:  # the block tables' colours are in their title
             ax.legend(loc="upper right", fontsize=8)
