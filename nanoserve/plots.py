@@ -1,7 +1,8 @@
 """The engine's inner life, for the course: LLM(..., trace=PATH) writes a step trace (off by default: this file is then
 never imported), one JSON line per step: its sequences (prefill chunk or decode, block tables), blocks allocated, freed,
-hit and revived, used/cached/free after it, preemptions, queues, the step's time (step_ms), the K/V tokens held and the
-slots reserved but unused (kv_tokens, kv_unused_slots); plot_trace(trace, out_dir) draws it (matplotlib).
+hit and revived, used/cached/free after it, preemptions, queues, the step's time (step_ms), the block size, the K/V
+tokens held and the slots reserved but unused (kv_tokens, kv_unused_slots); plot_trace(trace, out_dir) draws it
+(matplotlib).
 
 kv_blocks.png: the block pool after each step: used (held by running sequences), cached (free, still holding a findable
 prefix) and free; red dashed lines mark preemptions. batches.png: top, each step's prefill tokens under its decodes (one
@@ -22,7 +23,6 @@ from nanoserve.scheduler import Scheduler, Step
 
 if TYPE_CHECKING:  # matplotlib is needed only to draw
     from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
 
 MAX_ROWS, MAX_CELLS = 6, 32  # block_tables.png: sequences shown, blocks shown per sequence
 
@@ -31,30 +31,31 @@ class StepTrace:
     def __init__(self, path: str, scheduler: Scheduler) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.file = open(path, "w", buffering=1)  # line-buffered: a trace is readable while the engine runs
-        self.scheduler = scheduler
-        self.bm = scheduler.block_manager  # its pool and counters
+        self.scheduler = scheduler  # its queues, and its block manager: the pool and its counters
         self.num_steps = 0
         # the pool's counters after the previous step; none before the first (the pool is as new as the engine: all 0)
         self.last = {}
 
     def begin(self, step: Step) -> None:
         """The step as launched (before finishing the previous one may free blocks)."""
-        self.seqs = [
-            {
-                "id": s.seq.seq_id,
-                "start": s.start,
-                "tokens": s.num_new_tokens,
-                "block_table": list(s.seq.block_table),
-                "kind": "decode" if s.num_new_tokens == 1 and s.start >= s.seq.num_prompt_tokens else "prefill",
-            }
-            for s in step.scheduled
-        ]
-        self.preempted = [seq.seq_id for seq in step.preempted]
+        self.launched = {
+            "seqs": [
+                {
+                    "id": s.seq.seq_id,
+                    "start": s.start,
+                    "tokens": s.num_new_tokens,
+                    "block_table": list(s.seq.block_table),
+                    "kind": "decode" if s.num_new_tokens == 1 and s.start >= s.seq.num_prompt_tokens else "prefill",
+                }
+                for s in step.scheduled
+            ],
+            "preempted": [seq.seq_id for seq in step.preempted],
+        }
 
     def end(self, started: float) -> None:
         """The pool and queues after the step, and its time."""
         running = self.scheduler.running
-        bm = self.bm
+        bm = self.scheduler.block_manager
         counters = {
             "allocated": bm.num_allocated,
             "freed": bm.num_freed,
@@ -65,8 +66,7 @@ class StepTrace:
         step = {
             "step": self.num_steps,
             "step_ms": round(1000 * (time.perf_counter() - started), 3),
-            "seqs": self.seqs,
-            "preempted": self.preempted,
+            **self.launched,  # seqs, preempted
             "running": len(running),
             "waiting": len(self.scheduler.waiting),
             "blocks": dict(
@@ -75,6 +75,7 @@ class StepTrace:
                 free=bm.num_free_blocks,
                 **{k: n - self.last.get(k, 0) for k, n in counters.items()},  # what the step did
             ),
+            "block_size": bm.block_size,  # tokens per KV block
             "kv_tokens": kv_tokens,
             "kv_unused_slots": bm.block_size * sum(len(seq.block_table) for seq in running) - kv_tokens,
         }
@@ -86,19 +87,9 @@ class StepTrace:
         self.file.close()
 
 
-def figure_class() -> "type[Figure]":
-    """matplotlib's Figure, or an ImportError that says how to install it. A plain Figure, not pyplot's: drawing into
-    files needs no window, and a caller's pyplot state (its backend, its open figures) stays as it was."""
-    try:
-        import matplotlib.figure
-    except ImportError as error:
-        raise ImportError("nanoserve.plots needs matplotlib to draw: pip install matplotlib") from error
-    return matplotlib.figure.Figure
-
-
 def plot_kv_blocks(steps: list[dict], ax: "Axes") -> None:
     # per step; "free" counts the cached blocks too
-    used, cached, free = np.array([[s["blocks"][key] for key in ("used", "cached", "free")] for s in steps]).T
+    used, cached, free = (np.array([s["blocks"][key] for s in steps]) for key in ("used", "cached", "free"))
     total = used[0] + free[0]
     ax.stackplot(
         range(len(steps)),
@@ -138,36 +129,30 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
     forked = any(q["kind"] == "decode" for q in admissions.values())
     ids = ([q["id"] for q in steps[-1]["seqs"]] if forked else list(tables))[:MAX_ROWS]
     longest = max(len(tables[i]) for i in ids)
-    blocks = np.array([tables[i] + [np.nan] * (longest - len(tables[i])) for i in ids])  # [row, position]: block ids
-    # Row r's block k is shared when another row holds the same blocks up to k, and one of the two found them cached
-    # (its admission started past them) or forked from the other. NaN equals nothing: no sharing past a table's end
-    same = np.logical_and.accumulate(blocks[:, None] == blocks[None], axis=2)  # [row, other row, position]
-    # the block size (the trace does not record it): the smallest power of two that every table's length fits
-    bs = next(
-        b
-        for b in 2 ** np.arange(16)
-        if all(len(q["block_table"]) == -(-(q["start"] + q["tokens"]) // b) for q in entries)
-    )
-    hit = np.array([admissions[i]["start"] for i in ids]) // bs  # blocks found at admission
-    same &= np.arange(longest) < np.maximum.outer(hit, hit)[..., None]
-    same[np.diag_indices(len(ids))] = False  # a row shares nothing with itself
     # a long table is cut to MAX_CELLS cells: its start, or for beams its end, where they part
     first = max(0, longest - MAX_CELLS) if forked else 0
-    shown = slice(first, first + MAX_CELLS)
-    blocks, shared = blocks[:, shown], same.any(axis=1)[:, shown]
+    padded = [tables[i] + [np.nan] * (longest - len(tables[i])) for i in ids]  # NaN past a table's end
+    blocks = np.array(padded)[:, first : first + MAX_CELLS]  # [row, cell]: the block ids shown
     width = blocks.shape[1]
+    # Row r's block k is shared when another row holds the same blocks up to k, and one of the two found them cached
+    # (its admission started past them) or forked from the other. NaN equals nothing: no sharing past a table's end.
+    # (Beams' tables may be cut at their start, but what two beams share is a prefix of both: comparing from the cut
+    # finds the same.)
+    same = np.logical_and.accumulate(blocks[:, None] == blocks[None], axis=2)  # [row, other row, cell]
+    # the blocks each row found at admission, counted from the first cell shown
+    hit = np.array([admissions[i]["start"] for i in ids]) // steps[0]["block_size"] - first
+    same &= np.arange(width) < np.maximum.outer(hit, hit)[..., None]
+    same[np.diag_indices(len(ids))] = False  # a row shares nothing with itself
     for (row, k), block in np.ndenumerate(blocks):  # each cell labelled with its physical block id
         if not np.isnan(block):
             ax.text(k + 0.5, row + 0.5, f"{block:.0f}", ha="center", va="center", fontsize=9 if width <= 16 else 6)
-    from matplotlib.colors import ListedColormap
-
-    colors = ListedColormap(["lightsteelblue", "orange"])  # private, shared
-    grid = np.ma.array(shared, mask=np.isnan(blocks))  # no cell past a table's end
-    ax.pcolormesh(grid, cmap=colors, vmin=0, vmax=1, edgecolors="white", linewidth=3)
+    grid = np.ma.array(same.any(axis=1), mask=np.isnan(blocks))  # shared or not; no cell past a table's end
+    # the first two of tab10's ten colours: 0 (private) blue, 1 (shared) orange
+    ax.pcolormesh(grid, cmap="tab10", vmin=0, vmax=10, edgecolors="white", linewidth=3)
     ax.set_xticks(np.arange(width) + 0.5, range(first, first + width))
     ax.set_yticks(np.arange(len(ids)) + 0.5, [f"seq {i}" for i in ids])
+    ax.invert_yaxis()  # the first row on top
     ax.set(
-        ylim=(len(ids), 0),
         xlabel=f"position in the block table (at most {MAX_CELLS} shown, from {first})",
         title="Block tables (physical block ids); orange: shared (a prefix-cache hit, or a forked beam's)",
     )
@@ -175,8 +160,13 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
 
 def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
     """Write kv_blocks.png, batches.png and block_tables.png for the trace into out_dir; returns their paths."""
+    # plain Figures, not pyplot's: drawing into files needs no window, and a caller's pyplot state (its backend, its
+    # open figures) stays as it was. Without matplotlib, an ImportError says how to install it
+    try:
+        import matplotlib.figure
+    except ImportError as error:
+        raise ImportError("nanoserve.plots needs matplotlib to draw: pip install matplotlib") from error
     steps = [json.loads(line) for line in Path(trace_path).read_text().splitlines()]
-    make_figure = figure_class()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -185,8 +175,8 @@ def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
         ("batches", plot_batches, 2),
         ("block_tables", plot_block_tables, 1),
     ):
-        fig = make_figure(figsize=(9, 1 + 3 * panels), layout="tight")
-        axes = fig.subplots(panels, sharex=True, squeeze=False)[:, 0]
+        fig = matplotlib.figure.Figure(figsize=(9, 1 + 3 * panels), layout="tight")
+        axes = np.atleast_1d(fig.subplots(panels, sharex=True))  # one Axes, or an array of them: an array
         draw(steps, *axes)
         for ax in axes if name != "block_tables" else []:  # the block tables' colours are in their title
             ax.legend(loc="upper right", fontsize=8)

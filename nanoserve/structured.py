@@ -32,15 +32,6 @@ INSTALL_HINT = (
 _compilers: "weakref.WeakKeyDictionary[PreTrainedTokenizerBase, xgrammar.GrammarCompiler]" = weakref.WeakKeyDictionary()
 
 
-def import_xgrammar() -> "xgrammar":
-    """xgrammar, or an InvalidField saying how to install it."""
-    try:
-        import xgrammar
-    except ImportError:
-        raise InvalidField(FIELD, INSTALL_HINT) from None
-    return xgrammar
-
-
 @dataclass
 class StructuredOutputsParams:
     """What the output must match, as vLLM names it: exactly one of the fields is set. Checked when made (an invalid
@@ -56,10 +47,13 @@ class StructuredOutputsParams:
         given = [name for name, value in vars(self).items() if value not in (None, False)]  # the fields, so far
         if len(given) != 1:
             raise InvalidField(FIELD, f"set exactly one of json, regex, choice, grammar, json_object; got {given}")
-        xgr = import_xgrammar()
         try:
-            self.rules = self._parse(xgr.Grammar)
-        except (RuntimeError, TypeError) as error:  # xgrammar's parse errors
+            import xgrammar  # here first: later steps (attach_matchers) find it imported
+
+            self.rules = self._parse(xgrammar.Grammar)
+        except ImportError:
+            raise InvalidField(FIELD, INSTALL_HINT) from None
+        except (RuntimeError, TypeError, ValueError) as error:  # xgrammar's parse errors (json=5: a ValueError)
             problem = str(error).split(": ", 1)[-1].strip()  # without xgrammar's "[time] file.cc:line: " in front
             raise InvalidField(FIELD, f"{given[0]}: {problem}") from None
 
@@ -73,6 +67,8 @@ class StructuredOutputsParams:
             return grammar.from_regex(self.regex)
         if self.grammar is not None:
             return grammar.from_ebnf(self.grammar)
+        if self.json is None and self.json_object is not True:  # json_object alone, but not True (1, "yes")
+            raise TypeError(f"{shown(self.json_object)} is not a bool")
         # json, or json_object: any object. Compact JSON (no whitespace between tokens): a small model given any
         # whitespace may emit it forever
         schema = {"type": "object"} if self.json is None else self.json
@@ -91,10 +87,14 @@ class StructuredMatcher:
     """One sequence's place in its grammar: masks its row of logits, and accepts the tokens it samples."""
 
     def __init__(self, compiled: "xgrammar.CompiledGrammar", vocab_size: int, stop_token_ids: frozenset[int]) -> None:
-        self.xgr = import_xgrammar()
+        import xgrammar  # imported already: the request's params were made with it
+
+        self.xgr = xgrammar
         # the grammar may end only on a token the engine stops on (None: the tokenizer's EOS, with ignore_eos)
         self.matcher = self.xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids) or None)
         self.bitmask = self.xgr.allocate_token_bitmask(1, vocab_size)  # [1, vocab / 32] int32, on the host
+        # accept(token_id): the token sampled for this sequence (the mask allowed it) moves the matcher past it
+        self.accept = self.matcher.accept_token
 
     def mask(self, logits: "Tensor") -> None:
         """logits: [vocab], one row on the device: every token the grammar does not allow next becomes -inf. A
@@ -103,20 +103,17 @@ class StructuredMatcher:
             self.matcher.fill_next_token_bitmask(self.bitmask)
             self.xgr.apply_token_bitmask_inplace(logits[None], self.bitmask.to(logits.device, non_blocking=True))
 
-    def accept(self, token_id: int) -> None:
-        """The token sampled for this sequence (the mask allowed it): the matcher moves past it."""
-        self.matcher.accept_token(token_id)
-
 
 def attach_matchers(seqs: "list[Sequence]", tokenizer: "PreTrainedTokenizerBase | None", vocab_size: int) -> None:
     """Each sequence of a constrained request (its n samples) gets its own matcher of the request's grammar,
     compiled for the model's vocabulary (which may be larger than the tokenizer's: the extra ids are never allowed)."""
     if tokenizer is None:
         raise InvalidField(FIELD, "needs a tokenizer; this model has none")
-    xgr = import_xgrammar()
+    import xgrammar  # imported already: the request's params were made with it
+
     if tokenizer not in _compilers:
-        _compilers[tokenizer] = xgr.GrammarCompiler(
-            xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        _compilers[tokenizer] = xgrammar.GrammarCompiler(
+            xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         )
     compiled = _compilers[tokenizer].compile_grammar(seqs[0].params.structured_outputs.rules)
     for seq in seqs:

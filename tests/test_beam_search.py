@@ -335,12 +335,13 @@ def test_trace_picture_of_long_beams_shows_where_they_part():
     pytest.importorskip("matplotlib")
     table = list(range(38))
     steps = [
-        {"seqs": [{"id": 0, "start": 0, "tokens": 600, "block_table": table, "kind": "prefill"}]},
+        {"seqs": [{"id": 0, "start": 0, "tokens": 600, "block_table": table, "kind": "prefill"}], "block_size": 16},
         {
             "seqs": [
                 {"id": 0, "start": 600, "tokens": 1, "block_table": table, "kind": "decode"},
                 {"id": 1, "start": 600, "tokens": 1, "block_table": table[:-1] + [99], "kind": "decode"},  # a fork
-            ]
+            ],
+            "block_size": 16,
         },
     ]
     grid, labels, first = block_table_picture(steps)
