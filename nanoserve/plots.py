@@ -181,5 +181,5 @@ def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
         for ax in axes if name != "block_tables" else []:  # the block tables' colours are in their title
             ax.legend(loc="upper right", fontsize=8)
         paths.append(out_dir / f"{name}.png")
-        fig.savefig(paths[-1], dpi=100)
+        fig.savefig(paths[-1])  # at the figure's dpi, matplotlib's default 100
     return paths

@@ -470,7 +470,7 @@ def token_bytes(tokenizer: "PreTrainedTokenizerBase", token_id: int) -> bytes:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if isinstance(getattr(backend, "decoder", None), decoders.ByteLevel) and all(c in BYTE_OF_CHAR for c in token):
         return bytes(BYTE_OF_CHAR[c] for c in token)
-    return tokenizer.decode([token_id]).encode()
+    return tokenizer.decode(token_id).encode()
 
 
 def logprobs_json(
@@ -487,26 +487,27 @@ def logprobs_json(
     # the engine's dicts hold those first, then the chosen token where it is not among them (logprob_dicts)
     tops = [position and list(position.items())[:num_top] for position in logprobs]
     if not chat:
-        tokens = [tokenizer.decode([token_id]) for token_id in token_ids]
+        tokens = [tokenizer.decode(token_id) for token_id in token_ids]
         return {
             "tokens": tokens,
             "token_logprobs": [position and position[t] for t, position in zip(token_ids, logprobs, strict=False)],
-            "top_logprobs": [top and {tokenizer.decode([alt]): logprob for alt, logprob in top} for top in tops],
+            "top_logprobs": [top and {tokenizer.decode(alt): logprob for alt, logprob in top} for top in tops],
             "text_offset": [0, *accumulate(map(len, tokens))][: len(tokens)],
         }
 
     def entry(token_id: int, logprob: float) -> dict:
         return {
-            "token": tokenizer.decode([token_id]),
+            "token": tokenizer.decode(token_id),
             "logprob": logprob,
             "bytes": list(token_bytes(tokenizer, token_id)),
         }
 
-    content = [
-        {**entry(token_id, position[token_id]), "top_logprobs": [entry(alt, logprob) for alt, logprob in top]}
-        for token_id, position, top in zip(token_ids, logprobs, tops, strict=False)
-    ]
-    return {"content": content}
+    return {
+        "content": [
+            {**entry(token_id, position[token_id]), "top_logprobs": [entry(alt, logprob) for alt, logprob in top]}
+            for token_id, position, top in zip(token_ids, logprobs, tops, strict=False)
+        ]
+    }
 
 
 def usage_json(finals: Collection[RequestOutput]) -> dict:
@@ -641,10 +642,7 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
             completion, or in a stream its new text and tokens (a chat stream names the role first). With echo
             (completions, never streamed): the prompt's text, tokens and logprobs before the completion's. A forced
             tool call (chat, never streamed): OpenAI's tool_calls, the output its arguments."""
-            if stream:
-                text, token_ids = sample.text_delta, sample.token_ids_delta
-            else:
-                text, token_ids = sample.text, sample.token_ids
+            text, token_ids = (sample.text_delta, sample.token_ids_delta) if stream else (sample.text, sample.token_ids)
             first = len(sample.token_ids) - len(token_ids)  # where these tokens start in the completion
             token_logprobs = sample.logprobs and sample.logprobs[first:]  # None: no logprobs asked for
             if echo:

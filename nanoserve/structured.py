@@ -91,8 +91,8 @@ class StructuredMatcher:
 
         self.xgr = xgrammar
         # the grammar may end only on a token the engine stops on (None: the tokenizer's EOS, with ignore_eos)
-        self.matcher = self.xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids) or None)
-        self.bitmask = self.xgr.allocate_token_bitmask(1, vocab_size)  # [1, vocab / 32] int32, on the host
+        self.matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids) or None)
+        self.bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)  # [1, vocab / 32] int32, on the host
         # accept(token_id): the token sampled for this sequence (the mask allowed it) moves the matcher past it
         self.accept = self.matcher.accept_token
 

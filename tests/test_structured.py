@@ -101,6 +101,8 @@ def test_json_object_regex_choice_and_grammar(llm):
         {"json": PERSON, "regex": "a"},  # two things
         {"jsn": PERSON},  # not a field
         "json",  # not a dict
+        {"json": 5},  # not a schema at all
+        {"json_object": 1},  # not a bool
     ],
 )
 def test_bad_structured_outputs_are_refused_by_name(llm, value):
