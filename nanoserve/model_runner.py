@@ -106,8 +106,9 @@ class InFlightStep:
         self.device_tokens = samples.tokens if samples is not None else None
         self.host_samples = copy_to_host_async(samples)
         self.host_prompt_samples = copy_to_host_async(prompt_samples)
-        # on a GPU, the event after which the host copies are complete
-        self.ready = torch.cuda.current_stream().record_event() if on_gpu else None
+        # on a GPU, the event after which the host copies are complete (none to wait for on a step of prompt chunks)
+        copied = samples is not None or prompt_samples is not None
+        self.ready = torch.cuda.current_stream().record_event() if on_gpu and copied else None
 
     def wait(self) -> tuple[list[int], list[RowLogprobs] | None, list[tuple]]:
         """The tokens (waiting for the GPU if needed); per row, {token: logprob} if any row asked for them: the chosen

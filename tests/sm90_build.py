@@ -123,21 +123,16 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
             {"BLOCK": hidden},
             F.rms_norm_num_warps(hidden),
         )
+    rope_types = {"q_ptr": dtype, "k_ptr": dtype, "positions_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+    rope_sizes = {"Q_HEADS_PAD": 8 * group, "K_HEADS_PAD": 8, "HALF": head_dim // 2}
+    # Qwen3's QK-norm + RoPE, and RoPE alone (Llama, Qwen2): no norm weights, None pointers compile as constants
     yield build(
         F._qk_norm_rope_kernel,
-        {
-            "q_ptr": dtype,
-            "k_ptr": dtype,
-            "positions_ptr": "*i32",
-            "cos_ptr": "*fp32",
-            "sin_ptr": "*fp32",
-            "q_weight_ptr": dtype,
-            "k_weight_ptr": dtype,
-            "eps": "fp32",
-        },
-        {"Q_HEADS_PAD": 8 * group, "K_HEADS_PAD": 8, "HALF": head_dim // 2},
+        {**rope_types, "q_weight_ptr": dtype, "k_weight_ptr": dtype, "eps": "fp32"},
+        rope_sizes,
         4,
     )
+    yield build(F._qk_norm_rope_kernel, rope_types, {**rope_sizes, "q_weight_ptr": None, "k_weight_ptr": None}, 4)
     yield build(F._silu_mul_kernel, {"x_ptr": dtype, "out_ptr": dtype}, {"BLOCK": F.SILU_BLOCK}, 4)
     yield build(
         S._gumbel_argmax_kernel,

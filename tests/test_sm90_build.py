@@ -75,6 +75,7 @@ def test_every_kernel_compiles_for_h100(builds, shape):
     assert kernels.count("_prefill_kernel") == len(prefill_tile_sizes(model_dtype(shape)))  # every query tile
     assert {"_store_kv_kernel", "_decode_split_kernel"} <= set(kernels)
     assert has_fp8_cache(shape) or LAYER_KERNELS <= set(kernels)
+    assert has_fp8_cache(shape) or kernels.count("_qk_norm_rope_kernel") == 2  # with the QK norm, and RoPE alone
 
 
 @pytest.mark.parametrize("shape", SHAPES)
