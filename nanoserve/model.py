@@ -92,26 +92,22 @@ class RMSNorm(nn.RMSNorm):
 
 
 class Rotary(nn.Module):
-    """RoPE's cos and sin for every position, [max_position, head_dim / 2] in fp32, shared by all layers."""
+    """RoPE's cos and sin for every position, [max_position, head_dim / 2] in fp32, shared by all layers. With Llama
+    3's frequency rescaling (args.rope_scaling), long wavelengths are slowed `factor` times, short ones kept, and those
+    in between blended smoothly."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim)
-        if args.rope_scaling is not None:
-            inv_freq = llama3_scaled(inv_freq, args.rope_scaling)
+        if scaling := args.rope_scaling:  # Llama 3
+            low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+            wavelen = 2 * math.pi / inv_freq
+            # how many wavelengths fit the original context, mapped onto 0 (slowed) ... 1 (kept)
+            blend = ((scaling["original_max_position_embeddings"] / wavelen - low) / (high - low)).clamp(0, 1)
+            inv_freq = (1 - blend) * inv_freq / scaling["factor"] + blend * inv_freq
         freqs = torch.outer(torch.arange(args.max_position).float(), inv_freq)  # [max_position, head_dim / 2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
-
-
-def llama3_scaled(inv_freq: Tensor, scaling: dict) -> Tensor:
-    """Llama 3's frequency rescaling: long wavelengths are slowed `factor` times, short ones kept, and those in
-    between blended smoothly."""
-    old_context_len = scaling["original_max_position_embeddings"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    wavelen = 2 * math.pi / inv_freq
-    blend = ((old_context_len / wavelen - low) / (high - low)).clamp(0, 1)  # 0: slowed, 1: kept
-    return (1 - blend) * inv_freq / scaling["factor"] + blend * inv_freq
 
 
 class Attention(nn.Module):
