@@ -11,7 +11,7 @@ or torch's own error after some loading."""
 import glob
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -27,6 +27,7 @@ from nanoserve.sampling_params import InvalidField, check_number
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # ours -> HF's shards
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]  # config, weights, tokenizer, chat template
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")  # any one will do
+NamedTensors = Iterable[tuple[str, torch.Tensor]]  # a checkpoint's (name, tensor) pairs, read one at a time
 CONFIG_SIZES = (
     "vocab_size",
     "hidden_size",
@@ -82,7 +83,7 @@ def eos_ids_of(
     return frozenset(eos_id for source in sources for eos_id in ([source] if isinstance(source, int) else source or []))
 
 
-def read_safetensors(model_dir: str, shapes_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def read_safetensors(model_dir: str, shapes_only: bool = False) -> NamedTensors:
     """(name, tensor) for every tensor of every *.safetensors file in model_dir, one at a time, on the CPU; with
     shapes_only, an empty meta tensor of its shape instead (only the file's header is read). A file that is not
     safetensors (or is cut short) is an InvalidField naming it."""
@@ -102,7 +103,7 @@ def read_safetensors(model_dir: str, shapes_only: bool = False) -> Iterator[tupl
 
 
 @torch.no_grad()  # parameters are copied into in place, which autograd would refuse
-def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: CausalLM, tensors: NamedTensors) -> None:
     """tensors: (HF name, tensor) pairs, each loaded by its parameter's weight_loader, or copied whole into a
     parameter that defines none. q, k and v each fill their shard of our fused qkv_proj, gate and up theirs of
     gate_up_proj (FUSED). A tensor with no place, one whose shape does not fit, or one missing is an

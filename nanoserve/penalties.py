@@ -83,7 +83,7 @@ class Penalties:
         return StepPenalties(
             self.table,
             to_device(rows, torch.long, self.device).T,  # [2, p]
-            to_device(values, torch.float32, self.device).T[:, :, None],  # [3, p, 1]
+            to_device(values, torch.float32, self.device).T[..., None],  # [3, p, 1]
         )
 
     def _fill_row(self, seq: Sequence) -> int:
