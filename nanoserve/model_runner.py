@@ -293,7 +293,7 @@ class ModelRunner:
                     [seq.num_tokens for seq in sampling_seqs],
                     [banned_token_ids(seq) for seq in sampling_seqs],
                     self.penalties.for_step(sampling_seqs),
-                    [seq.matcher for seq in sampling_seqs],
+                    [(row, seq.matcher) for row, seq in enumerate(sampling_seqs) if seq.matcher],
                 )
                 if self.workers is not None:
                     dist.broadcast(samples.tokens, 0)  # the workers' next decode inputs

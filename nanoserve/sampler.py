@@ -22,6 +22,7 @@ from nanoserve.triton_shim import tl, triton
 if TYPE_CHECKING:  # for annotations only: kernels.py and penalties.py import this file, so it imports neither
     from nanoserve.kernels import Kernels
     from nanoserve.penalties import StepPenalties
+    from nanoserve.structured import StructuredMatcher
 
 SEED_MIX = 1_000_003  # mixes a request's seed with its length, so each step draws fresh noise
 GUMBEL_TILE = 1024  # vocabulary entries per program of the sampling kernel: ~150 programs per row of a 152k vocabulary
@@ -147,13 +148,14 @@ class Sampler:
         lengths: list[int],
         banned: list[frozenset[int]],
         penalties: "StepPenalties | None" = None,
-        matchers: list | None = None,
+        constrained: list[tuple[int, "StructuredMatcher"]] = (),
     ) -> Samples:
         """logits: [rows, vocab] in the model dtype; lengths: each row's sequence length with the token being
         sampled; banned: ids a row may not pick (EOS before min_tokens); penalties: the rows that use a bias or a
-        penalty (penalties.py), or None; matchers: each row's grammar (a structured.StructuredMatcher or None), or
-        None. Returns the tokens and, if any row asked for logprobs, their logprobs, all on the device. vLLM's order:
-        bans, the grammar's mask, bias and penalties, then temperature and the filters."""
+        penalty (penalties.py), or None; constrained: (row, its grammar's matcher) for each row with structured
+        outputs (structured.py), only those: most steps have none. Returns the tokens and, if any row asked for
+        logprobs, their logprobs, all on the device. vLLM's order: bans, the grammar's mask, bias and penalties, then
+        temperature and the filters."""
         asked = [p.logprobs for p in params if p.logprobs is not None]  # top-N logprobs per row that asked for some
         # [rows, vocab], of the model's own distribution (vLLM's default): before bias, penalties, filters and T
         logprobs = logits.float().log_softmax(-1) if asked else None
@@ -162,9 +164,8 @@ class Sampler:
             pairs = [(row, token) for row, ids in enumerate(banned) for token in ids]
             banned_rows, banned_ids = to_device(pairs, torch.long, logits.device).T  # [num_banned, 2], transposed
             logits[banned_rows, banned_ids] = float("-inf")
-        for row, matcher in enumerate(matchers or []):
-            if matcher is not None:
-                matcher.mask(logits[row])  # the tokens its grammar does not allow next: -inf
+        for row, matcher in constrained:
+            matcher.mask(logits[row])  # the tokens its grammar does not allow next: -inf
         if penalties is not None:
             penalties.apply(logits)
         filtered = [row for row, p in enumerate(params) if p.filtered]

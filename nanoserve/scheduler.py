@@ -84,7 +84,7 @@ class Scheduler:
         # 1) the running sequences, oldest first (a copy: preemption removes from the list)
         for seq in list(self.running):
             # (a running sequence has at least one uncomputed token: none only when the budget is spent)
-            num_new = min(seq.num_uncomputed_tokens, self.max_num_batched_tokens - step.num_tokens)
+            num_new = min(seq.num_uncomputed_tokens, self._budget(step))
             # skip one preempted just now, or at its length limit with the last token pending (it ends when read)
             if seq.status != SequenceStatus.RUNNING or not num_new or reached_length_limit(seq, self.max_model_len):
                 continue
@@ -92,20 +92,12 @@ class Scheduler:
                 self._plan(step, seq, num_new)
         # 2) the budget left admits waiting sequences, in queue order until one does not fit; none after a
         #    preemption, which would only make the pool thrash
-        while (
-            not step.preempted
-            and self.waiting
-            and len(self.running) < self.max_num_seqs
-            and step.num_tokens < self.max_num_batched_tokens
-        ):
+        while not step.preempted and self.waiting and len(self.running) < self.max_num_seqs and self._budget(step):
             seq = self.waiting[0]
             if seq.num_pending:  # a preempted sequence waits for its tokens' values
                 break
             cached = bm.find_cached_prefix(seq)  # none if it asked for prompt_logprobs
-            num_new = min(
-                seq.num_tokens - len(cached) * bm.block_size,
-                self.max_num_batched_tokens - step.num_tokens,
-            )
+            num_new = min(seq.num_tokens - len(cached) * bm.block_size, self._budget(step))
             if not bm.allocate(seq, num_new, cached):
                 break
             self.running.append(self.waiting.popleft())
@@ -115,6 +107,10 @@ class Scheduler:
         step.block_copies = bm.block_copies  # copy-on-write: made on the device before the step runs
         bm.block_copies = []
         return step
+
+    def _budget(self, step: Step) -> int:
+        """The step's token budget not yet planned."""
+        return self.max_num_batched_tokens - step.num_tokens
 
     def _plan(self, step: Step, seq: Sequence, num_new: int) -> None:
         """Add seq's next num_new tokens to the step, and book them."""

@@ -77,15 +77,16 @@ def random_prompts(lengths, vocab=TINY["vocab_size"]):
     return [torch.randint(3, vocab, (n,)).tolist() for n in lengths]  # 0-2: pad/bos/eos
 
 
+def hf_generate(hf, prompt, **kwargs):
+    """transformers' generate on one prompt of token ids (no padding: every position attended), deterministic unless
+    kwargs say otherwise; kwargs (max_new_tokens, eos_token_id, num_beams, logits_processor, ...) as generate takes
+    them. Returns generate's [sequences, prompt + new tokens]."""
+    kwargs = {"do_sample": False, "pad_token_id": 0, **kwargs}
+    return hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kwargs)
+
+
 def hf_greedy(hf, prompt, max_new_tokens):
-    out = hf.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
+    out = hf_generate(hf, prompt, max_new_tokens=max_new_tokens, eos_token_id=None)
     return out[0, len(prompt) :].tolist()
 
 

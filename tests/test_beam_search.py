@@ -11,7 +11,15 @@ from functools import partial
 
 import pytest
 import torch
-from conftest import FAKE_VOCAB, FakeEngine, default_model_or_skip, fake_logprobs, hf_greedy, random_prompts
+from conftest import (
+    FAKE_VOCAB,
+    FakeEngine,
+    default_model_or_skip,
+    fake_logprobs,
+    hf_generate,
+    hf_greedy,
+    random_prompts,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,17 +33,15 @@ LLM = partial(nanoserve.LLM, device="cpu")  # CPU semantics in fp32 on any machi
 
 def hf_beams(hf, prompt, k, max_tokens, length_penalty, eos, early_stopping=False):
     """transformers' k beams, best first, each cut after its EOS (transformers pads the shorter ones)."""
-    out = hf.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    out = hf_generate(
+        hf,
+        prompt,
         num_beams=k,
         num_return_sequences=k,
-        do_sample=False,
         early_stopping=early_stopping,
         length_penalty=length_penalty,
         max_new_tokens=max_tokens,
         eos_token_id=eos,
-        pad_token_id=0,
     )
     beams = []
     for row in out.tolist():

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import default_model_or_skip, random_prompts
+from conftest import default_model_or_skip, hf_generate, random_prompts
 from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from nanoserve import LLM, SamplingParams
@@ -65,15 +65,7 @@ def hf_penalized(hf, prompt: list[int], max_new_tokens: int, eos_token_id=None, 
                 ),
             ]
         )
-    out = hf.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=eos_token_id,
-        pad_token_id=0,
-        **kwargs,
-    )
+    out = hf_generate(hf, prompt, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, **kwargs)
     return out[0, len(prompt) :].tolist()
 
 
