@@ -41,10 +41,10 @@ class DecodeGraphs:
         its own context into the grid's splits, so a short context keeps every split busy (max_context_len, read only
         by the PyTorch reference, is max_model_len here)."""
         meta = AttentionMetadata(
-            self.slot_mapping[:size],  # the static buffers, named as the fields they fill
-            self.query_start_loc[: size + 1],
-            self.context_lens[:size],
-            self.block_tables[:size],
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            context_lens=self.context_lens[:size],
+            block_tables=self.block_tables[:size],
             max_query_len=1,
             max_context_len=self.max_model_len,
             decode_only=True,

@@ -165,12 +165,12 @@ def step_inputs(
         # int32 index tensors index as int64 ones do; the sampled tokens are int64, the inputs int32
         views.input_ids[views.pending_at] = previous_tokens[views.pending_rows].int()
     meta = AttentionMetadata(
-        views.slot_mapping,  # the views, each named as the field it fills
-        views.query_start_loc,
-        views.context_lens,
-        views.block_tables.view(len(views.context_lens), -1),  # [num_seqs, width]
-        header.max_query_len,
-        header.max_context_len,
+        slot_mapping=views.slot_mapping,
+        query_start_loc=views.query_start_loc,
+        context_lens=views.context_lens,
+        block_tables=views.block_tables.view(len(views.context_lens), -1),  # [num_seqs, width]
+        max_query_len=header.max_query_len,
+        max_context_len=header.max_context_len,
         decode_only=header.max_query_len == 1,
     )
     return views, meta

@@ -62,10 +62,11 @@ class StopChecker:
         return None
 
     def _decode(self, seq: Sequence, upto: int, final: bool) -> None:
-        """Fold the text of completion tokens [text.num_decoded, upto) into seq.text (none new: it stays as it is).
-        Not final: wait while the last character is incomplete."""
+        """Fold the text of completion tokens [text.num_decoded, upto) into seq.text. Not final: wait while the
+        last character is incomplete."""
         decoded = seq.text
-        if self.tokenizer is None:
+        # nothing new (a stop id or the length limit right after a streamed token): no two decodes of the same ids
+        if self.tokenizer is None or upto <= decoded.num_decoded:
             return
         ids = seq.completion_token_ids[:upto]
         start = max(0, decoded.num_decoded - DETOKENIZE_CONTEXT)

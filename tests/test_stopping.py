@@ -136,3 +136,19 @@ def test_skip_special_tokens_false_shows_special_tokens_but_not_the_stop_id(toke
     for skip, shown in ((False, "Hi<|im_start|>there"), (True, "Hithere")):
         reason, deltas, _, seq = feed(tokenizer, ids, skip_special_tokens=skip)
         assert reason == "stop" and seq.text.final == shown == "".join(deltas)
+
+
+def test_a_streamed_sequence_ends_without_decoding_again(tokenizer, monkeypatch):
+    """Guards against work done twice at the end of a streamed sequence: once every token has been decoded
+    incrementally, the length limit (or a stop id whose text is not shown) must not decode the same ids again. Plain
+    ASCII words, so no token waits for the rest of a character: two decodes per token, none more."""
+    ids = tokenizer.encode(" the cat sat on the mat and looked at the dog")
+    calls = []
+    decode = tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    reason, deltas, _, seq = feed(tokenizer, ids)
+    assert reason == "length" and "".join(deltas) == seq.text.final == decode(ids)
+    assert len(calls) == 2 * len(ids)
+    calls.clear()
+    reason, _, n, seq = feed(tokenizer, ids[:3] + [IM_END], max_tokens=10)
+    assert reason == "stop" and n == 4 and seq.text.final == decode(ids[:3]) and len(calls) == 2 * 3
