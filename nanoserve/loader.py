@@ -17,12 +17,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
+from nanoserve import ext
 from nanoserve.attention import SUPPORTED_HEAD_DIMS
+from nanoserve.checks import InvalidField, check_number
 from nanoserve.config import EngineConfig
 from nanoserve.kernels import Kernels, get_kernels
+from nanoserve.layers import Layers
 from nanoserve.model import CausalLM, ModelArgs
-from nanoserve.parallel import TP
-from nanoserve.sampling_params import InvalidField, check_number
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # ours -> HF's shards
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]  # config, weights, tokenizer, chat template
@@ -41,11 +42,10 @@ CONFIG_SIZES = (
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> str:
-    """The embedded default model (None), a local HF directory, or a hub id ("org/name", fetched when online)."""
+    """The embedded default model (None: its extension, ext/default_model.py), a local HF directory, or a hub id
+    ("org/name", fetched when online)."""
     if model is None:
-        from nanoserve.default_model import default_model_dir
-
-        return default_model_dir()
+        return ext.load("default_model", "model").default_model_dir()
     model = os.fspath(model)  # a pathlib.Path
     if os.path.isdir(model):
         return model
@@ -141,14 +141,15 @@ def check_checkpoint(model_dir: str, args: ModelArgs) -> None:
 
 
 def build_model(
-    args: ModelArgs, model_dir: str, dtype: torch.dtype, device: torch.device, kernels: Kernels, tp: TP
+    args: ModelArgs, model_dir: str, dtype: torch.dtype, device: torch.device, kernels: Kernels, layers: Layers
 ) -> CausalLM:
-    """The model on device in the serving dtype, its weights loaded from model_dir's safetensors, in eval mode."""
+    """The model on device in the serving dtype, its weights loaded from model_dir's safetensors, in eval mode; layers
+    holds them (layers.py: whole, or one rank's shards)."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are made in the serving dtype; RoPE tables stay fp32
     try:
         with torch.device(device):
-            model = CausalLM(args, kernels, tp)
+            model = CausalLM(args, kernels, layers)
     finally:
         torch.set_default_dtype(default_dtype)
     load_weights(model, read_safetensors(model_dir))
@@ -205,8 +206,4 @@ def load_hf_config(model_dir: str, config: EngineConfig) -> tuple[PretrainedConf
         )
     if config.kernels == "triton" and args.head_dim not in SUPPORTED_HEAD_DIMS:
         raise InvalidField("kernels", f"'triton' tiles head_dim {SUPPORTED_HEAD_DIMS}, not {args.head_dim}: 'torch'")
-    for name in ("num_heads", "num_kv_heads", "vocab_size", "intermediate_size"):  # an equal share for each rank
-        size = getattr(args, name)
-        if size % config.tensor_parallel_size:  # (fewer KV heads than ranks: refused, too)
-            raise InvalidField("tensor_parallel_size", f"does not divide the model's {name}={size}")
     return hf_config, args

@@ -5,7 +5,8 @@ The model knows nothing of scheduling: a step's tokens arrive flattened ([num_to
 per-layer KV caches and the AttentionMetadata that says which sequence each token is in. Projections that read the same
 input are fused (q|k|v, gate|up): fewer, larger matmuls. The work between them (add + RMSNorm, QK-norm + RoPE, SiLU x
 up, the KV store and paged attention) goes to the kernels chosen when the model is built (kernels.py): Triton, or the
-PyTorch references."""
+PyTorch references. The layers that hold the weights come from a Layers object (layers.py), chosen when the model is
+built too: whole in one process, or sharded across several (ext/tp)."""
 
 import math
 from dataclasses import dataclass
@@ -15,9 +16,9 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from nanoserve.attention import AttentionMetadata
+from nanoserve.checks import InvalidField
 from nanoserve.kernels import Kernels
-from nanoserve.parallel import TP, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_vocab
-from nanoserve.sampling_params import InvalidField
+from nanoserve.layers import Layers
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 KVCache = tuple[Tensor, Tensor]  # one layer's (K cache, V cache)
@@ -111,15 +112,15 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP) -> None:
+    def __init__(self, args: ModelArgs, kernels: Kernels, layers: Layers) -> None:
         super().__init__()
         self.kernels = kernels
         self.head_dim = args.head_dim
         self.scale = args.head_dim**-0.5
-        q_size = args.num_heads * args.head_dim  # the whole model's; each rank holds 1/tp.size of the heads
+        q_size = args.num_heads * args.head_dim  # the whole model's (sharded layers hold 1/layers.size of the heads)
         kv_size = args.num_kv_heads * args.head_dim
-        self.qkv_proj = ColumnParallelLinear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias, tp)
-        self.o_proj = RowParallelLinear(q_size, args.hidden_size, args.o_bias, tp)
+        self.qkv_proj = layers.merged(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias)
+        self.o_proj = layers.linear(q_size, args.hidden_size, args.o_bias)
         # Qwen3's per-head norms of q and k: never called, the fused qk_norm_rope kernel reads their weight and eps
         self.q_norm = nn.RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = nn.RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
@@ -127,7 +128,7 @@ class Attention(nn.Module):
     def forward(
         self, x: Tensor, positions: Tensor, rotary: Rotary, kv_cache: KVCache, meta: AttentionMetadata
     ) -> Tensor:
-        qkv = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)  # [num_tokens, q | k | v] of this rank's heads
+        qkv = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)  # [num_tokens, q | k | v] (this rank's heads)
         # each [num_tokens, its heads, head_dim]: views into the one projection, which the kernel rotates in place
         q, k, v = (part.unflatten(-1, (-1, self.head_dim)) for part in qkv)
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.k_norm.eps) if self.q_norm is not None else ()
@@ -140,16 +141,16 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP) -> None:
+    def __init__(self, args: ModelArgs, kernels: Kernels, layers: Layers) -> None:
         super().__init__()
         self.kernels = kernels
-        self.self_attn = Attention(args, kernels, tp)
+        self.self_attn = Attention(args, kernels, layers)
         # the MLP, down(silu(gate) * up), with gate|up fused: only a ModuleDict of its projections (the names
         # mlp.gate_up_proj and mlp.down_proj find the checkpoint's weights), run in forward below
         self.mlp = nn.ModuleDict(
             {
-                "gate_up_proj": ColumnParallelLinear(args.hidden_size, [args.intermediate_size] * 2, False, tp),
-                "down_proj": RowParallelLinear(args.intermediate_size, args.hidden_size, False, tp),
+                "gate_up_proj": layers.merged(args.hidden_size, [args.intermediate_size] * 2, False),
+                "down_proj": layers.linear(args.intermediate_size, args.hidden_size, False),
             }
         )
         self.input_layernorm = RMSNorm(args, kernels)
@@ -179,21 +180,23 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """Module names follow the HF checkpoints (model.layers.0.self_attn...), so weights load by name: `model` is only
-    a ModuleDict of the decoder's parts, whose forward is this class's. With tensor parallelism (tp.size > 1) each
-    rank holds its share of every layer (parallel.py)."""
+    a ModuleDict of the decoder's parts, whose forward is this class's. `layers` makes the layers that hold the
+    weights (layers.py): whole by default; sharded, one share per rank, under tensor parallelism (ext/tp)."""
 
-    def __init__(self, args: ModelArgs, kernels: Kernels, tp: TP = TP()) -> None:  # noqa: B008 (frozen: one of one)
+    def __init__(self, args: ModelArgs, kernels: Kernels, layers: Layers | None = None) -> None:
         super().__init__()
         self.args = args
+        layers = layers or Layers()
+        self.layout = layers  # how the weights are held; its whole_vocab joins the LM head's output
         self.model = nn.ModuleDict(
             {
-                "embed_tokens": VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp),
-                "layers": nn.ModuleList(DecoderLayer(args, kernels, tp) for _ in range(args.num_layers)),
+                "embed_tokens": layers.embedding(args.vocab_size, args.hidden_size),
+                "layers": nn.ModuleList(DecoderLayer(args, kernels, layers) for _ in range(args.num_layers)),
                 "norm": RMSNorm(args, kernels),
             }
         )
         self.rotary = Rotary(args)
-        self.lm_head = ColumnParallelLinear(args.hidden_size, [args.vocab_size], False, tp)  # split over the vocab
+        self.lm_head = layers.merged(args.hidden_size, [args.vocab_size], False)  # sharded: over the vocab
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -210,4 +213,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] in the model dtype, the whole vocabulary on every rank."""
-        return gather_vocab(self.lm_head(hidden), self.lm_head.tp)
+        return self.layout.whole_vocab(self.lm_head(hidden))

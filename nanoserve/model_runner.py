@@ -1,6 +1,9 @@
 """The ModelRunner owns the model and its KV cache on the device. Each step it turns the scheduler's Step into flat
 tensors (step_inputs.py), runs the model (replaying a CUDA graph when the step is decode-only), samples, and returns an
 InFlightStep without waiting: the samples stay on the device as the next step's inputs while a copy travels to the host.
+Two extension points meet here, each called once per step: the logits processors the engine hands to launch (the
+sampler applies them, sampler.py), and the runner's Peers, the other processes that run every step with this one (none
+in the core; ext/tp's tensor-parallel ranks).
 
 KV cache size: every token keeps a K and a V vector per layer and KV head, so
     bytes per token = 2 x num_layers x num_kv_heads x head_dim x bytes per element,
@@ -10,23 +13,22 @@ element is the model's dtype, or 1 byte with kv_cache_dtype="fp8": twice bf16's 
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import NoReturn
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from transformers import PretrainedConfig
 
 from nanoserve.attention import prefill_tile_sizes
+from nanoserve.checks import InvalidField
 from nanoserve.config import EngineConfig
 from nanoserve.cuda_graphs import DecodeGraphs
 from nanoserve.kernels import get_kernels
+from nanoserve.layers import Layers
 from nanoserve.loader import build_model
 from nanoserve.model import ModelArgs
-from nanoserve.parallel import TP
-from nanoserve.penalties import Penalties
-from nanoserve.sampler import SampledLogprobs, Sampler, Samples, logprobs_of
-from nanoserve.sampling_params import InvalidField, SamplingParams
+from nanoserve.sampler import LogitsProcessor, SampledLogprobs, Sampler, Samples, logprobs_of
+from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import ScheduledSeq, Step
 from nanoserve.sequence import Sequence
 from nanoserve.step_inputs import (
@@ -40,9 +42,6 @@ from nanoserve.step_inputs import (
     upload,
 )
 from nanoserve.stopping import banned_token_ids
-
-if TYPE_CHECKING:
-    from nanoserve.workers import Workers
 
 logger = logging.getLogger("nanoserve")
 CPU_KV_CACHE_BYTES = 1 << 30  # no GPU to profile: the KV pool gets 1 GiB of host memory (config.num_kvcache_blocks)
@@ -95,6 +94,39 @@ def logprob_dicts(samples: Samples, nums: list[int | None]) -> list[RowLogprobs]
     ]
 
 
+class Peers:
+    """The runner's extension point for tensor parallelism: the other processes that run every step with this one, and
+    what this one tells them. The core runs alone, rank 0 of 1, so every call below does nothing; ext/tp's subclasses
+    (rank 0's handle on its workers, and each worker's own) shard the layers and talk to the other ranks. The runner
+    calls each at one named point: the layers when it builds the model, fewest_blocks when it sizes the pool,
+    send_step and send_tokens once per step, failed when a step fails, close once."""
+
+    size = 1  # ranks that run each step (the KV cache holds num_kv_heads / size heads per rank)
+    local_rank = 0  # this rank's GPU among its machine's
+
+    def layers(self) -> Layers:
+        """How the model holds its weights (layers.py): whole."""
+        return Layers()
+
+    def fewest_blocks(self, num_blocks: int) -> int:
+        """The KV blocks every rank can hold, given this rank's: every rank holds the same blocks (its share of their
+        heads)."""
+        return num_blocks
+
+    def send_step(self, header: StepHeader, flat: Tensor) -> None:
+        """A step's inputs (its header as host ints, and its uploaded buffer), before rank 0 runs it."""
+
+    def send_tokens(self, tokens: Tensor) -> None:
+        """A step's samples, which the other ranks' next decode inputs come from."""
+
+    def failed(self, error: BaseException) -> NoReturn:
+        """A step failed on this rank: raise (ext/tp: naming the rank at fault, after stopping the others)."""
+        raise error
+
+    def close(self) -> None:
+        """The engine is closed: stop the other ranks."""
+
+
 class InFlightStep:
     """A launched step. Its samples stay on the device (the next step reads its decode inputs there), and their
     copy to the host is queued behind the step's kernels, so launching the next step need not wait for it. So is the
@@ -141,18 +173,19 @@ class ModelRunner:
         model_dir: str,
         hf_config: PretrainedConfig,
         args: ModelArgs,
-        tp: TP = TP(),  # noqa: B008 (a frozen dataclass: one rank of one)
-        workers: "Workers | None" = None,
+        peers: Peers | None = None,
     ) -> None:
+        """peers: the other ranks (ext/tp); None: this runner runs alone."""
+        peers = peers or Peers()
         self.config = config
         self.args = args
-        self.tp = tp
-        self.workers = None  # rank 0 of several: its handle on the other ranks, once start-up's steps have run
-        self.device = torch.device(f"cuda:{tp.local_rank}" if config.device == "cuda" else "cpu")
+        self.peers = Peers()  # alone until start-up's steps (warm_up) have run: every rank runs its own
+        self.device = torch.device(f"cuda:{peers.local_rank}" if config.device == "cuda" else "cpu")
         if self.device.type == "cpu":
-            torch.set_num_threads(config.threads or max(1, free_cores() // tp.size))
+            torch.set_num_threads(config.threads or max(1, free_cores() // peers.size))
         self.block_size = config.kvcache_block_size
-        self.num_kv_heads = args.num_kv_heads // tp.size  # this rank's share
+        self.num_kv_heads = args.num_kv_heads // peers.size  # this rank's share
+        self.num_ranks = peers.size
         # a block table long enough for max_model_len tokens, its width a multiple of BLOCK_TABLE_WIDTH_MULTIPLE
         widest = round_up(config.max_model_len, self.block_size * BLOCK_TABLE_WIDTH_MULTIPLE)
         self.max_blocks_per_seq = widest // self.block_size
@@ -160,17 +193,12 @@ class ModelRunner:
         kernels = get_kernels(config.kernels)
         self.dtype = config.torch_dtype(hf_config)
         self.kv_dtype = config.kv_cache_torch_dtype(self.dtype)
-        self.model = build_model(args, model_dir, self.dtype, self.device, kernels, tp)
-        self.sampler = Sampler(kernels)
-        self.penalties = Penalties(config.max_num_seqs, args.vocab_size, self.device)  # used by rank 0 only
-        # 2) the KV cache: as many blocks as the memory left after a warm-up run of 1) holds
+        self.model = build_model(args, model_dir, self.dtype, self.device, kernels, peers.layers())
+        self.sampler = Sampler(kernels.gumbel_argmax)
+        # 2) the KV cache: as many blocks as the memory left after a warm-up run of 1) holds, on every rank
         if self.device.type == "cuda":
             self.warm_up()
-        self.num_kvcache_blocks = config.num_kvcache_blocks or self.blocks_from_memory()
-        if tp.size > 1:  # every rank holds the same blocks (its share of their heads): the fewest any rank fits
-            fewest = torch.tensor([self.num_kvcache_blocks], device=self.device)
-            dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
-            self.num_kvcache_blocks = int(fewest)
+        self.num_kvcache_blocks = peers.fewest_blocks(config.num_kvcache_blocks or self.blocks_from_memory())
         self.make_kv_cache(self.num_kvcache_blocks)
         logger.info(self.kv_account())
         # 3) the decode graphs, captured over that cache
@@ -180,16 +208,15 @@ class ModelRunner:
                 self.model, self.kv_caches, config.max_num_seqs, self.max_blocks_per_seq, config.max_model_len
             )
             self.graphs.capture()
-        self.workers = workers  # set last: every rank runs start-up's steps (warm_up) on its own
+        self.peers = peers  # set last: every rank runs start-up's steps (warm_up) on its own
 
     def close(self) -> None:
-        if self.workers is not None:
-            self.workers.close()
+        self.peers.close()
 
     # ---- the KV cache -----------------------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.args.kv_bytes_per_token(self.kv_dtype, self.tp.size)  # this rank's share
+        return self.args.kv_bytes_per_token(self.kv_dtype, self.num_ranks)  # this rank's share
 
     def kv_account(self) -> str:
         """One line: the per-token formula with this model's numbers, the pool's size, and what sized it."""
@@ -251,11 +278,11 @@ class ModelRunner:
         self.make_kv_cache(1)
         self.kv_cache.zero_()  # the scratch cache; the real one replaces it
         for tile in prefill_tile_sizes(self.dtype):
-            self.launch(self._dummy_step([tile]), None)
+            self.launch(self._dummy_step([tile]), None, [])
         config = self.config
         budget = config.max_num_batched_tokens
         seq_lens = [min(config.max_model_len, budget - i) for i in range(0, budget, config.max_model_len)]
-        self.launch(self._dummy_step(seq_lens + [1] * (config.max_num_seqs - len(seq_lens))), None)
+        self.launch(self._dummy_step(seq_lens + [1] * (config.max_num_seqs - len(seq_lens))), None, [])
 
     def _dummy_step(self, seq_lens: list[int]) -> Step:
         """A step of whole prompts of token 0, each sampling its next token (PROFILE_SAMPLING), all in block 0."""
@@ -269,39 +296,36 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------------
     def prepare(self, step: Step, previous: InFlightStep | None) -> StepLists:
         """The step flattened into integer lists (step_inputs.py)."""
-        return flatten_step(step, self.block_size, previous)
+        return flatten_step(step, self.block_size, previous.row_of if previous is not None else None)
 
     @torch.inference_mode()
-    def launch(self, step: Step, previous: InFlightStep | None) -> InFlightStep:
+    def launch(self, step: Step, previous: InFlightStep | None, processors: list[LogitsProcessor]) -> InFlightStep:
         """Queue one step on the device and return without waiting for it. `previous`, the step launched before
-        and maybe not yet read back, holds the values of this step's PENDING decode inputs."""
+        and maybe not yet read back, holds the values of this step's PENDING decode inputs; processors: the engine's
+        logits processors (LLM.logits_processors), each asked for its rows of this step."""
         lists = self.prepare(step, previous)
         header, flat = upload(lists, self.device)
         try:
-            if self.workers is not None:  # tensor parallel: every rank runs the step; rank 0 samples
-                self.workers.send_step(header, flat)  # the header as host ints: no copy to the device, no sync
+            self.peers.send_step(header, flat)  # tensor parallel: every rank runs the step; rank 0 samples
             previous_tokens = previous.device_tokens if previous is not None else None
             # the most top logprobs a prompt row asks for; ordinary steps skip the look
             prompt_top_n = max(s.seq.params.prompt_logprobs or 0 for s in step.scheduled) if lists.prompt_rows else 0
             logits, prompt_samples = self.execute(header, flat, previous_tokens, prompt_top_n)
             samples = None  # a step of prompt chunks only samples nothing
             if logits is not None:
-                sampling_seqs = step.sampling_seqs
+                seqs = step.sampling_seqs
+                step_processors = [work for p in processors if (work := p.prepare(seqs)) is not None]
                 samples = self.sampler(
                     logits,
-                    [seq.params for seq in sampling_seqs],
-                    [seq.num_tokens for seq in sampling_seqs],
-                    [banned_token_ids(seq) for seq in sampling_seqs],
-                    self.penalties.for_step(sampling_seqs),
-                    [(row, seq.matcher) for row, seq in enumerate(sampling_seqs) if seq.matcher],
+                    [seq.params for seq in seqs],
+                    [seq.num_tokens for seq in seqs],
+                    [banned_token_ids(seq) for seq in seqs],
+                    step_processors,
                 )
-                if self.workers is not None:
-                    dist.broadcast(samples.tokens, 0)  # the workers' next decode inputs
+                self.peers.send_tokens(samples.tokens)  # the other ranks' next decode inputs
             return InFlightStep(step, samples, prompt_samples, on_gpu=self.device.type == "cuda")
-        except BaseException as error:  # Ctrl-C too: the workers may be waiting inside the step
-            if self.workers is not None:
-                self.workers.failed(error)  # raises, naming the rank at fault
-            raise
+        except BaseException as error:  # Ctrl-C too: the other ranks may be waiting inside the step
+            self.peers.failed(error)  # raises (ext/tp: naming the rank at fault)
 
     def execute(
         self, header: StepHeader, flat: Tensor, previous_tokens: Tensor | None, prompt_top_n: int = 0
@@ -337,16 +361,3 @@ class ModelRunner:
             pieces.append(logprobs_of(logprobs, ids, top_n))
         columns = zip(*pieces, strict=True)  # chosen, top values, top ids: each concatenated over the slices
         return Samples(next_ids, SampledLogprobs(*(torch.cat(column) for column in columns)))
-
-    @torch.inference_mode()
-    def run_worker_step(self, header: StepHeader, previous_tokens: Tensor | None) -> Tensor | None:
-        """A worker rank's step, once rank 0 has sent its header (workers.py): receive the step's buffer, run it, and
-        receive the tokens rank 0 sampled. Returns the tokens the next step's PENDING inputs come from."""
-        flat = torch.empty(header.buffer_len(), dtype=torch.int32, device=self.device)
-        dist.broadcast(flat, 0)
-        logits, _ = self.execute(header, flat, previous_tokens)
-        if logits is None:  # nothing sampled: the previous samples stay the ones to read from
-            return previous_tokens
-        tokens = logits.new_empty(len(logits), dtype=torch.int64)  # one per sampling row
-        dist.broadcast(tokens, 0)
-        return tokens

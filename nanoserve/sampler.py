@@ -1,7 +1,9 @@
 """Turns one step's logits into next tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds, and logprobs,
-batched on the device, after logit_bias and the repetition, presence and frequency penalties (penalties.py). Nothing
-here waits for the GPU: what a call returns, Samples (the tokens and, when asked for, their logprobs), stays on the
-device, where the next step reads its inputs, and the model runner copies it back.
+batched on the device. In one breath: bans, logits processors, filters, draw. The logits processors are the sampler's
+extension point (LogitsProcessor below): an extension that changes the logits before the draw, such as logit_bias and
+the penalties (ext/penalties.py) or a grammar's mask (ext/structured.py), plugs in there. Nothing here waits for the
+GPU: what a call returns, Samples (the tokens and, when asked for, their logprobs), stays on the device, where the next
+step reads its inputs, and the model runner copies it back.
 
 Every row is drawn the same way: argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T) (the Gumbel-max
 trick), plain argmax when T = 0. Top-k, top-p and min-p only set the logits they drop to -inf first. The Triton kernel
@@ -11,7 +13,8 @@ best chunk. Its PyTorch reference writes the noise out with a seeded generator p
 (equally valid) samples for a seed."""
 
 import random
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -19,10 +22,8 @@ from torch import Tensor
 from nanoserve.sampling_params import MAX_TEMPERATURE, SEED_RANGE, SamplingParams
 from nanoserve.triton_shim import tl, triton
 
-if TYPE_CHECKING:  # for annotations only: kernels.py and penalties.py import this file, so it imports neither
-    from nanoserve.kernels import Kernels
-    from nanoserve.penalties import StepPenalties
-    from nanoserve.structured import StructuredMatcher
+if TYPE_CHECKING:  # for annotations only: the bookkeeping modules import no torch, this one imports theirs lazily
+    from nanoserve.sequence import Sequence
 
 SEED_MIX = 1_000_003  # mixes a request's seed with its length, so each step draws fresh noise
 GUMBEL_TILE = 1024  # vocabulary entries per program of the sampling kernel: ~150 programs per row of a 152k vocabulary
@@ -48,6 +49,32 @@ class Samples(NamedTuple):
 
     tokens: Tensor  # [rows] int64
     logprobs: SampledLogprobs | None = None  # None when no row asked for logprobs
+
+
+class StepProcessor(Protocol):
+    """A logits processor's work on one step's rows (LogitsProcessor.prepare makes it)."""
+
+    def apply(self, logits: Tensor) -> None:
+        """Change its rows of logits ([rows, vocab] on the device) in place, before the filters and the draw."""
+
+    def sampled(self, tokens: Tensor) -> None:
+        """The step's draws ([rows] int64, on the device), right after the draw: a processor that counts them (the
+        penalties) adds them there, so the next step sees them whether or not they have been read back yet."""
+
+
+class LogitsProcessor(Protocol):
+    """The sampler's extension point, in the shape of vLLM's logits processors: an extension's change to the logits,
+    made by its attach() when the first request that uses it comes (LLM.logits_processors, one per extension). The
+    runner calls prepare once per step; the sampler applies what it returns after the bans and before the filters. Those
+    in nanoserve commute (each adds to, scales or masks a logit with -inf), so their order does not matter."""
+
+    def prepare(self, seqs: "list[Sequence]") -> StepProcessor | None:
+        """The step's sampling sequences (row i of its logits is seqs[i]) -> the work on the rows it changes, or None
+        when it changes none of them (most steps: nothing to do)."""
+
+    def needs_tokens_on_host(self) -> bool:
+        """Whether its next prepare needs every token sampled so far read back (a grammar's mask depends on the
+        last token's value): while True, the engine does not overlap steps."""
 
 
 @triton.jit
@@ -127,11 +154,11 @@ def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 class Sampler:
-    """One step's logits -> Samples, drawn by the chosen backend's gumbel_argmax. Its only state is the random source
-    of fresh seeds for unseeded rows."""
+    """One step's logits -> Samples, drawn by the chosen backend's gumbel_argmax (kernels.py). Its only state is the
+    random source of fresh seeds for unseeded rows."""
 
-    def __init__(self, kernels: "Kernels") -> None:
-        self.kernels = kernels
+    def __init__(self, gumbel_argmax: Callable[[Tensor, list[float], list[int]], Tensor]) -> None:
+        self.gumbel_argmax = gumbel_argmax
         self.fresh_seeds = random.Random()  # new noise every step for unseeded rows
 
     def noise_seed(self, params: SamplingParams, length: int) -> int:
@@ -147,36 +174,35 @@ class Sampler:
         params: list[SamplingParams],
         lengths: list[int],
         banned: list[frozenset[int]],
-        penalties: "StepPenalties | None" = None,
-        constrained: list[tuple[int, "StructuredMatcher"]] = (),
+        processors: list[StepProcessor] = (),
     ) -> Samples:
         """logits: [rows, vocab] in the model dtype; lengths: each row's sequence length with the token being
-        sampled; banned: ids a row may not pick (EOS before min_tokens); penalties: the rows that use a bias or a
-        penalty (penalties.py), or None; constrained: (row, its grammar's matcher) for each row with structured
-        outputs (structured.py), only those: most steps have none. Returns the tokens and, if any row asked for
-        logprobs, their logprobs, all on the device. vLLM's order: bans, the grammar's mask, bias and penalties, then
-        temperature and the filters."""
+        sampled; banned: ids a row may not pick (EOS before min_tokens); processors: the logits processors' work on
+        this step (LogitsProcessor.prepare), only of those that change a row of it. Returns the tokens and, if any row
+        asked for logprobs, their logprobs, all on the device. The phases, in vLLM's order: bans, processors (a
+        grammar's mask, bias and penalties), filters (temperature, top-k, top-p, min-p), the draw."""
         asked = [p.logprobs for p in params if p.logprobs is not None]  # top-N logprobs per row that asked for some
-        # [rows, vocab], of the model's own distribution (vLLM's default): before bias, penalties, filters and T
+        # [rows, vocab], of the model's own distribution (vLLM's default): before the processors, filters and T
         logprobs = logits.float().log_softmax(-1) if asked else None
+        # 1) bans: logits[row, id] = -inf for each id in banned[row], in one indexed write for the whole batch
         if any(banned):
-            # logits[row, id] = -inf for each id in banned[row], in one indexed write for the whole batch
             pairs = [(row, token) for row, ids in enumerate(banned) for token in ids]
             banned_rows, banned_ids = to_device(pairs, torch.long, logits.device).T  # [num_banned, 2], transposed
             logits[banned_rows, banned_ids] = float("-inf")
-        for row, matcher in constrained:
-            matcher.mask(logits[row])  # the tokens its grammar does not allow next: -inf
-        if penalties is not None:
-            penalties.apply(logits)
+        # 2) the logits processors
+        for processor in processors:
+            processor.apply(logits)
+        # 3) the filters, on the rows that asked for one
         filtered = [row for row, p in enumerate(params) if p.filtered]
         if filtered:
             rows = to_device(filtered, torch.long, logits.device)
             logits[rows] = drop_filtered(logits[rows].float(), [params[r] for r in filtered]).to(logits.dtype)
+        # 4) the draw
         seeds = [self.noise_seed(p, length) for p, length in zip(params, lengths, strict=False)]
         temperatures = [sampling_temperature(p.temperature) for p in params]
-        tokens = self.kernels.gumbel_argmax(logits, temperatures, seeds)
-        if penalties is not None:
-            penalties.count(tokens)  # on the device: the next step's penalties see these tokens, pending or not
+        tokens = self.gumbel_argmax(logits, temperatures, seeds)
+        for processor in processors:
+            processor.sampled(tokens)
         # top-N: the most any row asked for (0: empty rows)
         return Samples(tokens, logprobs_of(logprobs, tokens, max(asked)) if asked else None)
 

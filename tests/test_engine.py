@@ -25,9 +25,9 @@ def count_computed_tokens(llm):
     counter = {"tokens": 0}
     launch = llm.runner.launch
 
-    def counting_launch(step, previous):
+    def counting_launch(step, previous, processors):
         counter["tokens"] += step.num_tokens
-        return launch(step, previous)
+        return launch(step, previous, processors)
 
     llm.runner.launch = counting_launch
     return counter

@@ -109,7 +109,7 @@ def test_bad_chat_messages_name_the_field():
 
 def _has_default_model() -> bool:
     try:
-        from nanoserve.default_model import find_gguf
+        from nanoserve.ext.default_model import find_gguf
 
         find_gguf()
         return True

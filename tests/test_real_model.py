@@ -8,7 +8,7 @@ pytest.importorskip("gguf")
 from conftest import default_model_or_skip  # noqa: E402
 
 from nanoserve import LLM, SamplingParams  # noqa: E402
-from nanoserve.default_model import default_model_dir  # noqa: E402
+from nanoserve.ext.default_model import default_model_dir  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "What is 2 + 3?"]
 

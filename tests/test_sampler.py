@@ -7,7 +7,6 @@ and fresh noise per step and row, filters for exactly the right support, and log
 distribution. On CPU the kernel runs in Triton's interpreter at ~5 ms a row, so its row counts stay small.
 """
 
-import dataclasses
 import os
 import random
 
@@ -60,7 +59,9 @@ def tile(monkeypatch):
 def sample(backend, logits, params, lengths=None, banned=None) -> Samples:
     """One sampler call on a copy of logits (the sampler writes its bans and filters into them)."""
     rows = logits.shape[0]
-    return Sampler(get_kernels(backend))(logits.clone(), params, lengths or [1] * rows, banned or [NONE] * rows)
+    return Sampler(get_kernels(backend).gumbel_argmax)(
+        logits.clone(), params, lengths or [1] * rows, banned or [NONE] * rows
+    )
 
 
 def tokens_of(backend, logits, params, lengths=None, banned=None) -> list[int]:
@@ -326,7 +327,7 @@ def test_row_seeds_mix_the_request_seed_with_the_length():
         seen.append(seeds)
         return logits.argmax(-1)
 
-    sampler = Sampler(dataclasses.replace(get_kernels("torch"), gumbel_argmax=record))
+    sampler = Sampler(record)
     sampler.fresh_seeds = random.Random(0)
     fresh = random.Random(0)
     params = [SamplingParams(seed=7), SamplingParams(), SamplingParams(seed=2**70), SamplingParams()]

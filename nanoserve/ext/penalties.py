@@ -1,6 +1,7 @@
-"""logit_bias and the repetition, presence and frequency penalties, batched on the device: the per-sequence table they
-need, and the function that applies it to a step's logits (the sampler calls it before temperature and the filters,
-in vLLM's order). The rules, as in vLLM and transformers, in this order:
+"""An extension: logit_bias and the repetition, presence and frequency penalties, batched on the device as one logits
+processor (sampler.py's LogitsProcessor, applied before temperature and the filters, in vLLM's order): the checks of
+their fields, the per-sequence table they need, and the step's work on it. The rules, as in vLLM and transformers, in
+this order:
     bias: logit + logit_bias[id];
     repetition: for each id seen in the prompt or the output so far, logit / r if it is positive, else logit x r;
     presence and frequency: logit - presence x [count > 0] - frequency x count, counting output tokens only.
@@ -21,14 +22,47 @@ SmolLM2's vocabulary, 467 MB for Qwen's 151,936; on a CPU, pages that no row has
 samples (model_runner.py), so with tensor parallelism only rank 0 makes it."""
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from nanoserve.checks import InvalidField, check_number, check_numbers, check_token_ids, is_integer, shown
 from nanoserve.sampler import to_device
+from nanoserve.sampling_params import SamplingParams
 from nanoserve.sequence import Sequence, SequenceStatus
 
+if TYPE_CHECKING:
+    from nanoserve.llm import LLM
+
+NAME = "penalties"  # this extension's name in the registry (ext/__init__.py) and in SamplingParams.extensions
 BIAS, PROMPT_COUNTS, OUTPUT_COUNTS = range(3)  # the planes of a row
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], OpenAI's range
+MAX_LOGIT_BIAS = 100.0  # a logit_bias lies in [-100, 100], OpenAI's range: -100 bans a token in practice
+PENALTY_LIMITS = {  # check_numbers' limits for the penalties
+    "repetition_penalty": {"low": 0, "above_low": True},
+    "presence_penalty": {"low": -MAX_PENALTY, "high": MAX_PENALTY},
+    "frequency_penalty": {"low": -MAX_PENALTY, "high": MAX_PENALTY},
+}
+
+
+def check_params(params: SamplingParams) -> None:
+    """The extension's fields of SamplingParams: the penalties in their ranges, logit_bias a dict of {integer id: bias
+    in [-100, 100]}, stored back as plain ints and floats (the ids are checked against the vocabulary in attach)."""
+    check_numbers(params, PENALTY_LIMITS)
+    bias = {} if params.logit_bias is None else params.logit_bias
+    if not isinstance(bias, dict) or not all(map(is_integer, bias)):
+        raise InvalidField("logit_bias", f"{shown(bias)} is not a dict of {{integer token id: bias}}")
+    params.logit_bias = {
+        int(t): check_number("logit_bias", b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) for t, b in bias.items()
+    }
+
+
+def attach(llm: "LLM", seqs: list[Sequence]) -> None:
+    """A request that uses a bias or a penalty: its bias ids within the vocabulary, and the engine's table made if it
+    has none yet. Its sequences need no more: the table finds them by their params (SamplingParams.extensions)."""
+    check_token_ids("logit_bias", list(seqs[0].params.logit_bias), llm.vocab_size)
+    llm.logits_processors.setdefault(NAME, Penalties(llm.config.max_num_seqs, llm.vocab_size, llm.runner.device))
 
 
 @dataclass
@@ -50,7 +84,7 @@ class StepPenalties:
         x -= frequency * counts + presence * (counts > 0)
         logits[logit_rows] = x.to(logits.dtype)
 
-    def count(self, tokens: Tensor) -> None:
+    def sampled(self, tokens: Tensor) -> None:
         """Add the step's sampled tokens ([rows] int64, on the device) to their output counts, with one indexed add
         queued behind the draw (a sequence has one row, so no (row, id) pair repeats)."""
         logit_rows, table_rows = self.rows
@@ -58,7 +92,8 @@ class StepPenalties:
 
 
 class Penalties:
-    """The table, a row per running sequence that uses a bias or a penalty, and which sequence holds which row."""
+    """The logits processor: the table, a row per running sequence that uses a bias or a penalty, and which sequence
+    holds which row."""
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
         self.shape = (max_rows, 3, vocab_size)  # max_num_seqs rows: only running sequences hold one
@@ -67,19 +102,23 @@ class Penalties:
         self.free_rows = list(range(max_rows))
         self.table = None  # made at the first use
 
-    def for_step(self, seqs: list[Sequence]) -> StepPenalties | None:
+    def needs_tokens_on_host(self) -> bool:
+        return False  # the counts follow the samples on the device
+
+    def prepare(self, seqs: list[Sequence]) -> StepPenalties | None:
         """The rows among a step's sampling sequences (row i of its logits is seqs[i]) that use a bias or a penalty,
         or None if none does. First frees the rows of sequences no longer running and fills one for each newcomer."""
         for seq in [s for s in self.row_of if s.status != SequenceStatus.RUNNING]:
             self.free_rows.append(self.row_of.pop(seq))
-        penalized = [(row, seq) for row, seq in enumerate(seqs) if seq.params.penalized]
+        penalized = [(row, seq) for row, seq in enumerate(seqs) if NAME in seq.params.extensions]
         if not penalized:
             return None
         if self.table is None:
             self.table = torch.zeros(self.shape, device=self.device)
         # per such row: (its row of the logits, its sequence's row of the table), and its three penalties
         rows = [(row, self.row_of[seq] if seq in self.row_of else self._fill_row(seq)) for row, seq in penalized]
-        values = [seq.params.penalties for _, seq in penalized]
+        params = [seq.params for _, seq in penalized]
+        values = [(p.repetition_penalty, p.presence_penalty, p.frequency_penalty) for p in params]
         return StepPenalties(
             self.table,
             to_device(rows, torch.long, self.device).T,  # [2, p]

@@ -1,8 +1,8 @@
-"""The engine's inner life, for the course: LLM(..., trace=PATH) writes a step trace (off by default: this file is then
-never imported), one JSON line per step: its sequences (prefill chunk or decode, block tables), blocks allocated, freed,
-hit and revived, used/cached/free after it, preemptions, queues, the step's time (step_ms), the block size, the K/V
-tokens held and the slots reserved but unused (kv_tokens, kv_unused_slots); plot_trace(trace, out_dir) draws it
-(matplotlib).
+"""An extension, the engine's inner life for the course: LLM(..., trace=PATH) writes a step trace (off by default: this
+file is then never imported), one JSON line per step: its sequences (prefill chunk or decode, block tables), blocks
+allocated, freed, hit and revived, used/cached/free after it, preemptions, queues, the step's time (step_ms), the block
+size, the K/V tokens held and the slots reserved but unused (kv_tokens, kv_unused_slots); plot_trace(trace, out_dir)
+draws it (matplotlib).
 
 kv_blocks.png: the block pool after each step: used (held by running sequences), cached (free, still holding a findable
 prefix) and free; red dashed lines mark preemptions. batches.png: top, each step's prefill tokens under its decodes (one
@@ -13,12 +13,15 @@ id; orange cells are shared through the prefix cache (one copy of a common prefi
 the prompt's, held once, and their common history."""
 
 import json
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from nanoserve.checks import InvalidField
+from nanoserve.config import EngineConfig
 from nanoserve.scheduler import Scheduler, Step
 
 if TYPE_CHECKING:  # matplotlib is needed only to draw
@@ -27,7 +30,24 @@ if TYPE_CHECKING:  # matplotlib is needed only to draw
 MAX_ROWS, MAX_CELLS = 6, 32  # block_tables.png: sequences shown, blocks shown per sequence
 
 
+def check_config(config: EngineConfig) -> None:
+    """trace: not a folder, and in a folder this process can write to: the nearest existing one (the trace writer
+    makes the missing ones below it), tried by making a temporary file there and removing it. Asking the OS
+    (os.access) is not enough: as root every folder looks writable, yet nothing can be made in /proc."""
+    path = Path(config.trace).absolute()  # "" is the working folder: refused as a folder
+    folder = next(p for p in path.parents if p.exists())
+    if path.is_dir() or not folder.is_dir():
+        raise InvalidField("trace", f"cannot write {config.trace!r}: a folder, or no folder there")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise InvalidField("trace", f"cannot write {config.trace!r}: {error.strerror or error}") from None
+
+
 class StepTrace:
+    """The trace writer: the engine calls begin(step) when a step is launched and end(started) once it is finished."""
+
     def __init__(self, path: str, scheduler: Scheduler) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.file = open(path, "w", buffering=1)  # line-buffered: a trace is readable while the engine runs
@@ -165,7 +185,7 @@ def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
     try:
         import matplotlib.figure
     except ImportError as error:
-        raise ImportError("nanoserve.plots needs matplotlib to draw: pip install matplotlib") from error
+        raise ImportError("nanoserve.ext.plots needs matplotlib to draw: pip install matplotlib") from error
     steps = [json.loads(line) for line in Path(trace_path).read_text().splitlines()]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

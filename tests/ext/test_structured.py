@@ -15,8 +15,8 @@ xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
 from nanoserve import LLM, SamplingParams  # noqa: E402
+from nanoserve.ext.structured import StructuredOutputsParams  # noqa: E402
 from nanoserve.sampling_params import InvalidField  # noqa: E402
-from nanoserve.structured import StructuredOutputsParams  # noqa: E402
 
 MAX_TOKENS = 40
 PERSON = {  # nested objects, arrays and enums, each bounded so that 40 tokens finish it
@@ -218,7 +218,7 @@ def client(llm):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     openai = pytest.importorskip("openai")
-    from nanoserve.server import serve_in_background
+    from nanoserve.ext.server.app import serve_in_background
 
     with serve_in_background(llm) as base_url:
         yield openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=60)

@@ -1,8 +1,8 @@
-"""Beam search, vLLM's LLM.beam_search, on sequences that share KV blocks: the one place where paging's block sharing
-is more than a prefix cache. The prompt is computed once, by one sequence. After each step, every chosen candidate
-forks the beam it extends: the fork shares all of its parent's blocks by reference count, the last, partial one
-included, and the parent ends, freeing only the blocks no fork holds. Where several forks share a partial block, each
-but the last to write its next token into it gets a copy of that one block first (copy-on-write, block_manager.py).
+"""An extension: beam search, vLLM's LLM.beam_search, on sequences that share KV blocks: the one place where paging's
+block sharing is more than a prefix cache. The prompt is computed once, by one sequence. After each step, every chosen
+candidate forks the beam it extends: the fork shares all of its parent's blocks by reference count, the last, partial
+one included, and the parent ends, freeing only the blocks no fork holds. Where several forks share a partial block,
+each but the last to write its next token into it gets a copy of that one block first (copy-on-write, block_manager.py).
 So k beams hold the prompt once, and their common history once.
 
 The rule is transformers' `generate(num_beams=k, num_return_sequences=k, do_sample=False, length_penalty=lp,
@@ -23,44 +23,21 @@ The k finished beams are returned best first. Ties between equal scores are brok
 top-N order), not necessarily as torch.topk breaks them in transformers; scores are summed in float64, transformers'
 in float32, so a near-tie within float32's rounding may rank differently.
 
-The driver runs one prompt at a time, through the engine's own step phases (LLM._run_step: schedule, launch, read
-back) without overlap, since each step's forks depend on the previous step's values. It needs an idle engine: no other
-request in flight, so that every beam runs in every step. Before any work it checks that the pool holds a prompt's
-search at its largest (the prompt's full blocks once, each beam's own blocks at max_tokens), so no beam is ever
-preempted."""
+The driver runs one prompt at a time, through the engine's step driver (LLM.run_step: schedule, launch, read back,
+finished by LLM.receive_tokens) without overlap, since each step's forks depend on the previous step's values. It needs
+an idle engine: no other request in flight, so that every beam runs in every step. Before any work it checks that the
+pool holds a prompt's search at its largest (the prompt's full blocks once, each beam's own blocks at max_tokens), so no
+beam is ever preempted."""
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nanoserve.sampling_params import NUMBER_LIMITS, InvalidField, SamplingParams, check_numbers
+from nanoserve.checks import InvalidField
+from nanoserve.sampling_params import BeamSearchParams, SamplingParams
 from nanoserve.sequence import Sequence
 
 if TYPE_CHECKING:
     from nanoserve.llm import LLM
-
-MAX_LENGTH_PENALTY = 10.0  # any length to a power in [-10, 10] is a finite float64, never an OverflowError
-# check_number's limits for BeamSearchParams' number fields: beam_width's are n's (a count, at least 1), max_tokens'
-# are SamplingParams' own
-BEAM_LIMITS = {
-    "beam_width": NUMBER_LIMITS["n"],
-    "max_tokens": NUMBER_LIMITS["max_tokens"],
-    "temperature": {"low": 0, "high": 0},
-    "length_penalty": {"low": -MAX_LENGTH_PENALTY, "high": MAX_LENGTH_PENALTY},
-}
-
-
-@dataclass
-class BeamSearchParams:
-    """vLLM's fields. temperature must be 0: nanoserve's beam search is deterministic."""
-
-    beam_width: int  # beams kept, and sequences returned, per prompt
-    max_tokens: int  # generated tokens at most, an EOS included
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0  # in [-10, 10]; finished beams rank by cum_logprob / generated_length ** this
-
-    def __post_init__(self) -> None:
-        check_numbers(self, BEAM_LIMITS)  # numbers stored back as plain ints or floats; ignore_eos a bool
 
 
 @dataclass
@@ -114,7 +91,7 @@ def search(llm: "LLM", first: Sequence, params: BeamSearchParams, stop_ids: froz
             # in chunks. LLM.step's phases, without overlap: each step's forks depend on the previous step's values
             sampled = []
             while not sampled:
-                sampled = llm._run_step(False, llm._receive_tokens)
+                sampled = llm.run_step(False, llm.receive_tokens)
             # the pool was checked to hold every beam: none preempted, each in every step
             assert len(sampled) == len(beams), "a beam missed a step"
             # 1. (cum_logprob, the beam it extends, its next token); each beam's logprobs are popped: a fork copies no

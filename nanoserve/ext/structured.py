@@ -1,29 +1,33 @@
-"""Structured outputs: a completion constrained to a JSON schema, any JSON object, a regex, one of a list of choices, or
-an EBNF grammar (vLLM's StructuredOutputsParams), with xgrammar, the grammar engine vLLM and SGLang use. This is the
-only file that imports xgrammar (an optional dependency, in the `[serve]` extra), and only when a constrained request
-comes: the engine runs without it.
+"""An extension, structured outputs: a completion constrained to a JSON schema, any JSON object, a regex, one of a list
+of choices, or an EBNF grammar (vLLM's StructuredOutputsParams), with xgrammar, the grammar engine vLLM and SGLang use.
+This is the only file that imports xgrammar (an optional dependency, in the `[serve]` extra), and only when a
+constrained request comes: the engine runs without it.
 
 The idea: a grammar is compiled once against the tokenizer's vocabulary; each sequence then walks it with its own
 GrammarMatcher. Before each of its tokens is sampled, the matcher writes the set of tokens that keep the output valid
-as a bitmask (one bit per vocabulary entry, on the host), and every other token's logit becomes -inf on the device;
-the token sampled is then accepted, which moves the matcher on. So the matcher must have seen a sequence's newest token
-before its next mask is made: the engine does not overlap steps while a constrained sequence runs (llm.py)."""
+as a bitmask (one bit per vocabulary entry, on the host), and every other token's logit becomes -inf on the device: a
+logits processor (sampler.py's LogitsProcessor). The tokens sampled since are accepted first, which moves the matcher
+on. So the matcher must have seen a sequence's newest token before its next mask is made: while a constrained sequence
+runs, this processor needs the tokens on the host, and the engine does not overlap steps (llm.py)."""
 
 import json
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nanoserve.sampling_params import InvalidField, shown
+from nanoserve.checks import InvalidField, shown
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.sequence import Sequence
 
 if TYPE_CHECKING:  # for annotations only
     import xgrammar
     from torch import Tensor
     from transformers import PreTrainedTokenizerBase
 
-    from nanoserve.sequence import Sequence
+    from nanoserve.llm import LLM
 
-FIELD = "structured_outputs"
+NAME = "structured"  # this extension's name in the registry (ext/__init__.py)
+FIELD = "structured_outputs"  # the field of SamplingParams it owns
 INSTALL_HINT = (
     'structured outputs need xgrammar: pip install xgrammar (or nanoserve\'s extra: pip install -e ".[serve]")'
 )
@@ -48,7 +52,7 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise InvalidField(FIELD, f"set exactly one of json, regex, choice, grammar, json_object; got {given}")
         try:
-            import xgrammar  # here first: later steps (attach_matchers) find it imported
+            import xgrammar  # here first: later steps (attach) find it imported
 
             self.rules = self._parse(xgrammar.Grammar)
         except ImportError:
@@ -75,10 +79,12 @@ class StructuredOutputsParams:
         return grammar.from_json_schema(schema, any_whitespace=False)
 
 
-def structured_outputs_params(value: object) -> StructuredOutputsParams:
+def check_params(params: SamplingParams) -> None:
     """SamplingParams' structured_outputs as StructuredOutputsParams: one already, or a dict of its fields."""
+    value = params.structured_outputs
     try:
-        return value if isinstance(value, StructuredOutputsParams) else StructuredOutputsParams(**value)
+        if not isinstance(value, StructuredOutputsParams):
+            params.structured_outputs = StructuredOutputsParams(**value)
     except TypeError:  # not a dict, or a key that is no field
         raise InvalidField(FIELD, f"{shown(value)} is not StructuredOutputsParams or a dict of its fields") from None
 
@@ -93,8 +99,13 @@ class StructuredMatcher:
         # the grammar may end only on a token the engine stops on (None: the tokenizer's EOS, with ignore_eos)
         self.matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids) or None)
         self.bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)  # [1, vocab / 32] int32, on the host
-        # accept(token_id): the token sampled for this sequence (the mask allowed it) moves the matcher past it
-        self.accept = self.matcher.accept_token
+        self.num_accepted = 0  # completion tokens the matcher has moved past
+
+    def catch_up(self, seq: Sequence) -> None:
+        """Accept seq's completion tokens read back since the last call (the mask allowed each)."""
+        for token_id in seq.completion_token_ids[self.num_accepted :]:
+            self.matcher.accept_token(token_id)
+        self.num_accepted = len(seq.completion_token_ids)
 
     def mask(self, logits: "Tensor") -> None:
         """logits: [vocab], one row on the device: every token the grammar does not allow next becomes -inf. A
@@ -104,17 +115,55 @@ class StructuredMatcher:
             self.xgr.apply_token_bitmask_inplace(logits[None], self.bitmask.to(logits.device, non_blocking=True))
 
 
-def attach_matchers(seqs: "list[Sequence]", tokenizer: "PreTrainedTokenizerBase | None", vocab_size: int) -> None:
+@dataclass
+class StepMasks:
+    """One step's constrained rows: (row of the logits, its sequence's matcher), caught up with its tokens."""
+
+    rows: list[tuple[int, StructuredMatcher]]
+
+    def apply(self, logits: "Tensor") -> None:
+        for row, matcher in self.rows:
+            matcher.mask(logits[row])  # the tokens its grammar does not allow next: -inf
+
+    def sampled(self, tokens: "Tensor") -> None:
+        """Nothing here: the next step's prepare accepts the tokens, once they are read back."""
+
+
+class StructuredOutputs:
+    """The logits processor: a matcher per constrained sequence, forgotten once the sequence has finished (or, weakly
+    keyed, once nothing holds it: a request refused before it was queued)."""
+
+    def __init__(self) -> None:
+        self.matchers: weakref.WeakKeyDictionary[Sequence, StructuredMatcher] = weakref.WeakKeyDictionary()
+
+    def needs_tokens_on_host(self) -> bool:
+        return any(not seq.is_finished for seq in self.matchers)
+
+    def prepare(self, seqs: list[Sequence]) -> StepMasks | None:
+        for seq in [s for s in self.matchers if s.is_finished]:
+            del self.matchers[seq]
+        rows = []
+        for row, seq in enumerate(seqs):
+            matcher = self.matchers.get(seq)
+            if matcher is not None:
+                matcher.catch_up(seq)  # the tokens read back since its last mask
+                rows.append((row, matcher))
+        return StepMasks(rows) if rows else None
+
+
+def attach(llm: "LLM", seqs: list[Sequence]) -> None:
     """Each sequence of a constrained request (its n samples) gets its own matcher of the request's grammar,
     compiled for the model's vocabulary (which may be larger than the tokenizer's: the extra ids are never allowed)."""
+    tokenizer = llm.tokenizer
     if tokenizer is None:
         raise InvalidField(FIELD, "needs a tokenizer; this model has none")
     import xgrammar  # imported already: the request's params were made with it
 
     if tokenizer not in _compilers:
         _compilers[tokenizer] = xgrammar.GrammarCompiler(
-            xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+            xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=llm.vocab_size)
         )
     compiled = _compilers[tokenizer].compile_grammar(seqs[0].params.structured_outputs.rules)
+    processor = llm.logits_processors.setdefault(NAME, StructuredOutputs())
     for seq in seqs:
-        seq.matcher = StructuredMatcher(compiled, vocab_size, seq.stop_token_ids)
+        processor.matchers[seq] = StructuredMatcher(compiled, llm.vocab_size, seq.stop_token_ids)

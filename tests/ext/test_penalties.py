@@ -1,19 +1,23 @@
-"""repetition_penalty, presence_penalty, frequency_penalty and logit_bias (nanoserve/penalties.py and the sampler):
+"""repetition_penalty, presence_penalty, frequency_penalty and logit_bias (nanoserve/ext/penalties.py and the sampler):
 greedy output must equal transformers' generate with the same rules as logits processors, token for token, in batches
 that mix penalized and plain requests, with overlap on and off, under preemption, with n > 1, after an abort that
 frees a row for the next request, with tensor parallelism, in both kernel backends, and on the default model.
 Sampled runs with a seed are reproducible, and LLM(seed=...) is the seed of requests that set none."""
 
+import math
 from dataclasses import replace
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
-from conftest import default_model_or_skip, hf_generate, random_prompts
+from conftest import default_model_or_skip, hf_generate, random_prompts, refused
 from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from nanoserve import LLM, SamplingParams
 
 ENGINE = {"device": "cpu", "max_model_len": 128, "num_kvcache_blocks": 32}
+HUGE = 10**400  # too large for a float: float(HUGE) raises OverflowError
 NUM_TOKENS = 12
 # each kind alone, all at once (a boost below 1 and negative penalties too), and a plain request beside them
 CASES = [
@@ -119,7 +123,7 @@ def test_n_samples_and_a_reused_row(tiny_model):
     outputs = llm.generate(prompt, greedy(n=2, **case), use_tqdm=False)[0].outputs
     expected = hf_penalized(hf, prompt, NUM_TOKENS, **case)
     assert [o.token_ids for o in outputs] == [expected, expected]
-    assert len(llm.runner.penalties.row_of) <= 2 and llm.stats()["kv_blocks_used"] == 0
+    assert len(llm.logits_processors["penalties"].row_of) <= 2 and llm.stats()["kv_blocks_used"] == 0
 
 
 def test_triton_sampler_in_the_interpreter(tiny_model):
@@ -176,3 +180,58 @@ def test_seeded_sampling_is_reproducible_and_llm_seed_is_the_default(tiny_model)
     assert default_seeded.generate(prompt, other, use_tqdm=False)[0].outputs[0].token_ids == (
         llm.generate(prompt, other, use_tqdm=False)[0].outputs[0].token_ids
     )
+
+
+# ---- bad values ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"repetition_penalty": 0}, "repetition_penalty"),  # > 0: dividing by 0
+        ({"repetition_penalty": -1.5}, "repetition_penalty"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"repetition_penalty": math.nan}, "repetition_penalty"),
+        ({"repetition_penalty": True}, "repetition_penalty"),  # a bool is not a number here
+        ({"repetition_penalty": "1.1"}, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"presence_penalty": Fraction(-201, 100)}, "presence_penalty"),
+        ({"presence_penalty": None}, "presence_penalty"),
+        ({"frequency_penalty": -HUGE}, "frequency_penalty"),
+        ({"frequency_penalty": np.bool_(True)}, "frequency_penalty"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),  # OpenAI's JSON has string keys; the Python API takes ids
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {5: -HUGE}}, "logit_bias"),
+        ({"logit_bias": {5: math.nan}}, "logit_bias"),
+        ({"logit_bias": {5: True}}, "logit_bias"),
+        ({"logit_bias": {True: 1.0}}, "logit_bias"),
+        ({"logit_bias": [(5, 1.0)]}, "logit_bias"),
+        ({"logit_bias": 0}, "logit_bias"),
+    ],
+    ids=str,
+)
+def test_bad_penalties_and_bias_name_the_field(kwargs, field):
+    """Guards against penalties out of their ranges (repetition > 0, presence and frequency in [-2, 2], biases in
+    [-100, 100]), or of the wrong type (a bool or a string where a number is expected, string token ids), being
+    taken."""
+    refused(field, SamplingParams, **kwargs)
+
+
+def test_penalty_values_are_stored_as_python_numbers_and_bias_ids_checked(tiny_model):
+    """Guards against numpy or Fraction penalties reaching the sampler as such, and logit_bias ids outside the
+    vocabulary (which would index past the logits) being queued; the engine serves afterwards."""
+    llm = LLM(tiny_model("llama")[0], device="cpu", max_model_len=64, num_kvcache_blocks=16, max_num_seqs=4)
+    params = SamplingParams(
+        repetition_penalty=np.float32(1.5),
+        presence_penalty=Fraction(1, 2),
+        frequency_penalty=np.int64(-2),
+        logit_bias={np.int64(5): np.float16(-1.5), 7: Fraction(3, 2), 9: 100},
+    )
+    assert [type(v) for v in (params.repetition_penalty, params.presence_penalty, params.frequency_penalty)] == [
+        float
+    ] * 3
+    assert params.logit_bias == {5: -1.5, 7: 1.5, 9: 100.0} and all(type(t) is int for t in params.logit_bias)
+    assert all(type(b) is float for b in params.logit_bias.values())
+    prompt = random_prompts([5])[0]
+    for bias in ({384: 1.0}, {-1: 1.0}, {5: 1.0, 10**30: 2.0}):
+        refused("logit_bias", llm.generate, prompt, SamplingParams(logit_bias=bias), use_tqdm=False)
+    assert not llm.has_unfinished_requests() and llm.stats()["kv_blocks_used"] == 0  # nothing queued, nothing held
+    assert len(llm.generate(prompt, SamplingParams(logit_bias={5: 1.0}, max_tokens=4), use_tqdm=False)) == 1

@@ -1,9 +1,14 @@
-"""The processes of tensor parallelism (the layers are in parallel.py). The engine process is rank 0; only it schedules
-and samples. Ranks 1..N-1 are started either by rank 0 (on one machine: `python -m nanoserve.workers`, one process
-each) or by torchrun (across machines: torchrun runs the user's script on every rank, and there LLM(...) on a rank
-other than 0 serves rank 0's steps, then ends the process). Either way a worker finds its place as init_method="env://"
-would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR:MASTER_PORT, set by rank 0 as torchrun sets them) and meets rank 0 in
-that rendezvous store. A worker rank 0 starts imports no script of the user's: no main guard, and `python -` works.
+"""The processes of tensor parallelism (the layers are in layers.py). The engine process is rank 0; only it schedules
+and samples. Ranks 1..N-1 are started either by rank 0 (on one machine: `python -m nanoserve.ext.tp`, one process each,
+which runs run_worker) or by torchrun (across machines: torchrun runs the user's script on every rank, and there
+LLM(...) on a rank other than 0 serves rank 0's steps, then ends the process). Either way a worker finds its place as
+init_method="env://" would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR:MASTER_PORT, set by rank 0 as torchrun sets them)
+and meets rank 0 in that rendezvous store. A worker rank 0 starts imports no script of the user's: no main guard, and
+`python -` works.
+
+Each rank's ModelRunner meets the others through its Peers (model_runner.py), the core's extension point: rank 0's are
+Workers below, which wake the workers for each step and send them its inputs and samples; a worker's are RankPeers,
+and its loop (run_worker) runs each step rank 0 sends.
 
 Two process groups. The step group (the default group: NCCL between GPUs, gloo between CPUs) carries a step's
 collectives: its input buffer, the layers' all-reduces, the sampled tokens. The host group (gloo, CPU tensors) wakes the
@@ -33,14 +38,16 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from transformers import PretrainedConfig
 
+from nanoserve.checks import InvalidField, check_number
 from nanoserve.config import EngineConfig
+from nanoserve.ext.tp.layers import TP, ShardedLayers
+from nanoserve.layers import Layers
 from nanoserve.loader import load_hf_config
 from nanoserve.model import ModelArgs
-from nanoserve.model_runner import ModelRunner
-from nanoserve.parallel import TP
-from nanoserve.sampling_params import InvalidField
+from nanoserve.model_runner import ModelRunner, Peers
 from nanoserve.step_inputs import HEADER_LEN, StepHeader
 
 # A wake-up message, broadcast in the host group: RUN_STEP and the step's StepHeader, or STOP (and zeros).
@@ -57,6 +64,26 @@ POLL_S = 0.1  # how often rank 0 looks at the workers while they join
 STDERR_TAIL_CHARS = 4000  # how much of a failed worker's stderr its error shows
 GRACEFUL_EXIT_WAIT_S = 10  # close(): how long a worker may take to exit before it is killed
 ENGINE_KEY = "nanoserve/engine"  # in the rendezvous store: (config, model_dir) for the workers rank 0 starts
+SHARED_SIZES = ("num_heads", "num_kv_heads", "vocab_size", "intermediate_size")  # ModelArgs' sizes each rank shares
+
+
+def check_config(config: EngineConfig) -> None:
+    """tensor_parallel_size: a count, and on cuda at most one rank per GPU of this machine (the ranks on it: all of
+    them, unless a launcher such as torchrun spreads them over several machines)."""
+    size = check_number("tensor_parallel_size", config.tensor_parallel_size, 1, integer=True)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+    if config.device == "cuda" and local_ranks > torch.cuda.device_count():
+        raise InvalidField(
+            "tensor_parallel_size", f"{local_ranks} ranks on this machine exceed its {torch.cuda.device_count()} GPUs"
+        )
+
+
+def check_shares(size: int, args: ModelArgs) -> None:
+    """Each rank holds an equal share of the heads, the KV heads, the vocabulary and the MLP's width (fewer KV heads
+    than ranks: refused, too)."""
+    for name in SHARED_SIZES:
+        if getattr(args, name) % size:
+            raise InvalidField("tensor_parallel_size", f"does not divide the model's {name}={getattr(args, name)}")
 
 
 def rank_from_launcher(size: int) -> TP | None:
@@ -114,6 +141,39 @@ def beat(rank: int) -> NoReturn:
         os._exit(1)
 
 
+class RankPeers(Peers):
+    """One rank's view of the others (model_runner.py's extension point): its share of the layers, and the pool every
+    rank can hold. A worker's runner needs no more: its steps come from run_worker's loop."""
+
+    def __init__(self, tp: TP, device: str) -> None:
+        self.tp = tp
+        self.size = tp.size
+        self.local_rank = tp.local_rank
+        self.device = torch.device(f"cuda:{tp.local_rank}" if device == "cuda" else "cpu")
+
+    def layers(self) -> Layers:
+        return ShardedLayers(self.tp)
+
+    def fewest_blocks(self, num_blocks: int) -> int:
+        fewest = torch.tensor([num_blocks], device=self.device)
+        dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+        return int(fewest)
+
+
+def worker_step(runner: ModelRunner, header: StepHeader, previous_tokens: Tensor | None) -> Tensor | None:
+    """A worker rank's step, once rank 0 has sent its header: receive the step's buffer, run it, and receive the tokens
+    rank 0 sampled. Returns the tokens the next step's PENDING inputs come from."""
+    with torch.inference_mode():
+        flat = torch.empty(header.buffer_len(), dtype=torch.int32, device=runner.device)
+        dist.broadcast(flat, 0)
+        logits, _ = runner.execute(header, flat, previous_tokens)
+        if logits is None:  # nothing sampled: the previous samples stay the ones to read from
+            return previous_tokens
+        tokens = logits.new_empty(len(logits), dtype=torch.int64)  # one per sampling row
+        dist.broadcast(tokens, 0)
+        return tokens
+
+
 def run_worker(config: EngineConfig, model_dir: str) -> None:
     """A worker rank (started by rank 0, or by torchrun): join rank 0, build the same runner on its shard, then run
     every step rank 0 sends until it says stop. A failure prints its traceback (rank 0 reads the stderr of the workers
@@ -122,7 +182,7 @@ def run_worker(config: EngineConfig, model_dir: str) -> None:
         tp = rank_from_launcher(config.tensor_parallel_size)
         threading.Thread(target=beat, args=(tp.rank,), daemon=True).start()
         host_group = join_groups(tp, connect_to_store(), config.device)
-        runner = ModelRunner(config, model_dir, *load_hf_config(model_dir, config), tp=tp)
+        runner = ModelRunner(config, model_dir, *load_hf_config(model_dir, config), RankPeers(tp, config.device))
         set_step_deadline()
         previous_tokens = None  # the last step's samples, broadcast by rank 0: the next step's PENDING inputs
         message = torch.empty(WAKE_LEN, dtype=torch.int64)
@@ -131,23 +191,24 @@ def run_worker(config: EngineConfig, model_dir: str) -> None:
             kind, *header = message.tolist()
             if kind == STOP:
                 break
-            previous_tokens = runner.run_worker_step(StepHeader.from_list(header), previous_tokens)
+            previous_tokens = worker_step(runner, StepHeader.from_list(header), previous_tokens)
         dist.destroy_process_group()
     except BaseException:
         traceback.print_exc()
         os._exit(1)
 
 
-class Workers:
-    """Rank 0's handle on ranks 1..N-1: it starts them (or finds them started by torchrun) and waits for them to
-    join, wakes them for each step, stops them, and turns their failures into errors naming the rank."""
+class Workers(RankPeers):
+    """Rank 0's handle on ranks 1..N-1, its runner's Peers: it starts them (or finds them started by torchrun) and waits
+    for them to join, wakes them for each step, stops them, and turns their failures into errors naming the rank."""
 
     def __init__(self, config: EngineConfig, model_dir: str, launched: bool) -> None:
         """Under torchrun (launched), find the rendezvous store of the ranks it started. Otherwise the OS picks the
-        store's port, and each worker is `python -m nanoserve.workers`, with its place in its environment as torchrun
+        store's port, and each worker is `python -m nanoserve.ext.tp`, with its place in its environment as torchrun
         would set it, and this process's sys.path; it reads the engine's config from the store. Its stderr goes to a
         file, read if it fails."""
         size = config.tensor_parallel_size
+        super().__init__(TP(0, size), config.device)
         self.ranks = range(1, size)
         self.procs = {}  # rank -> the worker process rank 0 started (none under torchrun)
         self.stderr = {}  # rank -> the file its stderr goes to, read if it fails
@@ -169,10 +230,10 @@ class Workers:
             )
             self.stderr[rank] = tempfile.TemporaryFile("w+", errors="replace")
             self.procs[rank] = subprocess.Popen(
-                [sys.executable, "-m", "nanoserve.workers"], stderr=self.stderr[rank], env=env
+                [sys.executable, "-m", "nanoserve.ext.tp"], stderr=self.stderr[rank], env=env
             )
 
-    def join(self, tp: TP, device: str) -> None:
+    def join(self, device: str) -> None:
         """Wait until every worker is about to join the groups (it has beaten once; one that exits first fails the
         start-up at once), then join them."""
         deadline = time.monotonic() + START_TIMEOUT.total_seconds()
@@ -182,14 +243,17 @@ class Workers:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the tensor-parallel ranks did not all join within {START_TIMEOUT}")
             time.sleep(POLL_S)
-        self.host_group = join_groups(tp, self.store, device)
+        self.host_group = join_groups(self.tp, self.store, device)
 
-    def send_step(self, header: StepHeader, flat: torch.Tensor) -> None:
+    def send_step(self, header: StepHeader, flat: Tensor) -> None:
         """Wake every worker with the step's header (host ints, in the host group), then broadcast its buffer."""
         if self.host_group is None:
             raise RuntimeError("the tensor-parallel workers were stopped by an earlier failure: make a new LLM")
         dist.broadcast(torch.tensor([RUN_STEP, *header.to_list()]), 0, group=self.host_group)
         dist.broadcast(flat, 0)
+
+    def send_tokens(self, tokens: Tensor) -> None:
+        dist.broadcast(tokens, 0)  # the workers' next decode inputs
 
     def failed(self, error: BaseException) -> NoReturn:
         """Rank 0 failed: stop the workers and raise; if a collective failed, name the ranks that caused it."""
@@ -251,25 +315,26 @@ class Workers:
 
 
 def start_runner(config: EngineConfig, model_dir: str, hf_config: PretrainedConfig, args: ModelArgs) -> ModelRunner:
-    """Rank 0's runner; with tensor parallelism it first starts ranks 1..N-1, or joins those torchrun started. Under
-    torchrun every other rank comes here too: it serves rank 0's steps, then ends its process when rank 0 closes."""
+    """Rank 0's runner (LLM calls this when tensor_parallel_size > 1), after starting ranks 1..N-1, or joining those
+    torchrun started. Under torchrun every other rank comes here too: it serves rank 0's steps, then ends its process
+    when rank 0 closes."""
     size = config.tensor_parallel_size
-    if size == 1:
-        return ModelRunner(config, model_dir, hf_config, args)
+    check_shares(size, args)
     launched = rank_from_launcher(size)  # None: this process starts the others
     if launched is not None and launched.rank != 0:  # torchrun started this process as a worker
         run_worker(config, model_dir)
         sys.exit(0)
     workers = Workers(config, model_dir, launched is not None)
-    tp = TP(0, size)
     try:
-        workers.join(tp, config.device)
-        runner = ModelRunner(config, model_dir, hf_config, args, tp, workers)
+        workers.join(config.device)
+        runner = ModelRunner(config, model_dir, hf_config, args, workers)
     except BaseException as error:
         workers.failed(error)  # raises, naming the rank at fault
     set_step_deadline()
     return runner
 
 
-if __name__ == "__main__":  # a worker rank 0 started (Workers.__init__): the engine's config is in the store
+def run_started_worker() -> None:
+    """A worker that rank 0 started (Workers.__init__, `python -m nanoserve.ext.tp`): the engine's config and model
+    folder are in the rendezvous store."""
     run_worker(*pickle.loads(connect_to_store().get(ENGINE_KEY)))

@@ -3,12 +3,13 @@ hits the cache. The trace must add up to what stats() says, and plot_trace must 
 
 import importlib
 import json
+import pathlib
 import sys
 from functools import partial
 
 import pytest
 import torch
-from conftest import random_prompts
+from conftest import random_prompts, refused
 
 import nanoserve
 from nanoserve import SamplingParams
@@ -81,7 +82,7 @@ def test_plot_trace_writes_three_valid_pngs(traced, tmp_path):
     pytest.importorskip("matplotlib")
     from PIL import Image
 
-    from nanoserve.plots import plot_trace
+    from nanoserve.ext.plots import plot_trace
 
     paths = plot_trace(traced[3], tmp_path / "pictures")
     assert [p.name for p in paths] == ["kv_blocks.png", "batches.png", "block_tables.png"]
@@ -98,7 +99,7 @@ def test_block_tables_picture_marks_exactly_the_shared_prefix(traced):
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from nanoserve.plots import plot_block_tables
+    from nanoserve.ext.plots import plot_block_tables
 
     fig, ax = plt.subplots()
     plot_block_tables(traced[2], ax)
@@ -110,7 +111,7 @@ def test_block_tables_picture_marks_exactly_the_shared_prefix(traced):
 def test_trace_off_writes_nothing(tiny_model, tmp_path, monkeypatch):
     """Guards against a trace that costs something when off: the engine must not even import plots.py."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setitem(sys.modules, "nanoserve.plots", None)  # importing it now raises
+    monkeypatch.setitem(sys.modules, "nanoserve.ext.plots", None)  # importing it now raises
     llm = LLM(tiny_model("llama")[0], num_kvcache_blocks=NUM_BLOCKS)
     llm.generate(random_prompts([20, 30]), GREEDY, use_tqdm=False)
     assert llm.trace is None and llm.config.trace is None and list(tmp_path.iterdir()) == []
@@ -120,7 +121,38 @@ def test_plots_without_matplotlib_name_the_install(monkeypatch, traced, tmp_path
     """Guards against a bare ModuleNotFoundError when the optional extra is missing, and against the trace itself
     needing matplotlib (only drawing does)."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    monkeypatch.delitem(sys.modules, "nanoserve.plots", raising=False)
-    plots = importlib.import_module("nanoserve.plots")  # the trace writer loads without matplotlib
+    monkeypatch.delitem(sys.modules, "nanoserve.ext.plots", raising=False)
+    plots = importlib.import_module("nanoserve.ext.plots")  # the trace writer loads without matplotlib
     with pytest.raises(ImportError, match="pip install matplotlib"):
         plots.plot_trace(traced[3], tmp_path)
+
+
+# ---- trace=: the option's checks ----------------------------------------------------------------------------------
+def test_a_trace_that_cannot_be_written_is_refused_before_the_weights_load(tiny_model, tmp_path, monkeypatch):
+    """Guards against a trace path found bad only after the model had loaded, or failing with the OS's own error: a
+    folder, a file where a folder should be, and a path in /proc (which looks writable to root, yet nothing can be
+    made there) are each an InvalidField naming trace, before any weight is read; checking makes no file."""
+    import nanoserve.model_runner
+
+    def fail(*args: object) -> None:
+        raise AssertionError("the weights were loaded before the trace was checked")
+
+    monkeypatch.setattr(nanoserve.model_runner, "build_model", fail)
+    path, _ = tiny_model("llama")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for trace in (a_file / "trace.jsonl", tmp_path, "", "/proc/self/nowhere/trace.jsonl"):
+        refused("trace", LLM, path, trace=trace)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+def test_the_trace_may_be_a_pathlib_path_in_folders_not_made_yet(tiny_model, tmp_path):
+    """Guards against trace=pathlib.Path(...) being refused as "not a path", and against the writer not making the
+    missing folders."""
+    path, _ = tiny_model("llama")
+    trace = tmp_path / "runs" / "first" / "trace.jsonl"
+    llm = LLM(pathlib.Path(path), num_kvcache_blocks=8, trace=trace)
+    assert llm.config.trace == str(trace)
+    llm.generate(random_prompts([5]), GREEDY, use_tqdm=False)
+    llm.close()
+    assert trace.read_text().count("\n") > 0

@@ -25,8 +25,7 @@ from hypothesis import strategies as st
 
 import nanoserve
 from nanoserve import SamplingParams
-from nanoserve.beam_search import BeamSearchParams
-from nanoserve.sampling_params import InvalidField
+from nanoserve.sampling_params import BeamSearchParams, InvalidField
 
 LLM = partial(nanoserve.LLM, device="cpu")  # CPU semantics in fp32 on any machine
 
@@ -300,7 +299,7 @@ def block_table_picture(steps):
     """plot_block_tables' grid (1: shared, 0: private), row labels and first position shown."""
     import matplotlib.pyplot as plt
 
-    from nanoserve.plots import plot_block_tables
+    from nanoserve.ext.plots import plot_block_tables
 
     fig, ax = plt.subplots()
     plot_block_tables(steps, ax)

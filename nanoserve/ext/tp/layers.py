@@ -1,11 +1,11 @@
-"""Tensor parallelism (Megatron-LM style) over torch.distributed: one model split across N processes, one per GPU (NCCL;
-gloo on CPUs). Each rank holds 1/N of every projection and of the KV cache's heads, and runs every step:
+"""Tensor parallelism's layers (Megatron-LM style) over torch.distributed: one model split across N processes, one per
+GPU (NCCL; gloo on CPUs). Each rank holds 1/N of every projection and of the KV cache's heads, and runs every step:
   - q|k|v and gate|up are column-parallel: each rank computes its share of the heads and of the MLP's width;
   - o and down are row-parallel: each rank multiplies its share, and one all-reduce sums the partial outputs;
   - the embedding and the LM head split the vocabulary: each rank embeds the ids it owns (an all-reduce joins
     them), and the logits' slices are gathered so that rank 0 can sample.
-This file holds the layers, which the model, the loader and the runner import; the processes that run the ranks are in
-workers.py. With one rank nothing communicates."""
+ShardedLayers hands these to the model in place of the core's whole layers (layers.py): the model is the same code.
+The processes that run the ranks are in workers.py."""
 
 from dataclasses import dataclass
 from functools import partial
@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from nanoserve.layers import Layers, MergedLinear
 
 
 @dataclass(frozen=True)
@@ -28,16 +30,13 @@ class TP:
         param.copy_(tensor.chunk(self.size, dim)[self.rank])
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(MergedLinear):
     """Output features split across ranks. It may fuse several projections of one input (q|k|v): each is split
     alike, and the checkpoint fills them one shard at a time."""
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, tp: TP) -> None:
-        self.shard_sizes = [size // tp.size for size in shard_sizes]
-        super().__init__(in_features, sum(self.shard_sizes), bias)
+        super().__init__(in_features, [size // tp.size for size in shard_sizes], bias)
         self.tp = tp
-        for param in self.parameters():
-            param.weight_loader = self.load_shard
 
     def load_shard(self, param: nn.Parameter, tensor: Tensor, shard: int = 0) -> None:
         """Fused projection number `shard` (q, k, v: 0, 1, 2; gate, up: 0, 1): this rank's rows of it."""
@@ -54,8 +53,7 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)  # rank 0's bias: once in the sum
-        if self.tp.size > 1:
-            dist.all_reduce(y)
+        dist.all_reduce(y)
         return y
 
 
@@ -68,8 +66,6 @@ class VocabParallelEmbedding(nn.Embedding):
         self.weight.weight_loader = tp.load_slice
 
     def forward(self, ids: Tensor) -> Tensor:
-        if self.tp.size == 1:
-            return super().forward(ids)
         local = ids - self.tp.rank * self.num_embeddings  # ids as rows of this rank's slice
         mine = (local >= 0) & (local < self.num_embeddings)
         x = super().forward(local * mine) * mine[:, None]  # ids not mine look up row 0, then are zeroed
@@ -77,10 +73,24 @@ class VocabParallelEmbedding(nn.Embedding):
         return x
 
 
-def gather_vocab(logits: Tensor, tp: TP) -> Tensor:
-    """[rows, vocab / N] on each rank -> [rows, vocab] on every rank."""
-    if tp.size == 1:
-        return logits
-    slices = [torch.empty_like(logits) for _ in range(tp.size)]
-    dist.all_gather(slices, logits)
-    return torch.cat(slices, dim=-1)
+class ShardedLayers(Layers):
+    """The layers of one rank of tp.size (the model asks for them as it asks the core's Layers)."""
+
+    def __init__(self, tp: TP) -> None:
+        self.tp = tp
+        self.size = tp.size
+
+    def merged(self, in_features: int, shard_sizes: list[int], bias: bool) -> MergedLinear:
+        return ColumnParallelLinear(in_features, shard_sizes, bias, self.tp)
+
+    def linear(self, in_features: int, out_features: int, bias: bool) -> nn.Linear:
+        return RowParallelLinear(in_features, out_features, bias, self.tp)
+
+    def embedding(self, vocab_size: int, dim: int) -> nn.Embedding:
+        return VocabParallelEmbedding(vocab_size, dim, self.tp)
+
+    def whole_vocab(self, logits: Tensor) -> Tensor:
+        """[rows, vocab / N] on each rank -> [rows, vocab] on every rank."""
+        slices = [torch.empty_like(logits) for _ in range(self.tp.size)]
+        dist.all_gather(slices, logits)
+        return torch.cat(slices, dim=-1)

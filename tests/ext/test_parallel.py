@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import hf_greedy, random_prompts
 
-import nanoserve.workers
+import nanoserve.ext.tp.workers
 from nanoserve import LLM, SamplingParams
 from nanoserve.sampling_params import InvalidField
 from nanoserve.step_inputs import HEADER_LEN, NUM_PARTS, StepHeader
@@ -37,7 +37,7 @@ def started(monkeypatch):
         procs.append(popen(*args, **kwargs))
         return procs[-1]
 
-    monkeypatch.setattr(nanoserve.workers.subprocess, "Popen", recording_popen)
+    monkeypatch.setattr(nanoserve.ext.tp.workers.subprocess, "Popen", recording_popen)
     return procs
 
 
@@ -193,7 +193,7 @@ def test_error_inside_a_worker_names_the_rank(tiny_model, started):
     lengths = [3, 3, 3, 3, 2, 5, 1] + [0] * (NUM_PARTS - 7)
     bad_header = StepHeader.from_list([*lengths, 3, 3])
     assert len(bad_header.to_list()) == HEADER_LEN
-    llm.runner.workers.send_step(bad_header, torch.zeros(bad_header.buffer_len(), dtype=torch.int32))
+    llm.runner.peers.send_step(bad_header, torch.zeros(bad_header.buffer_len(), dtype=torch.int32))
     with pytest.raises(RuntimeError, match=r"(?s)rank 1 exited with code 1.*Traceback.*RuntimeError"):
         llm.generate(random_prompts([5]), GREEDY, use_tqdm=False)
     del llm
@@ -215,14 +215,14 @@ def test_worker_killed_while_starting_is_reported_at_once(tiny_model, started, m
     worker is killed 0.5 s after it starts, while it imports, and LLM() raises within seconds naming rank 1 and
     the signal."""
     path, _ = tiny_model("llama")
-    popen = nanoserve.workers.subprocess.Popen
+    popen = nanoserve.ext.tp.workers.subprocess.Popen
 
     def popen_then_kill(*args, **kwargs):
         proc = popen(*args, **kwargs)
         threading.Timer(0.5, proc.kill).start()
         return proc
 
-    monkeypatch.setattr(nanoserve.workers.subprocess, "Popen", popen_then_kill)
+    monkeypatch.setattr(nanoserve.ext.tp.workers.subprocess, "Popen", popen_then_kill)
     error, seconds = start_and_time(path)
     assert "rank 1 was killed by SIGKILL" in error and seconds < REPORT_BOUND_S, (error, seconds)
     assert wait_until_exited(started) == []
@@ -232,13 +232,13 @@ def test_worker_killed_while_loading_is_reported_at_once(tiny_model, started, mo
     """Guards against rank 0 waiting in a start-up collective for a worker that died after joining: the worker is
     killed when rank 0 starts loading its shard, and LLM() raises within seconds naming rank 1 and the signal."""
     path, _ = tiny_model("llama")
-    runner_class = nanoserve.workers.ModelRunner
+    runner_class = nanoserve.ext.tp.workers.ModelRunner
 
     def kill_worker_then_load(*args, **kwargs):
         started[0].kill()
         return runner_class(*args, **kwargs)
 
-    monkeypatch.setattr(nanoserve.workers, "ModelRunner", kill_worker_then_load)
+    monkeypatch.setattr(nanoserve.ext.tp.workers, "ModelRunner", kill_worker_then_load)
     error, seconds = start_and_time(path)
     assert "rank 1 was killed by SIGKILL" in error and seconds < REPORT_BOUND_S, (error, seconds)
     assert wait_until_exited(started) == []
@@ -315,7 +315,7 @@ ENGINE_THEN_SLEEP = """
 import time
 from nanoserve import LLM
 llm = LLM({path!r}, device="cpu", tensor_parallel_size=2, max_model_len=128, num_kvcache_blocks=16)
-print(llm.runner.workers.procs[1].pid, flush=True)
+print(llm.runner.peers.procs[1].pid, flush=True)
 time.sleep(120)
 """
 

@@ -28,7 +28,7 @@ def fake_url():
     """A server on the fake engine, without an API key."""
     from conftest import FakeEngine
 
-    from nanoserve.server import serve_in_background
+    from nanoserve.ext.server.app import serve_in_background
 
     fake = FakeEngine(num_blocks=64, block_size=16, max_model_len=FAKE_MAX_MODEL_LEN)
     with serve_in_background(fake.llm) as base_url:
@@ -42,7 +42,7 @@ def served():
     from transformers import AutoTokenizer
 
     from nanoserve import LLM
-    from nanoserve.server import serve_in_background
+    from nanoserve.ext.server.app import serve_in_background
 
     model_dir = default_model_or_skip()
     llm = LLM(max_model_len=512, num_kvcache_blocks=128)
@@ -160,7 +160,7 @@ def test_metadata_and_values_that_ask_for_nothing_are_accepted(fake_url):
 
 def test_the_field_tables_do_not_overlap():
     """Guards against a field listed as honoured and as refused (or ignored) at once: one table decides each field."""
-    from nanoserve.server import CHAT_HONOURED, COMPLETION_HONOURED, IGNORED, NOT_IMPLEMENTED, RANGES
+    from nanoserve.ext.server.app import CHAT_HONOURED, COMPLETION_HONOURED, IGNORED, NOT_IMPLEMENTED, RANGES
 
     honoured = set(CHAT_HONOURED) | set(COMPLETION_HONOURED)
     assert (
@@ -176,7 +176,7 @@ def test_every_field_of_the_openai_client_is_in_a_table():
     import openai.types.chat.completion_create_params as chat_params
     import openai.types.completion_create_params as completion_params
 
-    from nanoserve.server import CHAT_HONOURED, COMPLETION_HONOURED, IGNORED, NOT_IMPLEMENTED
+    from nanoserve.ext.server.app import CHAT_HONOURED, COMPLETION_HONOURED, IGNORED, NOT_IMPLEMENTED
 
     for params, honoured in ((chat_params, CHAT_HONOURED), (completion_params, COMPLETION_HONOURED)):
         names = set(params.CompletionCreateParamsBase.__annotations__) | {"stream"}
@@ -251,7 +251,7 @@ def test_byte_table_is_gpt2s():
     """Guards against a typo in the byte-level table: it inverts transformers' own bytes_to_unicode."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    from nanoserve.server import BYTE_OF_CHAR
+    from nanoserve.ext.server.app import BYTE_OF_CHAR
 
     assert BYTE_OF_CHAR == {char: byte for byte, char in bytes_to_unicode().items()}
 
@@ -259,7 +259,7 @@ def test_byte_table_is_gpt2s():
 def test_token_bytes_join_to_the_text(served):
     """Guards against each token's bytes being those of its decoded text, U+FFFD where a character spans tokens
     (an emoji, CJK, a flag): the bytes of all tokens, joined, are the text's UTF-8."""
-    from nanoserve.server import token_bytes
+    from nanoserve.ext.server.app import token_bytes
 
     _, tokenizer = served
     for text in ("Hi 😀 你好世界", " über 🇫🇷 naïve", "<|im_end|> tabs\tand\nnewlines"):
@@ -378,7 +378,7 @@ def test_api_key_is_enforced_on_v1_only():
     for load balancers."""
     from conftest import FakeEngine
 
-    from nanoserve.server import ServerConfig, serve_in_background
+    from nanoserve.ext.server.app import ServerConfig, serve_in_background
 
     fake = FakeEngine(num_blocks=16, block_size=16, max_model_len=FAKE_MAX_MODEL_LEN)
     with serve_in_background(fake.llm, config=ServerConfig(api_key=API_KEY)) as base_url:
@@ -400,7 +400,7 @@ def test_api_key_is_enforced_on_v1_only():
 def test_api_key_from_the_environment(monkeypatch):
     """Guards against NANOSERVE_API_KEY being read too early or not at all: the command line takes it where
     --api-key is not given, and --api-key wins over it."""
-    from nanoserve import server
+    from nanoserve.ext.server import app as server
 
     configs = []
 
@@ -422,9 +422,10 @@ def test_api_key_from_the_environment(monkeypatch):
 
 # ---- the console command ------------------------------------------------------------------------------------------
 def test_console_command_hands_its_flags_to_the_server(monkeypatch):
-    """Guards against `nanoserve serve MODEL --flags` and `python -m nanoserve.server --model MODEL --flags`
+    """Guards against `nanoserve serve MODEL --flags` and `python -m nanoserve.ext.server --model MODEL --flags`
     drifting apart: the command only moves the model into --model."""
-    from nanoserve import cli, server
+    from nanoserve.ext.server import app as server
+    from nanoserve.ext.server import cli
 
     seen = []
     monkeypatch.setattr(server, "main", lambda flags, prog: seen.append(flags))
@@ -445,7 +446,10 @@ def test_console_command_flags_parse():
     import sys
 
     r = subprocess.run(
-        [sys.executable, "-m", "nanoserve.cli", "serve", "--help"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "nanoserve.ext.server.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("usage: nanoserve serve ")

@@ -1,9 +1,9 @@
-"""An OpenAI-compatible HTTP server (`python -m nanoserve.server --model DIR --port 8000`, and every EngineConfig
-field as a flag): /v1/completions and /v1/chat/completions, whole or streamed as server-sent events, /v1/models,
-/health, and Prometheus /metrics. The engine is not thread-safe, so one thread owns it (EngineLoop). Handlers on
-uvicorn's event loop send it commands through a queue.Queue and await the replies as futures; each HTTP request's
-outputs come back on its own asyncio.Queue. A client that goes away has its requests aborted, which returns their KV
-blocks at once.
+"""The OpenAI-compatible HTTP server (`nanoserve serve DIR --port 8000`, or `python -m nanoserve.ext.server --model DIR
+--port 8000`, and every EngineConfig field as a flag): /v1/completions and /v1/chat/completions, whole or streamed as
+server-sent events, /v1/models, /health, and Prometheus /metrics. The engine is not thread-safe, so one thread owns it
+(EngineLoop). Handlers on uvicorn's event loop send it commands through a queue.Queue and await the replies as futures;
+each HTTP request's outputs come back on its own asyncio.Queue. A client that goes away has its requests aborted, which
+returns their KV blocks at once.
 
 One request must not stall the others, so what a request costs is bounded before the engine sees it (ServerConfig:
 the body's size, the time it takes to arrive, its nesting, n, the prompt's length in characters, and OpenAI's caps on
@@ -48,11 +48,12 @@ from starlette.exceptions import HTTPException
 from tokenizers import decoders
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from nanoserve.checks import InvalidField, check_number, shown
 from nanoserve.config import EngineConfig
-from nanoserve.default_model import DEFAULT_MODEL
+from nanoserve.ext.default_model import DEFAULT_MODEL
 from nanoserve.llm import LLM
 from nanoserve.outputs import CompletionOutput, RequestOutput
-from nanoserve.sampling_params import InvalidField, SamplingParams, check_number, shown
+from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # for annotations only: the tokenizer is the engine's, loaded by transformers
     from transformers import PreTrainedTokenizerBase
@@ -318,7 +319,9 @@ def check_fields(body: dict, chat: bool) -> None:
     known = (CHAT_HONOURED if chat else COMPLETION_HONOURED) + IGNORED + list(NOT_IMPLEMENTED)
     for name, value in body.items():
         if name not in known:
-            raise InvalidField(name, "unrecognized request argument (nanoserve/server.py lists the known fields)")
+            raise InvalidField(
+                name, "unrecognized request argument (nanoserve/ext/server/app.py lists the known fields)"
+            )
         if name in RANGES and type(value) in (int, float):  # JSON's numbers (a bool is not one)
             check_number(name, value, *RANGES[name])
         if name in NOT_IMPLEMENTED and value not in (None, NOT_IMPLEMENTED[name]):
@@ -773,7 +776,7 @@ def serve_in_background(llm: LLM, config: ServerConfig | None = None) -> Iterato
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """The command line: every EngineConfig and ServerConfig field is a flag; one left out keeps its default. prog:
-    the command's name in --help (`nanoserve serve` from cli.py)."""
+    the command's name in --help (`nanoserve serve` from cli.py; `python -m nanoserve.ext.server` runs __main__.py)."""
     # argument_default=SUPPRESS: a flag left out is missing from the parsed arguments, so its field keeps its default
     parser = argparse.ArgumentParser(
         prog, description="nanoserve's OpenAI-compatible server", argument_default=argparse.SUPPRESS
@@ -799,7 +802,3 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     server = Server(llm, config)
     with contextlib.suppress(KeyboardInterrupt):  # after a Ctrl+C's drain, uvicorn raises it again
         server.run()
-
-
-if __name__ == "__main__":
-    main()

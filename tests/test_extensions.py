@@ -1,0 +1,76 @@
+"""The core and its extensions (nanoserve/ext/__init__.py): an option that belongs to an extension is refused by name
+(InvalidField) when the extension is not installed, never ignored; an option left at the value that asks for nothing
+(vLLM's default) needs no extension. Each test blocks the extension's import (as a deleted file would), so these run
+with every extension present too; .ci/run also runs the core's tests with nanoserve/ext/ emptied."""
+
+import sys
+
+import pytest
+from conftest import random_prompts, refused
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.config import EngineConfig
+from nanoserve.ext import ENGINE_OPTIONS, REQUEST_FIELDS, asks_for_nothing
+from nanoserve.sampling_params import BeamSearchParams
+
+# a value of each option that asks for its extension
+ASKING = {
+    "logit_bias": {5: 1.0},
+    "repetition_penalty": 1.1,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.5,
+    "structured_outputs": {"regex": "[ab]+"},
+    "tensor_parallel_size": 2,
+    "trace": "trace.jsonl",
+}
+
+
+def without(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
+    """Import of nanoserve.ext.<name> now fails as if its file were deleted (ModuleNotFoundError)."""
+    for name in names:
+        monkeypatch.setitem(sys.modules, f"nanoserve.ext.{name}", None)
+
+
+def test_every_option_of_the_tables_is_covered():
+    """Guards against an extension option added to the registry's tables without a test of its refusal here."""
+    assert set(ASKING) == set(REQUEST_FIELDS) | set(ENGINE_OPTIONS)
+
+
+@pytest.mark.parametrize("field", sorted(REQUEST_FIELDS))
+def test_a_request_field_without_its_extension_is_refused_by_name(field, monkeypatch):
+    """Guards against a request field being silently ignored when its extension is deleted."""
+    without(monkeypatch, REQUEST_FIELDS[field][0])
+    error = refused(field, SamplingParams, **{field: ASKING[field]})
+    assert f"nanoserve.ext.{REQUEST_FIELDS[field][0]}" in str(error)
+
+
+@pytest.mark.parametrize("option", sorted(ENGINE_OPTIONS))
+def test_an_engine_option_without_its_extension_is_refused_by_name(option, monkeypatch, tmp_path):
+    """Guards against an engine option being silently ignored when its extension is deleted."""
+    without(monkeypatch, ENGINE_OPTIONS[option][0])
+    value = ASKING[option] if option != "trace" else str(tmp_path / ASKING[option])
+    refused(option, EngineConfig, device="cpu", **{option: value})
+
+
+def test_values_that_ask_for_nothing_need_no_extension(monkeypatch):
+    """Guards against vLLM's defaults, passed explicitly, needing an extension: they ask for nothing (1 as 1.0, an
+    empty logit_bias), while a bool is never taken for a number."""
+    without(monkeypatch, *{name for name, _ in [*REQUEST_FIELDS.values(), *ENGINE_OPTIONS.values()]})
+    params = SamplingParams(
+        logit_bias={}, repetition_penalty=1, presence_penalty=0.0, frequency_penalty=0, structured_outputs=None
+    )
+    assert params.extensions == ()
+    assert EngineConfig(device="cpu", tensor_parallel_size=1, trace=None).tensor_parallel_size == 1
+    assert not asks_for_nothing(True, 1.0) and not asks_for_nothing(False, 0.0) and not asks_for_nothing([], None)
+
+
+def test_the_default_model_and_beam_search_without_their_extensions(tiny_model, monkeypatch):
+    """Guards against LLM() (the embedded default model) or LLM.beam_search failing with anything but an InvalidField
+    naming what asked for them when their extensions are deleted; the engine serves on."""
+    without(monkeypatch, "default_model", "beam_search")
+    refused("model", LLM, device="cpu")
+    llm = LLM(tiny_model("llama")[0], device="cpu", max_model_len=64, num_kvcache_blocks=16)
+    prompt = random_prompts([5])[0]
+    refused("beam_search", llm.beam_search, [prompt], BeamSearchParams(beam_width=2, max_tokens=3))
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4 and llm.stats()["kv_blocks_used"] == 0
