@@ -107,8 +107,8 @@ def test_no_import_circles():
 
 
 def test_the_core_imports_no_extension():
-    """Guards against the core needing an extension: no core module imports a module of nanoserve/ext/ (at module
-    level or inside a function); it asks the registry (nanoserve/ext/__init__.py) for one by name when an option asks."""
+    """Guards against the core needing an extension: no core module imports a module of nanoserve/ext/ (at module level
+    or inside a function); it asks the registry (nanoserve/ext/__init__.py) for one by name when an option asks."""
     graph = import_graph()
     reaching = {m: sorted(i for i in imported if not is_core(i)) for m, imported in graph.items() if is_core(m)}
     assert not any(reaching.values()), {m: i for m, i in reaching.items() if i}
