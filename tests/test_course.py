@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_prompts
+from conftest import extension_or_skip, random_prompts
 
 import nanoserve
 from nanoserve import SamplingParams
@@ -40,6 +40,7 @@ def run(path, prompts, trace_dir=None, **kwargs):
     """Greedy completions of prompts, the engine, and its trace."""
     trace = None
     if trace_dir is not None:
+        extension_or_skip("plots")  # the step trace is an extension's
         trace_dir.mkdir(parents=True, exist_ok=True)
         trace = str(trace_dir / "trace.jsonl")
     llm = LLM(path, trace=trace, **kwargs)
@@ -121,6 +122,8 @@ def test_beam_search_shares_the_prompt_and_copies_on_write(llama, tmp_path):
     4 tokens in a partial one) with 4 beams: the step after the prefill runs the 4 forks of the prompt's sequence,
     whose tables are the same but for the last block: three copies of the partial block, and one that writes in
     place."""
+    extension_or_skip("beam_search")
+    extension_or_skip("plots")
     k, max_tokens = 4, 12
     trace = tmp_path / "trace.jsonl"
     llm = LLM(llama, num_kvcache_blocks=64, trace=str(trace))
@@ -177,6 +180,7 @@ def test_fp8_kv_cache_holds_more_tokens_and_mostly_agrees(llama, prompts):
 def test_guide_commands_are_ones_example_py_accepts():
     """Guards against a guide that drifts from example.py: every command must parse, give a valid engine config,
     and every experiment must name a test in this file that exists."""
+    extension_or_skip("plots")  # the guide's commands write step traces (--plot)
     example, text = example_module(), GUIDE.read_text()
     assert len(re.findall(r"^## Experiment \d", text, re.M)) == 7
     commands = guide_commands()
@@ -192,6 +196,8 @@ def test_guide_commands_are_ones_example_py_accepts():
 def test_a_guide_command_runs(tmp_path, flag, printed):
     """Guards against example.py failing for real (the default model, --plot, the printed account), with the
     guide's chunked-prefill command and its beam-search command cut to 4 new tokens."""
+    for name in ("default_model", "plots", "beam_search"):  # the commands' extensions
+        extension_or_skip(name)
     argv = next(a for a in guide_commands() if flag in a)
     argv = [tmp_path / "pictures" if prev == "--plot" else a for prev, a in zip([None] + argv, argv, strict=False)]
     done = subprocess.run(

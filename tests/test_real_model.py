@@ -8,7 +8,6 @@ pytest.importorskip("gguf")
 from conftest import default_model_or_skip  # noqa: E402
 
 from nanoserve import LLM, SamplingParams  # noqa: E402
-from nanoserve.ext.default_model import default_model_dir  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "What is 2 + 3?"]
 
@@ -23,7 +22,7 @@ def test_greedy_chat_equals_transformers(engine):
     """Guards against any difference from the reference on a real checkpoint (weights, template, EOS)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(default_model_or_skip(), dtype=torch.float32).eval()
     tok = engine.tokenizer
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     outs = engine.chat(conversations, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
