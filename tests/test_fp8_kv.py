@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' definition
 
 import pytest
-from conftest import FAMILIES, default_model_or_skip, random_prompts
+from conftest import FAMILIES, default_model_or_skip, extension_or_skip, random_prompts
 
 from nanoserve import LLM, SamplingParams, loader, model_runner
 from nanoserve.config import EngineConfig
@@ -217,6 +217,7 @@ def test_default_model_with_fp8_cache_diverges_only_at_near_ties():
 def test_bench_kv_report_shows_the_fp8_pool(tmp_path, capsys):
     """Guards against `bench.py --kv-report` reporting the model dtype's bytes for an fp8 pool: its row and its
     printed KV account carry the cache's element type and bytes per token (fp8: a quarter of fp32's)."""
+    extension_or_skip("plots")  # --kv-report reads the run's step trace
     import json
     import sys
     from pathlib import Path

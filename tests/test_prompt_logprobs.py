@@ -7,7 +7,7 @@ from functools import partial
 
 import pytest
 import torch
-from conftest import random_prompts
+from conftest import extension_or_skip, random_prompts
 
 import nanoserve
 from nanoserve import SamplingParams
@@ -156,6 +156,7 @@ def test_over_the_vocabulary_refused_and_engine_usable(llama):
 def test_two_ranks(llama):
     """Guards against tensor-parallel ranks disagreeing on the prompt rows (each slice of logits gathers the
     vocabulary across ranks: a rank that skipped one would hang or mix rows): two ranks over gloo, several slices."""
+    extension_or_skip("tp")
     path, hf = llama
     llm = nanoserve.LLM(
         path, device="cpu", tensor_parallel_size=2, max_model_len=128, num_kvcache_blocks=16, max_num_seqs=4
