@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanoserve.checks import InvalidField, check_flag, check_numbers, shown
-from nanoserve.ext import ENGINE_OPTIONS, extensions_asked, load
+from nanoserve.checks import InvalidField, check_numbers, shown
+from nanoserve.ext import ENGINE_OPTIONS, extensions_asked, find, load
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.triton_shim import HAVE_TRITON
 
@@ -38,32 +38,6 @@ LIMITS = {
     "gpu_memory_utilization": {"low": 0, "high": 1, "above_low": True},
 }
 TRITON_INTERPRET_ON = ("1", "true", "on", "yes")  # values of TRITON_INTERPRET that turn Triton's interpreter on
-# vLLM's engine arguments (EngineArgs, LLM(...)) that nanoserve does not implement: refused as such, not as unknown.
-# Those it takes: its own fields below, block_size (kvcache_block_size), trust_remote_code=False, disable_log_stats.
-VLLM_ONLY = frozenset(
-    """
-    served_model_name hf_config_path task runner convert skip_tokenizer_init enable_prompt_embeds tokenizer_mode
-    allowed_local_media_path allowed_media_domains download_dir load_format config_format revision code_revision
-    tokenizer_revision hf_token hf_overrides rope_scaling rope_theta quantization quantization_param_path
-    max_seq_len_to_capture max_logprobs logprobs_mode cuda_graph_sizes compilation_config disable_custom_all_reduce
-    distributed_executor_backend pipeline_parallel_size data_parallel_size data_parallel_size_local
-    data_parallel_address data_parallel_rpc_port data_parallel_backend enable_expert_parallel enable_eplb
-    max_parallel_loading_workers ray_workers_use_nsight worker_cls worker_extension_cls prefix_caching_hash_algo
-    disable_sliding_window disable_cascade_attn swap_space cpu_offload_gb kv_offloading_size kv_offloading_backend
-    calculate_kv_scales num_gpu_blocks_override num_lookahead_slots max_num_partial_prefills max_long_partial_prefills
-    long_prefill_token_threshold enable_chunked_prefill disable_chunked_mm_input scheduling_policy scheduler_cls
-    scheduler_delay_factor preemption_mode num_scheduler_steps multi_step_stream_outputs async_scheduling
-    use_v2_block_manager enable_lora enable_lora_bias max_loras max_lora_rank max_cpu_loras lora_dtype
-    lora_extra_vocab_size fully_sharded_loras long_lora_scaling_factors enable_prompt_adapter max_prompt_adapters
-    max_prompt_adapter_token limit_mm_per_prompt mm_processor_kwargs mm_processor_cache_gb
-    disable_mm_preprocessor_cache guided_decoding_backend structured_outputs_config reasoning_parser
-    logits_processors logits_processor_pattern disable_async_output_proc override_neuron_config
-    override_pooler_config pooler_config override_generation_config generation_config model_impl enable_sleep_mode
-    kv_transfer_config kv_events_config additional_config qlora_adapter_name_or_path otlp_traces_endpoint
-    collect_detailed_traces show_hidden_metrics_for_version use_tqdm_on_load pt_load_map_location
-    model_loader_extra_config ignore_patterns tokenizer_pool_size tokenizer_pool_type tokenizer_pool_extra_config
-    """.split()
-)
 
 
 @dataclass
@@ -94,19 +68,13 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":
-        """The config from keyword arguments, vLLM's names too: block_size is kvcache_block_size (not both),
-        disable_log_stats is taken (nanoserve logs no periodic stats), trust_remote_code only as False. vLLM's other
-        options are refused as such, and an unknown key is an InvalidField rather than a TypeError."""
-        if "block_size" in kwargs:
-            if "kvcache_block_size" in kwargs:
-                raise InvalidField("block_size", "vLLM's name for kvcache_block_size: give one of the two")
-            kwargs["kvcache_block_size"] = kwargs.pop("block_size")
-        check_flag("disable_log_stats", kwargs.pop("disable_log_stats", False))
-        if kwargs.pop("trust_remote_code", False) is not False:
-            raise InvalidField("trust_remote_code", "only False: nanoserve runs only its own model code (Llama, Qwen)")
-        if unknown := sorted(set(kwargs) - {f.name for f in fields(cls)}):
-            if unknown[0] in VLLM_ONLY:
-                raise InvalidField(unknown[0], "a vLLM option that nanoserve does not implement")
+        """The config from keyword arguments. Keys that are no field go first to vLLM's names (ext/vllm_names.py, where
+        installed: block_size, trust_remote_code, vLLM's options at their default), which translates or refuses them;
+        any left is an InvalidField rather than a TypeError."""
+        names = {f.name for f in fields(cls)}
+        if set(kwargs) - names and (vllm_names := find("vllm_names")) is not None:
+            kwargs = vllm_names.engine_kwargs(kwargs)
+        if unknown := sorted(set(kwargs) - names):
             raise InvalidField(unknown[0], f"unknown config keys: {', '.join(unknown)}")
         return cls(**kwargs)
 

@@ -53,7 +53,6 @@ class StepLists:
 
 
 NUM_PARTS = len(fields(StepLists))
-HEADER_LEN = NUM_PARTS + 2  # the part lengths, then max_query_len and max_context_len
 
 
 @dataclass
@@ -63,17 +62,6 @@ class StepHeader:
     part_lengths: list[int]  # len() of each StepLists field, in order
     max_query_len: int
     max_context_len: int
-
-    def to_list(self) -> list[int]:
-        return [*self.part_lengths, self.max_query_len, self.max_context_len]
-
-    @classmethod
-    def from_list(cls, ints: list[int]) -> "StepHeader":
-        return cls(ints[:NUM_PARTS], *ints[NUM_PARTS:])  # the part lengths, then the two bounds
-
-    def buffer_len(self) -> int:
-        """int32s in the uploaded buffer: every part padded to 16 bytes."""
-        return sum(round_up(n, INTS_PER_16_BYTES) for n in self.part_lengths)
 
 
 def flatten_step(step: Step, block_size: int, previous_rows: dict[int, int] | None) -> StepLists:

@@ -74,3 +74,10 @@ def test_the_default_model_and_beam_search_without_their_extensions(tiny_model, 
     refused("beam_search", llm.beam_search, [prompt], BeamSearchParams(beam_width=2, max_tokens=3))
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4 and llm.stats()["kv_blocks_used"] == 0
+
+
+def test_vllm_names_without_their_extension_are_unknown(monkeypatch):
+    """Guards against vLLM's names reaching the config when their extension is deleted: they are unknown options."""
+    without(monkeypatch, "vllm_names")
+    assert "unknown" in refused("block_size", EngineConfig.from_kwargs, device="cpu", block_size=16).problem
+    assert EngineConfig.from_kwargs(device="cpu", kvcache_block_size=32).kvcache_block_size == 32

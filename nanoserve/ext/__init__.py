@@ -17,6 +17,8 @@ per step, never per token:
   each step (ext/tp: tensor parallelism).
 - Named entry points the core calls when its option is set: the default model (model=None, ext/default_model.py), the
   step trace (trace=PATH, ext/plots.py), tensor parallelism's runner (ext/tp), LLM.beam_search (ext/beam_search.py).
+- vLLM's names (ext/vllm_names.py): LLM(...) keywords that are no option of nanoserve's go there first, if it is
+  installed (`find`), to be translated or refused by name; without it they are all unknown.
 Applications of the engine are extensions too, which nothing in the core calls: the OpenAI server (ext/server)."""
 
 import importlib
@@ -62,6 +64,15 @@ def extensions_asked(settings: object, owners: dict[str, tuple[str, object]]) ->
         if not asks_for_nothing(getattr(settings, option), nothing):
             asked.setdefault(name, option)
     return asked
+
+
+def find(name: str) -> ModuleType | None:
+    """The extension nanoserve.ext.<name>, imported on first use, or None where it is not installed: for the one the
+    core consults without an option asking for it (vllm_names)."""
+    try:
+        return load(name, name)
+    except InvalidField:
+        return None
 
 
 def load(name: str, option: str) -> ModuleType:

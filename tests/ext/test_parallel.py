@@ -17,8 +17,9 @@ from conftest import hf_greedy, random_prompts
 
 import nanoserve.ext.tp.workers
 from nanoserve import LLM, SamplingParams
+from nanoserve.ext.tp.workers import HEADER_LEN, buffer_len, header_ints, header_of
 from nanoserve.sampling_params import InvalidField
-from nanoserve.step_inputs import HEADER_LEN, NUM_PARTS, StepHeader
+from nanoserve.step_inputs import NUM_PARTS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 ENGINE = {"device": "cpu", "max_model_len": 128, "max_num_batched_tokens": 64}
@@ -191,9 +192,9 @@ def test_error_inside_a_worker_names_the_rank(tiny_model, started):
     llm = LLM(path, tensor_parallel_size=2, num_kvcache_blocks=16, **ENGINE)
     # ids, positions, slots, query_start_loc, context_lens, block tables, sample rows; the later parts empty
     lengths = [3, 3, 3, 3, 2, 5, 1] + [0] * (NUM_PARTS - 7)
-    bad_header = StepHeader.from_list([*lengths, 3, 3])
-    assert len(bad_header.to_list()) == HEADER_LEN
-    llm.runner.peers.send_step(bad_header, torch.zeros(bad_header.buffer_len(), dtype=torch.int32))
+    bad_header = header_of([*lengths, 3, 3])
+    assert len(header_ints(bad_header)) == HEADER_LEN
+    llm.runner.peers.send_step(bad_header, torch.zeros(buffer_len(bad_header), dtype=torch.int32))
     with pytest.raises(RuntimeError, match=r"(?s)rank 1 exited with code 1.*Traceback.*RuntimeError"):
         llm.generate(random_prompts([5]), GREEDY, use_tqdm=False)
     del llm

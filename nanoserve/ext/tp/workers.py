@@ -48,11 +48,13 @@ from nanoserve.layers import Layers
 from nanoserve.loader import load_hf_config
 from nanoserve.model import ModelArgs
 from nanoserve.model_runner import ModelRunner, Peers
-from nanoserve.step_inputs import HEADER_LEN, StepHeader
+from nanoserve.step_inputs import INTS_PER_16_BYTES, NUM_PARTS, StepHeader, round_up
 
-# A wake-up message, broadcast in the host group: RUN_STEP and the step's StepHeader, or STOP (and zeros).
+# A wake-up message, broadcast in the host group: RUN_STEP and the step's StepHeader as ints (header_ints), or STOP
+# (and zeros).
 RUN_STEP = 1
 STOP = 0
+HEADER_LEN = NUM_PARTS + 2  # a StepHeader as ints: its part lengths, then max_query_len and max_context_len
 WAKE_LEN = 1 + HEADER_LEN
 START_TIMEOUT = timedelta(minutes=5)  # joining, and start-up's collectives: ranks may finish loading minutes apart
 CONNECT_TIMEOUT = timedelta(seconds=10)  # a worker's connection to the store (see connect_to_store)
@@ -141,6 +143,21 @@ def beat(rank: int) -> NoReturn:
         os._exit(1)
 
 
+def header_ints(header: StepHeader) -> list[int]:
+    """A step's header as the ints a wake-up message carries."""
+    return [*header.part_lengths, header.max_query_len, header.max_context_len]
+
+
+def header_of(ints: list[int]) -> StepHeader:
+    """header_ints' inverse: the part lengths, then the two bounds."""
+    return StepHeader(ints[:NUM_PARTS], *ints[NUM_PARTS:])
+
+
+def buffer_len(header: StepHeader) -> int:
+    """int32s in a step's uploaded buffer: every part padded to 16 bytes (step_inputs.upload)."""
+    return sum(round_up(n, INTS_PER_16_BYTES) for n in header.part_lengths)
+
+
 class RankPeers(Peers):
     """One rank's view of the others (model_runner.py's extension point): its share of the layers, and the pool every
     rank can hold. A worker's runner needs no more: its steps come from run_worker's loop."""
@@ -164,7 +181,7 @@ def worker_step(runner: ModelRunner, header: StepHeader, previous_tokens: Tensor
     """A worker rank's step, once rank 0 has sent its header: receive the step's buffer, run it, and receive the tokens
     rank 0 sampled. Returns the tokens the next step's PENDING inputs come from."""
     with torch.inference_mode():
-        flat = torch.empty(header.buffer_len(), dtype=torch.int32, device=runner.device)
+        flat = torch.empty(buffer_len(header), dtype=torch.int32, device=runner.device)
         dist.broadcast(flat, 0)
         logits, _ = runner.execute(header, flat, previous_tokens)
         if logits is None:  # nothing sampled: the previous samples stay the ones to read from
@@ -191,7 +208,7 @@ def run_worker(config: EngineConfig, model_dir: str) -> None:
             kind, *header = message.tolist()
             if kind == STOP:
                 break
-            previous_tokens = worker_step(runner, StepHeader.from_list(header), previous_tokens)
+            previous_tokens = worker_step(runner, header_of(header), previous_tokens)
         dist.destroy_process_group()
     except BaseException:
         traceback.print_exc()
@@ -249,7 +266,7 @@ class Workers(RankPeers):
         """Wake every worker with the step's header (host ints, in the host group), then broadcast its buffer."""
         if self.host_group is None:
             raise RuntimeError("the tensor-parallel workers were stopped by an earlier failure: make a new LLM")
-        dist.broadcast(torch.tensor([RUN_STEP, *header.to_list()]), 0, group=self.host_group)
+        dist.broadcast(torch.tensor([RUN_STEP, *header_ints(header)]), 0, group=self.host_group)
         dist.broadcast(flat, 0)
 
     def send_tokens(self, tokens: Tensor) -> None:

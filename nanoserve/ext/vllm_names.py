@@ -1,0 +1,148 @@
+"""An extension: vLLM's own names for LLM(...) options that are not nanoserve's fields, so that code written for vLLM
+runs unchanged where it asks for nothing nanoserve lacks. EngineConfig.from_kwargs hands it the keywords it does not
+know (the core alone refuses every one of them as unknown):
+  - block_size is vLLM's name for kvcache_block_size (give one of the two);
+  - trust_remote_code is accepted as False (nanoserve runs only its own model code), disable_log_stats as a bool
+    (nanoserve logs no periodic stats);
+  - every other option of vLLM's engine (VLLM_DEFAULTS) is accepted at vLLM's default value, which asks for nothing
+    (quantization=None, swap_space=4, enable_chunked_prefill=True: nanoserve always chunks), and refused by name at
+    any other value, as "a vLLM option that nanoserve does not implement";
+  - anything else stays unknown, for the core to refuse."""
+
+from nanoserve.checks import InvalidField, check_flag, shown
+
+# vLLM's engine options that nanoserve does not implement -> the values that ask for nothing (vLLM's default; None,
+# where vLLM's default is None or "chosen for you"). Equality decides: 4 and 4.0 are one value, but True is never 1.
+VLLM_DEFAULTS = {
+    "served_model_name": (None,),
+    "hf_config_path": (None,),
+    "task": ("auto", "generate"),
+    "runner": ("auto", "generate"),
+    "convert": ("auto", "none"),
+    "skip_tokenizer_init": (False,),
+    "enable_prompt_embeds": (False,),
+    "tokenizer_mode": ("auto",),
+    "allowed_local_media_path": ("",),
+    "allowed_media_domains": (None,),
+    "download_dir": (None,),
+    "load_format": ("auto", "safetensors"),
+    "config_format": ("auto", "hf"),
+    "revision": (None,),
+    "code_revision": (None,),
+    "tokenizer_revision": (None,),
+    "hf_token": (None,),
+    "hf_overrides": (None, {}),
+    "rope_scaling": (None, {}),
+    "rope_theta": (None,),
+    "quantization": (None,),
+    "quantization_param_path": (None,),
+    "max_seq_len_to_capture": (8192,),
+    "max_logprobs": (20,),
+    "logprobs_mode": ("raw_logprobs",),
+    "cuda_graph_sizes": (None, []),
+    "compilation_config": (None,),
+    "disable_custom_all_reduce": (False,),
+    "distributed_executor_backend": (None,),
+    "pipeline_parallel_size": (1,),
+    "data_parallel_size": (1,),
+    "data_parallel_size_local": (None,),
+    "data_parallel_address": (None,),
+    "data_parallel_rpc_port": (None,),
+    "data_parallel_backend": ("mp",),
+    "enable_expert_parallel": (False,),
+    "enable_eplb": (False,),
+    "max_parallel_loading_workers": (None,),
+    "ray_workers_use_nsight": (False,),
+    "worker_cls": ("auto",),
+    "worker_extension_cls": ("",),
+    "prefix_caching_hash_algo": ("sha256", "builtin"),
+    "disable_sliding_window": (False,),
+    "disable_cascade_attn": (False,),
+    "swap_space": (4,),
+    "cpu_offload_gb": (0,),
+    "kv_offloading_size": (None,),
+    "kv_offloading_backend": (None,),
+    "calculate_kv_scales": (False,),
+    "num_gpu_blocks_override": (None,),
+    "num_lookahead_slots": (0,),
+    "max_num_partial_prefills": (1,),
+    "max_long_partial_prefills": (1,),
+    "long_prefill_token_threshold": (0,),
+    "enable_chunked_prefill": (None, True),  # nanoserve always chunks long prompts
+    "disable_chunked_mm_input": (False,),
+    "scheduling_policy": ("fcfs",),
+    "scheduler_cls": (None,),
+    "scheduler_delay_factor": (0,),
+    "preemption_mode": (None, "recompute"),  # nanoserve preempts by recompute
+    "num_scheduler_steps": (1,),
+    "multi_step_stream_outputs": (True,),
+    "async_scheduling": (False,),
+    "use_v2_block_manager": (True,),
+    "enable_lora": (False,),
+    "enable_lora_bias": (False,),
+    "max_loras": (1,),
+    "max_lora_rank": (16,),
+    "max_cpu_loras": (None,),
+    "lora_dtype": ("auto",),
+    "lora_extra_vocab_size": (256,),
+    "fully_sharded_loras": (False,),
+    "long_lora_scaling_factors": (None,),
+    "enable_prompt_adapter": (False,),
+    "max_prompt_adapters": (1,),
+    "max_prompt_adapter_token": (0,),
+    "limit_mm_per_prompt": (None, {}),
+    "mm_processor_kwargs": (None, {}),
+    "mm_processor_cache_gb": (4,),
+    "disable_mm_preprocessor_cache": (False,),
+    "guided_decoding_backend": ("auto", "xgrammar"),  # the grammar engine nanoserve uses
+    "structured_outputs_config": (None,),
+    "reasoning_parser": ("",),
+    "logits_processors": (None, []),
+    "logits_processor_pattern": (None,),
+    "disable_async_output_proc": (False,),
+    "override_neuron_config": (None, {}),
+    "override_pooler_config": (None,),
+    "pooler_config": (None,),
+    "override_generation_config": (None, {}),
+    "generation_config": ("auto",),
+    "model_impl": ("auto",),
+    "enable_sleep_mode": (False,),
+    "kv_transfer_config": (None,),
+    "kv_events_config": (None,),
+    "additional_config": (None, {}),
+    "qlora_adapter_name_or_path": (None,),
+    "otlp_traces_endpoint": (None,),
+    "collect_detailed_traces": (None,),
+    "show_hidden_metrics_for_version": (None,),
+    "use_tqdm_on_load": (True,),
+    "pt_load_map_location": ("cpu",),
+    "model_loader_extra_config": (None, {}),
+    "ignore_patterns": (None,),
+    "tokenizer_pool_size": (0,),
+    "tokenizer_pool_type": ("ray",),
+    "tokenizer_pool_extra_config": (None,),
+}
+
+
+def asks_for_nothing(value: object, defaults: tuple) -> bool:
+    """value is one of defaults: equal and of the same kind (a bool is not taken for 0 or 1, nor 1 for True)."""
+    return any(value == d and isinstance(value, bool) == isinstance(d, bool) for d in defaults)
+
+
+def engine_kwargs(kwargs: dict[str, object]) -> dict[str, object]:
+    """LLM(...)'s keywords with vLLM's names translated or dropped (see the module's docstring); a vLLM option that
+    asks for something nanoserve lacks is an InvalidField naming it. Other keywords are left for the core."""
+    kwargs = dict(kwargs)
+    if "block_size" in kwargs:
+        if "kvcache_block_size" in kwargs:
+            raise InvalidField("block_size", "vLLM's name for kvcache_block_size: give one of the two")
+        kwargs["kvcache_block_size"] = kwargs.pop("block_size")
+    check_flag("disable_log_stats", kwargs.pop("disable_log_stats", False))
+    if kwargs.pop("trust_remote_code", False) is not False:
+        raise InvalidField("trust_remote_code", "only False: nanoserve runs only its own model code (Llama, Qwen)")
+    for name in sorted(set(kwargs) & set(VLLM_DEFAULTS)):
+        value = kwargs.pop(name)
+        if not asks_for_nothing(value, VLLM_DEFAULTS[name]):
+            defaults = " or ".join(map(shown, VLLM_DEFAULTS[name]))
+            raise InvalidField(name, f"a vLLM option that nanoserve does not implement (only {defaults} is taken)")
+    return kwargs

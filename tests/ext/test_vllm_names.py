@@ -1,0 +1,70 @@
+"""vLLM's names for LLM(...) options (nanoserve/ext/vllm_names.py): an option vLLM has and nanoserve does not is
+accepted at vLLM's default value (it asks for nothing) and refused by name at any other, before any weight is read;
+vLLM's aliases are translated. Code written for vLLM then runs unchanged where it asks for nothing nanoserve lacks."""
+
+import pytest
+from conftest import hf_greedy, random_prompts, refused
+
+import nanoserve.model_runner
+from nanoserve import LLM, SamplingParams
+from nanoserve.ext.vllm_names import VLLM_DEFAULTS
+
+ENGINE = {"device": "cpu", "max_model_len": 64, "num_kvcache_blocks": 16}
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+# options vLLM users pass, at values that ask for something nanoserve does not do
+ASKING = {
+    "quantization": "awq",
+    "swap_space": 8,
+    "pipeline_parallel_size": 2,
+    "cpu_offload_gb": 4,
+    "revision": "main",
+    "load_format": "gguf",
+    "tokenizer_mode": "mistral",
+    "enable_chunked_prefill": False,
+    "max_seq_len_to_capture": 4096,
+    "scheduling_policy": "priority",
+    "disable_custom_all_reduce": 0,  # 0 is not False: a bool option takes a bool
+}
+
+
+@pytest.fixture
+def no_weights_loaded(monkeypatch):
+    """Fails the test if an LLM gets as far as loading weights: the check must come first."""
+
+    def fail(*args: object) -> None:
+        raise AssertionError("the weights were loaded before the arguments were checked")
+
+    monkeypatch.setattr(nanoserve.model_runner, "build_model", fail)
+
+
+def test_vllm_options_that_ask_for_something_are_refused_by_name(tiny_model, no_weights_loaded):
+    """Guards against a vLLM option nanoserve does not implement being refused as unknown, or taken silently."""
+    path, _ = tiny_model("llama")
+    for name, value in ASKING.items():
+        error = refused(name, LLM, path, **ENGINE, **{name: value})
+        assert "vLLM option" in error.problem and "not implement" in error.problem
+
+
+def test_vllm_options_at_their_default_are_accepted(tiny_model):
+    """Guards against LLM(quantization=None, swap_space=4, ...) being refused though it asks for nothing: every
+    option of the table at every value it takes, all at once, and the engine generates as without them."""
+    path, hf = tiny_model("llama")
+    defaults = {name: values[-1] for name, values in VLLM_DEFAULTS.items()}
+    llm = LLM(path, **ENGINE, **defaults, trust_remote_code=False, disable_log_stats=True)
+    prompt = random_prompts([6])[0]
+    assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 6)
+    for name, values in VLLM_DEFAULTS.items():
+        for value in values:
+            assert nanoserve.config.EngineConfig.from_kwargs(device="cpu", **{name: value})
+
+
+def test_vllm_aliases_and_flags(tiny_model, no_weights_loaded):
+    """Guards against trust_remote_code=True being taken (nanoserve runs only its own model code), an alias given
+    twice or a bad block size through it, and a flag that is not a bool; block_size is kvcache_block_size."""
+    path, _ = tiny_model("llama")
+    assert "own model code" in refused("trust_remote_code", LLM, path, trust_remote_code=True, **ENGINE).problem
+    refused("trust_remote_code", LLM, path, trust_remote_code="no", **ENGINE)
+    refused("disable_log_stats", LLM, path, disable_log_stats=1, **ENGINE)
+    refused("block_size", LLM, path, block_size=16, kvcache_block_size=16, **ENGINE)
+    refused("kvcache_block_size", LLM, path, block_size=8, **ENGINE)
+    assert nanoserve.config.EngineConfig.from_kwargs(device="cpu", block_size=32).kvcache_block_size == 32
