@@ -100,7 +100,40 @@ def hf_generate(hf, prompt, **kwargs):
     kwargs say otherwise; kwargs (max_new_tokens, eos_token_id, num_beams, logits_processor, ...) as generate takes
     them. Returns generate's [sequences, prompt + new tokens]."""
     kwargs = {"do_sample": False, "pad_token_id": 0, **kwargs}
-    return hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kwargs)
+    ids = torch.tensor([prompt], device=hf.device)
+    return hf.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+
+
+# ---- vLLM's closeness rule for two greedy runs ----------------------------------------------------------------------
+Run = tuple[list[int], list[dict[int, float]]]  # one prompt's greedy tokens, and per token the top-k {token: logprob}
+
+
+def logprobs_close(ours: Run, theirs: Run, top_k: int = 5) -> bool:
+    """vLLM's rule for two runs that should agree but may round differently (its tests' check_logprobs_close): up to
+    the first divergence the tokens agree, and there each side's token is among the other's top_k logprobs. After a
+    divergence the two continue from different texts, so nothing more is compared."""
+    for a, a_top, b, b_top in zip(*ours, *theirs, strict=True):
+        if a != b:
+            return a in top_of(b_top, top_k) and b in top_of(a_top, top_k)
+    return True
+
+
+def top_of(logprobs: dict[int, float], top_k: int) -> set[int]:
+    """The top_k tokens of a position's {token: logprob} (which may hold the chosen token too, beyond the top)."""
+    return set(sorted(logprobs, key=logprobs.get, reverse=True)[:top_k])
+
+
+def hf_greedy_run(hf, prompt: list[int], max_new_tokens: int, top_k: int = 5) -> Run:
+    """transformers' greedy tokens for prompt (no EOS stop), with the top_k logprobs of the model at each step."""
+    out = hf_generate(
+        hf, prompt, max_new_tokens=max_new_tokens, eos_token_id=None, output_logits=True, return_dict_in_generate=True
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    tops = []
+    for logits in out.logits:  # one [1, vocab] per step
+        values, ids = logits[0].float().log_softmax(-1).topk(top_k)
+        tops.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
+    return tokens, tops
 
 
 def hf_greedy(hf, prompt, max_new_tokens):

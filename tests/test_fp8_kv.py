@@ -3,19 +3,20 @@
 
 What is checked: the field is refused by name where it cannot work; the pool holds twice bf16's tokens in the same
 memory and the KV account says so; the tiny models stay within a tolerance of transformers (teacher-forced logprobs)
-on both backends; and on the default model (CPU, PyTorch path, 24 chat prompts x 32 greedy tokens) every divergence
-from the model-dtype cache starts at a near-tie, while the error fp8 adds to one layer's attention output stays small.
+on both backends; and on the default model (24 chat prompts x 32 greedy tokens; the CPU's PyTorch path in fp32, and
+with pytest -m gpu the Triton path in bf16) the fp8 run is close to the model-dtype cache's by vLLM's own rule for an
+FP8 KV cache (conftest.logprobs_close: the tokens agree up to the first divergence, and there each side's token is in
+the other's top 5), while the error fp8 adds to one layer's attention output stays small.
 
-What fp8 costs on the default model (measured 2026-11-25, fp32 model, scale 1.0; this test prints it again):
-- prompts whose 32 greedy tokens equal the fp32 cache's: 6 of 24 (16 of 24 agree on the first 8 tokens); a bf16
-  cache, for comparison, agrees on 23 of 24. e4m3 keeps 3 mantissa bits (a relative rounding error up to 1/16), and
-  a 135M-parameter model's greedy path meets near-ties often enough for that to flip one within 32 tokens. A scale
-  cannot help (e4m3 is a float: its relative precision is the same at every magnitude, and K/V stay far inside its
-  range: |K| <= 21, |V| <= 13): measured with a per-layer amax scale, 6 of 24 again; with a scale per token and head
-  (not storable in one byte per element), 10 of 24.
-- at the first divergence the fp32 run's two candidates were at most 0.62 nats apart (FP8_TIE_BOUND below);
-- the relative mean absolute error of layer 0's attention output is 1.6% (its inputs are the same in both runs, so
-  this is fp8's own error); deeper layers, which also see the earlier layers' error, 4% to 13%."""
+Why that rule and not equal outputs: e4m3 keeps 3 mantissa bits (a relative rounding error up to 1/16), and a
+135M-parameter model's greedy path meets near-ties often enough for that to flip one within 32 tokens. Measured on
+the default model (fp32 model, scale 1.0; this test prints it again): 6 to 7 of 24 chats have all 32 greedy tokens
+equal to the fp32 cache's (16 of 24 agree on the first 8), a bf16 cache 23 of 24, and every divergence is within the
+other side's top 5. A scale cannot help (e4m3 is a float: its relative precision is the same at every magnitude, and
+K/V stay far inside its range: |K| <= 21, |V| <= 13): measured with a per-layer amax scale, 6 of 24 again; with a
+scale per token and head (not storable in one byte per element), 10 of 24. The relative mean absolute error of layer
+0's attention output is 1.6% (its inputs are the same in both runs, so this is fp8's own error); deeper layers, which
+also see the earlier layers' error, 4% to 13%."""
 
 import os
 
@@ -25,7 +26,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' definition
 
 import pytest
-from conftest import FAMILIES, default_model_or_skip, extension_or_skip, random_prompts
+from conftest import FAMILIES, default_model_or_skip, extension_or_skip, logprobs_close, random_prompts
 
 from nanoserve import LLM, SamplingParams, loader, model_runner
 from nanoserve.config import EngineConfig
@@ -35,7 +36,7 @@ from nanoserve.sampling_params import InvalidField
 FP8 = getattr(torch, "float8_e4m3fn", None)
 pytestmark = pytest.mark.skipif(FP8 is None, reason="this torch has no float8 types")
 TINY_LOGPROB_TOL = 0.15  # nats: measured up to 0.054 (PyTorch path) and 0.09 (interpreter, whose fp8 rounding is rough)
-FP8_TIE_BOUND = 1.0  # nats between the two candidates at a first divergence, by the fp32 cache's run (measured 0.62)
+TOP_K = 5  # vLLM's rule for an FP8 KV cache: at the first divergence, each side's token in the other's top 5
 LAYER0_REL_ERROR = 0.03  # layer 0's attention output, mean |fp8 - fp32| / mean |fp32| (measured 0.016)
 LAYER_REL_ERROR = 0.25  # any layer's, with the error of the layers before it (measured up to 0.13)
 NUM_TOKENS = 32
@@ -179,38 +180,47 @@ def attention_outputs(llm: LLM) -> dict[int, torch.Tensor]:
     return outputs
 
 
-def test_default_model_with_fp8_cache_diverges_only_at_near_ties():
-    """The default model on the PyTorch path (CPU, fp32), 24 chat prompts x 32 greedy tokens, with the fp32 cache and
-    with the fp8 one. Guards against an fp8 error beyond e4m3's rounding: each divergence must start at a near-tie
-    of the fp32 run (its two candidates within FP8_TIE_BOUND), layer 0's attention output (same inputs in both runs)
-    within LAYER0_REL_ERROR, and agreement no worse than measured (module docstring) with some margin. Prints the
-    per-layer attention error and the agreement."""
+@pytest.mark.parametrize(
+    "device, dtype",
+    [
+        ("cpu", "float32"),
+        pytest.param(
+            "cuda",
+            "bfloat16",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
+)
+def test_default_model_with_fp8_cache_is_close_to_the_model_dtype_cache(device, dtype):
+    """The default model, 24 chat prompts x 32 greedy tokens, with the model-dtype cache and with the fp8 one (on the
+    CPU's PyTorch path in fp32; on a GPU, the Triton path in bf16). Guards against an fp8 error beyond e4m3's
+    rounding: every prompt must be close by vLLM's rule (top 5), layer 0's attention output (same inputs in both runs)
+    within LAYER0_REL_ERROR, and every layer's within LAYER_REL_ERROR. Prints the per-layer attention error, and how
+    many chats are identical (BENCHMARKS.md records it)."""
     model_dir = default_model_or_skip()
-    auto = LLM(model_dir, device="cpu", max_model_len=512)
-    fp8 = LLM(model_dir, device="cpu", max_model_len=512, kv_cache_dtype="fp8")
-    assert fp8.runner.num_kvcache_blocks // 4 == auto.runner.num_kvcache_blocks  # fp32 -> fp8: 4x the tokens
+    auto = LLM(model_dir, device=device, dtype=dtype, max_model_len=512)
+    fp8 = LLM(model_dir, device=device, dtype=dtype, max_model_len=512, kv_cache_dtype="fp8")
+    if device == "cpu":
+        assert fp8.runner.num_kvcache_blocks // 4 == auto.runner.num_kvcache_blocks  # fp32 -> fp8: 4x the tokens
     prompts = auto.chat_prompts([[{"role": "user", "content": q}] for q in QUESTIONS])
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP_K)
     auto_attention, fp8_attention = attention_outputs(auto), attention_outputs(fp8)
-    auto_outs = auto.generate(prompts, params, use_tqdm=False)
-    fp8_outs = fp8.generate(prompts, params, use_tqdm=False)
-    agree_for = []  # per prompt: greedy tokens before the first divergence
-    for a, b in zip(auto_outs, fp8_outs, strict=True):
-        ours, theirs = a.outputs[0], b.outputs[0]
-        first = next((i for i in range(NUM_TOKENS) if ours.token_ids[i] != theirs.token_ids[i]), NUM_TOKENS)
-        agree_for.append(first)
-        if first < NUM_TOKENS:  # the fp32 run's logprobs: a gap of logprobs is the gap of logits
-            logprobs = ours.logprobs[first]
-            gap = logprobs[ours.token_ids[first]] - logprobs.get(theirs.token_ids[first], float("-inf"))
-            assert gap < FP8_TIE_BOUND, f"diverged at token {first} with a logit gap of {gap:.3f}"
+    runs = [
+        [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+        for llm in (auto, fp8)
+    ]
+    close = [logprobs_close(a, b, TOP_K) for a, b in zip(*runs, strict=True)]
+    identical = sum(a[0] == b[0] for a, b in zip(*runs, strict=True))
     errors = [
-        ((auto_attention[i] - fp8_attention[i]).abs().mean() / auto_attention[i].abs().mean()).item()
+        ((auto_attention[i] - fp8_attention[i]).abs().float().mean() / auto_attention[i].abs().float().mean()).item()
         for i in sorted(auto_attention)
     ]
     print("relative mean abs error of each layer's attention output:", " ".join(f"{e:.3f}" for e in errors))
-    print(f"tokens agreeing before the first divergence, per prompt: {sorted(agree_for)}")
+    print(
+        f"{device} {dtype}: fp8 close to the {dtype} cache in {sum(close)} of {len(close)} chats, identical: {identical}"
+    )
+    assert all(close), close
     assert errors[0] < LAYER0_REL_ERROR and max(errors) < LAYER_REL_ERROR
-    assert sum(n == NUM_TOKENS for n in agree_for) >= 4 and sum(n >= 8 for n in agree_for) >= 12
     assert auto.stats()["kv_blocks_used"] == fp8.stats()["kv_blocks_used"] == 0
 
 
