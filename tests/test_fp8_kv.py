@@ -216,9 +216,7 @@ def test_default_model_with_fp8_cache_is_close_to_the_model_dtype_cache(device, 
         for i in sorted(auto_attention)
     ]
     print("relative mean abs error of each layer's attention output:", " ".join(f"{e:.3f}" for e in errors))
-    print(
-        f"{device} {dtype}: fp8 close to the {dtype} cache in {sum(close)} of {len(close)} chats, identical: {identical}"
-    )
+    print(f"{device} {dtype}: fp8 close to the {dtype} cache in {sum(close)} of {len(close)}, identical in {identical}")
     assert all(close), close
     assert errors[0] < LAYER0_REL_ERROR and max(errors) < LAYER_REL_ERROR
     assert auto.stats()["kv_blocks_used"] == fp8.stats()["kv_blocks_used"] == 0
