@@ -246,6 +246,9 @@ def _decode_split_kernel(
     stride_cs,
     stride_ch,
     stride_bt,
+    out_ptr,
+    stride_ot,
+    stride_oh,
     part_out_ptr,
     part_lse_ptr,
     GROUP: tl.constexpr,
@@ -253,11 +256,13 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
 ):
     # program (seq, kv_head, split): the GROUP query heads sharing kv_head (rows of one tl.dot, so each K/V byte
     # is read once) attend to the split-th of num_splits equal runs of whole key tiles of sequence seq's context,
     # if seq has one query (a decode); its split length follows its own context, so a CUDA graph's fixed grid
-    # keeps every split busy whatever the context.
+    # keeps every split busy whatever the context. With ONE_SPLIT (a batch that fills the GPU by itself) the one
+    # split's output is the answer: it goes straight to out, and no reduce runs; the part pointers are not used.
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_row = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:  # several queries: the prefill kernel's
@@ -291,12 +296,16 @@ def _decode_split_kernel(
     )
     # an empty split (row_max = -inf, row_sum = 0) reports lse = -inf, i.e. weight 0, and a zero output, not 0/0
     row_sum = tl.where(row_sum > 0, row_sum, 1.0)
-    lse = row_max + tl.log2(row_sum)  # [GROUP_PAD] log2-sum-exp2 of this split's scores
-    out = acc / row_sum[:, None]
-    # partials are contiguous: part_lse [num_seqs, num_heads, num_splits], part_out [..., HEAD_DIM]
-    row = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split  # [GROUP_PAD]
-    tl.store(part_lse_ptr + row, lse, mask=real_rows)
-    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d, out, mask=real_rows[:, None])
+    out = acc / row_sum[:, None]  # [GROUP_PAD, HEAD_DIM]
+    if ONE_SPLIT:  # the whole context was this split's: out is the answer
+        out_at = out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + d
+        tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=real_rows[:, None])
+    else:
+        lse = row_max + tl.log2(row_sum)  # [GROUP_PAD] log2-sum-exp2 of this split's scores
+        # partials are contiguous: part_lse [num_seqs, num_heads, num_splits], part_out [..., HEAD_DIM]
+        row = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split  # [GROUP_PAD]
+        tl.store(part_lse_ptr + row, lse, mask=real_rows)
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d, out, mask=real_rows[:, None])
 
 
 @triton.jit
@@ -391,20 +400,27 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
             num_warps=prefill_num_warps(tile_m, q.dtype),
         )
     # the decodes: the split kernel writes each split's partial output and log-sum-exp, the reduce merges them into
-    # out. Both launch in every step, even one without decodes (they skip every sequence), so warm-up's prefill steps
-    # compile them.
+    # out; with one split (a batch that fills the GPU), the split kernel writes out itself and no reduce runs. They
+    # launch in every step, even one without decodes (they skip every sequence), so warm-up's prefill steps compile
+    # them: its one-sequence steps the split variant and the reduce, its biggest step the one-split variant if any
+    # batch can have one split.
     num_splits = decode_splits(num_seqs, num_kv_heads, _num_sms(q.device))
-    part_out = out.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32)
-    part_lse = part_out.new_empty(part_out.shape[:3])
+    part_out = out.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32) if num_splits > 1 else out
+    part_lse = part_out.new_empty(part_out.shape[:3]) if num_splits > 1 else out  # (one split: unused)
     _decode_split_kernel[num_seqs, num_kv_heads, num_splits](
         *args,
+        out,
+        *out.stride()[:2],
         part_out,
         part_lse,
         **shape,
         GROUP_PAD=decode_group_pad(shape["GROUP"]),
         TILE_N=DECODE_TILE_N[q.dtype.itemsize, k_cache.dtype.itemsize],
+        ONE_SPLIT=num_splits == 1,
         num_warps=DECODE_NUM_WARPS,
     )
+    if num_splits == 1:
+        return out
     _decode_reduce_kernel[num_seqs, num_heads](
         part_out,
         part_lse,

@@ -95,18 +95,25 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
             },
             A.prefill_num_warps(tile_m, q_torch),
         )
-    yield build(
-        A._decode_split_kernel,
-        dict(q_ptr=dtype, **cache, **meta, part_out_ptr="*fp32", part_lse_ptr="*fp32"),
-        {
-            "GROUP": group,
-            "GROUP_PAD": A.decode_group_pad(group),
-            "HEAD_DIM": head_dim,
-            "BLOCK_SIZE": block_size,
-            "TILE_N": A.DECODE_TILE_N[q_torch.itemsize, kv_torch.itemsize],
-        },
-        A.DECODE_NUM_WARPS,
-    )
+    for one_split in (False, True):  # partials for the reduce, or (a batch that fills the GPU) the output itself
+        parts = (
+            {"part_out_ptr": dtype, "part_lse_ptr": dtype}
+            if one_split
+            else {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+        )
+        yield build(
+            A._decode_split_kernel,
+            dict(q_ptr=dtype, **cache, **meta, out_ptr=dtype, **parts),
+            {
+                "GROUP": group,
+                "GROUP_PAD": A.decode_group_pad(group),
+                "HEAD_DIM": head_dim,
+                "BLOCK_SIZE": block_size,
+                "TILE_N": A.DECODE_TILE_N[q_torch.itemsize, kv_torch.itemsize],
+                "ONE_SPLIT": one_split,
+            },
+            A.DECODE_NUM_WARPS,
+        ) | {"one_split": one_split}
     if kv_dtype != dtype:
         return  # the reduce and the layer kernels never see the cache
     yield build(

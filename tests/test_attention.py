@@ -339,10 +339,37 @@ class NotLaunched:
         return lambda *args, **constexprs: None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_batch_that_fills_the_gpu_runs_one_split_and_no_reduce(dtype, monkeypatch):
+    """Guards against the one-split path (a batch big enough that each (sequence, KV head) program alone fills the
+    GPU: the split kernel writes the output itself) writing a wrong or unnormalized output, another row's output, or
+    launching the reduce for nothing: decodes alone and beside prefill chunks equal the reference with the reduce
+    made to fail if launched."""
+    num_sms = _num_sms(torch.device(DEVICE))
+    num_seqs = -(-PROGRAMS_PER_SM * num_sms // 2) + 2  # 2 KV heads: one split
+    assert decode_splits(num_seqs, 2, num_sms) == 1
+
+    class MustNotLaunch:
+        def __getitem__(self, grid: tuple):
+            raise AssertionError("the reduce launched for one split")
+
+    monkeypatch.setattr(attention, "_decode_reduce_kernel", MustNotLaunch())
+    for query_lens in ([1] * num_seqs, [randint(2, 30)] + [1] * (num_seqs - 2) + [randint(2, 30)]):
+        context_lens = [max(q, randint(1, 300)) for q in query_lens]
+        q, k_cache, v_cache, meta = make_batch(
+            query_lens, context_lens, **heads(2), head_dim=32, block_size=16, dtype=dtype
+        )
+        out = paged_attention(q, k_cache, v_cache, meta, 32**-0.5)
+        assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 32**-0.5), ATOL[dtype], "one split")
+
+
 def test_decode_kernels_have_one_variant_for_every_batch(monkeypatch):
     """Guards against decode kernels compiled in the middle of an eager run (0.5-1 s each on a GPU): warm-up runs
     prefill steps only, which launch the decode kernels too, so every decode step, whatever its batch size and
-    number of splits (here 1 to 8) or its mix of prefills, must present the same variant keys to Triton."""
+    number of splits or its mix of prefills, must present one variant key to Triton per kind of grid: several splits
+    (the split kernel's partials and the reduce) and, for a batch that fills the GPU, one split (the split kernel
+    writing the output, no reduce). The batch sizes come from this device's SM count: from 1 sequence (the most
+    splits) to one that fills every SM by itself (one split: 2 x SMs sequences of 2 KV heads, 132 SMs on an H100)."""
     keys = {}
 
     class Recorder:  # stands in for a kernel: kernel[grid](*args, **constexprs) records the variant's key
@@ -352,14 +379,16 @@ def test_decode_kernels_have_one_variant_for_every_batch(monkeypatch):
         def __getitem__(self, grid):
             def launch(*args, **constexprs):
                 key = tuple(map(triton_variant_key, args)) + tuple(sorted(constexprs.items()))
-                keys.setdefault(self.name, set()).add(key)
+                keys.setdefault((self.name, constexprs.get("ONE_SPLIT")), set()).add(key)
 
             return launch
 
     for name in ("_decode_split_kernel", "_decode_reduce_kernel"):
         monkeypatch.setattr(attention, name, Recorder(name))
+    num_sms = _num_sms(torch.device(DEVICE))
+    one_split_batch = -(-PROGRAMS_PER_SM * num_sms // 2)  # sequences of 2 KV heads that fill every SM's programs
     splits = set()
-    for num_seqs in (1, 2, 3, 5, 16):
+    for num_seqs in (1, 2, 3, 5, one_split_batch // 2, one_split_batch, one_split_batch + 3):
         for query_lens in ([1] * num_seqs, [randint(2, 20)] + [1] * (num_seqs - 1)):
             context_lens = [randint(20, 300) for _ in range(num_seqs)]
             q, k_cache, v_cache, meta = make_batch(
@@ -367,11 +396,12 @@ def test_decode_kernels_have_one_variant_for_every_batch(monkeypatch):
             )
             monkeypatch.setattr(attention, "_prefill_kernel", NotLaunched())
             paged_attention(q, k_cache, v_cache, meta, 0.125)
-        splits.add(decode_splits(num_seqs, 2, _num_sms(q.device)))
-    assert 1 in splits and len(splits) == 5
-    assert {name: len(variants) for name, variants in keys.items()} == {
-        "_decode_split_kernel": 1,
-        "_decode_reduce_kernel": 1,
+        splits.add(decode_splits(num_seqs, 2, num_sms))
+    assert 1 in splits and len(splits) >= 4, splits
+    assert {kind: len(variants) for kind, variants in keys.items()} == {
+        ("_decode_split_kernel", False): 1,
+        ("_decode_split_kernel", True): 1,
+        ("_decode_reduce_kernel", None): 1,
     }
 
 

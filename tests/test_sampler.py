@@ -177,7 +177,8 @@ def test_kernel_keeps_the_best_tile(tile):
     logits = torch.full((3 * tile,), float("-inf"), device=DEVICE)
     hot = torch.tensor([5, tile + 3, 2 * tile + 6], device=DEVICE)  # one candidate per tile
     logits[hot] = torch.tensor([0.0, 4.0, 0.0], device=DEVICE)  # the middle one: probability 0.96
-    counts = counts_of("triton", logits, 60, temperature=1.0)
+    counts = counts_of("triton", logits, 60, temperature=1.0)  # on the host
+    hot = hot.cpu()  # indices on the tensor's device (on a GPU, CUDA indices into a CPU tensor fail)
     assert counts[hot].sum() == 60 and counts[hot[1]] > 48, counts[hot]  # expected 58; 12 misses: p ~ 1e-6
 
 

@@ -73,7 +73,7 @@ def test_every_kernel_compiles_for_h100(builds, shape):
     """Guards against a kernel that only the interpreter accepts, or one whose variants stopped building."""
     kernels = [r["kernel"] for r in builds[shape]]
     assert kernels.count("_prefill_kernel") == len(prefill_tile_sizes(model_dtype(shape)))  # every query tile
-    assert {"_store_kv_kernel", "_decode_split_kernel"} <= set(kernels)
+    assert "_store_kv_kernel" in kernels and kernels.count("_decode_split_kernel") == 2  # with the reduce, and without
     assert has_fp8_cache(shape) or LAYER_KERNELS <= set(kernels)
     assert has_fp8_cache(shape) or kernels.count("_qk_norm_rope_kernel") == 2  # with the QK norm, and RoPE alone
 
@@ -95,6 +95,6 @@ def test_hot_kernels_do_not_spill_and_prefill_uses_wgmma(builds, shape):
         # head_dim 16 are too short to say
         if hot and r["head_dim"] >= 64:
             assert 16 in r["async_copy_bytes"] and set(r["async_copy_bytes"]) <= copy_sizes, r
-    decode = next(r for r in builds[shape] if r["kernel"] == "_decode_split_kernel")
-    assert PROGRAMS_PER_SM * DECODE_NUM_WARPS * 32 * decode["registers"] <= H100_REGISTERS_PER_SM, decode
-    assert PROGRAMS_PER_SM * decode["shared_bytes"] <= H100_SHARED_BYTES_PER_SM, decode
+    for decode in (r for r in builds[shape] if r["kernel"] == "_decode_split_kernel"):  # both variants
+        assert PROGRAMS_PER_SM * DECODE_NUM_WARPS * 32 * decode["registers"] <= H100_REGISTERS_PER_SM, decode
+        assert PROGRAMS_PER_SM * decode["shared_bytes"] <= H100_SHARED_BYTES_PER_SM, decode
