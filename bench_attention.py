@@ -45,7 +45,6 @@ def make_case(batch, ctx, query_len, block_size):
         context_lens=torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
         block_tables=block_tables,
         max_query_len=query_len,
-        max_context_len=ctx,
         decode_only=query_len == 1,
     )
     return q, k, v, paged(k), paged(v), meta

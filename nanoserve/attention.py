@@ -42,6 +42,7 @@ DECODE_TILE_N = {(2, 2): 64, (2, 1): 32, (4, 4): 16, (4, 1): 16}  # keys per ste
 # and the cache's element sizes
 DECODE_NUM_WARPS = 4
 PROGRAMS_PER_SM = 4  # decode splits the keys until the grid has about this many programs per SM
+REFERENCE_RUN_SIZE = 1 << 24  # the PyTorch reference's padded queries x keys per SDPA call (reference_groups)
 MAX_SPLITS = 64  # the reduce kernel holds all partials of a head, [MAX_SPLITS, head_dim] fp32, in registers
 CPU_NUM_SMS = 4  # SM count assumed under TRITON_INTERPRET: small, yet CPU tests still see several splits
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # powers of two; 256 would overflow the registers of a 128-row tile
@@ -55,12 +56,12 @@ class AttentionMetadata:
     query_start_loc: Tensor  # [num_seqs + 1] int32: sequence i's queries are rows [qsl[i], qsl[i+1])
     context_lens: Tensor  # [num_seqs] int32: keys per sequence after this step (cached + new)
     block_tables: Tensor  # [num_seqs, max_blocks_per_seq] int32
-    max_query_len: int  # host-side bounds, so launching a kernel never reads the GPU
-    max_context_len: int  # >= every context_len (under a CUDA graph: max_model_len); only the reference reads it
+    max_query_len: int  # a host-side bound, so launching a kernel never reads the GPU
     decode_only: bool  # every sequence has exactly one query token
-    # what the PyTorch reference derives from the above (gather_for_reference): the same for every layer, so
-    # paged_attention_ref computes it in the step's first layer and the others reuse it; no caller passes it
-    reference_gather: tuple | None = None
+    # what the PyTorch reference derives from the above (gather_for_reference, per run of sequences): the same for
+    # every layer, so paged_attention_ref computes it in the step's first layer and the others reuse it; no caller
+    # passes it
+    reference_gather: list[tuple] | None = None
 
     def __post_init__(self) -> None:
         num_seqs = len(self.context_lens)
@@ -477,41 +478,62 @@ def store_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_ma
         cache.flatten(0, 1)[slot_mapping[keep]] = new[keep].to(cache.dtype)  # fp8: saturating, to nearest
 
 
-def gather_for_reference(meta: AttentionMetadata, block_size: int) -> tuple[Tensor, ...]:
-    """How paged_attention_ref lays a step out for SDPA: each sequence's keys gathered from its blocks into a batch
-    padded to the longest context, its queries into one padded to the longest query, and a causal mask. It depends on
-    the metadata only, so every layer of a step shares one (AttentionMetadata.reference_gather keeps it). Returns
-      blocks        [num_seqs, max_k] cache block of each key; padding keys re-read the sequence's first one
-      offsets       [num_seqs, max_k] its slot within that block
-      visible       [num_seqs, 1, max_q, max_k] bool: which keys each query sees
-      query_rows    [num_seqs, max_q] rows of q
-      real_queries  [num_seqs, max_q] bool: not padding
+def reference_groups(meta: AttentionMetadata) -> list[slice]:
+    """The step's sequences cut into runs that the PyTorch reference attends one at a time: it pads a run to its
+    longest query and longest context, so a run's padded queries x keys stay under REFERENCE_RUN_SIZE (a sequence
+    longer than that runs alone). Its memory then follows what the step attends, not its number of sequences times
+    its longest prompt (warm-up's step of 8,192 prompt tokens beside 250 one-token sequences asked for 8 GiB as one
+    run on a GPU). The lengths are read on the host: a sync on a GPU, where the reference is for checking."""
+    runs, start, longest_q, longest_k = [], 0, 0, 0
+    lengths = zip(meta.query_start_loc.diff().tolist(), meta.context_lens.tolist(), strict=True)
+    for i, (q_len, k_len) in enumerate(lengths):
+        longest_q, longest_k = max(longest_q, q_len), max(longest_k, k_len)
+        if i > start and (i + 1 - start) * longest_q * longest_k > REFERENCE_RUN_SIZE:  # sequence i starts a run
+            runs.append(slice(start, i))
+            start, longest_q, longest_k = i, q_len, k_len
+    return [*runs, slice(start, len(meta.context_lens))]
+
+
+def gather_for_reference(meta: AttentionMetadata, run: slice, block_size: int) -> tuple[Tensor, ...]:
+    """How paged_attention_ref lays out one run of a step's sequences for SDPA: each sequence's keys gathered from its
+    blocks into a batch padded to the run's longest context, its queries into one padded to its longest query, and a
+    causal mask. It depends on the metadata only, so every layer of a step shares it (AttentionMetadata.
+    reference_gather keeps every run's). Returns
+      blocks        [seqs, max_k] cache block of each key; padding keys re-read the sequence's first one
+      offsets       [seqs, max_k] its slot within that block
+      visible       [seqs, 1, max_q, max_k] bool: which keys each query sees
+      query_rows    [seqs, max_q] rows of q
+      real_queries  [seqs, max_q] bool: not padding
     The mask is causal only: a real query sits inside its context, so the keys it sees do too; padding keys are
     seen by padding queries alone, whose rows are dropped."""
-    device = meta.context_lens.device
-    key_pos = torch.arange(meta.max_context_len, device=device)  # [max_k]
+    context_lens, starts = meta.context_lens[run], meta.query_start_loc[run.start : run.stop + 1]
+    q_lens = starts.diff()[:, None]  # [seqs, 1]
+    device = context_lens.device
+    key_pos = torch.arange(context_lens.max().item(), device=device)  # [max_k]
     # padding keys re-read the sequence's first key (slots past a context may hold anything, even NaN)
-    pos = torch.where(key_pos < meta.context_lens[:, None], key_pos, 0)  # [num_seqs, max_k]
-    blocks = meta.block_tables.gather(1, pos // block_size)  # [num_seqs, max_k]
-    q_lens = meta.query_start_loc.diff()[:, None]  # [num_seqs, 1]
-    q_idx = torch.arange(meta.max_query_len, device=device)  # [max_q]
-    # [num_seqs, max_q]; padding rows re-read the last token (num_tokens is known on the host: no sync)
-    query_rows = (meta.query_start_loc[:-1, None] + q_idx).clamp(max=len(meta.slot_mapping) - 1)
-    q_pos = meta.context_lens[:, None] - q_lens + q_idx  # [num_seqs, max_q] positions of the queries
-    visible = key_pos <= q_pos[:, None, :, None]  # [num_seqs, 1, max_q, max_k]: causal
+    pos = torch.where(key_pos < context_lens[:, None], key_pos, 0)  # [seqs, max_k]
+    blocks = meta.block_tables[run].gather(1, pos // block_size)  # [seqs, max_k]
+    q_idx = torch.arange(q_lens.max().item(), device=device)  # [max_q]
+    query_rows = (starts[:-1, None] + q_idx).clamp(max=len(meta.slot_mapping) - 1)  # [seqs, max_q]; padding: last
+    q_pos = context_lens[:, None] - q_lens + q_idx  # [seqs, max_q] positions of the queries
+    visible = key_pos <= q_pos[:, None, :, None]  # [seqs, 1, max_q, max_k]: causal
     return blocks, pos % block_size, visible, query_rows, q_idx < q_lens
 
 
 def paged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
     """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim], causal within each sequence:
-    PyTorch's SDPA over each sequence's keys gathered from its blocks (gather_for_reference), in fp32."""
+    PyTorch's SDPA over each sequence's keys gathered from its blocks (gather_for_reference), in fp32, one run of
+    sequences at a time (reference_groups)."""
     if meta.reference_gather is None:  # the step's first layer
-        meta.reference_gather = gather_for_reference(meta, k_cache.shape[1])
-    blocks, offsets, visible, query_rows, real_queries = meta.reference_gather
-    # the keys and values by (block, offset), [num_seqs, num_kv_heads, max_k, head_dim], and the queries,
-    # [num_seqs, num_heads, max_q, head_dim]: SDPA's layout, in fp32
-    k, v = (cache[blocks, offsets].float().transpose(1, 2) for cache in (k_cache, v_cache))
-    queries = q[query_rows].float().transpose(1, 2)
-    out = F.scaled_dot_product_attention(queries, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
-    out = out.transpose(1, 2)[real_queries]  # [num_tokens, num_heads, head_dim]: padded query rows dropped
-    return out.nan_to_num(0.0).to(q.dtype)  # a context of 0 keys (a padded graph row) gives 0, as the kernels do
+        runs = reference_groups(meta)
+        meta.reference_gather = [gather_for_reference(meta, run, k_cache.shape[1]) for run in runs]
+    out = torch.zeros_like(q)  # a context of 0 keys (a padded graph row) gives 0, as the kernels do
+    for blocks, offsets, visible, query_rows, real_queries in meta.reference_gather:
+        # the keys and values by (block, offset), [seqs, num_kv_heads, max_k, head_dim], and the queries,
+        # [seqs, num_heads, max_q, head_dim]: SDPA's layout, in fp32
+        k, v = (cache[blocks, offsets].float().transpose(1, 2) for cache in (k_cache, v_cache))
+        queries = q[query_rows].float().transpose(1, 2)
+        run_out = F.scaled_dot_product_attention(queries, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+        # [tokens of the run, num_heads, head_dim]: padded query rows dropped; an empty context's NaN as 0
+        out[query_rows[real_queries]] = run_out.transpose(1, 2)[real_queries].nan_to_num(0.0).to(q.dtype)
+    return out

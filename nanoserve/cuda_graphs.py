@@ -13,12 +13,9 @@ from nanoserve.step_inputs import INTS_PER_16_BYTES, round_up
 
 
 class DecodeGraphs:
-    def __init__(
-        self, model: CausalLM, kv_caches: list[KVCache], max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int
-    ) -> None:
+    def __init__(self, model: CausalLM, kv_caches: list[KVCache], max_num_seqs: int, max_blocks_per_seq: int) -> None:
         self.model = model
         self.kv_caches = kv_caches
-        self.max_model_len = max_model_len
         # the batch sizes that get a graph: 1, 2, 4, 8, then every 16, and max_num_seqs itself
         self.sizes = [s for s in (1, 2, 4, 8, *range(16, max_num_seqs, 16)) if s < max_num_seqs] + [max_num_seqs]
         # the static input buffers every graph reads, max_num_seqs rows each. The four per-row ones are the rows of
@@ -38,15 +35,13 @@ class DecodeGraphs:
     def forward(self, size: int) -> None:
         """The decode forward on the first `size` rows of the static buffers, its output kept as hidden[size]. A
         replay cannot change its grid: the decode kernel's grid depends on the batch size alone, and each sequence cuts
-        its own context into the grid's splits, so a short context keeps every split busy (max_context_len, read only
-        by the PyTorch reference, is max_model_len here)."""
+        its own context into the grid's splits, so a short context keeps every split busy."""
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
             query_start_loc=self.query_start_loc[: size + 1],
             context_lens=self.context_lens[:size],
             block_tables=self.block_tables[:size],
             max_query_len=1,
-            max_context_len=self.max_model_len,
             decode_only=True,
         )
         self.hidden[size] = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)

@@ -204,9 +204,7 @@ class ModelRunner:
         # 3) the decode graphs, captured over that cache
         self.graphs = None
         if not config.enforce_eager:
-            self.graphs = DecodeGraphs(
-                self.model, self.kv_caches, config.max_num_seqs, self.max_blocks_per_seq, config.max_model_len
-            )
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, self.max_blocks_per_seq)
             self.graphs.capture()
         self.peers = peers  # set last: every rank runs start-up's steps (warm_up) on its own
 

@@ -61,7 +61,6 @@ class StepHeader:
 
     part_lengths: list[int]  # len() of each StepLists field, in order
     max_query_len: int
-    max_context_len: int
 
 
 def flatten_step(step: Step, block_size: int, previous_rows: dict[int, int] | None) -> StepLists:
@@ -133,7 +132,6 @@ def upload(lists: StepLists, device: torch.device) -> tuple[StepHeader, Tensor]:
     header = StepHeader(
         part_lengths=list(map(len, parts)),
         max_query_len=max(end - start for start, end in pairwise(lists.query_start_loc)),
-        max_context_len=max(lists.context_lens),
     )
     return header, host.to(device, non_blocking=True)
 
@@ -155,7 +153,6 @@ def step_inputs(
         context_lens=views.context_lens,
         block_tables=views.block_tables.view(len(views.context_lens), -1),  # [num_seqs, width]
         max_query_len=header.max_query_len,
-        max_context_len=header.max_context_len,
         decode_only=header.max_query_len == 1,
     )
     return views, meta

@@ -88,7 +88,6 @@ def make_batch(
     head_dim,
     block_size,
     dtype,
-    max_context_len=None,
     kv_dtype=None,
 ):
     """Random q and a paged KV cache holding each sequence's keys in shuffled blocks; every other slot is NaN.
@@ -127,7 +126,6 @@ def make_batch(
         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
         block_tables=block_tables,
         max_query_len=max(query_lens),
-        max_context_len=max_context_len or max(context_lens),
         decode_only=all(n == 1 for n in query_lens),
     )
     return q, k_cache, v_cache, meta
@@ -158,7 +156,6 @@ def metadata_fields(**changes) -> dict:
         "context_lens": torch.tensor([5, 3], **ints),
         "block_tables": torch.tensor([[0, 2], [1, 3]], **ints),
         "max_query_len": 2,
-        "max_context_len": 5,
         "decode_only": False,
     }
     return {**fields, **changes}
@@ -297,11 +294,10 @@ def test_decode_batch_that_needs_no_split():
 
 def test_decode_graph_sized_grid():
     """A grid from the batch size alone, as a CUDA graph holds it: contexts shorter than one tile per split (empty
-    splits) and a context_len-0 slot (a padded graph row) neither leak nor make NaN; max_context_len (max_model_len
-    under a graph) changes nothing."""
+    splits) and a context_len-0 slot (a padded graph row) neither leak nor make NaN."""
     context_lens = [0, 1, randint(2, 40), randint(600, 900)]
     q, k_cache, v_cache, meta = make_batch(
-        [1] * 4, context_lens, **heads(3, 1), head_dim=64, block_size=16, dtype=torch.float32, max_context_len=2048
+        [1] * 4, context_lens, **heads(3, 1), head_dim=64, block_size=16, dtype=torch.float32
     )
     num_splits = decode_splits(4, 1, _num_sms(q.device))
     assert 1 < num_splits and context_lens[2] < num_splits * DECODE_TILE_N[4, 4]  # short contexts: empty splits
@@ -361,6 +357,60 @@ def test_a_batch_that_fills_the_gpu_runs_one_split_and_no_reduce(dtype, monkeypa
         )
         out = paged_attention(q, k_cache, v_cache, meta, 32**-0.5)
         assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 32**-0.5), ATOL[dtype], "one split")
+
+
+def test_the_reference_attends_in_runs_whose_padding_is_bounded(monkeypatch):
+    """Guards against the PyTorch reference padding a whole step to its longest prompt: warm-up's step (a long prompt
+    beside a crowd of one-token sequences) asked for 8 GiB on a GPU. Sequences go in runs whose padded queries x keys
+    stay under REFERENCE_RUN_SIZE (a longer sequence alone), and the result is the same as one run's and the
+    kernels'."""
+    query_lens = [1] * 20 + [120] + [1] * 30 + [randint(2, 40)]
+    context_lens = [randint(1, 60) for _ in range(20)] + [120] + [randint(1, 200) for _ in range(30)] + [90]
+    q, k_cache, v_cache, meta = make_batch(
+        query_lens, context_lens, **heads(2), head_dim=32, block_size=16, dtype=torch.float32
+    )
+    whole = paged_attention_ref(q, k_cache, v_cache, meta, 0.125)  # one run: the default bound is far above
+    size = 120 * 120
+    monkeypatch.setattr(attention, "REFERENCE_RUN_SIZE", size)
+    meta.reference_gather = None
+    runs = attention.reference_groups(meta)
+    assert slice(20, 21) in runs and len(runs) > 3
+    for run in runs:
+        padded = (run.stop - run.start) * max(query_lens[run]) * max(context_lens[run])
+        assert padded <= size or run.stop - run.start == 1, (run, padded)
+    assert [i for run in runs for i in range(run.start, run.stop)] == list(range(len(query_lens)))
+    in_runs = paged_attention_ref(q, k_cache, v_cache, meta, 0.125)
+    assert_close(in_runs, whole, 1e-6, "in runs")
+    assert_close(in_runs, paged_attention(q, k_cache, v_cache, meta, 0.125), ATOL[torch.float32], "kernels")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_torch_backend_warms_up_on_a_gpu_within_its_memory(tmp_path):
+    """Guards against LLM(kernels="torch") on a GPU running out of memory in warm-up (the H100 run of 2026-11-27:
+    8 GiB asked for the 8,192-token dummy step): a model of 8,192 positions warms up with the default step budget
+    and max_num_seqs, and its peak stays far below what one padded run of the step would take."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from nanoserve import LLM, SamplingParams
+
+    config = LlamaConfig(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    torch.cuda.reset_peak_memory_stats()
+    llm = LLM(
+        str(tmp_path), kernels="torch", max_model_len=8192, num_kvcache_blocks=64
+    )  # a small pool: the peak is warm-up's
+    # one padded run: 256 sequences x 8,192 queries x 8,192 keys of mask alone is 17 GB
+    assert torch.cuda.max_memory_allocated() < 8 * 2**30
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
 
 
 def test_decode_kernels_have_one_variant_for_every_batch(monkeypatch):
@@ -481,7 +531,6 @@ def test_decode_cuda_graph_replay():
         head_dim=128,
         block_size=16,
         dtype=torch.bfloat16,
-        max_context_len=max_model_len,
     )
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

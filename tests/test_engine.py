@@ -263,7 +263,7 @@ def test_decode_through_graph_buffers_matches_transformers(llama, monkeypatch):
         path, device="cpu", kernels="triton", dtype="float32", max_model_len=128, num_kvcache_blocks=64, max_num_seqs=8
     )
     r = llm.runner
-    r.graphs = DecodeGraphs(r.model, r.kv_caches, 8, r.max_blocks_per_seq, 128)
+    r.graphs = DecodeGraphs(r.model, r.kv_caches, 8, r.max_blocks_per_seq)
     r.graphs.capture()
     assert sorted(r.graphs.graphs) == [1, 2, 4, 8]
     r.graphs.graphs = {size: RerunGraph(r.graphs, size) for size in r.graphs.graphs}

@@ -192,7 +192,7 @@ def test_error_inside_a_worker_names_the_rank(tiny_model, started):
     llm = LLM(path, tensor_parallel_size=2, num_kvcache_blocks=16, **ENGINE)
     # ids, positions, slots, query_start_loc, context_lens, block tables, sample rows; the later parts empty
     lengths = [3, 3, 3, 3, 2, 5, 1] + [0] * (NUM_PARTS - 7)
-    bad_header = header_of([*lengths, 3, 3])
+    bad_header = header_of([*lengths, 3])
     assert len(header_ints(bad_header)) == HEADER_LEN
     llm.runner.peers.send_step(bad_header, torch.zeros(buffer_len(bad_header), dtype=torch.int32))
     with pytest.raises(RuntimeError, match=r"(?s)rank 1 exited with code 1.*Traceback.*RuntimeError"):

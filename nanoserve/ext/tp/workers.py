@@ -54,7 +54,7 @@ from nanoserve.step_inputs import INTS_PER_16_BYTES, NUM_PARTS, StepHeader, roun
 # (and zeros).
 RUN_STEP = 1
 STOP = 0
-HEADER_LEN = NUM_PARTS + 2  # a StepHeader as ints: its part lengths, then max_query_len and max_context_len
+HEADER_LEN = NUM_PARTS + 1  # a StepHeader as ints: its part lengths, then max_query_len
 WAKE_LEN = 1 + HEADER_LEN
 START_TIMEOUT = timedelta(minutes=5)  # joining, and start-up's collectives: ranks may finish loading minutes apart
 CONNECT_TIMEOUT = timedelta(seconds=10)  # a worker's connection to the store (see connect_to_store)
@@ -145,11 +145,11 @@ def beat(rank: int) -> NoReturn:
 
 def header_ints(header: StepHeader) -> list[int]:
     """A step's header as the ints a wake-up message carries."""
-    return [*header.part_lengths, header.max_query_len, header.max_context_len]
+    return [*header.part_lengths, header.max_query_len]
 
 
 def header_of(ints: list[int]) -> StepHeader:
-    """header_ints' inverse: the part lengths, then the two bounds."""
+    """header_ints' inverse: the part lengths, then the bound."""
     return StepHeader(ints[:NUM_PARTS], *ints[NUM_PARTS:])
 
 
