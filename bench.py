@@ -133,12 +133,17 @@ def model_dir_of(args) -> tuple[str, bool]:
 
     if args.model is not None:
         return resolve_model_dir(None if args.model == "default" else args.model), False
+    path = tempfile.mkdtemp(prefix=f"nanoserve-{args.arch}-")
+    save_random_model(args.arch, path)
+    return path, True
+
+
+def save_random_model(arch: str, path: str) -> None:
+    """A random-weight model of --arch, saved as an HF folder (bf16 on a GPU, fp32 on a CPU)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    path = tempfile.mkdtemp(prefix=f"nanoserve-{args.arch}-")
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    AutoModelForCausalLM.from_config(Qwen3Config(**ARCHS[args.arch]), dtype=dtype).save_pretrained(path)
-    return path, True
+    AutoModelForCausalLM.from_config(Qwen3Config(**ARCHS[arch]), dtype=dtype).save_pretrained(path)
 
 
 def random_workload(num_seqs, max_input_len, max_output_len) -> Workload:
@@ -638,6 +643,9 @@ def parse_args(argv=None):
     )
     ap.add_argument("--arch", choices=sorted(ARCHS), help="random-weight architecture (default qwen3-0.6b)")
     ap.add_argument(
+        "--save-model", metavar="DIR", help="save --arch's random-weight model in DIR and exit (then pass --model DIR)"
+    )
+    ap.add_argument(
         "--dataset",
         choices=["random", "sharegpt", "chat"],
         help="random ids (the standard workload), ShareGPT's lengths, or ShareGPT chat prompts (the CPU workload)",
@@ -701,6 +709,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.save_model:  # made once, then every run of a GPU check passes it as --model (15-40 s saved per run)
+        save_random_model(args.arch or "qwen3-0.6b", args.save_model)
+        print(f"saved a random {args.arch or 'qwen3-0.6b'} in {args.save_model}")
+        return
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the engine's KV-cache account
     logging.getLogger("httpx").setLevel(logging.WARNING)  # --serve: not a line per request
     if args.attention:

@@ -1,0 +1,214 @@
+"""The GPU measurements that BENCHMARKS.md's predictions name, beyond bench.py's workloads: gpu_check.sh runs them
+from this file (Triton refuses a @jit function fed on standard input). Needs CUDA. Each mode writes one file:
+
+    python bench_kernels.py kernels OUT.json [MODEL_DIR]   # kernel timings, one JSON object per measurement
+    python bench_kernels.py eager OUT.json MODEL_DIR       # eager steps after warm-up: does any step wait for a compile?
+    python bench_kernels.py profile OUT.txt MODEL_DIR      # torch.profiler tables: decode at 256, mixed, decode at 1
+
+Shapes are Qwen3-0.6B's heads (16 query, 8 KV, head_dim 128) in bf16, block size 16, unless a row says otherwise;
+MODEL_DIR is the random Qwen3-0.6B folder gpu_check.sh saves once (`bench.py --save-model`)."""
+
+import json
+import sys
+import time
+
+import torch
+from triton import cdiv
+from triton.testing import do_bench
+
+from nanoserve import LLM, SamplingParams
+from nanoserve import attention as A
+from nanoserve import sampler as S
+
+DEVICE = "cuda"
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
+KV_BYTES_PER_TOKEN_BF16 = 2 * NUM_KV_HEADS * HEAD_DIM * 2  # K and V of one token in bf16, one layer
+
+
+def paged_batch(query_lens, context_lens, dtype=torch.bfloat16, kv_dtype=None):
+    """Random q and a paged cache holding each sequence's keys in shuffled blocks (no store), with its metadata."""
+    kv_dtype = kv_dtype or dtype
+    blocks = [cdiv(c, BLOCK) for c in context_lens]
+    k_cache = torch.randn(sum(blocks), BLOCK, NUM_KV_HEADS, HEAD_DIM, device=DEVICE).to(kv_dtype)
+    v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(kv_dtype)
+    tables = torch.zeros(len(blocks), cdiv(max(blocks), 16) * 16, dtype=torch.int32, device=DEVICE)
+    order = torch.randperm(sum(blocks), device=DEVICE).int()
+    first = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = order[first : first + n]
+        first += n
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    ints = {"dtype": torch.int32, "device": DEVICE}
+    meta = A.AttentionMetadata(
+        slot_mapping=torch.full((starts[-1],), A.PAD_SLOT, **ints),
+        query_start_loc=torch.tensor(starts, **ints),
+        context_lens=torch.tensor(context_lens, **ints),
+        block_tables=tables,
+        max_query_len=max(query_lens),
+        decode_only=max(query_lens) == 1,
+    )
+    q = torch.randn(starts[-1], NUM_HEADS, HEAD_DIM, device=DEVICE).to(dtype)
+    return q, k_cache, v_cache, meta
+
+
+def time_attention(query_lens, context_lens, **kwargs) -> float:
+    q, k, v, meta = paged_batch(query_lens, context_lens, **kwargs)
+    return do_bench(lambda: A.paged_attention(q, k, v, meta, HEAD_DIM**-0.5))
+
+
+def kernels(out_path: str) -> None:
+    rows = []
+
+    def report(**row) -> None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    # 1) decode at batches that fill the GPU: one split writes the output itself (no reduce, issue 30), against the
+    # same batch forced to two splits (the old path: partials, then the reduce). Prediction: one split 10-15% faster
+    # at batch 128-256 (the reduce was 19 us of 143 per layer at batch 256 in the 2026-11-27 profile)
+    real_splits = A.decode_splits
+    for num_seqs, ctx in ((64, 1024), (128, 1024), (256, 512), (256, 1024)):
+        splits = real_splits(num_seqs, NUM_KV_HEADS, torch.cuda.get_device_properties(0).multi_processor_count)
+        now = time_attention([1] * num_seqs, [ctx] * num_seqs)
+        A.decode_splits = lambda *args, n=max(2, splits): n
+        two = time_attention([1] * num_seqs, [ctx] * num_seqs)
+        A.decode_splits = real_splits
+        tbps = num_seqs * ctx * KV_BYTES_PER_TOKEN_BF16 / now / 1e9
+        report(
+            what="decode, splits as chosen vs at least 2",
+            num_seqs=num_seqs,
+            context=ctx,
+            splits=splits,
+            ms=round(now, 4),
+            two_splits_ms=round(two, 4),
+            TBps=round(tbps, 2),
+        )
+    # 2) small batches, long contexts (issue 33: at least 0.9x SDPA; bench.py --attention has the SDPA peer)
+    for num_seqs, ctx in ((1, 2048), (1, 8192), (8, 2048), (8, 32768), (1, 32768)):
+        ms = time_attention([1] * num_seqs, [ctx] * num_seqs)
+        report(
+            what="decode, small batch",
+            num_seqs=num_seqs,
+            context=ctx,
+            ms=round(ms, 4),
+            TBps=round(num_seqs * ctx * KV_BYTES_PER_TOKEN_BF16 / ms / 1e9, 2),
+        )
+    # 3) a mixed step: 255 decodes at 1k beside one 512-token chunk, about the sum of its parts
+    mixed = time_attention([512] + [1] * 255, [512] + [1024] * 255)
+    decodes = time_attention([1] * 255, [1024] * 255)
+    chunk = time_attention([512], [512])
+    report(
+        what="mixed step",
+        mixed_ms=round(mixed, 4),
+        decode_only_ms=round(decodes, 4),
+        chunk_only_ms=round(chunk, 4),
+        ratio_to_parts=round(mixed / (decodes + chunk), 2),
+    )
+    # 4) fp8 KV against bf16 KV, decode and prefill; fp32 prefill
+    for num_seqs, ctx in ((64, 1024), (256, 1024), (64, 8192)):
+        bf16 = time_attention([1] * num_seqs, [ctx] * num_seqs)
+        fp8 = time_attention([1] * num_seqs, [ctx] * num_seqs, kv_dtype=torch.float8_e4m3fn)
+        report(
+            what="fp8 decode",
+            num_seqs=num_seqs,
+            context=ctx,
+            bf16_ms=round(bf16, 4),
+            fp8_ms=round(fp8, 4),
+            fp8_over_bf16=round(fp8 / bf16, 2),
+        )
+    prefill = {}
+    for name, dtype, kv in (
+        ("bf16", torch.bfloat16, None),
+        ("fp8_kv", torch.bfloat16, torch.float8_e4m3fn),
+        ("fp32", torch.float32, None),
+    ):
+        prefill[name] = time_attention([2048] * 8, [2048] * 8, dtype=dtype, kv_dtype=kv)
+    flops = 4 * 8 * NUM_HEADS * HEAD_DIM * 2048 * 2048 / 2  # QK^T and PV over the causal half
+    report(
+        what="prefill 8 x 2048",
+        **{f"{k}_ms": round(v, 3) for k, v in prefill.items()},
+        **{f"{k}_TFLOPs": round(flops / v / 1e9, 1) for k, v in prefill.items()},
+    )
+    # 5) the sampling kernel, T = 0.6 over Qwen3's 151,936 tokens
+    for num_rows in (1, 16, 256):
+        logits = torch.randn(num_rows, 151936, device=DEVICE, dtype=torch.bfloat16)
+        temps, seeds = [0.6] * num_rows, list(range(num_rows))
+        report(
+            what="gumbel_argmax T=0.6",
+            rows=num_rows,
+            ms=round(do_bench(lambda: S.gumbel_argmax(logits, temps, seeds)), 4),
+        )
+    with open(out_path, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+def eager(out_path: str, model_dir: str) -> None:
+    """Eager runs compile nothing after warm-up (run in a fresh Triton cache): 64 requests whose decode batch shrinks
+    by one each step, so every batch size and split count. Prediction: no step over 0.25 s (a compile takes 0.5-1 s)."""
+    start = time.perf_counter()
+    llm = LLM(model_dir, enforce_eager=True, max_model_len=4096, max_num_seqs=64)
+    startup = time.perf_counter() - start
+    for i in range(64):
+        llm.add_request([i + 1] * 200, SamplingParams(max_tokens=i + 1, ignore_eos=True), stream=False)
+    steps = []
+    while llm.has_unfinished_requests():
+        start = time.perf_counter()
+        llm.step()
+        steps.append(time.perf_counter() - start)
+    row = {
+        "what": "eager steps after warm-up",
+        "startup_s": round(startup, 1),
+        "steps": len(steps),
+        "max_step_ms": round(1000 * max(steps), 1),
+        "steps_over_250ms": sum(s > 0.25 for s in steps),
+    }
+    print(json.dumps(row))
+    with open(out_path, "w") as f:
+        json.dump(row, f)
+
+
+def profile(out_path: str, model_dir: str) -> None:
+    """torch.profiler's kernel tables: 3 decode-only steps at 256 sequences, 3 mixed steps (256 decodes beside 4
+    prompts of 1,000), and 8 decode steps of one request (512-token prompt; CUDA graphs on, as in --latency)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    tables = []
+
+    def profiled(name: str, llm: LLM, num_steps: int) -> None:
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(num_steps):
+                llm.step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        tables.append(f"== {name} ({num_steps} steps)\n{table}")
+        print(tables[-1], flush=True)
+
+    llm = LLM(model_dir, max_model_len=4096)
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=64)
+    llm.generate([[1] * 300] * 256, SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    for rid in range(256):
+        llm.add_request([rid % 1000 + 1] * 300, params, stream=False)
+    for _ in range(5):
+        llm.step()
+    profiled("decode, 256 sequences", llm, 3)
+    for _ in range(4):
+        llm.add_request([7] * 1000, params, stream=False)
+    profiled("mixed: 256 decodes, 4 prompts of 1,000", llm, 3)
+    for request_id in list(llm.requests):
+        llm.abort(request_id)
+    llm.add_request([3] * 512, SamplingParams(temperature=0, ignore_eos=True, max_tokens=64), stream=False)
+    for _ in range(4):  # the prefill, then decode steps
+        llm.step()
+    profiled("decode, 1 request", llm, 8)
+    with open(out_path, "w") as f:
+        f.write("\n\n".join(tables))
+
+
+if __name__ == "__main__":
+    mode, out, *rest = sys.argv[1:]
+    {"kernels": lambda: kernels(out), "eager": lambda: eager(out, *rest), "profile": lambda: profile(out, *rest)}[
+        mode
+    ]()
