@@ -2,7 +2,7 @@
 from this file (Triton refuses a @jit function fed on standard input). Needs CUDA. Each mode writes one file:
 
     python bench_kernels.py kernels OUT.json [MODEL_DIR]   # kernel timings, one JSON object per measurement
-    python bench_kernels.py eager OUT.json MODEL_DIR       # eager steps after warm-up: does any step wait for a compile?
+    python bench_kernels.py eager OUT.json MODEL_DIR       # eager steps after warm-up: does a step wait for a compile?
     python bench_kernels.py profile OUT.txt MODEL_DIR      # torch.profiler tables: decode at 256, mixed, decode at 1
 
 Shapes are Qwen3-0.6B's heads (16 query, 8 KV, head_dim 128) in bf16, block size 16, unless a row says otherwise;
@@ -72,7 +72,8 @@ def kernels(out_path: str) -> None:
     for num_seqs, ctx in ((64, 1024), (128, 1024), (256, 512), (256, 1024)):
         splits = real_splits(num_seqs, NUM_KV_HEADS, torch.cuda.get_device_properties(0).multi_processor_count)
         now = time_attention([1] * num_seqs, [ctx] * num_seqs)
-        A.decode_splits = lambda *args, n=max(2, splits): n
+        at_least_two = max(2, splits)
+        A.decode_splits = lambda *args, n=at_least_two: n
         two = time_attention([1] * num_seqs, [ctx] * num_seqs)
         A.decode_splits = real_splits
         tbps = num_seqs * ctx * KV_BYTES_PER_TOKEN_BF16 / now / 1e9
@@ -172,7 +173,8 @@ def eager(out_path: str, model_dir: str) -> None:
 def profile(out_path: str, model_dir: str) -> None:
     """torch.profiler's kernel tables: 3 decode-only steps at 256 sequences, 3 mixed steps (256 decodes beside 4
     prompts of 1,000), and 8 decode steps of one request (512-token prompt; CUDA graphs on, as in --latency)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     tables = []
 
