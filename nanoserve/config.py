@@ -92,9 +92,12 @@ class EngineConfig:
                 raise InvalidField(name, f"{shown(value)} is not one of {', '.join(map(str, allowed))}")
         self._resolve_device()
         self._resolve_kernels()  # and what they need of an fp8 KV cache
-        # the fields that belong to an extension, each checked by it (and the extension refused by name if missing)
-        for name, option in extensions_asked(self, ENGINE_OPTIONS).items():
+        # the fields that belong to an extension, each checked by it (and the extension refused by name if missing);
+        # `extensions` names those this engine uses, for LLM to start each once it runs (ext/__init__.py)
+        asked = extensions_asked(self, ENGINE_OPTIONS)
+        for name, option in asked.items():
             load(name, option).check_config(self)
+        self.extensions = tuple(asked)
 
     def _check_paths(self) -> None:
         """model, trace and tokenizer are None or a path (a pathlib.Path becomes its string; the trace's folder is

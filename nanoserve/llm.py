@@ -8,10 +8,10 @@ One step() has three numbered phases:
 So the host's work on one step overlaps the GPU's work on the previous one. With overlap=False each step is finished
 right after it is launched: the plain synchronous loop, with the same outputs.
 
-Extensions (nanoserve/ext/, found through its registry) meet the engine at three places: a request whose fields belong
-to an extension is attached to it once, when it is added (attach); the logits processors extensions make live here
-(logits_processors) and go to every step's launch; and run_step / receive_tokens are the step driver that a loop of
-its own (beam search) runs steps with."""
+Extensions (nanoserve/ext/, found through its registry) meet the engine at four places: one whose engine option is set
+starts with the engine (start); a request whose fields belong to an extension is attached to it once, when it is added
+(attach); the logits processors extensions make live here (logits_processors) and go to every step's launch; and
+run_step / receive_tokens are the step driver that a loop of its own (beam search) runs steps with."""
 
 import time
 import weakref
@@ -111,11 +111,11 @@ class LLM:
         self.in_flight: InFlightStep | None = None  # with overlap: the launched step not yet read back
         # extension name -> its logits processor, made by its attach() when the first request that uses it comes
         self.logits_processors: dict[str, LogitsProcessor] = {}
-        self.trace = None
-        if config.trace is not None:  # opt-in: the trace writer lives with its pictures (ext/plots.py)
-            self.trace = ext.load("plots", "trace").StepTrace(config.trace, self.scheduler)
+        self.trace = None  # a step trace's writer (trace=PATH: ext/plots.py), told when each step begins and ends
         self._request_ids = count()
         self.counters = EngineCounters()
+        for name in config.extensions:  # the extensions its options use (trace, ...): each starts with the engine
+            ext.load(name, name).start(self)
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(
@@ -360,12 +360,7 @@ class LLM:
         """vLLM's beam search: per prompt (a list of them, as vLLM takes, each a prompt as generate takes one),
         params.beam_width beams, best first, on forked sequences that share KV blocks (the extension
         ext/beam_search.py, with transformers' rule; a BeamSearchOutput per prompt). Needs an idle engine."""
-        if not isinstance(prompts, LISTS):
-            raise InvalidField("prompts", "expected a list of prompts")
-        if not isinstance(params, BeamSearchParams):
-            raise InvalidField("params", f"expected BeamSearchParams, got {type(params).__name__}")
-        ids = [self.prompt_ids(unwrap_prompt(p)) for p in prompts]
-        return ext.load("beam_search", "beam_search").run_beam_search(self, ids, params)
+        return ext.load("beam_search", "beam_search").beam_search(self, prompts, params)
 
     def chat(
         self,

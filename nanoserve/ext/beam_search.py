@@ -32,7 +32,8 @@ beam is ever preempted."""
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nanoserve.checks import InvalidField
+from nanoserve.checks import LISTS, InvalidField
+from nanoserve.llm import unwrap_prompt
 from nanoserve.sampling_params import BeamSearchParams, SamplingParams
 from nanoserve.sequence import Sequence
 
@@ -56,10 +57,16 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]  # beam_width of them, best first
 
 
-def run_beam_search(llm: "LLM", prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Each prompt's search in turn, after checking before any work: an idle engine; beam_width within max_num_seqs and
+def beam_search(llm: "LLM", prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """LLM.beam_search: each prompt's search in turn (prompts as generate takes them: text, ids, vLLM's dicts), after
+    checking before any work: the prompts and params; an idle engine; beam_width within max_num_seqs and
     max_num_batched_tokens (every beam runs in every step) and the vocabulary; and a pool that holds each search at its
     largest (Scheduler.check_fits), so that no beam is ever preempted."""
+    if not isinstance(prompts, LISTS):
+        raise InvalidField("prompts", "expected a list of prompts")
+    if not isinstance(params, BeamSearchParams):
+        raise InvalidField("params", f"expected BeamSearchParams, got {type(params).__name__}")
+    prompts = [llm.prompt_ids(unwrap_prompt(prompt)) for prompt in prompts]
     if llm.has_unfinished_requests():
         raise RuntimeError("beam_search needs an idle engine: finish or abort the requests in flight first")
     stop_ids = frozenset() if params.ignore_eos else llm.eos_token_ids

@@ -27,6 +27,8 @@ from nanoserve.scheduler import Scheduler, Step
 if TYPE_CHECKING:  # matplotlib is needed only to draw
     from matplotlib.axes import Axes
 
+    from nanoserve.llm import LLM
+
 MAX_ROWS, MAX_CELLS = 6, 32  # block_tables.png: sequences shown, blocks shown per sequence
 
 
@@ -43,6 +45,11 @@ def check_config(config: EngineConfig) -> None:
             pass
     except OSError as error:
         raise InvalidField("trace", f"cannot write {config.trace!r}: {error.strerror or error}") from None
+
+
+def start(llm: "LLM") -> None:
+    """The engine starts with trace=PATH: its trace writer, which it tells when each step begins and ends."""
+    llm.trace = StepTrace(llm.config.trace, llm.scheduler)
 
 
 class StepTrace:

@@ -9,6 +9,6 @@ runner with start_runner when tensor_parallel_size > 1; and that runner holds th
 it builds the model's layers, sizes the pool and sends each step. A worker rank is `python -m nanoserve.ext.tp` (rank 0
 starts them: __main__.py), or the user's own script under torchrun."""
 
-from nanoserve.ext.tp.workers import check_config, start_runner
+from nanoserve.ext.tp.workers import check_config, start, start_runner
 
-__all__ = ["check_config", "start_runner"]
+__all__ = ["check_config", "start", "start_runner"]

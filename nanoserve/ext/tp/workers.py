@@ -34,7 +34,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,9 @@ from nanoserve.loader import load_hf_config
 from nanoserve.model import ModelArgs
 from nanoserve.model_runner import ModelRunner, Peers
 from nanoserve.step_inputs import INTS_PER_16_BYTES, NUM_PARTS, StepHeader, round_up
+
+if TYPE_CHECKING:
+    from nanoserve.llm import LLM
 
 # A wake-up message, broadcast in the host group: RUN_STEP and the step's StepHeader as ints (header_ints), or STOP
 # (and zeros).
@@ -78,6 +81,10 @@ def check_config(config: EngineConfig) -> None:
         raise InvalidField(
             "tensor_parallel_size", f"{local_ranks} ranks on this machine exceed its {torch.cuda.device_count()} GPUs"
         )
+
+
+def start(llm: "LLM") -> None:
+    """Nothing more when the engine starts: its runner, and the other ranks, were started before it (start_runner)."""
 
 
 def check_shares(size: int, args: ModelArgs) -> None:
