@@ -143,17 +143,18 @@ class BlockManager:
             self.blocks[block_id].ref_count += 1
         return seq.fork()
 
-    def free(self, seq: Sequence) -> None:
-        """Release seq's blocks; tail first, so a shared prefix stays cached longest."""
-        for block_id in reversed(seq.block_table):
+    def free(self, seq: Sequence, keep: int = 0) -> None:
+        """Release seq's blocks past its first `keep` (all of them: the sequence stopped or was preempted; some: a
+        rollback of rejected draft tokens); tail first, so a shared prefix stays cached longest."""
+        for block_id in reversed(seq.block_table[keep:]):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 self.free_ids[block_id] = None
                 self.num_freed += 1
-        del seq.block_table[:]
-        seq.num_computed_tokens = 0
+        del seq.block_table[keep:]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, keep * self.block_size)
 
     def _take_fresh(self) -> int:
         block_id, _ = self.free_ids.popitem(last=False)  # least recently freed

@@ -65,6 +65,7 @@ class EngineConfig:
     seed: int | None = None  # the seed of requests that set none (vLLM's LLM(seed=)); any int, kept mod 2**63
     tokenizer: str | None = None  # a tokenizer folder (str or os.PathLike) other than the model's
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: float8 e4m3, 1 byte per element (attention.py)
+    speculative_config: dict | str | None = None  # vLLM's keys, or their JSON (ext/speculative.py)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":

@@ -112,6 +112,7 @@ class LLM:
         # extension name -> its logits processor, made by its attach() when the first request that uses it comes
         self.logits_processors: dict[str, LogitsProcessor] = {}
         self.trace = None  # a step trace's writer (trace=PATH: ext/plots.py), told when each step begins and ends
+        self.proposer = None  # speculative decoding's (ext/speculative.py): draft tokens before each step is planned
         self._request_ids = count()
         self.counters = EngineCounters()
         for name in config.extensions:  # the extensions its options use (trace, ...): each starts with the engine
@@ -206,21 +207,26 @@ class LLM:
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs that changed (streaming requests) or finished."""
-        # a processor that needs each step's tokens before the next (a grammar's mask): no overlap while it does
-        overlap = self.config.overlap and not any(p.needs_tokens_on_host() for p in self.logits_processors.values())
-        return self.run_step(overlap, self._read_back)
+        # no overlap while a processor or the proposer needs each step's tokens before the next (a grammar's mask, a
+        # proposal of draft tokens)
+        helpers = [*self.logits_processors.values(), self.proposer]
+        needs_tokens = any(helper.needs_tokens_on_host() for helper in helpers if helper is not None)
+        return self.run_step(self.config.overlap and not needs_tokens, self._read_back)
 
     def run_step(self, overlap: bool, read_back: Callable[["InFlightStep"], list]) -> list:
         """One step's phases, each step finished by read_back; returns what read_back returns. The step driver: step()
         finishes the requests' steps with _read_back (their outputs); a driver of its own, such as beam search
         (ext/beam_search.py), runs its steps here without overlap, finishing them with receive_tokens (the sequences
-        that got a token: its beams belong to no request)."""
+        that got tokens, to resolve: its beams belong to no request)."""
         started = time.perf_counter()
         try:
             finished = []
             if not overlap and self.in_flight is not None:  # 0) finish step n first: the plain loop from here
                 finished = read_back(self.in_flight)
                 self.in_flight = None
+            # (speculative decoding: draft tokens for the running sequences, which step n+1 verifies)
+            if self.proposer is not None:
+                self.proposer.propose(self)
             # 1) schedule step n+1
             step = self.scheduler.schedule()
             self.counters.computed_tokens += step.num_tokens
@@ -277,16 +283,20 @@ class LLM:
         streaming one, and the others once they have finished."""
         sampled = self.receive_tokens(in_flight)
         now = time.time()
-        for seq in sampled:
+        for seq, tokens, logprobs in sampled:
             request = seq.request
-            reason = self.stop_checker.check(seq, incremental=request.stream)
-            if reason is not None:
-                self.scheduler.finish_sequence(seq, reason)
+            # one token, or a speculative run's kept drafts and the token after them: each meets the stop rules in turn
+            for token, token_logprobs in zip(tokens, logprobs, strict=True):
+                self.scheduler.resolve(seq, token, token_logprobs)
+                self.counters.generated_tokens += 1
+                reason = self.stop_checker.check(seq, incremental=request.stream)
+                if reason is not None:
+                    self.scheduler.finish_sequence(seq, reason)  # (it drops the tokens after this one)
+                    break
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-            self.counters.generated_tokens += 1
         outputs = []
-        for request in dict.fromkeys(seq.request for seq in sampled):  # the requests that changed, each once, in order
+        for request in dict.fromkeys(seq.request for seq, _, _ in sampled):  # the requests that changed, once, in order
             if request.finished:
                 self._record_finished(request)
                 del self.requests[request.request_id]
@@ -294,9 +304,10 @@ class LLM:
                 outputs.append(request.take_output())
         return outputs
 
-    def receive_tokens(self, in_flight: "InFlightStep") -> list[Sequence]:
-        """Wait for a launched step's tokens and hand them to their sequences (and the prompt logprobs it computed);
-        returns the sequences that got a token."""
+    def receive_tokens(self, in_flight: "InFlightStep") -> list[tuple[Sequence, list, list]]:
+        """Wait for a launched step's samples, store the prompt logprobs it computed, and book its tokens
+        (Scheduler.update): (sequence, its new tokens, their logprobs) per sequence that got some, for the caller to
+        resolve one by one (the stop rules between them, in _read_back; none, in a driver of its own)."""
         tokens, logprobs, prompt_logprobs = in_flight.wait()
         for (seq, position), entry in prompt_logprobs:  # by position: a preempted sequence's recompute rewrites its own
             seq.prompt_logprobs[position] = entry
@@ -407,6 +418,7 @@ class LLM:
             **asdict(counters),  # computed and generated tokens, finished requests, the sums behind the means
             "mean_ttft_s": counters.ttft_s_sum / num_finished,
             "mean_itl_s": counters.itl_s_sum / num_finished,
+            **(self.proposer.stats() if self.proposer is not None else {}),  # speculative decoding's drafts
         }
 
 

@@ -134,7 +134,8 @@ class InFlightStep:
 
     def __init__(self, step: Step, samples: Samples | None, prompt_samples: Samples | None, on_gpu: bool) -> None:
         self.step = step
-        self.row_of = {seq.seq_id: row for row, seq in enumerate(step.sampling_seqs)}  # seq -> row of its sample
+        self.rows = step.sampled_rows()  # (sequence, its length with the row's token) per row of samples
+        self.row_of = {seq.seq_id: row for row, (seq, _) in enumerate(self.rows)}  # seq -> row of its last sample
         self.device_tokens = samples.tokens if samples is not None else None
         self.host_samples = copy_to_host_async(samples)
         self.host_prompt_samples = copy_to_host_async(prompt_samples)
@@ -162,7 +163,7 @@ class InFlightStep:
             return [], None, prompt_logprobs
         logprobs = None
         if self.host_samples.logprobs is not None:
-            logprobs = logprob_dicts(self.host_samples, [seq.params.logprobs for seq in self.step.sampling_seqs])
+            logprobs = logprob_dicts(self.host_samples, [seq.params.logprobs for seq, _ in self.rows])
         return self.host_samples.tokens.tolist(), logprobs, prompt_logprobs
 
 
@@ -311,12 +312,12 @@ class ModelRunner:
             logits, prompt_samples = self.execute(header, flat, previous_tokens, prompt_top_n)
             samples = None  # a step of prompt chunks only samples nothing
             if logits is not None:
-                seqs = step.sampling_seqs
-                step_processors = [work for p in processors if (work := p.prepare(seqs)) is not None]
+                seqs, lengths = zip(*step.sampled_rows(), strict=True)  # a sequence per row: drafts have rows too
+                step_processors = [work for p in processors if (work := p.prepare(list(seqs))) is not None]
                 samples = self.sampler(
                     logits,
                     [seq.params for seq in seqs],
-                    [seq.num_tokens for seq in seqs],
+                    list(lengths),
                     [banned_token_ids(seq) for seq in seqs],
                     step_processors,
                 )

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from nanoserve.block_manager import BlockManager
 from nanoserve.sampling_params import InvalidField
-from nanoserve.sequence import Sequence, SequenceStatus
+from nanoserve.sequence import PENDING, Sequence, SequenceStatus
 from nanoserve.stopping import reached_length_limit
 
 
@@ -41,8 +41,18 @@ class Step:
 
     @property
     def sampling_seqs(self) -> list[Sequence]:
-        """The sequences that get a token from this step, in batch order: row i of its samples is the i-th."""
+        """The sequences that get a token from this step, in batch order."""
         return [s.seq for s in self.scheduled if s.picks_next_token]
+
+    def sampled_rows(self) -> list[tuple[Sequence, int]]:
+        """The step's rows of samples, in order: (its sequence, that sequence's length with the row's token). Each
+        sequence has one, after its last position; one with draft tokens one more per draft, at each draft's
+        position."""
+        return [
+            (seq, seq.num_tokens - seq.num_draft_tokens + i)
+            for seq in self.sampling_seqs
+            for i in range(seq.num_draft_tokens + 1)
+        ]
 
 
 @dataclass(eq=False)  # the constructor is written for us; schedulers compare by identity
@@ -83,6 +93,8 @@ class Scheduler:
         bm = self.block_manager
         # 1) the running sequences, oldest first (a copy: preemption removes from the list)
         for seq in list(self.running):
+            if seq.num_draft_tokens:  # draft tokens ride whole, or as many as the budget leaves room for
+                seq.drop_drafts(max(0, self._budget(step) - 1))
             # (a running sequence has at least one uncomputed token: none only when the budget is spent)
             num_new = min(seq.num_uncomputed_tokens, self._budget(step))
             # skip one preempted just now, or at its length limit with the last token pending (it ends when read)
@@ -128,6 +140,7 @@ class Scheduler:
         re-prefills its prompt + output so far."""
         while not self.block_manager.allocate(seq, num_new):
             victim = self.running.pop()
+            victim.drop_drafts()  # unverified: a recompute must not take them for tokens
             self.block_manager.free(victim)  # its full blocks stay findable: they were cached when booked or read back
             victim.status = SequenceStatus.WAITING
             self.waiting.appendleft(victim)
@@ -137,18 +150,39 @@ class Scheduler:
                 return False
         return True
 
-    def update(self, step: Step, tokens: list[int], logprobs: list[dict[int, float] | None] | None) -> list[Sequence]:
-        """A launched step's samples are back, one per sequence of step.sampling_seqs: fill in their oldest pending
-        tokens. Returns the sequences that got one (those finished meanwhile drop it)."""
-        got_token = []
-        for row, seq in enumerate(step.sampling_seqs):
-            if seq.is_finished:
-                continue
-            seq.resolve_pending(tokens[row], logprobs[row] if logprobs else None)
-            # a block completed by a then-pending token is findable now (a preempted sequence holds none: no-op)
-            self.block_manager.cache_full_blocks(seq)
-            got_token.append(seq)
-        return got_token
+    def update(self, step: Step, tokens: list[int], logprobs: list | None) -> list[tuple[Sequence, list, list]]:
+        """A launched step's samples are back, one per row of step.sampled_rows(). Returns (sequence, its new tokens,
+        their logprobs or Nones) per sequence that got tokens (not those finished meanwhile), for the caller to fill
+        into its pending tokens one by one (resolve): one token, or a draft run's kept tokens (keep_drafts)."""
+        logprobs = logprobs or [None] * len(tokens)
+        got_tokens = []
+        end = 0  # of the sequence's rows
+        for seq in step.sampling_seqs:
+            start, end = end, end + seq.num_draft_tokens + 1
+            if not seq.is_finished:
+                kept = self.keep_drafts(seq, tokens[start:end])
+                got_tokens.append((seq, tokens[start : start + kept + 1], logprobs[start : start + kept + 1]))
+        return got_tokens
+
+    def keep_drafts(self, seq: Sequence, samples: list[int]) -> int:
+        """A sequence's draft tokens against its samples (one per draft, then one after the last): it keeps the drafts
+        up to the first its sample disagrees with, and that sample; returns how many drafts it kept. A kept draft is
+        what the model would have drawn there anyway (the rejection rule, for a proposal of one token), so the output
+        is exactly the one without drafts. The rest are rolled back: not computed, their blocks freed."""
+        drafts = seq.token_ids[len(seq.token_ids) - len(samples) : -1]  # (before the step's pending token)
+        kept = next((i for i, draft in enumerate(drafts) if draft != samples[i]), len(drafts))
+        if drafts:
+            seq.token_ids[-len(samples) :] = [PENDING] * (kept + 1)  # for the drafts and the step's pending token
+            seq.num_pending = kept + 1  # (a step with drafts is never overlapped: it was the only one pending)
+            seq.num_draft_tokens = 0
+            seq.num_computed_tokens -= len(drafts) - kept  # the rejected drafts' K/V is garbage: not computed
+            self.block_manager.free(seq, keep=self.block_manager.blocks_needed(seq.num_computed_tokens))
+        return kept
+
+    def resolve(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+        """seq's oldest pending token has its value: fill it in, and make a block it completes findable."""
+        seq.resolve_pending(token, logprobs)
+        self.block_manager.cache_full_blocks(seq)  # (a preempted sequence holds none: no-op)
 
     def finish_sequence(self, seq: Sequence, reason: str) -> None:
         """Stopped or aborted: its blocks return to the pool at once, wherever it was."""

@@ -3,7 +3,9 @@ and the block table that says where that KV lives. Scheduler and block manager t
 knows about tensors or models.
 
 The engine may launch step n+1 before reading step n's tokens back from the GPU, so a sequence's last token can
-be PENDING: sampled, counted in every length, but its value not yet on the host."""
+be PENDING: sampled, counted in every length, but its value not yet on the host. With speculative decoding
+(ext/speculative.py), a sequence may also carry draft tokens after its last known one: proposed, computed by the next
+step beside a sample of the model's own at each, and kept only as far as those samples agree (Scheduler.update)."""
 
 import copy
 from array import array
@@ -64,8 +66,10 @@ class Sequence:
         self.num_computed_tokens = 0
         # prompt tokens the prefix cache served; None until first admitted
         self.num_cached_tokens: int | None = None
-        # trailing PENDING tokens: at most two (steps n and n+1 in flight)
+        # trailing PENDING tokens: at most two (steps n and n+1 in flight), or the tokens a verified draft run gave
         self.num_pending = 0
+        # draft tokens after the known ones (before a step's PENDING one): values, but never known, so never cached
+        self.num_draft_tokens = 0
         # "stop", "length" or "abort" once finished
         self.finish_reason: str | None = None
         # per generated token, when params.logprobs is set: {token_id: logprob}
@@ -86,8 +90,8 @@ class Sequence:
 
     @property
     def num_known_tokens(self) -> int:
-        """Tokens whose values are on the host (all but the pending ones)."""
-        return len(self.token_ids) - self.num_pending
+        """Tokens whose values are on the host and final (all but the pending ones and the drafts)."""
+        return len(self.token_ids) - self.num_pending - self.num_draft_tokens
 
     @property
     def num_completion_tokens(self) -> int:
@@ -134,6 +138,12 @@ class Sequence:
         if logprobs is not None:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token_id]
+
+    def drop_drafts(self, keep: int = 0) -> None:
+        """Keep only the first `keep` draft tokens (before the step that computes them is planned)."""
+        if keep < self.num_draft_tokens:
+            del self.token_ids[len(self.token_ids) - self.num_draft_tokens + keep :]
+            self.num_draft_tokens = keep
 
     def drop_pending(self) -> None:
         """Finished: a token sampled after the last one kept is discarded."""

@@ -94,8 +94,8 @@ def flatten_step(step: Step, block_size: int, previous_rows: dict[int, int] | No
         lists.context_lens.append(end)
         # int32 arrays: the block table is copied whole, never converted entry by entry
         lists.block_tables += seq.block_table + padding[len(seq.block_table) :]
-        if scheduled.picks_next_token:
-            lists.sample_rows.append(len(lists.input_ids) - 1)
+        if scheduled.picks_next_token:  # its last row; with draft tokens, each draft's row too
+            lists.sample_rows += range(len(lists.input_ids) - 1 - seq.num_draft_tokens, len(lists.input_ids))
     return lists
 
 

@@ -22,6 +22,7 @@ ASKING = {
     "structured_outputs": {"regex": "[ab]+"},
     "tensor_parallel_size": 2,
     "trace": "trace.jsonl",
+    "speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
 }
 
 

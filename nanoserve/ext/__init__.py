@@ -34,6 +34,7 @@ from nanoserve.checks import InvalidField
 ENGINE_OPTIONS = {
     "tensor_parallel_size": ("tp", 1),
     "trace": ("plots", None),
+    "speculative_config": ("speculative", None),
 }
 # SamplingParams' fields:
 REQUEST_FIELDS = {

@@ -96,9 +96,12 @@ def search(llm: "LLM", first: Sequence, params: BeamSearchParams, stop_ids: froz
         for length in range(1, max_tokens + 1):  # tokens generated, once this step's are chosen
             # run steps until every beam has its next token's logprobs: one step, or a few while a long prompt prefills
             # in chunks. LLM.step's phases, without overlap: each step's forks depend on the previous step's values
-            sampled = []
-            while not sampled:
-                sampled = llm.run_step(False, llm.receive_tokens)
+            got = []
+            while not got:
+                got = llm.run_step(False, llm.receive_tokens)
+            for seq, tokens, logprobs in got:  # one token each: beams have no draft tokens
+                scheduler.resolve(seq, tokens[0], logprobs[0])
+            sampled = [seq for seq, _, _ in got]
             # the pool was checked to hold every beam: none preempted, each in every step
             assert len(sampled) == len(beams), "a beam missed a step"
             # 1. (cum_logprob, the beam it extends, its next token); each beam's logprobs are popped: a fork copies no
