@@ -93,15 +93,15 @@ class Scheduler:
         bm = self.block_manager
         # 1) the running sequences, oldest first (a copy: preemption removes from the list)
         for seq in list(self.running):
-            if seq.num_draft_tokens:  # draft tokens ride whole, or as many as the budget leaves room for
-                seq.drop_drafts(max(0, self._budget(step) - 1))
+            if seq.num_draft_tokens:  # draft tokens ride whole, or as many as the budget and max_model_len leave
+                seq.drop_drafts(max(0, min(self._budget(step), self.max_model_len - seq.num_known_tokens) - 1))
             # (a running sequence has at least one uncomputed token: none only when the budget is spent)
             num_new = min(seq.num_uncomputed_tokens, self._budget(step))
             # skip one preempted just now, or at its length limit with the last token pending (it ends when read)
             if seq.status != SequenceStatus.RUNNING or not num_new or reached_length_limit(seq, self.max_model_len):
                 continue
             if self._make_room(seq, num_new, step):
-                self._plan(step, seq, num_new)
+                self._plan(step, seq, min(num_new, seq.num_uncomputed_tokens))  # (less: drafts dropped for room)
         # 2) the budget left admits waiting sequences, in queue order until one does not fit; none after a
         #    preemption, which would only make the pool thrash
         while not step.preempted and self.waiting and len(self.running) < self.max_num_seqs and self._budget(step):
@@ -139,6 +139,10 @@ class Scheduler:
         Preemption by recompute: the victim's KV is dropped and it waits at the front of the queue; readmitted, it
         re-prefills its prompt + output so far."""
         while not self.block_manager.allocate(seq, num_new):
+            if seq.num_draft_tokens:  # drafts are optional: dropped before anyone is preempted for their room
+                num_new -= seq.num_draft_tokens
+                seq.drop_drafts()
+                continue
             victim = self.running.pop()
             victim.drop_drafts()  # unverified: a recompute must not take them for tokens
             self.block_manager.free(victim)  # its full blocks stay findable: they were cached when booked or read back

@@ -26,8 +26,10 @@ INCOMPLETE_CHARACTER = "\ufffd"  # what decoding shows for a character whose las
 
 
 def reached_length_limit(seq: Sequence, max_model_len: int) -> bool:
-    """Counts pending tokens: a sequence whose last token is pending but already at its limit is not scheduled."""
-    return seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= max_model_len
+    """Counts pending tokens: a sequence whose last token is pending but already at its limit is not scheduled. Draft
+    tokens do not count: a draft past max_tokens is dropped by the stop rules when its turn comes."""
+    num_tokens = seq.num_tokens - seq.num_draft_tokens
+    return num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= max_model_len
 
 
 def banned_token_ids(seq: Sequence) -> frozenset[int]:

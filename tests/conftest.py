@@ -182,7 +182,7 @@ class FakeInFlight:
 
     def __init__(self, step, tokens: list[int], logprobs=None):
         self.step, self.device_tokens, self.logprobs = step, tokens, logprobs
-        self.row_of = {seq.seq_id: row for row, seq in enumerate(step.sampling_seqs)}
+        self.row_of = {seq.seq_id: row for row, (seq, _) in enumerate(step.sampled_rows())}  # its last row
 
     def wait(self):
         return list(self.device_tokens), self.logprobs, []
@@ -247,14 +247,15 @@ class FakeRunner:
                 hit = s.start // bm.block_size
                 self.admissions.append((s.seq, s.start, list(s.seq.block_table[:hit])))
         self.steps.append([(s.seq, s.start, s.num_new_tokens) for s in step.scheduled])
-        sampled = [fake_next_token(tokens[seq.seq_id]) for seq in step.sampling_seqs]
-        if not any(seq.params.logprobs is not None for seq in step.sampling_seqs):
+        # a row per sample: a sequence's last position, and with draft tokens each draft's position (its prefix then
+        # ends just before the row's length: Step.sampled_rows gives the sequence's length with the row's token)
+        rows = [(seq, tokens[seq.seq_id][: length - 1]) for seq, length in step.sampled_rows()]
+        sampled = [fake_next_token(prefix) for _, prefix in rows]
+        if not any(seq.params.logprobs is not None for seq, _ in rows):
             return FakeInFlight(step, sampled)
         logprobs = [
-            fake_top_logprobs(tokens[seq.seq_id], seq.params.logprobs, token)
-            if seq.params.logprobs is not None
-            else None
-            for seq, token in zip(step.sampling_seqs, sampled, strict=True)
+            fake_top_logprobs(prefix, seq.params.logprobs, token) if seq.params.logprobs is not None else None
+            for (seq, prefix), token in zip(rows, sampled, strict=True)
         ]
         return FakeInFlight(step, sampled, logprobs)
 

@@ -1,0 +1,323 @@
+"""Speculative decoding (nanoserve/ext/speculative.py, and the core's draft tokens: Sequence.num_draft_tokens,
+Scheduler.keep_drafts). Exact: greedy output equal to decoding without drafts and to transformers, for n-gram drafts and
+draft models (the target as its own draft: everything accepted; an unrelated one: almost nothing), with chunked prefill,
+preemption in a tiny pool, shared prefixes, a stop id, a stop string and max_tokens inside an accepted run; sampled
+output keeps the target's distribution (seeded requests identical with and without drafts; a chi-square test on a
+16-token vocabulary; the rejection rule on hand-made p and q). Nothing left behind: the pool balanced and no block
+keyed on an unverified token, over random accept/reject patterns (hypothesis, on the engine's real loop with a fake
+model)."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import FAMILIES, FakeEngine, fake_next_token, hf_greedy, reference_completion, refused
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.config import EngineConfig
+from nanoserve.ext.speculative import ngram_drafts, rejection_rule
+
+ENGINE = {"device": "cpu", "max_model_len": 256, "num_kvcache_blocks": 64}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+SIGNIFICANCE = 0.001  # chi-square tests fail a correct sampler once in a thousand runs
+
+
+def repetitive_prompts() -> list[list[int]]:
+    """Prompts whose continuations n-gram lookup finds (a repeated pattern), and a plain random one."""
+    rng = random.Random(7)
+    motif = [rng.randrange(3, 384) for _ in range(6)]
+    return [motif * 5, [rng.randrange(3, 384) for _ in range(30)], (motif[:3] + [9, 9]) * 6, motif * 2 + [11, 12]]
+
+
+def outputs(llm: LLM, prompts: list, params: SamplingParams | list) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def assert_nothing_held(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats["kv_blocks_used"] == 0 and not llm.has_unfinished_requests(), stats
+    for key, _ in llm.block_manager.cached.items():
+        assert key is not None
+
+
+def chi2_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson's chi-square goodness of fit of counts to probs, over the tokens probs allows."""
+    support = probs > 1e-12
+    expected = probs[support] / probs[support].sum() * counts[support].sum()
+    assert counts[~support].sum() == 0, "a token the distribution does not allow was drawn"
+    return chisquare(counts[support], expected).pvalue
+
+
+# ---- greedy: identical ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_ngram_greedy_equals_plain_decoding_and_transformers(tiny_model, family):
+    """Guards against a draft kept that the model would not have drawn, a rejected draft's K/V read later, or a
+    row of samples mixed up: n-gram drafts give the same greedy tokens as decoding without them and as transformers,
+    and some drafts are accepted (the prompts repeat)."""
+    path, hf = tiny_model(family)
+    prompts = repetitive_prompts()
+    spec = LLM(path, **ENGINE, speculative_config=NGRAM)
+    got = outputs(spec, prompts, GREEDY)
+    assert got == [hf_greedy(hf, p, 40) for p in prompts]
+    stats = spec.stats()
+    assert stats["spec_accepted_tokens"] > 10 and stats["spec_proposed_tokens"] >= stats["spec_accepted_tokens"]
+    assert_nothing_held(spec)
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"max_num_batched_tokens": 16},  # chunked prefill beside draft rows, drafts cut to the budget
+        {"num_kvcache_blocks": 9, "max_num_batched_tokens": 64},  # preemption: a preempted sequence drops its drafts
+        {"enable_prefix_caching": True},  # a second wave takes the first's cached blocks
+    ],
+    ids=["chunked", "preemption", "prefix"],
+)
+def test_ngram_greedy_under_chunking_preemption_and_prefix_caching(tiny_model, engine):
+    """Guards against drafts meeting the scheduler's other paths: cut by the step budget, dropped by a preemption
+    (a recompute must not take unverified drafts for tokens), or cached as a prefix before they are verified."""
+    path, hf = tiny_model("qwen3")
+    prompts = repetitive_prompts()
+    llm = LLM(path, **{**ENGINE, **engine}, speculative_config={**NGRAM, "disable_by_batch_size": 64})
+    for _ in range(2):  # the second wave hits the first's cached prefixes
+        assert outputs(llm, prompts, GREEDY) == [hf_greedy(hf, p, 40) for p in prompts]
+        assert_nothing_held(llm)
+    if "num_kvcache_blocks" in engine:
+        assert llm.stats()["preemptions"] > 0
+    assert llm.stats()["spec_accepted_tokens"] > 0
+
+
+def test_stop_rules_inside_an_accepted_run(tiny_model):
+    """Guards against the tokens after a stop being kept because they came in the same step: a stop id, a stop
+    string (its tokens' text) and max_tokens inside a run of accepted drafts end the output exactly where decoding
+    without drafts ends it."""
+    path, hf = tiny_model("llama")
+    prompt = repetitive_prompts()[0]
+    free = hf_greedy(hf, prompt, 40)
+    plain = LLM(path, **ENGINE)
+    spec = LLM(path, **ENGINE, speculative_config=NGRAM)
+    cases = [
+        SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[free[13]]),
+        SamplingParams(temperature=0, max_tokens=17, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+    ]
+    for params in cases:
+        want = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        got = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), params
+    assert_nothing_held(spec)
+
+
+def test_stop_string_inside_an_accepted_run(tiny_model):
+    """The same for a stop string, with the default model's tokenizer on the tiny model's ids (its text is what
+    the stop string is found in): the output ends at the token that completes it, as without drafts."""
+    from conftest import default_model_or_skip
+
+    path, _ = tiny_model("llama")
+    tokenizer = default_model_or_skip()
+    plain = LLM(path, tokenizer=tokenizer, **ENGINE)
+    spec = LLM(path, tokenizer=tokenizer, **ENGINE, speculative_config=NGRAM)
+    # a stop string whose first occurrence comes late, after drafts have been accepted: three characters of the
+    # output's second half that its first half does not hold
+    candidates = []
+    for prompt in repetitive_prompts():
+        text = plain.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].text
+        late = [text[i : i + 3] for i in range(len(text) // 2, len(text) - 3)]
+        candidates += [(prompt, stop) for stop in late if text.find(stop) >= len(text) // 2]
+    prompt, stop = candidates[0]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    want = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    got = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+    assert got.finish_reason == "stop" and spec.stats()["spec_accepted_tokens"] > 0
+
+
+def test_draft_models_accept_all_or_almost_nothing(tiny_model, tmp_path):
+    """Guards against a draft model's proposals changing the output: the target as its own draft (every draft
+    accepted) and an unrelated random model of the same vocabulary (almost none accepted) both give the greedy
+    output of decoding without drafts; a draft of another vocabulary is refused by name."""
+    path, hf = tiny_model("qwen2")
+    prompts = repetitive_prompts()
+    want = [hf_greedy(hf, p, 40) for p in prompts]
+    config = {"method": "draft_model", "num_speculative_tokens": 3}
+    itself = LLM(path, **ENGINE, speculative_config={**config, "model": path})
+    assert outputs(itself, prompts, GREEDY) == want
+    stats = itself.stats()
+    assert stats["spec_acceptance_rate"] == 1.0 and stats["spec_mean_accepted_length"] > 2.5, stats
+    other = LLM(path, **ENGINE, speculative_config={**config, "model": tiny_model("llama")[0]})
+    assert outputs(other, prompts, GREEDY) == want
+    assert other.stats()["spec_acceptance_rate"] < 0.3
+    torch.manual_seed(3)
+    small = LlamaConfig(**{**FAMILIES["llama"]().to_dict(), "vocab_size": 200})
+    AutoModelForCausalLM.from_config(small).save_pretrained(tmp_path)
+    refused("speculative_config.model", LLM, path, **ENGINE, speculative_config={**config, "model": str(tmp_path)})
+
+
+# ---- sampling: the target's distribution -----------------------------------------------------------------------
+def test_seeded_sampling_is_identical_with_and_without_drafts(tiny_model):
+    """Guards against a sampled row drawn with other noise, or a draft kept that the model's draw did not agree with:
+    a seeded request's noise depends on its seed and position only, so with drafts its tokens are exactly those
+    without, for many seeds, with top-p and with top-k (at temperatures low enough for the tiny model's flat logits
+    to repeat themselves, so that drafts are proposed and some accepted)."""
+    path, _ = tiny_model("llama")
+    prompts = repetitive_prompts()
+    plain = LLM(path, **ENGINE)
+    spec = LLM(path, **ENGINE, speculative_config={**NGRAM, "disable_by_batch_size": 64})
+    for filters in ({"temperature": 0.05}, {"temperature": 0.1, "top_p": 0.8}, {"temperature": 0.2, "top_k": 5}):
+        params = [SamplingParams(**filters, seed=s, max_tokens=24, ignore_eos=True) for s in range(8)]
+        batch = [p for p in prompts for _ in range(2)]
+        assert outputs(spec, batch, params) == outputs(plain, batch, params)
+    assert spec.stats()["spec_accepted_tokens"] > 0
+    assert_nothing_held(spec)
+
+
+def test_sampled_tokens_follow_the_target_distribution(tmp_path):
+    """Guards against speculation biasing sampling (drafts accepted too often, or the draw after a rejection not
+    the model's): on a 16-token vocabulary, the third token after a repetitive prompt (drawn at a draft's row when the
+    draft for the second was kept) follows the target's marginal, the sum over t1, t2 of p(t1) p(t2 | t1) p(t3 | t1,
+    t2), by a chi-square test; the second token's too."""
+    torch.manual_seed(5)
+    config = LlamaConfig(**{**FAMILIES["llama"]().to_dict(), "vocab_size": 16, "initializer_range": 0.3})
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    hf.save_pretrained(tmp_path)
+    prompt = [3, 4, 5] * 6 + [3, 4]
+    pairs = torch.cartesian_prod(torch.arange(16), torch.arange(16))  # every (t1, t2)
+    with torch.no_grad():
+        p1 = hf(torch.tensor([prompt])).logits[0, -1].softmax(-1)  # [16]
+        p2 = hf(torch.tensor([prompt + [t] for t in range(16)])).logits[:, -1].softmax(-1)  # [t1, t2]
+        p3 = hf(torch.cat([torch.tensor([prompt]).expand(256, -1), pairs], 1)).logits[:, -1].softmax(-1)  # [pair, t3]
+    second = (p1[:, None] * p2).sum(0)
+    third = ((p1[:, None] * p2).flatten()[:, None] * p3).sum(0)
+    llm = LLM(str(tmp_path), **ENGINE, max_num_seqs=256, speculative_config={**NGRAM, "disable_by_batch_size": 512})
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    got = outputs(llm, [prompt] * 1500, params)
+    for position, marginal in ((1, second), (2, third)):
+        counts = np.bincount([tokens[position] for tokens in got], minlength=16)
+        assert chi2_p_value(counts, marginal.double().numpy()) > SIGNIFICANCE, position
+    assert llm.stats()["spec_accepted_tokens"] > 100
+
+
+def test_rejection_rule_on_hand_made_distributions():
+    """Guards the rule itself: accept with min(1, p/q), draw the rest from max(0, p - q) normalised; the tokens it
+    yields follow p (a million simulated draws), for a spread-out q and for a one-token q (the proposers' case)."""
+    rng = np.random.default_rng(0)
+    p = np.array([0.5, 0.2, 0.2, 0.1])
+    for q in (np.array([0.1, 0.6, 0.2, 0.1]), np.array([0.0, 1.0, 0.0, 0.0])):
+        accepted, residual = rejection_rule(p, q, 1, 0.2)
+        assert accepted == (0.2 < min(1, p[1] / q[1]))
+        assert np.allclose(residual, np.maximum(p - q, 0) / np.maximum(p - q, 0).sum())
+        draws = rng.choice(4, size=200_000, p=q)
+        uniforms = rng.random(200_000)
+        tokens = []
+        for draft, u in zip(draws, uniforms, strict=True):
+            ok, rest = rejection_rule(p, q, draft, u)
+            tokens.append(draft if ok else rng.choice(4, p=rest))
+        assert chi2_p_value(np.bincount(tokens, minlength=4), p) > SIGNIFICANCE
+    assert rejection_rule(p, np.array([0.0, 1.0, 0.0, 0.0]), 1, 0.19)[0]  # one-token q: accepted when u < p(draft)
+    assert not rejection_rule(p, np.array([0.0, 1.0, 0.0, 0.0]), 1, 0.21)[0]
+
+
+# ---- nothing left behind: random drafts on the real loop with a fake model --------------------------------------
+class RandomDrafts:
+    """A proposer for FakeEngine: for each decoding sequence, a few drafts that agree with the fake model for a
+    random number of tokens, then disagree (or none at all)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def needs_tokens_on_host(self) -> bool:
+        return True
+
+    def propose(self, llm: LLM) -> None:
+        for seq in llm.scheduler.running:
+            if seq.num_pending or seq.num_uncomputed_tokens != 1 or self.rng.random() < 0.3:
+                continue
+            tokens, drafts = list(seq.token_ids), []
+            for _ in range(self.rng.randrange(1, 6)):
+                right = fake_next_token(tokens)
+                drafts.append(right if self.rng.random() < 0.7 else (right + 1) % 50)
+                tokens.append(drafts[-1])
+            seq.token_ids += drafts
+            seq.num_draft_tokens = len(drafts)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), num_blocks=st.integers(12, 60), budget=st.integers(8, 64))
+def test_random_drafts_leave_nothing_behind(seed, num_blocks, budget):
+    """Guards against a rollback that leaks or double-frees a block, a block keyed on an unverified draft (FakeEngine
+    checks after every step that no key holds PENDING, that ref counts match the running sequences' tables, and its
+    fake KV cache that every read finds its own prefix), or a kept draft the model would not have drawn: random
+    accept/reject patterns, tight pools (preemption) and budgets (chunking, drafts cut), outputs equal the fake
+    model's own completions."""
+    rng = random.Random(seed)
+    engine = FakeEngine(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget)
+    engine.llm.proposer = RandomDrafts(rng)
+    prompts = [[rng.randrange(50) for _ in range(rng.randrange(1, 20))] for _ in range(5)]
+    seqs = [engine.add(p, rng.randrange(1, 25)) for p in prompts]
+    engine.run()
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        assert seq.completion_token_ids == reference_completion(prompt, seq.params.max_tokens)
+        assert seq.num_draft_tokens == 0
+
+
+# ---- the option ------------------------------------------------------------------------------------------------
+def test_ngram_lookup():
+    """Guards the lookup: the latest earlier occurrence of the longest suffix that k tokens follow, else the earliest;
+    nothing where no suffix of at least prompt_lookup_min tokens occurs earlier."""
+    assert ngram_drafts([1, 2, 3, 9, 1, 2, 3, 8, 7, 1, 2, 3], 2, 3, 1) == [8, 7]
+    assert ngram_drafts([5, 5, 5, 5], 3, 2, 1) == [5, 5]  # the earliest run of two 5s: two tokens follow it
+    assert ngram_drafts([1, 2, 3, 4], 2, 3, 1) == []
+    assert ngram_drafts([4, 1, 2, 3, 9, 1, 2], 2, 3, 2) == [3, 9]
+    assert ngram_drafts([4, 1, 2, 3, 9, 7, 2], 2, 3, 2) == []  # a one-token suffix is below prompt_lookup_min
+
+
+@pytest.mark.parametrize(
+    "value, field",
+    [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 0, "prompt_lookup_max": 2},
+            "speculative_config.num_speculative_tokens",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 2}, "speculative_config.prompt_lookup_max"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3},
+            "speculative_config.prompt_lookup_min",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "draft_tensor_parallel_size": 1},
+            "speculative_config.draft_tensor_parallel_size",
+        ),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "disable_by_batch_size": 0},
+            "speculative_config.disable_by_batch_size",
+        ),
+        ("{not json", "speculative_config"),
+        (["ngram"], "speculative_config"),
+    ],
+)
+def test_bad_speculative_configs_are_refused_by_name(value, field):
+    """Guards against an unknown method or key, or a value out of range, being taken or failing late."""
+    refused(field, EngineConfig, device="cpu", speculative_config=value)
+
+
+def test_json_text_and_defaults():
+    """The server's --speculative-config JSON is the same dict as text; prompt_lookup_min defaults to 1 and
+    disable_by_batch_size to 8 (ordinary chat at larger batches loses with drafts)."""
+    config = EngineConfig(
+        device="cpu", speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    )
+    spec = config.speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.disable_by_batch_size) == (
+        "ngram",
+        3,
+        1,
+        8,
+    )
