@@ -16,7 +16,7 @@ run_step / receive_tokens are the step driver that a loop of its own (beam searc
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from itertools import count
 from typing import TYPE_CHECKING
 
@@ -36,7 +36,7 @@ from nanoserve.checks import (
 )
 from nanoserve.config import EngineConfig
 from nanoserve.outputs import Request, RequestOutput
-from nanoserve.sampling_params import BeamSearchParams, SamplingParams
+from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import Scheduler, Step
 from nanoserve.sequence import Sequence
 from nanoserve.stopping import StopChecker
@@ -52,18 +52,6 @@ if TYPE_CHECKING:  # annotations only: the engine loop runs on any runner with l
 Prompt = str | list[int] | dict
 Conversation = list[dict]  # chat messages: {"role": ..., "content": ...}
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # the roles chat templates know
-
-
-@dataclass
-class EngineCounters:
-    """Running totals for stats(): tokens computed (prefill and decode) and generated, requests finished, and the
-    sums of their time to first token and mean inter-token latency."""
-
-    computed_tokens: int = 0
-    generated_tokens: int = 0
-    finished_requests: int = 0
-    ttft_s_sum: float = 0.0
-    itl_s_sum: float = 0.0
 
 
 class LLM:
@@ -114,7 +102,8 @@ class LLM:
         self.trace = None  # a step trace's writer (trace=PATH: ext/plots.py), told when each step begins and ends
         self.proposer = None  # speculative decoding's (ext/speculative.py): draft tokens before each step is planned
         self._request_ids = count()
-        self.counters = EngineCounters()
+        self.computed_tokens = 0  # running totals, for stats(): tokens computed (prefill and decode) and generated
+        self.generated_tokens = 0
         for name in config.extensions:  # the extensions its options use (trace, ...): each starts with the engine
             ext.load(name, name).start(self)
 
@@ -166,7 +155,8 @@ class LLM:
             request_id = f"req-{next(self._request_ids)}"
         if not isinstance(request_id, str) or request_id in self.requests:
             raise InvalidField("request_id", f"{request_id!r} is not a new string id")
-        prompt = unwrap_prompt(prompt)
+        if isinstance(prompt, dict):  # vLLM's {"prompt": text} or {"prompt_token_ids": ids} (ext/vllm_names.py)
+            prompt = ext.load("vllm_names", "prompt").unwrap_prompt(prompt)
         ids = self.prompt_ids(prompt)
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
@@ -229,7 +219,7 @@ class LLM:
                 self.proposer.propose(self)
             # 1) schedule step n+1
             step = self.scheduler.schedule()
-            self.counters.computed_tokens += step.num_tokens
+            self.computed_tokens += step.num_tokens
             self._record_first_scheduled(step)
             # 2) launch it: the GPU queues it behind step n, whose samples it takes as inputs on the device
             launched = None
@@ -288,7 +278,7 @@ class LLM:
             # one token, or a speculative run's kept drafts and the token after them: each meets the stop rules in turn
             for token, token_logprobs in zip(tokens, logprobs, strict=True):
                 self.scheduler.resolve(seq, token, token_logprobs)
-                self.counters.generated_tokens += 1
+                self.generated_tokens += 1
                 reason = self.stop_checker.check(seq, incremental=request.stream)
                 if reason is not None:
                     self.scheduler.finish_sequence(seq, reason)  # (it drops the tokens after this one)
@@ -298,7 +288,7 @@ class LLM:
         outputs = []
         for request in dict.fromkeys(seq.request for seq, _, _ in sampled):  # the requests that changed, once, in order
             if request.finished:
-                self._record_finished(request)
+                request.metrics.finished_time = now
                 del self.requests[request.request_id]
             if request.stream or request.finished:
                 outputs.append(request.take_output())
@@ -312,15 +302,6 @@ class LLM:
         for (seq, position), entry in prompt_logprobs:  # by position: a preempted sequence's recompute rewrites its own
             seq.prompt_logprobs[position] = entry
         return self.scheduler.update(in_flight.step, tokens, logprobs)
-
-    def _record_finished(self, request: Request) -> None:
-        """Its finish time, and its TTFT and mean inter-token latency into the running totals."""
-        metrics = request.metrics
-        metrics.finished_time = time.time()
-        num_tokens = max(seq.num_completion_tokens for seq in request.seqs)
-        self.counters.finished_requests += 1
-        self.counters.ttft_s_sum += metrics.first_token_time - metrics.arrival_time
-        self.counters.itl_s_sum += (metrics.finished_time - metrics.first_token_time) / max(num_tokens - 1, 1)
 
     # ---- offline batches --------------------------------------------------------------------------
     def generate(
@@ -344,7 +325,7 @@ class LLM:
         requests = [self._make_request(p, sp, None, stream=False) for p, sp in zip(prompts, params, strict=True)]
         # 2) queue them all and step until each has finished
         finished: dict[str, RequestOutput] = {}
-        generated_before = self.counters.generated_tokens  # the bar counts this batch's tokens: bar.n of them so far
+        generated_before = self.generated_tokens  # the bar counts this batch's tokens: bar.n of them so far
         bar = tqdm(
             total=sum(seq.params.max_tokens for request in requests for seq in request.seqs),
             unit="tok",
@@ -359,7 +340,7 @@ class LLM:
                 for out in self.step():
                     if out.finished:
                         finished[out.request_id] = out
-                bar.update(self.counters.generated_tokens - generated_before - bar.n)
+                bar.update(self.generated_tokens - generated_before - bar.n)
         finally:
             bar.total = bar.n  # outputs that ended early (EOS) never reach max_tokens
             bar.close()
@@ -367,7 +348,7 @@ class LLM:
                 self.abort(request.request_id)
         return [finished[r.request_id] for r in requests]
 
-    def beam_search(self, prompts: list[Prompt], params: BeamSearchParams) -> list:
+    def beam_search(self, prompts: list[Prompt], params: object) -> list:
         """vLLM's beam search: per prompt (a list of them, as vLLM takes, each a prompt as generate takes one),
         params.beam_width beams, best first, on forked sequences that share KV blocks (the extension
         ext/beam_search.py, with transformers' rule; a BeamSearchOutput per prompt). Needs an idle engine."""
@@ -400,9 +381,9 @@ class LLM:
         )
 
     def stats(self) -> dict[str, int | float]:
+        """The pool, the prefix cache, the queues and the running totals (an application that wants latencies reads
+        each output's metrics: the server's /metrics does)."""
         bm = self.block_manager
-        counters = self.counters
-        num_finished = max(counters.finished_requests, 1)  # the means are 0 before any request finished
         return {
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_used": bm.num_used_blocks,
@@ -415,9 +396,8 @@ class LLM:
             "preemptions": self.scheduler.num_preemptions,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
-            **asdict(counters),  # computed and generated tokens, finished requests, the sums behind the means
-            "mean_ttft_s": counters.ttft_s_sum / num_finished,
-            "mean_itl_s": counters.itl_s_sum / num_finished,
+            "computed_tokens": self.computed_tokens,
+            "generated_tokens": self.generated_tokens,
             **(self.proposer.stats() if self.proposer is not None else {}),  # speculative decoding's drafts
         }
 
@@ -427,19 +407,6 @@ def is_one_prompt(prompts: object) -> bool:
     if isinstance(prompts, (str, dict)) or hasattr(prompts, "ndim"):
         return True
     return isinstance(prompts, LISTS) and len(prompts) > 0 and is_integer(prompts[0])
-
-
-def unwrap_prompt(prompt: object) -> object:
-    """vLLM's prompt dicts as what they hold: {"prompt": text} as the text, {"prompt_token_ids": ids} as the ids.
-    Other keys (vLLM's multi_modal_data, cache_salt, ...) are refused by name; anything else is returned as it is."""
-    if not isinstance(prompt, dict):
-        return prompt
-    if len(prompt) == 1 and isinstance(prompt.get("prompt"), str):
-        return prompt["prompt"]
-    if len(prompt) == 1 and "prompt_token_ids" in prompt:
-        return check_token_ids("prompt_token_ids", prompt["prompt_token_ids"])
-    keys = ", ".join(map(shown, prompt))
-    raise InvalidField("prompt", f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids' (ids), one: not {keys}")
 
 
 def check_conversation(conversation: object) -> None:

@@ -26,7 +26,6 @@ from nanoserve.layers import Layers
 from nanoserve.model import CausalLM, ModelArgs
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # ours -> HF's shards
-HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]  # config, weights, tokenizer, chat template
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")  # any one will do
 NamedTensors = Iterable[tuple[str, torch.Tensor]]  # a checkpoint's (name, tensor) pairs, read one at a time
 CONFIG_SIZES = (
@@ -43,7 +42,7 @@ CONFIG_SIZES = (
 
 def resolve_model_dir(model: str | os.PathLike | None) -> str:
     """The embedded default model (None: its extension, ext/default_model.py), a local HF directory, or a hub id
-    ("org/name", fetched when online)."""
+    ("org/name", fetched when online by its extension, ext/hub.py)."""
     if model is None:
         return ext.load("default_model", "model").default_model_dir()
     model = os.fspath(model)  # a pathlib.Path
@@ -53,12 +52,7 @@ def resolve_model_dir(model: str | os.PathLike | None) -> str:
     # "org/name" and no such path here: a hub id (./org/name, /org/name and ~/org/name are paths, never fetched)
     if model.count("/") != 1 or os.path.exists(model) or model.startswith((".", "/", "~")):
         raise InvalidField("model", problem)
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(model, allow_patterns=HUB_FILES)
-    except Exception as error:  # offline, or no such repository
-        raise InvalidField("model", problem) from error
+    return ext.load("hub", "model").download(model)
 
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase | None:

@@ -2,7 +2,8 @@
 field, checks.py) before any work starts. SamplingParams holds vLLM's fields; those that belong to an extension
 (logit_bias and the penalties: ext/penalties.py; structured_outputs: ext/structured.py) are checked by it, and refused
 by name where it is not installed, unless left at the value that asks for nothing (ext/__init__.py's tables).
-BeamSearchParams, where vLLM keeps it too, is the settings of LLM.beam_search (ext/beam_search.py)."""
+BeamSearchParams, the settings of LLM.beam_search, is found here too, where vLLM keeps it: it is the beam-search
+extension's (ext/beam_search.py)."""
 
 import math
 from dataclasses import dataclass
@@ -12,7 +13,6 @@ from nanoserve.ext import REQUEST_FIELDS, extensions_asked, load
 
 SEED_RANGE = 2**63  # a seed is used mod this: torch's generators take 64-bit seeds
 MAX_TEMPERATURE = 1e30  # far past where sampling is uniform to float32's precision; logits / T stays finite
-MAX_LENGTH_PENALTY = 10.0  # beam search: any length to a power in [-10, 10] is a finite float64, never an OverflowError
 # check_numbers' limits for SamplingParams' number fields, integers where the field is an int (an integer's high is
 # MAX_INT unless stated); min_tokens', whose high is max_tokens, are added in __post_init__
 NUMBER_LIMITS = {
@@ -82,26 +82,8 @@ class SamplingParams:
         self.filtered = self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
 
-# check_numbers' limits for BeamSearchParams' number fields: beam_width's are n's (a count, at least 1), max_tokens'
-# are SamplingParams' own
-BEAM_LIMITS = {
-    "beam_width": NUMBER_LIMITS["n"],
-    "max_tokens": NUMBER_LIMITS["max_tokens"],
-    "temperature": {"low": 0, "high": 0},
-    "length_penalty": {"low": -MAX_LENGTH_PENALTY, "high": MAX_LENGTH_PENALTY},
-}
-
-
-@dataclass
-class BeamSearchParams:
-    """vLLM's fields, for LLM.beam_search (ext/beam_search.py). temperature must be 0: nanoserve's beam search is
-    deterministic."""
-
-    beam_width: int  # beams kept, and sequences returned, per prompt
-    max_tokens: int  # generated tokens at most, an EOS included
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0  # in [-10, 10]; finished beams rank by cum_logprob / generated_length ** this
-
-    def __post_init__(self) -> None:
-        check_numbers(self, BEAM_LIMITS)  # numbers stored back as plain ints or floats; ignore_eos a bool
+def __getattr__(name: str) -> object:
+    """BeamSearchParams, where vLLM keeps it: the beam-search extension's (ext/beam_search.py), found by name."""
+    if name == "BeamSearchParams":
+        return load("beam_search", name).BeamSearchParams
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

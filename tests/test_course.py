@@ -17,7 +17,6 @@ from conftest import extension_or_skip, random_prompts
 import nanoserve
 from nanoserve import SamplingParams
 from nanoserve.config import EngineConfig
-from nanoserve.sampling_params import BeamSearchParams
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "course.md"
@@ -122,7 +121,7 @@ def test_beam_search_shares_the_prompt_and_copies_on_write(llama, tmp_path):
     4 tokens in a partial one) with 4 beams: the step after the prefill runs the 4 forks of the prompt's sequence,
     whose tables are the same but for the last block: three copies of the partial block, and one that writes in
     place."""
-    extension_or_skip("beam_search")
+    BeamSearchParams = extension_or_skip("beam_search").BeamSearchParams
     extension_or_skip("plots")
     k, max_tokens = 4, 12
     trace = tmp_path / "trace.jsonl"

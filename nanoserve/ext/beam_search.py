@@ -32,13 +32,39 @@ beam is ever preempted."""
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nanoserve.checks import LISTS, InvalidField
-from nanoserve.llm import unwrap_prompt
-from nanoserve.sampling_params import BeamSearchParams, SamplingParams
+from nanoserve import ext
+from nanoserve.checks import LISTS, InvalidField, check_numbers
+from nanoserve.sampling_params import NUMBER_LIMITS, SamplingParams
 from nanoserve.sequence import Sequence
 
 if TYPE_CHECKING:
     from nanoserve.llm import LLM
+
+
+MAX_LENGTH_PENALTY = 10.0  # any length to a power in [-10, 10] is a finite float64, never an OverflowError
+# check_numbers' limits for BeamSearchParams' number fields: beam_width's are n's (a count, at least 1), max_tokens'
+# are SamplingParams' own
+BEAM_LIMITS = {
+    "beam_width": NUMBER_LIMITS["n"],
+    "max_tokens": NUMBER_LIMITS["max_tokens"],
+    "temperature": {"low": 0, "high": 0},
+    "length_penalty": {"low": -MAX_LENGTH_PENALTY, "high": MAX_LENGTH_PENALTY},
+}
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's fields (importable from nanoserve.sampling_params too, where vLLM keeps it). temperature must be 0:
+    nanoserve's beam search is deterministic."""
+
+    beam_width: int  # beams kept, and sequences returned, per prompt
+    max_tokens: int  # generated tokens at most, an EOS included
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0  # in [-10, 10]; finished beams rank by cum_logprob / generated_length ** this
+
+    def __post_init__(self) -> None:
+        check_numbers(self, BEAM_LIMITS)  # numbers stored back as plain ints or floats; ignore_eos a bool
 
 
 @dataclass
@@ -66,7 +92,8 @@ def beam_search(llm: "LLM", prompts: list, params: BeamSearchParams) -> list[Bea
         raise InvalidField("prompts", "expected a list of prompts")
     if not isinstance(params, BeamSearchParams):
         raise InvalidField("params", f"expected BeamSearchParams, got {type(params).__name__}")
-    prompts = [llm.prompt_ids(unwrap_prompt(prompt)) for prompt in prompts]
+    vllm_forms = ext.find("vllm_names")  # vLLM's prompt dicts, where that extension is installed
+    prompts = [llm.prompt_ids(vllm_forms.unwrap_prompt(p) if vllm_forms else p) for p in prompts]
     if llm.has_unfinished_requests():
         raise RuntimeError("beam_search needs an idle engine: finish or abort the requests in flight first")
     stop_ids = frozenset() if params.ignore_eos else llm.eos_token_ids

@@ -123,7 +123,7 @@ NOT_IMPLEMENTED = dict.fromkeys(
 # either way, and top_logprobs in a completions body is unknown).
 RANGES = {"temperature": (0, 2), "top_logprobs": (0, MAX_TOP_LOGPROBS), "logprobs": (0, MAX_COMPLETION_LOGPROBS)}
 GAUGES = "running waiting kv_blocks_used kv_blocks_cached kv_blocks_total prefix_hit_rate".split()  # LLM.stats() keys
-COUNTERS = "preemptions generated_tokens finished_requests prefix_hit_tokens prefix_queried_tokens".split()
+COUNTERS = "preemptions generated_tokens prefix_hit_tokens prefix_queried_tokens".split()  # and finished_requests
 
 
 @dataclass
@@ -158,6 +158,7 @@ class EngineLoop:
         self.llm = llm
         self.commands = queue.Queue()  # (concurrent future, function, args), or None: stop
         self.sinks: dict[str, Sink] = {}  # request_id -> its sink, used on the engine thread only
+        self.finished_requests = 0  # requests the engine finished (for /metrics)
         self.deadline = math.inf  # set at shutdown (time.monotonic()): requests still open then fail
         self.thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
 
@@ -235,6 +236,7 @@ class EngineLoop:
                 self.sinks[out.request_id](out)
                 if out.finished:  # its last output: the sink is dropped
                     del self.sinks[out.request_id]
+                    self.finished_requests += 1
         except Exception as error:  # a bug or a device error: every request in flight fails; the server serves on
             logging.getLogger(__name__).exception("an engine step failed; failing the requests in flight")
             for request_id, sink in list(self.sinks.items()):
@@ -577,7 +579,11 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
     async def metrics() -> PlainTextResponse:
         stats = await engine.call(llm.stats)  # the engine's structures may only be read on its thread
         lines = [f"# TYPE nanoserve_{key} gauge\nnanoserve_{key} {stats[key]}" for key in GAUGES]
-        lines += [f"# TYPE nanoserve_{key}_total counter\nnanoserve_{key}_total {stats[key]}" for key in COUNTERS]
+        stats["finished_requests"] = engine.finished_requests
+        lines += [
+            f"# TYPE nanoserve_{key}_total counter\nnanoserve_{key}_total {stats[key]}"
+            for key in [*COUNTERS, "finished_requests"]
+        ]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions", response_model=None)
