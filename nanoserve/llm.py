@@ -32,7 +32,6 @@ from nanoserve.checks import (
     check_text,
     check_token_ids,
     is_integer,
-    shown,
 )
 from nanoserve.config import EngineConfig
 from nanoserve.outputs import Request, RequestOutput
@@ -51,7 +50,6 @@ if TYPE_CHECKING:  # annotations only: the engine loop runs on any runner with l
 # {"prompt_token_ids": ids}
 Prompt = str | list[int] | dict
 Conversation = list[dict]  # chat messages: {"role": ..., "content": ...}
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # the roles chat templates know
 
 
 class LLM:
@@ -148,8 +146,6 @@ class LLM:
         check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)  # now against the vocabulary
         for field in ("logprobs", "prompt_logprobs"):  # at most the whole vocabulary (None: not asked for)
             check_number(field, getattr(params, field) or 0, 0, self.vocab_size, integer=True)
-        if params.n > self.config.max_num_seqs:  # each sample is a sequence; a step runs at most max_num_seqs
-            raise InvalidField("n", f"{params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         check_flag("stream", stream)
         if request_id is None:
             request_id = f"req-{next(self._request_ids)}"
@@ -161,12 +157,13 @@ class LLM:
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        seqs = [
-            Sequence(ids, sample_params(params, i, self.config.seed), self.config.kvcache_block_size, stop_ids)
-            for i in range(params.n)
-        ]
+        if params.seed is None and self.config.seed is not None:  # the engine's seed, for a request that sets none
+            params = replace(params, seed=self.config.seed)
+        seqs = [Sequence(ids, params, self.config.kvcache_block_size, stop_ids)]
         self.scheduler.check_fits(seqs[0])
-        for name in params.extensions:  # the extensions its fields use: each checks it and attaches it
+        # the extensions its fields use: each checks it and attaches it (n > 1: ext/parallel_sampling.py adds the other
+        # samples' sequences to the list)
+        for name in params.extensions:
             ext.load(name, name).attach(self, seqs)
         return Request(request_id, prompt if isinstance(prompt, str) else None, seqs, stream)
 
@@ -363,22 +360,10 @@ class LLM:
         """One conversation (a list of {"role", "content"} dicts) or a list of them, through the chat template."""
         return self.generate(self.chat_prompts(messages), sampling_params, use_tqdm)
 
-    def chat_prompts(
-        self, messages: Conversation | list[Conversation], tools: list[dict] | None = None
-    ) -> list[list[int]]:
-        """Each conversation through the chat template, as token ids (the template adds the special tokens); tools:
-        OpenAI's function definitions, which a template that supports tools renders."""
-        if self.tokenizer is None or not self.tokenizer.chat_template:
-            raise InvalidField("model", "this model has no chat template")
-        # a list of conversations, or one (anything else is one too, which check_conversation then refuses)
-        is_many = isinstance(messages, LISTS) and messages and isinstance(messages[0], LISTS)
-        conversations = messages if is_many else [messages]
-        for conversation in conversations:
-            check_conversation(conversation)
-        # all at once, as token ids (return_dict=False: a list of id lists, not a BatchEncoding)
-        return self.tokenizer.apply_chat_template(
-            conversations, add_generation_prompt=True, return_dict=False, tools=tools
-        )
+    def chat_prompts(self, messages: Conversation | list[Conversation], tools: list | None = None) -> list[list[int]]:
+        """Each conversation through the chat template, as token ids; tools: OpenAI's function definitions, which a
+        template that supports tools renders (the extension ext/chat.py, which checks every message first)."""
+        return ext.load("chat", "messages").chat_prompts(self, messages, tools)
 
     def stats(self) -> dict[str, int | float]:
         """The pool, the prefix cache, the queues and the running totals (an application that wants latencies reads
@@ -407,32 +392,3 @@ def is_one_prompt(prompts: object) -> bool:
     if isinstance(prompts, (str, dict)) or hasattr(prompts, "ndim"):
         return True
     return isinstance(prompts, LISTS) and len(prompts) > 0 and is_integer(prompts[0])
-
-
-def check_conversation(conversation: object) -> None:
-    """A non-empty list of {"role": one of CHAT_ROLES, "content": valid Unicode text} dicts; an optional "name" is a
-    string too."""
-    if not isinstance(conversation, LISTS) or not conversation:
-        raise InvalidField("messages", "expected a non-empty list of {'role': str, 'content': str} dicts")
-    for message in conversation:
-        is_valid = (
-            isinstance(message, dict)
-            and message.get("role") in CHAT_ROLES
-            and isinstance(message.get("content"), str)
-            and isinstance(message.get("name", ""), str)
-        )
-        if not is_valid:
-            wanted = f"{{'role': one of {', '.join(CHAT_ROLES)}; 'content': str; optional 'name': str}}"
-            raise InvalidField("messages", f"{shown(message)} is not {wanted}")
-        check_text("messages", message["content"])
-
-
-def sample_params(params: SamplingParams, index: int, engine_seed: int | None) -> SamplingParams:
-    """The parameters of sample `index` of a request. Its seed is the request's, or the engine's (LLM(seed=...)) for
-    a request that sets none; with a seed, each later sample draws its own noise from a seed derived from it, so n
-    seeded samples differ from each other yet stay reproducible. Only the first sample computes the prompt's
-    logprobs (the others share its prompt, and take its KV from the prefix cache)."""
-    seed = engine_seed if params.seed is None else params.seed
-    if index == 0:
-        return replace(params, seed=seed)
-    return replace(params, seed=None if seed is None else hash((seed, index)), prompt_logprobs=None)

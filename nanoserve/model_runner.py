@@ -58,13 +58,12 @@ def running_processes() -> int:
 
 def free_cores() -> int:
     """Cores this process may use that other processes are not busy on. On a CPU, more torch threads than free
-    cores is ruinous: each parallel region waits for a thread that is not running (60 -> 1.4 tok/s measured)."""
+    cores is ruinous: each parallel region waits for a thread that is not running (60 -> 1.4 tok/s measured). Linux
+    says how many are busy (/proc/loadavg); elsewhere every core counts as free (pass threads= on a busy machine)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    busy = 0  # Windows: no measure
-    if os.path.exists("/proc/loadavg"):  # Linux: the fewest of 5 looks, less this process
-        busy = min(running_processes() for _ in range(5)) - 1
-    elif hasattr(os, "getloadavg"):  # macOS: the last minute's average number of busy cores
-        busy = round(os.getloadavg()[0])
+    if not os.path.exists("/proc/loadavg"):  # not Linux: no measure of the others' load
+        return cores
+    busy = min(running_processes() for _ in range(5)) - 1  # the fewest of 5 looks, less this process
     return max(1, cores - busy)
 
 

@@ -14,6 +14,7 @@ from nanoserve.ext import ENGINE_OPTIONS, REQUEST_FIELDS, asks_for_nothing
 
 # a value of each option that asks for its extension
 ASKING = {
+    "n": 2,
     "logit_bias": {5: 1.0},
     "repetition_penalty": 1.1,
     "presence_penalty": 0.5,
@@ -64,14 +65,16 @@ def test_values_that_ask_for_nothing_need_no_extension(monkeypatch):
     assert not asks_for_nothing(True, 1.0) and not asks_for_nothing(False, 0.0) and not asks_for_nothing([], None)
 
 
-def test_the_default_model_and_beam_search_without_their_extensions(tiny_model, monkeypatch):
-    """Guards against LLM() (the embedded default model) or LLM.beam_search failing with anything but an InvalidField
-    naming what asked for them when their extensions are deleted; the engine serves on."""
-    without(monkeypatch, "default_model", "beam_search")
+def test_the_default_model_beam_search_and_chat_without_their_extensions(tiny_model, monkeypatch):
+    """Guards against LLM() (the embedded default model), LLM.beam_search or LLM.chat failing with anything but an
+    InvalidField naming what asked for them when their extensions are deleted; the engine serves on."""
+    without(monkeypatch, "default_model", "beam_search", "chat")
     refused("model", LLM, device="cpu")
     llm = LLM(tiny_model("llama")[0], device="cpu", max_model_len=64, num_kvcache_blocks=16)
     prompt = random_prompts([5])[0]
     refused("beam_search", llm.beam_search, [prompt], object())  # refused before its params are looked at
+    refused("messages", llm.chat, [{"role": "user", "content": "hi"}])
+    refused("messages", llm.chat_prompts, [{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match="nanoserve.ext.beam_search"):  # vLLM's import place names it too
         from nanoserve.sampling_params import BeamSearchParams  # noqa: F401
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]

@@ -1,6 +1,6 @@
-"""The online API (add_request / step / abort / has_unfinished_requests) on the real engine loop with a fake
-model (conftest.FakeRunner): abort frees blocks at once wherever a request is, n samples share the prompt's KV,
-streaming outputs arrive step by step, and the overlapped and plain loops agree."""
+"""The online API (add_request / step / abort / has_unfinished_requests) on the real engine loop with a fake model
+(conftest.FakeRunner): abort frees blocks at once wherever a request is, streaming outputs arrive step by step, and the
+overlapped and plain loops agree."""
 
 import random
 
@@ -59,20 +59,6 @@ def test_abort_while_preempted_and_while_pending():
     for request_id in ids:
         if request_id in engine.llm.requests:
             pytest.fail("a request was left behind")
-
-
-def test_n_samples_compute_the_prompt_once():
-    """Guards against SamplingParams(n=4) computing its prompt four times: the first sample computes it, the
-    others take every full block of it from the prefix cache and compute only the last partial block."""
-    engine = FakeEngine(block_size=4, max_num_batched_tokens=256)
-    prompt = list(range(1, 31))  # 30 tokens: 7 full blocks of 4, then 2 tokens
-    request_id, seqs = add(engine, prompt, 6, n=4)
-    engine.run()
-    cached = (len(prompt) - 1) // 4 * 4
-    assert [s.num_cached_tokens for s in seqs] == [0, cached, cached, cached]
-    prompt_work = sum(engine.tokens_computed(s) - (6 - 1) for s in seqs)  # minus each sample's decodes
-    assert prompt_work == len(prompt) + 3 * (len(prompt) - cached)
-    assert all(s.completion_token_ids == reference_completion(prompt, 6) for s in seqs)  # the fake is greedy
 
 
 def test_streamed_outputs_arrive_step_by_step():

@@ -38,6 +38,7 @@ ENGINE_OPTIONS = {
 }
 # SamplingParams' fields:
 REQUEST_FIELDS = {
+    "n": ("parallel_sampling", 1),  # first: the other extensions attach to every sample's sequence
     "logit_bias": ("penalties", (None, {})),
     "repetition_penalty": ("penalties", 1.0),
     "presence_penalty": ("penalties", 0.0),
