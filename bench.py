@@ -18,6 +18,10 @@ FILE also writes them). Without a GPU the flags left out take CPU sizes, and a l
     python bench.py --op-profile             # torch.profiler over the run: the top operators by self CPU time
     python bench.py --attention              # the paged attention kernels beside SDPA (CUDA)
     python bench.py --tp 2 --threads 4       # tensor parallelism; CPU torch threads
+    python bench.py --dataset repeat --speculative ngram --max-num-seqs 1
+                                             # speculative decoding beside the same run without it, on requests
+                                             # whose answers copy their input (repeat, correct, reformat a text)
+    python bench.py --latency --speculative ngram       # one request, with and without n-gram drafts
 """
 
 import argparse
@@ -44,6 +48,17 @@ STANDARD_NUM_SEQS, STANDARD_MAX_LEN = 256, 1024  # the standard workload: reques
 SHAREGPT_NUM_SEQS = 1000  # --dataset sharegpt on a GPU (vLLM's benchmark default)
 CPU_NUM_SEQS, CPU_NEW_TOKENS = 24, 40  # no GPU: requests and tokens each (the "course edition" issue's case)
 CHAT_PROMPT_LENS = (16, 200)  # --dataset chat: the templated first human turns kept are this long
+# --dataset repeat: requests whose answers reuse their input, speculative decoding's best case. Each is a task (in
+# turn) and a ShareGPT answer of REPEAT_TEXT_LENS tokens as the text; REPEAT_NUM_SEQS prompts x REPEAT_NEW_TOKENS greedy
+REPEAT_TASKS = (
+    "Repeat the following text exactly, word for word.",
+    "Correct any spelling or grammar mistakes in the following text, and write out the whole corrected text.",
+    "Rewrite the following text with each sentence on a line of its own, keeping every word.",
+    "Copy the following text, then stop.",
+)
+REPEAT_TEXT_LENS = (80, 240)
+REPEAT_NUM_SEQS, REPEAT_NEW_TOKENS = 32, 128
+SPECULATIVE_TOKENS, PROMPT_LOOKUP_MAX = 4, 4  # --speculative's drafts per step and longest n-gram looked up
 MAX_NUM_SEQS = 256  # the engine's batch limit
 SEED = 0
 PROMPT_ID_RANGE = 10000  # random prompt ids are uniform in [0, PROMPT_ID_RANGE] (nano-vllm's bench)
@@ -114,8 +129,16 @@ def resolve_defaults(args, gpu: bool) -> bool:
         args.dataset = "sharegpt" if args.serve else "chat" if cpu_default else "random"
     if args.num_seqs is None:
         args.num_seqs = (
-            CPU_NUM_SEQS if not gpu else SHAREGPT_NUM_SEQS if args.dataset == "sharegpt" else STANDARD_NUM_SEQS
+            REPEAT_NUM_SEQS
+            if args.dataset == "repeat"
+            else CPU_NUM_SEQS
+            if not gpu
+            else SHAREGPT_NUM_SEQS
+            if args.dataset == "sharegpt"
+            else STANDARD_NUM_SEQS
         )
+    if args.max_output_len is None and args.dataset == "repeat":
+        args.max_output_len = REPEAT_NEW_TOKENS
     if args.max_output_len is None:  # sharegpt on a GPU: the dataset's lengths
         args.max_output_len = (
             CPU_NEW_TOKENS
@@ -199,6 +222,29 @@ def chat_workload(tokenizer, num_seqs, new_tokens) -> Workload:
     return Workload(prompts, params, f"ShareGPT chat prompts x {new_tokens} greedy tokens")
 
 
+def repeat_workload(tokenizer, num_seqs, new_tokens) -> Workload:
+    """Requests whose answers reuse their input: each a task of REPEAT_TASKS (in turn) and a text, a ShareGPT answer
+    in a seeded shuffle REPEAT_TEXT_LENS tokens long, through the chat template; new_tokens greedy tokens each (the
+    text, or its corrected or reformatted copy, is where the answer's n-grams come from)."""
+    from bench_serve import first_exchange, sharegpt_conversations
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise SystemExit("--dataset repeat needs a model with a chat template (--model default, or an HF directory)")
+    exchanges = [e for e in map(first_exchange, sharegpt_conversations()) if e is not None]
+    random.Random(SEED).shuffle(exchanges)
+    prompts = []
+    for _, answer in exchanges:
+        if not REPEAT_TEXT_LENS[0] <= len(tokenizer.encode(answer, add_special_tokens=False)) <= REPEAT_TEXT_LENS[1]:
+            continue
+        task = REPEAT_TASKS[len(prompts) % len(REPEAT_TASKS)]
+        message = [{"role": "user", "content": f"{task}\n\n{answer}"}]
+        prompts.append(tokenizer.apply_chat_template(message, add_generation_prompt=True, return_dict=False))
+        if len(prompts) == num_seqs:
+            break
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=new_tokens)] * len(prompts)
+    return Workload(prompts, params, f"repeat/correct/reformat-a-text prompts x {new_tokens} greedy tokens")
+
+
 def build_workload(args, llm) -> Workload:
     if args.dataset == "random":
         return random_workload(args.num_seqs, args.max_input_len, args.max_output_len)
@@ -207,7 +253,7 @@ def build_workload(args, llm) -> Workload:
         from nanoserve.loader import load_tokenizer, resolve_model_dir  # a weights-only directory an empty one)
 
         tokenizer = load_tokenizer(resolve_model_dir(None))
-    make = chat_workload if args.dataset == "chat" else sharegpt_workload
+    make = {"chat": chat_workload, "repeat": repeat_workload}.get(args.dataset, sharegpt_workload)
     workload = make(tokenizer, args.num_seqs, args.max_output_len)
     if args.model is None:  # folded into the random model's vocabulary: with random weights only lengths count
         workload.prompts = [[t % llm.vocab_size for t in ids] for ids in workload.prompts]
@@ -239,13 +285,42 @@ def result_row(name, llm, outs, seconds):
         "peak_kv_use": f"{s['kv_blocks_peak'] / s['kv_blocks_total']:.0%}",
         "prefix_hit_rate": f"{s['prefix_hit_rate']:.0%}",
         "preemptions": s["preemptions"],
+        "steps": llm.bench_steps,
+    } | speculation_columns(s, tokens, llm.bench_steps)
+
+
+def speculation_columns(stats, output_tokens, steps) -> dict:
+    """With speculative decoding: tokens per step, drafts proposed and the share of them accepted, and the mean run
+    of accepted drafts per sequence and step (nothing without it)."""
+    if "spec_proposed_tokens" not in stats:
+        return {}
+    return {
+        "tokens_per_step": round(output_tokens / max(steps, 1), 2),
+        "drafts": stats["spec_proposed_tokens"],
+        "accepted": f"{stats['spec_acceptance_rate']:.0%}",
+        "mean_accepted_len": round(stats["spec_mean_accepted_length"], 2),
     }
+
+
+def count_steps(llm) -> None:
+    """Count the engine's steps in llm.bench_steps (a wrapper of bench's own: the engine keeps no such count)."""
+    step = llm.step
+
+    def counted():
+        llm.bench_steps += 1
+        return step()
+
+    llm.bench_steps = 0
+    llm.step = counted
 
 
 def reset_counters(llm):
     bm = llm.block_manager
     bm.prefix_hit_tokens = bm.prefix_queried_tokens = bm.peak_used_blocks = 0
     llm.scheduler.num_preemptions = 0
+    llm.bench_steps = 0
+    if llm.proposer is not None:  # speculative decoding's totals
+        llm.proposer.num_proposed = llm.proposer.num_accepted = llm.proposer.num_runs = 0
 
 
 def run_throughput(llm, workload, args):
@@ -551,12 +626,26 @@ def busy_processes(count: int):
             proc.wait()
 
 
-def run_engine(args, model_dir, cpu_default):
-    """nanoserve's run of the chosen mode: (rows, the workload for a peer)."""
+def speculative_config(args) -> dict | None:
+    """--speculative ngram or draft:DIR as vLLM's speculative_config (None without the flag)."""
+    if args.speculative is None:
+        return None
+    if args.speculative == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": SPECULATIVE_TOKENS, "prompt_lookup_max": PROMPT_LOOKUP_MAX}
+    method, _, draft_dir = args.speculative.partition(":")
+    if method != "draft" or not draft_dir:
+        raise SystemExit(f"--speculative {args.speculative!r}: expected ngram or draft:DIR")
+    return {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": SPECULATIVE_TOKENS}
+
+
+def run_engine(args, model_dir, cpu_default, speculative=None):
+    """nanoserve's run of the chosen mode (with speculative, vLLM's speculative_config): (rows, the workload for a
+    peer)."""
     llm = LLM(
         model_dir,
         max_model_len=args.max_model_len,
-        max_num_seqs=min(args.num_seqs, MAX_NUM_SEQS),
+        max_num_seqs=args.max_num_seqs or min(args.num_seqs, MAX_NUM_SEQS),
+        speculative_config=speculative,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tp,
         threads=args.threads,
@@ -580,6 +669,7 @@ def run_engine(args, model_dir, cpu_default):
             flush=True,
         )
         llm.generate([[1, 2, 3]] * WARMUP_PROMPTS, SamplingParams(max_tokens=WARMUP_TOKENS), use_tqdm=False)
+        count_steps(llm)
         run = (
             run_prefix
             if args.prefix
@@ -594,7 +684,10 @@ def run_engine(args, model_dir, cpu_default):
             else run_throughput
         )
         rows = run_traced(llm, run, workload, args) if args.kv_report or args.plot else run(llm, workload, args)
-        return [row | {"device": device, "busy": args.busy, "peak_rss_mb": peak_rss_mb()} for row in rows], workload
+        extra = {"device": device, "busy": args.busy, "peak_rss_mb": peak_rss_mb()}
+        if args.speculative:
+            extra = {"speculative": "off" if speculative is None else args.speculative} | extra
+        return [row | extra for row in rows], workload
     finally:
         llm.close()
 
@@ -602,6 +695,8 @@ def run_engine(args, model_dir, cpu_default):
 def run_all(args, cpu_default):
     model_dir, temporary = model_dir_of(args)
     try:
+        if args.speculative:
+            return run_speculative(args, model_dir, cpu_default)
         rows, workload = run_engine(args, model_dir, cpu_default)
         if args.compare:
             if torch.cuda.is_available():
@@ -617,6 +712,18 @@ def run_all(args, cpu_default):
     finally:
         if temporary:
             shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def run_speculative(args, model_dir, cpu_default):
+    """The mode's run without speculative decoding, then with it (each its own engine, the same requests), and the
+    ratio of output tok/s (greedy outputs are the same tokens either way: speculation is exact)."""
+    plain, _ = run_engine(args, model_dir, cpu_default)
+    drafted, _ = run_engine(args, model_dir, cpu_default, speculative_config(args))
+    rate = "decode_tok_per_s" if args.latency else "tok_per_s"
+    ratio = drafted[0][rate] / plain[0][rate]
+    drafted[0]["speedup"] = round(ratio, 2)
+    print(f"speculative decoding ({args.speculative}) / without: {ratio:.2f}x {rate}")
+    return plain + drafted
 
 
 def peak_rss_mb() -> int:
@@ -647,8 +754,9 @@ def parse_args(argv=None):
     )
     ap.add_argument(
         "--dataset",
-        choices=["random", "sharegpt", "chat"],
-        help="random ids (the standard workload), ShareGPT's lengths, or ShareGPT chat prompts (the CPU workload)",
+        choices=["random", "sharegpt", "chat", "repeat"],
+        help="random ids (the standard workload), ShareGPT's lengths, ShareGPT chat prompts (the CPU workload), or "
+        f"texts to repeat, correct or reformat ({REPEAT_NUM_SEQS} x {REPEAT_NEW_TOKENS} tokens: speculation's case)",
     )
     ap.add_argument(
         "--num-seqs",
@@ -656,6 +764,13 @@ def parse_args(argv=None):
         help=f"requests ({STANDARD_NUM_SEQS}; sharegpt {SHAREGPT_NUM_SEQS}; no GPU {CPU_NUM_SEQS})",
     )
     ap.add_argument("--max-input-len", type=int, default=STANDARD_MAX_LEN)
+    ap.add_argument("--max-num-seqs", type=int, help="the batch: sequences per step (default: --num-seqs, at most 256)")
+    ap.add_argument(
+        "--speculative",
+        metavar="ngram|draft:DIR",
+        help=f"also run with speculative decoding ({SPECULATIVE_TOKENS} drafts per step): n-gram prompt lookup, or a "
+        "draft model's folder; both runs are reported, with the speedup",
+    )
     ap.add_argument(
         "--max-output-len",
         type=int,
@@ -702,6 +817,10 @@ def parse_args(argv=None):
         )
     if args.serve and args.dataset not in (None, "sharegpt"):
         ap.error("--serve sends ShareGPT requests")
+    if args.speculative and (args.compare or args.prefix or args.attention or args.serve or args.tp > 1):
+        ap.error("--speculative goes with the throughput and --latency modes, alone")
+    if args.speculative and importlib.util.find_spec("nanoserve.ext.speculative") is None:
+        ap.error("--speculative needs nanoserve/ext/speculative.py, which this checkout does not have")
     if args.plot and importlib.util.find_spec("nanoserve.ext.plots") is None:
         ap.error("--plot needs nanoserve/ext/plots.py (plot_trace), which this checkout does not have")
     return args

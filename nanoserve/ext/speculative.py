@@ -240,6 +240,11 @@ class Proposer:
         self.proposed = {}
 
     def stats(self) -> dict[str, int | float]:
+        """The running totals, the last step's drafts counted too: a step with drafts is read back before step()
+        returns (proposing turns the overlap off), so their fate is known whenever stats() can be called. (A draft the
+        scheduler cut for room after it was proposed, which the budget and pool guards above make rare, counts as
+        proposed and not accepted.)"""
+        self._count_kept()
         return {
             "spec_proposed_tokens": self.num_proposed,
             "spec_accepted_tokens": self.num_accepted,

@@ -321,3 +321,60 @@ def test_json_text_and_defaults():
         1,
         8,
     )
+
+
+# ---- where the counts show: the trace, the server ---------------------------------------------------------------
+def test_the_trace_counts_each_steps_drafts(tiny_model, tmp_path):
+    """Guards against a trace that hides the drafts: each step lists its sequences' drafts (a decode with drafts is
+    still a decode), they add up to the proposer's total, and the last line's running totals are stats()'."""
+    import json
+
+    pytest.importorskip("nanoserve.ext.plots")
+    path, _ = tiny_model("llama")
+    trace = tmp_path / "trace.jsonl"
+    llm = LLM(path, **ENGINE, speculative_config=NGRAM, trace=str(trace))
+    outputs(llm, repetitive_prompts(), GREEDY)
+    llm.close()
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    seqs = [q for step in steps for q in step["seqs"]]
+    stats = llm.stats()
+    assert sum(q["drafts"] for q in seqs) == stats["spec_proposed_tokens"] > 0
+    assert all(q["kind"] == "decode" for q in seqs if q["drafts"])
+    assert steps[-1]["spec"] == {key: stats[key] for key in steps[-1]["spec"]}
+    assert set(steps[-1]["spec"]) == {key for key in stats if key.startswith("spec_")}
+
+
+def test_the_server_takes_the_flag_and_counts_drafts(tiny_model):
+    """Guards against --speculative-config not reaching the engine (the server's flag is its JSON text), and against
+    /metrics leaving the drafts out: with it, the proposed and accepted totals and the acceptance rate are there and
+    agree with stats()."""
+    server = pytest.importorskip("nanoserve.ext.server.app")
+    httpx = pytest.importorskip("httpx")
+    made = []
+
+    class Stop(Exception):
+        pass
+
+    def make(**kwargs):
+        made.append(kwargs)
+        raise Stop
+
+    path, _ = tiny_model("llama")
+    flag = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(server, "LLM", make)
+        with pytest.raises(Stop):
+            server.main(["--model", path, "--device", "cpu", "--speculative-config", flag])
+    assert made[0]["speculative_config"] == flag
+    llm = LLM(path, **ENGINE, speculative_config=flag)
+    assert llm.config.speculative_config.num_speculative_tokens == 3
+    with server.serve_in_background(llm) as base_url:
+        (model,) = httpx.get(f"{base_url}/models", timeout=30).json()["data"]
+        body = {"model": model["id"], "prompt": repetitive_prompts()[0], "max_tokens": 24, "temperature": 0}
+        assert httpx.post(f"{base_url}/completions", json=body, timeout=60).status_code == 200
+        text = httpx.get(f"{base_url.removesuffix('/v1')}/metrics", timeout=30).text
+    metrics = dict(line.split() for line in text.splitlines() if line and not line.startswith("#"))
+    stats = llm.stats()
+    assert float(metrics["nanoserve_spec_proposed_tokens_total"]) == stats["spec_proposed_tokens"] > 0
+    assert float(metrics["nanoserve_spec_accepted_tokens_total"]) == stats["spec_accepted_tokens"]
+    assert float(metrics["nanoserve_spec_acceptance_rate"]) == pytest.approx(stats["spec_acceptance_rate"])

@@ -124,6 +124,9 @@ NOT_IMPLEMENTED = dict.fromkeys(
 RANGES = {"temperature": (0, 2), "top_logprobs": (0, MAX_TOP_LOGPROBS), "logprobs": (0, MAX_COMPLETION_LOGPROBS)}
 GAUGES = "running waiting kv_blocks_used kv_blocks_cached kv_blocks_total prefix_hit_rate".split()  # LLM.stats() keys
 COUNTERS = "preemptions generated_tokens prefix_hit_tokens prefix_queried_tokens".split()  # and finished_requests
+# with speculative decoding (speculative_config), its stats() keys too: the drafts' totals and what they gave
+SPEC_GAUGES = ["spec_acceptance_rate", "spec_mean_accepted_length"]
+SPEC_COUNTERS = ["spec_proposed_tokens", "spec_accepted_tokens"]
 
 
 @dataclass
@@ -578,11 +581,13 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         stats = await engine.call(llm.stats)  # the engine's structures may only be read on its thread
-        lines = [f"# TYPE nanoserve_{key} gauge\nnanoserve_{key} {stats[key]}" for key in GAUGES]
+        speculates = "spec_proposed_tokens" in stats
+        gauges = GAUGES + (SPEC_GAUGES if speculates else [])
+        lines = [f"# TYPE nanoserve_{key} gauge\nnanoserve_{key} {stats[key]}" for key in gauges]
         stats["finished_requests"] = engine.finished_requests
         lines += [
             f"# TYPE nanoserve_{key}_total counter\nnanoserve_{key}_total {stats[key]}"
-            for key in [*COUNTERS, "finished_requests"]
+            for key in [*COUNTERS, "finished_requests", *(SPEC_COUNTERS if speculates else [])]
         ]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
