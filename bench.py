@@ -285,8 +285,8 @@ def result_row(name, llm, outs, seconds):
         "peak_kv_use": f"{s['kv_blocks_peak'] / s['kv_blocks_total']:.0%}",
         "prefix_hit_rate": f"{s['prefix_hit_rate']:.0%}",
         "preemptions": s["preemptions"],
-        "steps": llm.bench_steps,
-    } | speculation_columns(s, tokens, llm.bench_steps)
+        "steps": s["steps"],
+    } | speculation_columns(s, tokens, s["steps"])
 
 
 def speculation_columns(stats, output_tokens, steps) -> dict:
@@ -302,23 +302,11 @@ def speculation_columns(stats, output_tokens, steps) -> dict:
     }
 
 
-def count_steps(llm) -> None:
-    """Count the engine's steps in llm.bench_steps (a wrapper of bench's own: the engine keeps no such count)."""
-    step = llm.step
-
-    def counted():
-        llm.bench_steps += 1
-        return step()
-
-    llm.bench_steps = 0
-    llm.step = counted
-
-
 def reset_counters(llm):
     bm = llm.block_manager
     bm.prefix_hit_tokens = bm.prefix_queried_tokens = bm.peak_used_blocks = 0
     llm.scheduler.num_preemptions = 0
-    llm.bench_steps = 0
+    llm.num_steps = 0
     if llm.proposer is not None:  # speculative decoding's totals
         llm.proposer.num_proposed = llm.proposer.num_accepted = llm.proposer.num_runs = 0
 
@@ -491,7 +479,7 @@ def run_traced(llm, run, workload, args):
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.jsonl")
-        llm.trace = StepTrace(path, llm.scheduler)
+        llm.trace = StepTrace(path, llm)
         try:
             rows = run(llm, workload, args)
         finally:
@@ -669,7 +657,6 @@ def run_engine(args, model_dir, cpu_default, speculative=None):
             flush=True,
         )
         llm.generate([[1, 2, 3]] * WARMUP_PROMPTS, SamplingParams(max_tokens=WARMUP_TOKENS), use_tqdm=False)
-        count_steps(llm)
         run = (
             run_prefix
             if args.prefix

@@ -2,7 +2,8 @@
 The other options are the knobs of the course guide's experiments (docs/course.md); --plot DIR also writes a step
 trace and draws it (kv_blocks.png, batches.png, block_tables.png; needs matplotlib). --beam-width N runs a beam search
 of N beams on each question instead of chatting (LLM.beam_search), and compares the KV blocks it used with what
-beams that did not share their blocks would need."""
+beams that did not share their blocks would need. --speculative K proposes K n-gram draft tokens per step (speculative
+decoding), and --repeat asks for answers that copy their input, where the drafts are right."""
 
 import argparse
 import logging
@@ -30,6 +31,13 @@ SYSTEM_PROMPT = (  # about 120 tokens, the same at the start of every conversati
     "for a list, give exactly the number of items requested. If it asks for a poem, respect its form. Do not "
     "mention these instructions, and do not greet the student: answer the question directly."
 )
+
+REPEAT_TASKS = [  # --repeat: four answers that copy the system prompt's text, each in its own way
+    "Repeat the following text exactly, word for word.",
+    "Correct any spelling or grammar mistakes in the following text, and write out the whole corrected text.",
+    "Rewrite the following text with each sentence on a line of its own, keeping every word.",
+    "Copy the following text, then stop.",
+]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -76,6 +84,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="N",
         help="beam search with N beams per question instead of chat generation (deterministic: no --temperature)",
     )
+    parser.add_argument(
+        "--speculative",
+        type=int,
+        default=None,
+        metavar="K",
+        help="speculative decoding: up to K draft tokens per step from n-gram lookup in the prompt and answer so far",
+    )
+    parser.add_argument(
+        "--repeat",
+        action="store_true",
+        help="instead of the four questions, ask four times for the built-in text back (repeated, corrected, one "
+        "sentence per line, copied): answers that reuse their input, speculative decoding's best case",
+    )
     parser.add_argument("--plot", metavar="DIR", help="write DIR/trace.jsonl and draw it into DIR as PNG files")
     return parser.parse_args(argv)
 
@@ -92,7 +113,22 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "threads": args.threads,
         "dtype": args.dtype,
         "trace": str(Path(args.plot) / "trace.jsonl") if args.plot else None,
+        "speculative_config": speculative_config(args.speculative),
     }
+
+
+def speculative_config(k: int | None) -> dict | None:
+    """--speculative K as vLLM's speculative_config: n-gram prompt lookup of suffixes up to 4 tokens long."""
+    if k is None:
+        return None
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
+
+
+def questions(args: argparse.Namespace) -> list[str]:
+    """The four chat questions, or with --repeat the four requests to copy the built-in text."""
+    if args.repeat:
+        return [f"{task}\n\n{SYSTEM_PROMPT}" for task in REPEAT_TASKS]
+    return QUESTIONS
 
 
 def main(argv=None):
@@ -102,7 +138,7 @@ def main(argv=None):
         Path(args.plot).mkdir(parents=True, exist_ok=True)
     llm = LLM(args.model, **engine_kwargs(args))
     system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-    conversations = [system + [{"role": "user", "content": q}] for q in QUESTIONS]
+    conversations = [system + [{"role": "user", "content": q}] for q in questions(args)]
     if args.beam_width:
         beam_search(llm, conversations, args)
     else:
@@ -116,12 +152,14 @@ def main(argv=None):
 
 def chat(llm: LLM, conversations: list[list[dict]], args: argparse.Namespace) -> None:
     """Generate an answer to every question in one batch; print them, the throughput and the KV account."""
-    start, computed = time.perf_counter(), llm.stats()["computed_tokens"]
+    before = llm.stats()
+    start, computed = time.perf_counter(), before["computed_tokens"]
     outputs = llm.chat(conversations, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))
     seconds = time.perf_counter() - start
-    for question, out in zip(QUESTIONS, outputs, strict=False):
+    for question, out in zip(questions(args), outputs, strict=False):
         answer = out.outputs[0]
-        print(f"\n> {question}\n{answer.text.strip()}  [{len(answer.token_ids)} tokens, {answer.finish_reason}]")
+        asked = question.splitlines()[0]  # --repeat: the task, not the text after it
+        print(f"\n> {asked}\n{answer.text.strip()}  [{len(answer.token_ids)} tokens, {answer.finish_reason}]")
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats, bs = llm.stats(), args.block_size
     prompt, cached = sum(len(o.prompt_token_ids) for o in outputs), sum(o.num_cached_tokens for o in outputs)
@@ -142,6 +180,14 @@ def chat(llm: LLM, conversations: list[list[dict]], args: argparse.Namespace) ->
         f"prompts: {prompt} tokens, {cached} from the prefix cache; tokens computed "
         f"{stats['computed_tokens'] - computed}; time to first token {ttft:.2f} s (mean)"
     )
+    steps = stats["steps"] - before["steps"]
+    line = f"steps {steps}: {generated / steps:.2f} tokens per step"
+    if "spec_proposed_tokens" in stats:  # speculative decoding: what became of the drafts
+        line += (
+            f"; drafts proposed {stats['spec_proposed_tokens']}, accepted {stats['spec_accepted_tokens']} "
+            f"({stats['spec_acceptance_rate']:.0%}), mean accepted run {stats['spec_mean_accepted_length']:.2f}"
+        )
+    print(line)
 
 
 def beam_search(llm: LLM, conversations: list[list[dict]], args: argparse.Namespace) -> None:

@@ -100,7 +100,9 @@ class LLM:
         self.trace = None  # a step trace's writer (trace=PATH: ext/plots.py), told when each step begins and ends
         self.proposer = None  # speculative decoding's (ext/speculative.py): draft tokens before each step is planned
         self._request_ids = count()
-        self.computed_tokens = 0  # running totals, for stats(): tokens computed (prefill and decode) and generated
+        # running totals, for stats(): steps run, tokens computed (prefill and decode) and tokens generated
+        self.num_steps = 0
+        self.computed_tokens = 0
         self.generated_tokens = 0
         for name in config.extensions:  # the extensions its options use (trace, ...): each starts with the engine
             ext.load(name, name).start(self)
@@ -216,6 +218,7 @@ class LLM:
                 self.proposer.propose(self)
             # 1) schedule step n+1
             step = self.scheduler.schedule()
+            self.num_steps += bool(step.scheduled)
             self.computed_tokens += step.num_tokens
             self._record_first_scheduled(step)
             # 2) launch it: the GPU queues it behind step n, whose samples it takes as inputs on the device
@@ -381,6 +384,7 @@ class LLM:
             "preemptions": self.scheduler.num_preemptions,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "steps": self.num_steps,
             "computed_tokens": self.computed_tokens,
             "generated_tokens": self.generated_tokens,
             **(self.proposer.stats() if self.proposer is not None else {}),  # speculative decoding's drafts
