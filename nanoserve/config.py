@@ -4,12 +4,12 @@ belong to an extension (tensor_parallel_size: ext/tp; trace: ext/plots.py) are c
 it is not installed, unless left at the value that asks for nothing (ext/__init__.py's tables)."""
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from nanoserve.checks import InvalidField, check_numbers, shown
+from nanoserve.checks import InvalidField, Settings, check_numbers, shown
 from nanoserve.ext import ENGINE_OPTIONS, extensions_asked, find, load
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.triton_shim import HAVE_TRITON
@@ -31,7 +31,9 @@ CPU_STEP_TOKENS = 512  # a CPU step of ~0.5-1 s with SmolLM2-135M on 2 cores (BE
 # machine's cores, is added in __post_init__); None, the default of some, is chosen at startup
 LIMITS = {
     "max_model_len": {"low": 2},
-    "max_num_seqs": {"low": 1},
+    # at most 256 times vLLM's default (256), far above any GPU's batch, so that a huge value (10**9) is refused by name
+    # before anything sized by it (the penalties' rows, the warm-up's batch) is allocated
+    "max_num_seqs": {"low": 1, "high": 65_536},
     "max_num_batched_tokens": {"low": 1},
     "kvcache_block_size": {"low": 16},  # an integer here; then one of its CHOICES
     "num_kvcache_blocks": {"low": 1},
@@ -41,7 +43,7 @@ TRITON_INTERPRET_ON = ("1", "true", "on", "yes")  # values of TRITON_INTERPRET t
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(Settings):
     model: str | None = None  # HF directory (a str or os.PathLike) or hub id; None is the embedded default model
     max_model_len: int = 4096  # longest sequence, prompt plus output
     max_num_seqs: int = 256  # sequences in one step
@@ -68,14 +70,11 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":
-        """The config from keyword arguments. Keys that are no field go first to vLLM's names (ext/vllm_names.py, where
-        installed: block_size, trust_remote_code, vLLM's options at their default), which translates or refuses them;
-        any left is an InvalidField rather than a TypeError."""
-        names = {f.name for f in fields(cls)}
-        if set(kwargs) - names and (vllm_names := find("vllm_names")) is not None:
+        """The config from keyword arguments. They go first to vLLM's names (ext/vllm_names.py, where installed), which
+        translates or refuses those that are vLLM's (block_size, trust_remote_code, vLLM's options at their default)
+        and leaves the others; a keyword left that is no field is an InvalidField naming it (checks.Settings)."""
+        if vllm_names := find("vllm_names"):
             kwargs = vllm_names.engine_kwargs(kwargs)
-        if unknown := sorted(set(kwargs) - names):
-            raise InvalidField(unknown[0], f"unknown config keys: {', '.join(unknown)}")
         return cls(**kwargs)
 
     def __post_init__(self) -> None:

@@ -140,6 +140,10 @@ class LLM:
             if not seq.is_finished:
                 self.scheduler.finish_sequence(seq, "abort")
 
+    def get_tokenizer(self) -> "PreTrainedTokenizerBase | None":
+        """vLLM's accessor: the engine's tokenizer (None for a weights-only model)."""
+        return self.tokenizer
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -165,8 +169,9 @@ class LLM:
             request_id = f"req-{next(self._request_ids)}"
         if not isinstance(request_id, str) or request_id in self.requests:
             raise InvalidField("request_id", f"{request_id!r} is not a new string id")
-        prompt = unwrap_prompt(prompt)
-        ids = self.prompt_ids(prompt)
+        if isinstance(prompt, dict):  # vLLM's {"prompt": text} or {"prompt_token_ids": ids}, by vLLM's names
+            prompt = ext.load("vllm_names", "prompt").unwrap_prompt(prompt)
+        ids = self.prompt_ids(prompt, params.truncate_prompt_tokens)
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -186,15 +191,18 @@ class LLM:
             self.scheduler.add(seq)
         return request.request_id
 
-    def prompt_ids(self, prompt: Prompt) -> list[int]:
-        """The prompt as checked token ids (text through the tokenizer). It reads only the tokenizer and the config,
-        so the server calls it on other threads, off the engine's."""
+    def prompt_ids(self, prompt: Prompt, keep: int | None = None) -> list[int]:
+        """The prompt as checked token ids (text through the tokenizer), only its last `keep` where given
+        (truncate_prompt_tokens: vLLM cuts from the left, before the prompt's length is checked). It reads only the
+        tokenizer and the config, so the server calls it on other threads, off the engine's."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidField("prompt", "this model has no tokenizer; pass token ids")
             check_text("prompt", prompt)
             prompt = self.tokenizer.encode(prompt)
         ids = check_token_ids("prompt", prompt, self.vocab_size)
+        if keep:  # at least 1 (SamplingParams checks it)
+            ids = ids[-keep:]
         if not ids:
             raise InvalidField("prompt", "is empty")
         if len(ids) >= self.config.max_model_len:
@@ -415,19 +423,6 @@ def is_one_prompt(prompts: object) -> bool:
     if isinstance(prompts, (str, dict)) or hasattr(prompts, "ndim"):
         return True
     return isinstance(prompts, LISTS) and len(prompts) > 0 and is_integer(prompts[0])
-
-
-def unwrap_prompt(prompt: object) -> object:
-    """vLLM's prompt dicts as what they hold: {"prompt": text} as the text, {"prompt_token_ids": ids} as the ids.
-    Other keys (vLLM's multi_modal_data, cache_salt, ...) are refused by name; anything else is returned as it is."""
-    if not isinstance(prompt, dict):
-        return prompt
-    if len(prompt) == 1 and isinstance(prompt.get("prompt"), str):
-        return prompt["prompt"]
-    if len(prompt) == 1 and "prompt_token_ids" in prompt:
-        return check_token_ids("prompt_token_ids", prompt["prompt_token_ids"])
-    keys = ", ".join(map(shown, prompt))
-    raise InvalidField("prompt", f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids' (ids), one: not {keys}")
 
 
 def check_conversation(conversation: object) -> None:

@@ -32,8 +32,8 @@ beam is ever preempted."""
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from nanoserve import ext
 from nanoserve.checks import LISTS, InvalidField
-from nanoserve.llm import unwrap_prompt
 from nanoserve.sampling_params import BeamSearchParams, SamplingParams
 from nanoserve.sequence import Sequence
 
@@ -66,7 +66,9 @@ def beam_search(llm: "LLM", prompts: list, params: BeamSearchParams) -> list[Bea
         raise InvalidField("prompts", "expected a list of prompts")
     if not isinstance(params, BeamSearchParams):
         raise InvalidField("params", f"expected BeamSearchParams, got {type(params).__name__}")
-    prompts = [llm.prompt_ids(unwrap_prompt(prompt)) for prompt in prompts]
+    # vLLM's prompt dicts as LLM.add_request takes them: by vLLM's names (ext/vllm_names.py)
+    prompts = [ext.load("vllm_names", "prompt").unwrap_prompt(p) if isinstance(p, dict) else p for p in prompts]
+    prompts = [llm.prompt_ids(prompt) for prompt in prompts]
     if llm.has_unfinished_requests():
         raise RuntimeError("beam_search needs an idle engine: finish or abort the requests in flight first")
     stop_ids = frozenset() if params.ignore_eos else llm.eos_token_ids

@@ -1,15 +1,17 @@
-"""An extension: vLLM's own names for LLM(...) options that are not nanoserve's fields, so that code written for vLLM
-runs unchanged where it asks for nothing nanoserve lacks. EngineConfig.from_kwargs hands it the keywords it does not
-know (the core alone refuses every one of them as unknown):
+"""An extension: vLLM's own names for LLM(...) options that are not nanoserve's fields, and vLLM's prompt dicts, so
+that code written for vLLM runs unchanged where it asks for nothing nanoserve lacks. EngineConfig.from_kwargs hands it
+LLM(...)'s keywords (the core alone refuses every keyword that is not its own as unknown):
   - block_size is vLLM's name for kvcache_block_size (give one of the two);
   - trust_remote_code is accepted as False (nanoserve runs only its own model code), disable_log_stats as a bool
     (nanoserve logs no periodic stats);
   - every other option of vLLM's engine (VLLM_DEFAULTS) is accepted at vLLM's default value, which asks for nothing
     (quantization=None, swap_space=4, enable_chunked_prefill=True: nanoserve always chunks), and refused by name at
     any other value, as "a vLLM option that nanoserve does not implement";
-  - anything else stays unknown, for the core to refuse."""
+  - anything else is left as it is, for the core to take or refuse as unknown.
+And vLLM's prompt dicts, {"prompt": text} and {"prompt_token_ids": ids}, which LLM.generate, add_request and
+beam_search hand it (unwrap_prompt): without this extension, a dict prompt is refused as "prompt"."""
 
-from nanoserve.checks import InvalidField, check_flag, shown
+from nanoserve.checks import InvalidField, check_flag, check_token_ids, shown
 
 # vLLM's engine options that nanoserve does not implement -> the values that ask for nothing (vLLM's default; None,
 # where vLLM's default is None or "chosen for you"). Equality decides: 4 and 4.0 are one value, but True is never 1.
@@ -146,3 +148,14 @@ def engine_kwargs(kwargs: dict[str, object]) -> dict[str, object]:
             defaults = " or ".join(map(shown, VLLM_DEFAULTS[name]))
             raise InvalidField(name, f"a vLLM option that nanoserve does not implement (only {defaults} is taken)")
     return kwargs
+
+
+def unwrap_prompt(prompt: dict) -> object:
+    """A vLLM prompt dict as what it holds: {"prompt": text} as the text, {"prompt_token_ids": ids} as the ids. Other
+    keys (vLLM's multi_modal_data, cache_salt, ...) are refused by name."""
+    if len(prompt) == 1 and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"]
+    if len(prompt) == 1 and "prompt_token_ids" in prompt:
+        return check_token_ids("prompt_token_ids", prompt["prompt_token_ids"])
+    keys = ", ".join(map(shown, prompt))
+    raise InvalidField("prompt", f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids' (ids), one: not {keys}")
