@@ -1,8 +1,8 @@
 """Per-request settings, checked when they are made: a bad type or value raises an InvalidField (a ValueError naming the
 field, checks.py) before any work starts, and so does a keyword that is no field. SamplingParams holds vLLM's fields;
 those that belong to an extension (logit_bias and the penalties: ext/penalties.py; structured_outputs:
-ext/structured.py) are checked by it, and refused by name where it is not installed, unless left at the value that asks
-for nothing (ext/__init__.py's tables).
+ext/structured.py; allowed_token_ids and bad_words: ext/token_bans.py) are checked by it, and refused by name where it
+is not installed, unless left at the value that asks for nothing (ext/__init__.py's tables).
 BeamSearchParams, where vLLM keeps it too, is the settings of LLM.beam_search (ext/beam_search.py)."""
 
 import math
@@ -60,6 +60,9 @@ class SamplingParams(Settings):
     # the output must match a JSON schema, a regex, a choice or a grammar: ext/structured.py's StructuredOutputsParams
     # or a dict of its fields (vLLM's names), checked there (with xgrammar, an optional dependency)
     structured_outputs: object = None
+    # only these ids may be sampled; these words (strings, as the tokenizer splits them) never are (ext/token_bans.py)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens (vLLM's truncation: from the left)
     detokenize: bool = True  # False: token ids only, no text (text "", no text deltas), so no stop strings either
 

@@ -20,6 +20,8 @@ ASKING = {
     "presence_penalty": 0.5,
     "frequency_penalty": -0.5,
     "structured_outputs": {"regex": "[ab]+"},
+    "allowed_token_ids": [5, 6],
+    "bad_words": ["word"],
     "tensor_parallel_size": 2,
     "trace": "trace.jsonl",
 }

@@ -42,6 +42,8 @@ REQUEST_FIELDS = {
     "presence_penalty": ("penalties", 0.0),
     "frequency_penalty": ("penalties", 0.0),
     "structured_outputs": ("structured", None),
+    "allowed_token_ids": ("token_bans", None),
+    "bad_words": ("token_bans", None),
 }
 
 
