@@ -627,7 +627,7 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
                 "model",
                 "model_not_found",
             )
-        # "none", "auto" (calls parsed out of the text), or the tool forced (never in a stream): tool_choice's
+        # what tool_choice asks for: "none", "auto" (calls parsed out of the text), or the tool it forces (not streamed)
         tool = tool_choice(body, config.enable_auto_tool_choice)
         params = sampling_params(body, chat, llm.config.max_model_len, tool)
         stream = field(body, "stream", bool, False)
