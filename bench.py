@@ -714,9 +714,15 @@ def run_speculative(args, model_dir, cpu_default):
 
 
 def peak_rss_mb() -> int:
-    """This process's peak resident memory so far (Linux counts KiB, macOS bytes); TP workers are not in it."""
+    """This process's peak resident memory so far; TP workers are not in it. Linux: VmHWM, the peak of this process's
+    own memory since it started. Not getrusage's ru_maxrss, which Linux carries across exec: a bench.py started by a
+    5 GB pytest process reported the parent's 5 GB (the "flaky" peak of tests/test_bench.py::test_compare_hf).
+    Elsewhere ru_maxrss (macOS counts bytes)."""
     import resource
 
+    if os.path.exists("/proc/self/status"):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) >> 10 for line in f if line.startswith("VmHWM:"))  # in kB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> (20 if sys.platform == "darwin" else 10)
 
 

@@ -10,7 +10,8 @@
 #   bash gpu_check.sh tests       # the whole suite, gpu-marked tests included           -> tests.txt
 #   bash gpu_check.sh example     # python example.py on the default model, in bf16       -> example.txt
 #   bash gpu_check.sh bench       # bench.py's modes, one JSON object per row, each row named by its mode -> bench.jsonl:
-#                                 # attention, standard, standard's host time (--cpu-profile), latency, prefix,
+#                                 # attention, standard, standard's host time (--cpu-profile), latency (and with
+#                                 # n-gram speculative decoding beside it), prefix,
 #                                 # KV report (bf16, fp8), latency at 40k, ShareGPT, serving
 #   bash gpu_check.sh kernels     # bench_kernels.py: decode one split vs two, small batches, mixed, fp8, prefill,
 #                                 # sampling; then eager steps in a fresh Triton cache -> kernels.json, eager.json
@@ -100,6 +101,8 @@ for stage in $stages; do
       bench_rows standard
       bench_rows standard-host-time --cpu-profile  # host ms per step by stage, on the standard workload
       bench_rows latency --latency
+      # speculative decoding at batch 1: the plain run and the n-gram one, in one process (BENCHMARKS.md's prediction)
+      bench_rows latency-speculative --latency --speculative ngram
       bench_rows prefix --prefix
       bench_rows kv-report --kv-report
       bench_rows kv-report-fp8 --kv-cache-dtype fp8 --kv-report

@@ -23,6 +23,18 @@ class InvalidField(ValueError):
         self.problem = problem
 
 
+class Settings:
+    """The base of the settings dataclasses (EngineConfig, SamplingParams, BeamSearchParams): a keyword that is no
+    field is an InvalidField naming it, not the dataclass's bare TypeError: a misspelling, or one of vLLM's options
+    that nanoserve does not implement (LLM(...) hands those to vLLM's names first: EngineConfig.from_kwargs).
+    copy.deepcopy, pickle and dataclasses.replace come here too, with no keyword or only known ones."""
+
+    def __new__(cls, *args: object, **kwargs: object) -> "Settings":
+        if unknown := kwargs.keys() - {field.name for field in fields(cls)}:
+            raise InvalidField(min(unknown), f"unknown keyword: {cls.__name__} has no such field (misspelt, or vLLM's)")
+        return object.__new__(cls)
+
+
 def shown(value: object) -> str:
     """repr(value) for an error message, shortened by reprlib (a 401-digit integer is not worth repeating); one past
     4,300 digits Python refuses to print at all."""
@@ -92,11 +104,14 @@ def is_integer(value: object) -> bool:
 
 
 def check_token_ids(field: str, ids: object, vocab_size: int | None = None) -> list[int]:
-    """A list of integer token ids (a numpy array or tensor of them is fine), each in [0, vocab_size) where the
-    vocabulary is known: returned as plain ints. SamplingParams, made before there is a model, checks only the types;
-    the engine checks the range when the request comes (LLM._make_request)."""
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()  # a numpy array or a tensor
+    """A list of integer token ids (a numpy array or a dense tensor of them is fine; a sparse or meta tensor is
+    refused by name; None is no ids), each in [0, vocab_size) where the vocabulary is known: returned as plain ints.
+    SamplingParams, made before there is a model, checks only the types; the engine checks the range when the request
+    comes (LLM._make_request)."""
+    try:
+        ids = ids.tolist() if hasattr(ids, "tolist") else ids or []  # a numpy array or a tensor; None: no ids
+    except Exception:  # a tensor whose values cannot be read (sparse, on the meta device): refused below, by name
+        ids = None
     if not isinstance(ids, LISTS) or not all(map(is_integer, ids)):
         raise InvalidField(field, "expected a list of integer token ids")
     if vocab_size is not None and not all(0 <= t < vocab_size for t in ids):

@@ -4,12 +4,12 @@ belong to an extension (tensor_parallel_size: ext/tp; trace: ext/plots.py) are c
 it is not installed, unless left at the value that asks for nothing (ext/__init__.py's tables)."""
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from nanoserve.checks import InvalidField, check_numbers, shown
+from nanoserve.checks import InvalidField, Settings, check_numbers, shown
 from nanoserve.ext import ENGINE_OPTIONS, extensions_asked, find, load
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.triton_shim import HAVE_TRITON
@@ -31,7 +31,9 @@ CPU_STEP_TOKENS = 512  # a CPU step of ~0.5-1 s with SmolLM2-135M on 2 cores (BE
 # machine's cores, is added in __post_init__); None, the default of some, is chosen at startup
 LIMITS = {
     "max_model_len": {"low": 2},
-    "max_num_seqs": {"low": 1},
+    # at most 256 times vLLM's default (256), far above any GPU's batch, so that a huge value (10**9) is refused by name
+    # before anything sized by it (the penalties' rows, the warm-up's batch) is allocated
+    "max_num_seqs": {"low": 1, "high": 65_536},
     "max_num_batched_tokens": {"low": 1},
     "kvcache_block_size": {"low": 16},  # an integer here; then one of its CHOICES
     "num_kvcache_blocks": {"low": 1},
@@ -41,7 +43,7 @@ TRITON_INTERPRET_ON = ("1", "true", "on", "yes")  # values of TRITON_INTERPRET t
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(Settings):
     model: str | None = None  # HF directory (a str or os.PathLike) or hub id; None is the embedded default model
     max_model_len: int = 4096  # longest sequence, prompt plus output
     max_num_seqs: int = 256  # sequences in one step
@@ -69,14 +71,11 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":
-        """The config from keyword arguments. Keys that are no field go first to vLLM's names (ext/vllm_names.py, where
-        installed: block_size, trust_remote_code, vLLM's options at their default), which translates or refuses them;
-        any left is an InvalidField rather than a TypeError."""
-        names = {f.name for f in fields(cls)}
-        if set(kwargs) - names and (vllm_names := find("vllm_names")) is not None:
+        """The config from keyword arguments. They go first to vLLM's names (ext/vllm_names.py, where installed), which
+        translates or refuses those that are vLLM's (block_size, trust_remote_code, vLLM's options at their default)
+        and leaves the others; a keyword left that is no field is an InvalidField naming it (checks.Settings)."""
+        if vllm_names := find("vllm_names"):
             kwargs = vllm_names.engine_kwargs(kwargs)
-        if unknown := sorted(set(kwargs) - names):
-            raise InvalidField(unknown[0], f"unknown config keys: {', '.join(unknown)}")
         return cls(**kwargs)
 
     def __post_init__(self) -> None:
@@ -128,8 +127,8 @@ class EngineConfig:
     def _resolve_kernels(self) -> None:
         """kernels 'triton' needs the triton package, and on a CPU its interpreter; 'auto' becomes triton on cuda
         (when installed), else torch. Then enforce_eager on a CPU or with the PyTorch kernels: CUDA graphs need a GPU
-        and the sync-free Triton kernels. Last, what kv_cache_dtype 'fp8' needs: torch's float8 e4m3 type, and on a
-        GPU, for the Triton kernels, its conversions, which NVIDIA GPUs have from sm_89 (Ada, Hopper) on."""
+        and the sync-free Triton kernels. Last, what kv_cache_dtype 'fp8' needs on a GPU, for the Triton kernels: float8
+        e4m3 conversions, which NVIDIA GPUs have from sm_89 (Ada, Hopper) on."""
         if self.kernels == "triton" and not HAVE_TRITON:
             raise InvalidField("kernels", "'triton' needs the triton package (Linux only); use kernels='torch'")
         if self.kernels == "auto":
@@ -140,9 +139,7 @@ class EngineConfig:
             raise InvalidField("kernels", "'triton' on a CPU needs TRITON_INTERPRET=1 set before nanoserve is imported")
         if self.device == "cpu" or self.kernels == "torch":  # CUDA graphs need a GPU and the sync-free Triton kernels
             self.enforce_eager = True
-        fp8 = self.kv_cache_dtype == "fp8"
-        if fp8 and not hasattr(torch, "float8_e4m3fn"):
-            raise InvalidField("kv_cache_dtype", f"'fp8' needs float8 types, which torch {torch.__version__} lacks")
+        fp8 = self.kv_cache_dtype == "fp8"  # (torch has float8 types from 2.1; pyproject asks for 2.5+)
         if fp8 and self.device == "cuda" and self.kernels == "triton" and torch.cuda.get_device_capability() < (8, 9):
             raise InvalidField("kv_cache_dtype", "'fp8' needs an sm_89+ GPU for the Triton kernels: kernels='torch'")
 

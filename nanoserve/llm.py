@@ -130,6 +130,10 @@ class LLM:
             if not seq.is_finished:
                 self.scheduler.finish_sequence(seq, "abort")
 
+    def get_tokenizer(self) -> "PreTrainedTokenizerBase | None":
+        """vLLM's accessor: the engine's tokenizer (None for a weights-only model)."""
+        return self.tokenizer
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -153,9 +157,9 @@ class LLM:
             request_id = f"req-{next(self._request_ids)}"
         if not isinstance(request_id, str) or request_id in self.requests:
             raise InvalidField("request_id", f"{request_id!r} is not a new string id")
-        if isinstance(prompt, dict):  # vLLM's {"prompt": text} or {"prompt_token_ids": ids} (ext/vllm_names.py)
+        if isinstance(prompt, dict):  # vLLM's {"prompt": text} or {"prompt_token_ids": ids}, by vLLM's names
             prompt = ext.load("vllm_names", "prompt").unwrap_prompt(prompt)
-        ids = self.prompt_ids(prompt)
+        ids = self.prompt_ids(prompt, params.truncate_prompt_tokens)
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -176,15 +180,18 @@ class LLM:
             self.scheduler.add(seq)
         return request.request_id
 
-    def prompt_ids(self, prompt: Prompt) -> list[int]:
-        """The prompt as checked token ids (text through the tokenizer). It reads only the tokenizer and the config,
-        so the server calls it on other threads, off the engine's."""
+    def prompt_ids(self, prompt: Prompt, keep: int | None = None) -> list[int]:
+        """The prompt as checked token ids (text through the tokenizer), only its last `keep` where given
+        (truncate_prompt_tokens: vLLM cuts from the left, before the prompt's length is checked). It reads only the
+        tokenizer and the config, so the server calls it on other threads, off the engine's."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidField("prompt", "this model has no tokenizer; pass token ids")
             check_text("prompt", prompt)
             prompt = self.tokenizer.encode(prompt)
         ids = check_token_ids("prompt", prompt, self.vocab_size)
+        if keep:  # at least 1 (SamplingParams checks it)
+            ids = ids[-keep:]
         if not ids:
             raise InvalidField("prompt", "is empty")
         if len(ids) >= self.config.max_model_len:
@@ -354,14 +361,10 @@ class LLM:
         ext/beam_search.py, with transformers' rule; a BeamSearchOutput per prompt). Needs an idle engine."""
         return ext.load("beam_search", "beam_search").beam_search(self, prompts, params)
 
-    def chat(
-        self,
-        messages: Conversation | list[Conversation],
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them, through the chat template."""
-        return self.generate(self.chat_prompts(messages), sampling_params, use_tqdm)
+    def chat(self, messages: Conversation | list[Conversation], *args: object, **kwargs: object) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them, through the chat template; then
+        generate's other arguments (sampling_params, use_tqdm)."""
+        return self.generate(self.chat_prompts(messages), *args, **kwargs)
 
     def chat_prompts(self, messages: Conversation | list[Conversation], tools: list | None = None) -> list[list[int]]:
         """Each conversation through the chat template, as token ids; tools: OpenAI's function definitions, which a

@@ -11,8 +11,6 @@ and the pool is as many blocks of `block_size` tokens as the memory left after w
 element is the model's dtype, or 1 byte with kv_cache_dtype="fp8": twice bf16's tokens in the same memory."""
 
 import logging
-import os
-import time
 from typing import NoReturn
 
 import torch
@@ -23,6 +21,7 @@ from nanoserve.attention import prefill_tile_sizes
 from nanoserve.checks import InvalidField
 from nanoserve.config import EngineConfig
 from nanoserve.cuda_graphs import DecodeGraphs
+from nanoserve.ext import find
 from nanoserve.kernels import get_kernels
 from nanoserve.layers import Layers
 from nanoserve.loader import build_model
@@ -47,24 +46,6 @@ logger = logging.getLogger("nanoserve")
 CPU_KV_CACHE_BYTES = 1 << 30  # no GPU to profile: the KV pool gets 1 GiB of host memory (config.num_kvcache_blocks)
 PROFILE_SAMPLING = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, logprobs=1)  # the sampler's costliest path
 RowLogprobs = dict[int, float] | None  # one row's {token: logprob}; None for a row that asked for none
-
-
-def running_processes() -> int:
-    """Linux: the processes running right now, this one included ("0.52 0.58 0.59 running/total last_pid")."""
-    time.sleep(0.01)  # looks 10 ms apart
-    with open("/proc/loadavg") as f:
-        return int(f.read().split()[3].split("/")[0])
-
-
-def free_cores() -> int:
-    """Cores this process may use that other processes are not busy on. On a CPU, more torch threads than free
-    cores is ruinous: each parallel region waits for a thread that is not running (60 -> 1.4 tok/s measured). Linux
-    says how many are busy (/proc/loadavg); elsewhere every core counts as free (pass threads= on a busy machine)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if not os.path.exists("/proc/loadavg"):  # not Linux: no measure of the others' load
-        return cores
-    busy = min(running_processes() for _ in range(5)) - 1  # the fewest of 5 looks, less this process
-    return max(1, cores - busy)
 
 
 def copy_to_host_async(samples: Samples | None) -> Samples | None:
@@ -181,8 +162,10 @@ class ModelRunner:
         self.args = args
         self.peers = Peers()  # alone until start-up's steps (warm_up) have run: every rank runs its own
         self.device = torch.device(f"cuda:{peers.local_rank}" if config.device == "cuda" else "cpu")
-        if self.device.type == "cpu":
-            torch.set_num_threads(config.threads or max(1, free_cores() // peers.size))
+        # CPU threads: threads=, or the cores other processes leave free (ext/cpu_threads.py; without it, torch's count)
+        cpu_threads = find("cpu_threads") if self.device.type == "cpu" else None
+        if config.threads or cpu_threads:
+            torch.set_num_threads(config.threads or cpu_threads.threads_per_rank(peers.size))
         self.block_size = config.kvcache_block_size
         self.num_kv_heads = args.num_kv_heads // peers.size  # this rank's share
         self.num_ranks = peers.size

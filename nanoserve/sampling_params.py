@@ -1,14 +1,15 @@
 """Per-request settings, checked when they are made: a bad type or value raises an InvalidField (a ValueError naming the
-field, checks.py) before any work starts. SamplingParams holds vLLM's fields; those that belong to an extension
-(logit_bias and the penalties: ext/penalties.py; structured_outputs: ext/structured.py) are checked by it, and refused
-by name where it is not installed, unless left at the value that asks for nothing (ext/__init__.py's tables).
+field, checks.py) before any work starts, and so does a keyword that is no field. SamplingParams holds vLLM's fields;
+those that belong to an extension (n > 1: ext/parallel_sampling.py; logit_bias and the penalties: ext/penalties.py;
+structured_outputs: ext/structured.py; allowed_token_ids and bad_words: ext/token_bans.py) are checked by it, and
+refused by name where it is not installed, unless left at the value that asks for nothing (ext/__init__.py's tables).
 BeamSearchParams, the settings of LLM.beam_search, is found here too, where vLLM keeps it: it is the beam-search
 extension's (ext/beam_search.py)."""
 
 import math
 from dataclasses import dataclass
 
-from nanoserve.checks import LISTS, InvalidField, check_numbers, check_token_ids, shown
+from nanoserve.checks import LISTS, InvalidField, Settings, check_numbers, check_token_ids, shown
 from nanoserve.ext import REQUEST_FIELDS, extensions_asked, load
 
 SEED_RANGE = 2**63  # a seed is used mod this: torch's generators take 64-bit seeds
@@ -25,11 +26,12 @@ NUMBER_LIMITS = {
     "seed": {"low": -math.inf, "high": math.inf},  # any integer: it is kept mod SEED_RANGE
     "logprobs": {"low": 0},
     "prompt_logprobs": {"low": 0},
+    "truncate_prompt_tokens": {"low": 1},
 }
 
 
 @dataclass
-class SamplingParams:
+class SamplingParams(Settings):
     """The ranges, beyond the comments below: counts (n, top_k, max_tokens, logprobs, prompt_logprobs) are at most
     MAX_INT; any integer seed is taken and kept mod SEED_RANGE, in [0, 2**63), as the sampler uses it anyway."""
 
@@ -58,6 +60,11 @@ class SamplingParams:
     # the output must match a JSON schema, a regex, a choice or a grammar: ext/structured.py's StructuredOutputsParams
     # or a dict of its fields (vLLM's names), checked there (with xgrammar, an optional dependency)
     structured_outputs: object = None
+    # only these ids may be sampled; these words (strings, as the tokenizer splits them) never are (ext/token_bans.py)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens (vLLM's truncation: from the left)
+    detokenize: bool = True  # False: token ids only, no text (text "", no text deltas), so no stop strings either
 
     def __post_init__(self) -> None:
         # min_tokens' high is max_tokens, a valid count by then: it comes first among the fields
@@ -69,8 +76,10 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []  # one stop string, a list, or None
         if not isinstance(stop, LISTS) or not all(isinstance(s, str) and s for s in stop):
             raise InvalidField("stop", f"{shown(self.stop)} is not a non-empty string or a list of them")
+        if stop and not self.detokenize:  # a stop string is found in the text, which detokenize=False never makes
+            raise InvalidField("stop", "stop strings need detokenize=True: they are matched in the text")
         self.stop = list(stop)
-        self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids or [])
+        self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids)
         # the fields that belong to an extension, each checked by it (and the extension refused by name if missing);
         # `extensions` names those this request uses, for LLM.add_request to attach it to each (ext/__init__.py)
         asked = extensions_asked(self, REQUEST_FIELDS)

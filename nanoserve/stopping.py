@@ -67,8 +67,9 @@ class StopChecker:
         """Fold the text of completion tokens [text.num_decoded, upto) into seq.text. Not final: wait while the
         last character is incomplete."""
         decoded = seq.text
-        # nothing new (a stop id or the length limit right after a streamed token): no two decodes of the same ids
-        if self.tokenizer is None or upto <= decoded.num_decoded:
+        # no text (no tokenizer, or detokenize=False), or nothing new (a stop id or the length limit right after a
+        # streamed token): no two decodes of the same ids
+        if self.tokenizer is None or not seq.params.detokenize or upto <= decoded.num_decoded:
             return
         ids = seq.completion_token_ids[:upto]
         start = max(0, decoded.num_decoded - DETOKENIZE_CONTEXT)

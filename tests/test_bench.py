@@ -44,7 +44,8 @@ HAVE = {
 }
 needs = {name: pytest.mark.skipif(not ok, reason=f"{name} is not installed") for name, ok in HAVE.items()}
 # --compare hf sized its cache from free RAM (7-14 GB peaks in CI) before bench.py bounded it; bounded, the process
-# peaks at ~0.5 GB, once at 2.2 GB in a full-suite run (transformers' warm-up): the limit tells the two apart
+# peaks at ~0.5 GB. (Full-suite runs once read 2.2-5.5 GB: getrusage's peak, which Linux carries across exec, was the
+# pytest parent's; bench.py reads VmHWM now.) The limit tells the two apart
 PEER_RSS_LIMIT_MB = 4096
 
 

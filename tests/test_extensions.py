@@ -20,6 +20,8 @@ ASKING = {
     "presence_penalty": 0.5,
     "frequency_penalty": -0.5,
     "structured_outputs": {"regex": "[ab]+"},
+    "allowed_token_ids": [5, 6],
+    "bad_words": ["word"],
     "tensor_parallel_size": 2,
     "trace": "trace.jsonl",
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
@@ -81,8 +83,13 @@ def test_the_default_model_beam_search_and_chat_without_their_extensions(tiny_mo
     assert len(out.outputs[0].token_ids) == 4 and llm.stats()["kv_blocks_used"] == 0
 
 
-def test_vllm_names_without_their_extension_are_unknown(monkeypatch):
-    """Guards against vLLM's names reaching the config when their extension is deleted: they are unknown options."""
+def test_vllm_names_without_their_extension_are_unknown(monkeypatch, tiny_model):
+    """Guards against vLLM's names reaching the config when their extension is deleted: they are unknown options, and a
+    vLLM prompt dict is refused as "prompt" (the engine serves on)."""
     without(monkeypatch, "vllm_names")
+    llm = LLM(tiny_model("llama")[0], device="cpu", max_model_len=64, num_kvcache_blocks=16)
+    prompt = random_prompts([5])[0]
+    assert "vllm_names" in str(refused("prompt", llm.generate, {"prompt_token_ids": prompt}, use_tqdm=False))
+    assert len(llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
     assert "unknown" in refused("block_size", EngineConfig.from_kwargs, device="cpu", block_size=16).problem
     assert EngineConfig.from_kwargs(device="cpu", kvcache_block_size=32).kvcache_block_size == 32

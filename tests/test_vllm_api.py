@@ -1,7 +1,9 @@
 """What a vLLM user types first works on nanoserve: the seed's example as written for vLLM, vLLM's names for engine
 arguments (block_size, seed, tokenizer, trust_remote_code, disable_log_stats), its other engine arguments refused as
-vLLM options nanoserve does not implement (not as unknown), its prompt dicts, and RequestOutput.metrics in wall-clock
-time with time_in_queue and first_scheduled_time. Every refusal is an InvalidField naming the field, made before any
+vLLM options nanoserve does not implement (not as unknown), RequestOutput.metrics in wall-clock time with
+time_in_queue and first_scheduled_time, and what comes next: LLM.get_tokenizer(), SamplingParams' truncate_prompt_tokens
+and detokenize, and any other keyword refused by name. (vLLM's prompt dicts are its names' extension's:
+tests/ext/test_vllm_names.py.) Every refusal is an InvalidField naming the field, made before any
 weight is read, and no block leaks."""
 
 import time
@@ -88,31 +90,6 @@ def test_bad_vllm_arguments_are_refused_by_name(tiny_model, tmp_path, no_weights
     refused("seed", LLM, path, seed=True, **ENGINE)
 
 
-def test_prompt_dicts(with_tokenizer):
-    """Guards against vLLM's {"prompt": text} and {"prompt_token_ids": ids} being refused, alone or in a list (mixed
-    with plain prompts), and against other keys or mismatched types being taken silently."""
-    llm, hf = with_tokenizer
-    text = "1+2=3; (a, b)"
-    ids = llm.tokenizer.encode(text)
-    assert max(ids) < 384, "a text the tiny model's vocabulary holds"
-    expected = hf_greedy(hf, ids, 6)
-    one = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
-    several = llm.generate([{"prompt": text}, ids, {"prompt_token_ids": ids}, text], GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in one + several] == [expected] * 5
-    assert one[0].prompt is None and several[0].prompt == text and several[0].prompt_token_ids == ids
-    for bad, field in (
-        ({"prompt": text, "multi_modal_data": {}}, "prompt"),
-        ({"prompt": text, "prompt_token_ids": ids}, "prompt"),
-        ({}, "prompt"),
-        ({"prompt_token_ids": text}, "prompt_token_ids"),
-        ({"prompt": ids}, "prompt"),
-    ):
-        refused(field, llm.generate, bad, GREEDY, use_tqdm=False)
-        refused(field, llm.add_request, bad, GREEDY)
-    assert "'multi_modal_data'" in refused("prompt", llm.generate, {"prompt": text, "multi_modal_data": {}}, GREEDY)
-    assert not llm.has_unfinished_requests() and llm.stats()["kv_blocks_used"] == 0
-
-
 def test_metrics_are_wall_clock_with_time_in_queue(tiny_model):
     """Guards against perf_counter() readings in RequestOutput.metrics (vLLM's are time.time()) and a missing or
     wrong time_in_queue / first_scheduled_time: with one sequence at a time, the second request waits in the queue
@@ -129,3 +106,71 @@ def test_metrics_are_wall_clock_with_time_in_queue(tiny_model):
     assert second.metrics.first_scheduled_time >= first.metrics.finished_time
     assert second.metrics.time_in_queue > first.metrics.time_in_queue
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_get_tokenizer_and_unknown_sampling_keywords(with_tokenizer):
+    """Guards against LLM.get_tokenizer() missing (vLLM's accessor) and against a SamplingParams keyword that is no
+    field (a misspelling, or one of vLLM's that nanoserve lacks) failing with a bare TypeError: an InvalidField names
+    it. copy.deepcopy (Sequence.fork), dataclasses.replace and pickle still make SamplingParams."""
+    import copy
+    import dataclasses
+    import pickle
+
+    llm, _ = with_tokenizer
+    assert llm.get_tokenizer() is llm.tokenizer and llm.get_tokenizer().encode("hi")
+    assert "unknown" in refused("output_kind", SamplingParams, temperature=0, output_kind=1)
+    assert "unknown" in refused("temprature", SamplingParams, temprature=0.5)
+    refused("a", SamplingParams, b=1, a=2)  # the first in order, whatever the set's
+    params = SamplingParams(temperature=0.5, stop=["x"], seed=3)
+    for made in (copy.deepcopy(params), pickle.loads(pickle.dumps(params)), dataclasses.replace(params)):
+        assert made == params and made is not params
+    assert dataclasses.replace(params, max_tokens=5).max_tokens == 5
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(tiny_model):
+    """Guards against truncate_prompt_tokens cutting the wrong end (vLLM keeps the last N) or being applied after the
+    length check (a prompt longer than max_model_len, truncated, must be served): the output equals transformers' on
+    the prompt's last N tokens."""
+    path, hf = tiny_model("llama")
+    llm = LLM(path, **ENGINE)
+    prompt = random_prompts([80])[0]  # longer than max_model_len (64)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, truncate_prompt_tokens=9))
+    assert out[0].prompt_token_ids == prompt[-9:]
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt[-9:], 6)
+    short = llm.generate(prompt[:5], SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=9))[0]
+    assert short.prompt_token_ids == prompt[:5]  # shorter than N: kept whole
+    for bad in (0, -1, 1.5, True):
+        refused("truncate_prompt_tokens", SamplingParams, truncate_prompt_tokens=bad)
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_detokenize_false_gives_ids_without_text(with_tokenizer):
+    """Guards against detokenize=False still decoding (or changing the tokens): the same token ids, no text and no
+    text deltas, streamed or not; stop strings, which are matched in the text, are refused with it, as vLLM does."""
+    llm, _ = with_tokenizer
+    prompt = random_prompts([6])[0]
+    expected = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
+    assert expected.text, "the plain run has text"
+    quiet = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, detokenize=False)
+    out = llm.generate(prompt, quiet, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == expected.token_ids and out.text == ""
+    llm.add_request(prompt, quiet, "streamed")
+    deltas = []
+    while llm.has_unfinished_requests():
+        deltas += [o.outputs[0].text_delta for o in llm.step()]
+    assert deltas and set(deltas) == {""}
+    refused("stop", SamplingParams, stop=["x"], detokenize=False)
+    refused("detokenize", SamplingParams, detokenize="no")
+
+
+def test_huge_counts_and_unreadable_tensors_are_refused_by_name(tiny_model, no_weights_loaded):
+    """Guards against LLM(max_num_seqs=10**9) reaching an allocation sized by it (a MemoryError), and against token
+    ids given as a sparse or meta-device tensor raising torch's RuntimeError or NotImplementedError."""
+    import torch
+
+    path, _ = tiny_model("llama")
+    refused("max_num_seqs", LLM, path, max_num_seqs=10**9, **ENGINE)
+    ids = torch.tensor([5, 6, 7])
+    for unreadable in (ids.to_sparse(), torch.empty(3, dtype=torch.long, device="meta")):
+        refused("stop_token_ids", SamplingParams, stop_token_ids=unreadable)
+    assert SamplingParams(stop_token_ids=ids).stop_token_ids == [5, 6, 7]  # a dense tensor is fine

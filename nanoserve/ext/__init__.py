@@ -19,8 +19,8 @@ per step, never per token:
   each step (ext/tp: tensor parallelism).
 - Named entry points the core calls when its option is set: the default model (model=None, ext/default_model.py), the
   step trace (trace=PATH, ext/plots.py), tensor parallelism's runner (ext/tp), LLM.beam_search (ext/beam_search.py).
-- vLLM's names (ext/vllm_names.py): LLM(...) keywords that are no option of nanoserve's go there first, if it is
-  installed (`find`), to be translated or refused by name; without it they are all unknown.
+- vLLM's names (ext/vllm_names.py): LLM(...) keywords go there first, if it is installed (`find`), where vLLM's are
+  translated or refused by name; without it they are all unknown. vLLM's prompt dicts are unwrapped there too.
 Applications of the engine are extensions too, which nothing in the core calls: the OpenAI server (ext/server)."""
 
 import importlib
@@ -44,6 +44,8 @@ REQUEST_FIELDS = {
     "presence_penalty": ("penalties", 0.0),
     "frequency_penalty": ("penalties", 0.0),
     "structured_outputs": ("structured", None),
+    "allowed_token_ids": ("token_bans", None),
+    "bad_words": ("token_bans", None),
 }
 
 

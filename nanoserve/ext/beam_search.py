@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nanoserve import ext
-from nanoserve.checks import LISTS, InvalidField, check_numbers
+from nanoserve.checks import LISTS, InvalidField, Settings, check_numbers
 from nanoserve.sampling_params import NUMBER_LIMITS, SamplingParams
 from nanoserve.sequence import Sequence
 
@@ -53,7 +53,7 @@ BEAM_LIMITS = {
 
 
 @dataclass
-class BeamSearchParams:
+class BeamSearchParams(Settings):
     """vLLM's fields (importable from nanoserve.sampling_params too, where vLLM keeps it). temperature must be 0:
     nanoserve's beam search is deterministic."""
 
@@ -92,8 +92,9 @@ def beam_search(llm: "LLM", prompts: list, params: BeamSearchParams) -> list[Bea
         raise InvalidField("prompts", "expected a list of prompts")
     if not isinstance(params, BeamSearchParams):
         raise InvalidField("params", f"expected BeamSearchParams, got {type(params).__name__}")
-    vllm_forms = ext.find("vllm_names")  # vLLM's prompt dicts, where that extension is installed
-    prompts = [llm.prompt_ids(vllm_forms.unwrap_prompt(p) if vllm_forms else p) for p in prompts]
+    # vLLM's prompt dicts as LLM.add_request takes them: by vLLM's names (ext/vllm_names.py)
+    prompts = [ext.load("vllm_names", "prompt").unwrap_prompt(p) if isinstance(p, dict) else p for p in prompts]
+    prompts = [llm.prompt_ids(prompt) for prompt in prompts]
     if llm.has_unfinished_requests():
         raise RuntimeError("beam_search needs an idle engine: finish or abort the requests in flight first")
     stop_ids = frozenset() if params.ignore_eos else llm.eos_token_ids

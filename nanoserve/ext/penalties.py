@@ -16,9 +16,11 @@ reading step n back) is already counted when step n+1 is penalized.
 A row is freed when its sequence stops running: finished, aborted, or preempted (recompute fills a new row from its
 tokens on readmission, when their values are all on the host: a preempted sequence is readmitted only once its pending
 tokens are read back). So rows belong to running sequences only: max_num_seqs rows are enough. The table is made when
-the first such sequence samples, never for an engine whose requests use none (their steps skip all of this):
-max_num_seqs x 3 x vocab x 4 bytes (fp32: counts are exact up to 2**24), e.g. 256 x 3 x 49,152 x 4 = 151 MB for
-SmolLM2's vocabulary, 467 MB for Qwen's 151,936; on a CPU, pages that no row has touched take no memory. Only rank 0
+the first such sequence samples, never for an engine whose requests use none (their steps skip all of this), with
+INITIAL_ROWS rows, and doubles (a copy queued on the device like any step's work) whenever a sequence finds no free row,
+up to max_num_seqs: it holds about as many rows as sequences have used it at once, each 3 x vocab x 4 bytes (fp32:
+counts are exact up to 2**24), 590 KB for SmolLM2's vocabulary of 49,152 (256 rows: 151 MB), 1.8 MB for Qwen's 151,936.
+So max_num_seqs, which may be 65,536, sizes nothing until that many sequences are penalized at once. Only rank 0
 samples (model_runner.py), so with tensor parallelism only rank 0 makes it."""
 
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 NAME = "penalties"  # this extension's name in the registry (ext/__init__.py) and in SamplingParams.extensions
 BIAS, PROMPT_COUNTS, OUTPUT_COUNTS = range(3)  # the planes of a row
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], OpenAI's range
+INITIAL_ROWS = 4  # the table's rows when first made; it doubles as more sequences use it at once
 MAX_LOGIT_BIAS = 100.0  # a logit_bias lies in [-100, 100], OpenAI's range: -100 bans a token in practice
 PENALTY_LIMITS = {  # check_numbers' limits for the penalties
     "repetition_penalty": {"low": 0, "above_low": True},
@@ -69,7 +72,7 @@ def attach(llm: "LLM", seqs: list[Sequence]) -> None:
 class StepPenalties:
     """The rows of one step's logits that use a bias or a penalty: their rows in the table, and their penalties."""
 
-    table: Tensor  # [max_num_seqs, 3, vocab] fp32: Penalties.table
+    table: Tensor  # [rows, 3, vocab] fp32: Penalties.table as this step found it
     rows: Tensor  # [2, p] int64: each such row of the step's logits, and its sequence's row in the table
     values: Tensor  # [3, p, 1] fp32: the rows' repetition, presence and frequency penalties
 
@@ -96,11 +99,12 @@ class Penalties:
     holds which row."""
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
-        self.shape = (max_rows, 3, vocab_size)  # max_num_seqs rows: only running sequences hold one
+        self.max_rows = max_rows  # max_num_seqs: only running sequences hold a row
+        self.vocab_size = vocab_size
         self.device = device
         self.row_of: dict[Sequence, int] = {}
-        self.free_rows = list(range(max_rows))
-        self.table = None  # made at the first use
+        self.free_rows = []
+        self.table = torch.zeros(0, 3, vocab_size, device=device)  # [rows, 3, vocab]: grown at the first use
 
     def needs_tokens_on_host(self) -> bool:
         return False  # the counts follow the samples on the device
@@ -113,8 +117,6 @@ class Penalties:
         penalized = [(row, seq) for row, seq in enumerate(seqs) if NAME in seq.params.extensions]
         if not penalized:
             return None
-        if self.table is None:
-            self.table = torch.zeros(self.shape, device=self.device)
         # per such row: (its row of the logits, its sequence's row of the table), and its three penalties
         rows = [(row, self.row_of[seq] if seq in self.row_of else self._fill_row(seq)) for row, seq in penalized]
         params = [seq.params for _, seq in penalized]
@@ -128,6 +130,8 @@ class Penalties:
     def _fill_row(self, seq: Sequence) -> int:
         """Give seq a row, filled from its bias and its tokens so far in one indexed add, and return it. The tokens'
         values are all on the host: the one being sampled now is the only pending one of a (re)admitted sequence."""
+        if not self.free_rows:
+            self._grow()
         row = self.free_rows.pop()
         self.row_of[seq] = row
         bias = seq.params.logit_bias
@@ -139,3 +143,12 @@ class Penalties:
         self.table[row] = 0  # a reused row forgets its last sequence
         self.table[row].index_put_(tuple(at), values, accumulate=True)
         return row
+
+    def _grow(self) -> None:
+        """Twice the rows (INITIAL_ROWS at first), at most max_rows, the old ones copied: a row that holds a sequence
+        keeps its place. Every row in use is a running sequence's, so a full table below max_rows can always grow."""
+        num_rows = len(self.table)
+        grown = torch.zeros(min(max(2 * num_rows, INITIAL_ROWS), self.max_rows), 3, self.vocab_size, device=self.device)
+        grown[:num_rows] = self.table
+        self.table = grown
+        self.free_rows += range(num_rows, len(grown))

@@ -1,14 +1,15 @@
-"""An extension: vLLM's own names and forms, so that code written for vLLM runs unchanged where it asks for nothing
-nanoserve lacks. Prompts given as vLLM's dicts ({"prompt": text}, {"prompt_token_ids": ids}) come here to be unwrapped
-(unwrap_prompt). And EngineConfig.from_kwargs hands it the LLM(...) keywords it does not know (the core alone refuses
-every one of them as unknown):
+"""An extension: vLLM's own names for LLM(...) options that are not nanoserve's fields, and vLLM's prompt dicts, so
+that code written for vLLM runs unchanged where it asks for nothing nanoserve lacks. EngineConfig.from_kwargs hands it
+LLM(...)'s keywords (the core alone refuses every keyword that is not its own as unknown):
   - block_size is vLLM's name for kvcache_block_size (give one of the two);
   - trust_remote_code is accepted as False (nanoserve runs only its own model code), disable_log_stats as a bool
     (nanoserve logs no periodic stats);
   - every other option of vLLM's engine (VLLM_DEFAULTS) is accepted at vLLM's default value, which asks for nothing
     (quantization=None, swap_space=4, enable_chunked_prefill=True: nanoserve always chunks), and refused by name at
     any other value, as "a vLLM option that nanoserve does not implement";
-  - anything else stays unknown, for the core to refuse."""
+  - anything else is left as it is, for the core to take or refuse as unknown.
+And vLLM's prompt dicts, {"prompt": text} and {"prompt_token_ids": ids}, which LLM.generate, add_request and
+beam_search hand it (unwrap_prompt): without this extension, a dict prompt is refused as "prompt"."""
 
 from nanoserve.checks import InvalidField, check_flag, check_token_ids, shown
 
@@ -149,11 +150,9 @@ def engine_kwargs(kwargs: dict[str, object]) -> dict[str, object]:
     return kwargs
 
 
-def unwrap_prompt(prompt: object) -> object:
-    """vLLM's prompt dicts as what they hold: {"prompt": text} as the text, {"prompt_token_ids": ids} as the ids.
-    Other keys (vLLM's multi_modal_data, cache_salt, ...) are refused by name; anything else is returned as it is."""
-    if not isinstance(prompt, dict):
-        return prompt
+def unwrap_prompt(prompt: dict) -> object:
+    """A vLLM prompt dict as what it holds: {"prompt": text} as the text, {"prompt_token_ids": ids} as the ids. Other
+    keys (vLLM's multi_modal_data, cache_salt, ...) are refused by name."""
     if len(prompt) == 1 and isinstance(prompt.get("prompt"), str):
         return prompt["prompt"]
     if len(prompt) == 1 and "prompt_token_ids" in prompt:

@@ -133,6 +133,25 @@ def test_default_model_beams_match_transformers():
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
+def test_vllm_prompt_dicts():
+    """Guards against vLLM's prompt dicts being refused or read wrongly by LLM.beam_search (vLLM's takes
+    [{"prompt": text}] and [{"prompt_token_ids": ids}]): each gives the beams of its token ids, and a dict with another
+    key is refused by name."""
+    folder = default_model_or_skip()
+    llm = LLM(folder, max_model_len=128, num_kvcache_blocks=32)
+    text = "The sea is"
+    ids = llm.get_tokenizer().encode(text)
+    params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    expected = [s.tokens for s in llm.beam_search([ids], params)[0].sequences]
+    for prompts in ([{"prompt": text}], [{"prompt_token_ids": ids}], [text, {"prompt_token_ids": ids}]):
+        for out in llm.beam_search(prompts, params):
+            assert [s.tokens for s in out.sequences] == expected
+    with pytest.raises(InvalidField) as error:
+        llm.beam_search([{"prompt": text, "multi_modal_data": {}}], params)
+    assert error.value.field == "prompt"
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_triton_kernels_copy_on_write(tiny_model, family):
     """Guards against a copy-on-write that only the PyTorch path makes (the copy is on the KV cache both backends

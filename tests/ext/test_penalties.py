@@ -109,6 +109,30 @@ def test_preemption_rebuilds_the_counts(tiny_model):
     assert llm.stats()["preemptions"] > 0
 
 
+def test_the_table_grows_with_the_sequences_that_use_it(tiny_model):
+    """Guards against a table sized by max_num_seqs (65,536 rows of the vocabulary: 300 MB for the tiny model, 38 GB
+    for SmolLM2's, a MemoryError past that) and against counts lost when it grows: it starts with 4 rows and doubles
+    when a fifth sequence comes while four decode, whose counts (bumped on the device by each step) are copied over;
+    every output equals transformers'."""
+    path, hf = tiny_model("llama")
+    llm = LLM(path, max_num_seqs=65_536, **ENGINE)
+    prompts = random_prompts([5, 9, 7, 6, 8, 11])
+    cases = CASES[:5] + CASES[:1]
+    for i in range(4):
+        llm.add_request(prompts[i], greedy(**cases[i]), f"r{i}")
+    outputs = {}
+    for _ in range(4):  # the first four decode a few tokens
+        outputs |= {out.request_id: out for out in llm.step() if out.finished}
+    assert len(llm.logits_processors["penalties"].table) == 4
+    for i in (4, 5):
+        llm.add_request(prompts[i], greedy(**cases[i]), f"r{i}")
+    while llm.has_unfinished_requests():
+        outputs |= {out.request_id: out for out in llm.step() if out.finished}
+    assert len(llm.logits_processors["penalties"].table) == 8
+    for i, (prompt, case) in enumerate(zip(prompts, cases, strict=True)):
+        assert outputs[f"r{i}"].outputs[0].token_ids == hf_penalized(hf, prompt, NUM_TOKENS, **case), case
+
+
 def test_n_samples_and_a_reused_row(tiny_model):
     """Guards against n samples sharing one row of counts, and against a row freed by an abort keeping its counts
     for the next sequence that takes it (max_num_seqs=2: two rows, taken in turn)."""

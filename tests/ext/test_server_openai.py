@@ -61,14 +61,13 @@ REFUSED = [  # (endpoint, fields added to a good body, the param the 400 names)
     ("chat/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
     ("completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ("completions", {"response_format": {"type": "yaml"}}, "response_format"),
-    # tools: "auto" (the default with tools) would need free-form tool calls parsed (tests/test_structured.py has more)
-    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    # tools: "auto" needs a server started with --enable-auto-tool-choice (tests/ext/test_tool_calls.py has more)
     ("chat/completions", {"tool_choice": "auto"}, "tool_choice"),
     ("chat/completions", {"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
     ("chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ("chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
-    ("chat/completions", {"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+    ("chat/completions", {"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
     # unknown keys, as OpenAI refuses them: a misspelling, and each endpoint's input on the other
     ("completions", {"temperatur": 0.5}, "temperatur"),
     ("completions", {"messages": MESSAGES}, "messages"),
@@ -185,30 +184,40 @@ def test_every_field_of_the_openai_client_is_in_a_table():
 
 # ---- the context length --------------------------------------------------------------------------------------------
 def test_prompt_plus_max_tokens_beyond_the_context_is_a_400_with_the_numbers(fake_url):
-    """Guards against a request over the context being cut silently at "length": vLLM's 400 with the numbers; one
-    that fits exactly is served."""
+    """Guards against a request over the context being cut silently at "length": vLLM's 400 with the numbers, naming
+    max_tokens (the prompt fits; the completion overflows); one that fits exactly is served."""
     prompt = list(range(3, 3 + FAKE_MAX_MODEL_LEN - 10))  # 54 tokens
     with pytest.raises(openai.BadRequestError) as e:
         client_for(fake_url).completions.create(model=MODEL, prompt=prompt, max_tokens=11)
-    assert e.value.param == "prompt"
+    assert e.value.param == "max_tokens"
     assert f"maximum context length is {FAKE_MAX_MODEL_LEN} tokens" in e.value.message
     assert "you requested 65 tokens (54 in the prompt, 11 in the completion)" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # a one-token prompt and a huge max_tokens: not the prompt's fault
+        client_for(fake_url).completions.create(model=MODEL, prompt=[5], max_tokens=1_000_000)
+    assert e.value.param == "max_tokens" and "(1 in the prompt, 1000000 in the completion)" in e.value.message
     fits = client_for(fake_url).completions.create(model=MODEL, prompt=prompt, max_tokens=10)
     assert fits.usage.completion_tokens == 10 and fits.choices[0].finish_reason == "length"
 
 
-def test_chat_over_the_context_names_the_messages(served):
+def test_chat_over_the_context_names_the_field_at_fault(served):
     """Guards against the chat form of the context check counting the wrong prompt (the template's, not the raw
-    text) or the wrong max_tokens (max_completion_tokens is chat's newer name)."""
+    text) or the wrong max_tokens (max_completion_tokens is chat's newer name), and against naming the messages when
+    it is the completion that overflows: the field named is the one the client gave, or the messages where they alone
+    fill the context."""
     base_url, tokenizer = served
     chat_text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     num_prompt = len(tokenizer.encode(chat_text, add_special_tokens=False))
     for name in ("max_tokens", "max_completion_tokens"):
         with pytest.raises(openai.BadRequestError) as e:
             client_for(base_url).chat.completions.create(model=MODEL, messages=MESSAGES, **{name: 500})
-        assert e.value.param == "messages"
+        assert e.value.param == name
         numbers = f"you requested {num_prompt + 500} tokens ({num_prompt} in the messages, 500 in the completion)"
         assert "maximum context length is 512 tokens" in e.value.message and numbers in e.value.message
+    long = [{"role": "user", "content": "apple " * 600}]  # the messages alone are past 512 tokens
+    for kwargs in ({"max_tokens": 5}, {}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client_for(base_url).chat.completions.create(model=MODEL, messages=long, **kwargs)
+        assert e.value.param == "messages"
 
 
 # ---- chat messages in every form of the chat API ----------------------------------------------------------------
@@ -464,5 +473,139 @@ def test_console_command_flags_parse():
         "--max-num-seqs",
         "--enable-prefix-caching",
         "--no-enable-prefix-caching",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
     ):
         assert flag in r.stdout, flag
+
+
+# ---- what clients send by default: guidellm's continuous usage, vLLM's extra sampling fields ----------------------
+def guidellm_stream(url: str, body: dict) -> list[dict]:
+    """The events of a streamed request as guidellm sends it (its request handlers: include_usage and vLLM's
+    continuous_usage_stats, stop null, ignore_eos), without [DONE]."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    full = {"model": MODEL, "stream": True, "stream_options": options, "stop": None, "ignore_eos": True, **body}
+    with httpx.stream("POST", url, json=full, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    import json
+
+    return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+
+
+def check_continuous_usage(events: list[dict], num_prompt: int, max_tokens: int) -> None:
+    """Every chunk with a choice carries its usage so far: the prompt's tokens, the completion's growing to
+    max_tokens, and their total; then the usage chunk (no choices) with the same final numbers."""
+    *chunks, last = events
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == max_tokens
+    counts = [chunk["usage"]["completion_tokens"] for chunk in chunks]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == max_tokens, counts
+    for chunk in chunks:
+        usage = chunk["usage"]
+        assert usage["prompt_tokens"] == num_prompt == last["usage"]["prompt_tokens"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_guidellm_completions_body_gets_usage_in_every_chunk(fake_url):
+    """Guards against guidellm failing every request (continuous_usage_stats was a 400) and against the per-chunk
+    usage being the request's total or stale: vLLM's rule, each chunk its choice's tokens so far. Without
+    include_usage, continuous_usage_stats adds nothing (vLLM's rule too)."""
+    events = guidellm_stream(f"{fake_url}/completions", {"prompt": TOKENS, "max_tokens": 6})
+    check_continuous_usage(events, len(TOKENS), 6)
+    body = {"prompt": TOKENS, "max_tokens": 3, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{fake_url}/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and "usage" not in r.read().decode()
+
+
+def test_guidellm_chat_body_gets_usage_in_every_chunk(served):
+    """The chat form of guidellm's body (content parts, max_completion_tokens): the same usage in every chunk."""
+    base_url, tokenizer = served
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Name three colors."}]}]
+    events = guidellm_stream(f"{base_url}/chat/completions", {"messages": messages, "max_completion_tokens": 5})
+    chat_text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    num_prompt = len(tokenizer.encode(chat_text, add_special_tokens=False))
+    check_continuous_usage(events, num_prompt, 5)
+
+
+def test_completions_logprobs_zero_has_openais_shape(served):
+    """Guards against logprobs 0 returning top_logprobs as a list per token where logprobs 1 returns a dict: both are
+    a dict per token (empty for 0), the shape the openai client types."""
+    client = client_for(served[0])
+    for n in (0, 1):
+        logprobs = (
+            client.completions.create(prompt="Hello", logprobs=n, **{**GREEDY, "max_tokens": 3}).choices[0].logprobs
+        )
+        assert len(logprobs.top_logprobs) == 3 and all(
+            isinstance(top, dict) and len(top) == n for top in logprobs.top_logprobs
+        )
+        assert len(logprobs.token_logprobs) == 3
+
+
+def test_a_client_that_hangs_up_mid_body_leaves_no_traceback(fake_url):
+    """Guards against starlette's ClientDisconnect, raised when a client hangs up while its body is being read, being
+    logged as "Exception in ASGI application" with a traceback: it is an ordinary disconnect. The server serves on."""
+    import logging
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(handler)
+    try:
+        address = urlparse(fake_url)
+        with socket.create_connection((address.hostname, address.port)) as sock:
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(head + b'Content-Length: 1000\r\n\r\n{"prompt": [5, 6')
+            time.sleep(0.3)  # the handler is reading the body
+        time.sleep(0.5)  # the disconnect reaches the handler
+    finally:
+        uvicorn_log.removeHandler(handler)
+    assert not [r for r in records if r.levelno >= logging.ERROR], [r.getMessage() for r in records]
+    fits = client_for(fake_url).completions.create(model=MODEL, prompt=TOKENS, max_tokens=2)
+    assert fits.usage.completion_tokens == 2
+
+
+def test_vllm_sampling_fields_are_served_as_offline(served):
+    """Guards against vLLM's extra body fields allowed_token_ids, bad_words and truncate_prompt_tokens being refused
+    (vLLM's server takes them) or served differently from the offline engine: each reply equals LLM.generate's with
+    the same SamplingParams, and each changes the plain reply."""
+    from nanoserve import LLM, SamplingParams
+
+    base_url, tokenizer = served
+    client = client_for(base_url)
+    prompt = "The capital of France is Paris. The capital of Germany is"
+    allowed = tokenizer.encode(" Berlin Munich Hamburg.")
+    extras = [{"allowed_token_ids": allowed}, {"bad_words": ["The"]}, {"truncate_prompt_tokens": 4}]
+    plain = client.completions.create(prompt=prompt, **GREEDY).choices[0].text
+    llm = LLM(max_model_len=512, num_kvcache_blocks=64)
+    for extra in extras:
+        reply = client.completions.create(prompt=prompt, extra_body=extra, **GREEDY)
+        offline = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, **extra), use_tqdm=False)
+        assert reply.choices[0].text == offline[0].outputs[0].text != plain, extra
+        if "truncate_prompt_tokens" in extra:
+            assert reply.usage.prompt_tokens == 4
+    llm.close()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(prompt=prompt, extra_body={"allowed_token_ids": []}, **GREEDY)
+    assert e.value.param == "allowed_token_ids"
+
+
+@pytest.mark.parametrize(
+    "flags, field",
+    [
+        ({"enable_auto_tool_choice": True}, "enable_auto_tool_choice"),  # vLLM's rule: the pair, or neither
+        ({"enable_auto_tool_choice": True, "tool_call_parser": "mistral"}, "tool_call_parser"),
+        ({"enable_auto_tool_choice": "yes", "tool_call_parser": "hermes"}, "enable_auto_tool_choice"),
+    ],
+)
+def test_tool_flags_are_checked_before_the_engine_starts(flags, field):
+    from conftest import refused
+
+    from nanoserve.ext.server.app import ServerConfig
+
+    refused(field, ServerConfig, **flags)
+    assert ServerConfig(enable_auto_tool_choice=True, tool_call_parser="hermes").tool_parser is not None

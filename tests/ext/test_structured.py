@@ -6,6 +6,7 @@ the official `openai` client on 127.0.0.1."""
 
 import json
 import re
+import shutil
 import sys
 
 import pytest
@@ -121,13 +122,16 @@ def test_missing_xgrammar_is_named_with_its_install_hint(monkeypatch):
 
 # ---- a tiny random model with a byte-level tokenizer: against transformers, and with overlap ----------------------
 @pytest.fixture(scope="module")
-def tiny_with_tokenizer(tiny_model):
-    """The tiny llama (vocabulary 384) with a byte-level tokenizer of 259 ids: pad, bos, eos, then the 256 bytes (no
-    merges). The model's ids past the tokenizer's are never allowed by a grammar."""
+def tiny_with_tokenizer(tiny_model, tmp_path_factory):
+    """A copy of the tiny llama (vocabulary 384) with a byte-level tokenizer of 259 ids: pad, bos, eos, then the 256
+    bytes (no merges). The model's ids past the tokenizer's are never allowed by a grammar. (A copy: the session's
+    tiny llama is weights-only for every other test.)"""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    folder, hf = tiny_model("llama")
+    weights, hf = tiny_model("llama")
+    folder = tmp_path_factory.mktemp("llama-with-tokenizer")
+    shutil.copytree(weights, folder, dirs_exist_ok=True)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {c: i + 3 for i, c in enumerate(alphabet)}
     backend = Tokenizer(models.BPE(vocab, merges=[]))
@@ -257,8 +261,7 @@ def test_server_forced_tool_call(client, llm, tool_choice):
 @pytest.mark.parametrize(
     "kwargs, param",
     [
-        ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
-        ({"tools": [WEATHER]}, "tool_choice"),  # "auto" is the default with tools
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),  # needs --enable-auto-tool-choice
         ({"tools": [WEATHER, TIME], "tool_choice": "required"}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools"),
@@ -277,10 +280,58 @@ def test_server_refuses_what_it_cannot_do(client, kwargs, param):
     assert error.value.body["param"] == param
 
 
-def test_server_tool_choice_none_renders_tools_only(client):
-    """ "none": the tools go to the chat template, and the answer is plain text."""
-    choice = chat(client, tools=[WEATHER], tool_choice="none").choices[0]
+@pytest.mark.parametrize("tool_choice", ["none", None])
+def test_server_tool_choice_none_renders_tools_only(client, tool_choice):
+    """ "none", and tools without tool_choice on a server without --enable-auto-tool-choice (vLLM's rule): the tools
+    go to the chat template, and the answer is plain text."""
+    kwargs = {} if tool_choice is None else {"tool_choice": tool_choice}
+    choice = chat(client, tools=[WEATHER], **kwargs).choices[0]
     assert choice.message.tool_calls is None and isinstance(choice.message.content, str)
+
+
+def test_server_forced_tool_call_cut_at_max_tokens_says_length(client):
+    """Guards against a named call whose arguments the model never finished (max_tokens came first) claiming
+    finish_reason "tool_calls", which a client then parses and drops as invalid JSON: it says "length", as vLLM's,
+    and its arguments are the unfinished text."""
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}}
+    reply = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=MESSAGES, tools=[WEATHER], tool_choice=tool_choice, max_tokens=3
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length"
+    with pytest.raises(ValueError):
+        json.loads(choice.message.tool_calls[0].function.arguments)
+
+
+BOUNDED = {  # every string and array bounded: the grammar must close them, however much the model wants more
+    "type": "object",
+    "properties": {
+        "word": {"type": "string", "maxLength": 4},
+        "list": {"type": "array", "items": {"type": "string", "maxLength": 2}, "maxItems": 2},
+    },
+    "required": ["word", "list"],
+    "additionalProperties": False,
+}
+
+
+def test_max_length_and_max_items_bound_the_output(llm):
+    """Guards against a grammar that ignores maxLength or maxItems (a model that rambles inside a string until
+    max_tokens, which langchain then drops as invalid JSON): with a bias that makes the model want "a" forever, the
+    bounded schema's output still closes every string and array in time and validates; the same schema without the
+    bounds runs to max_tokens, unfinished, so the bias did push."""
+    a = llm.tokenizer.encode("a")[0]
+    push = {"temperature": 0, "logit_bias": {a: 30.0}}
+    unbounded = {**BOUNDED, "properties": {"word": {"type": "string"}, "list": {"type": "array"}}}
+    bounded_out, unbounded_out = llm.chat(
+        [MESSAGES, MESSAGES],
+        [constrained(structured_outputs={"json": schema}, **push) for schema in (BOUNDED, unbounded)],
+        use_tqdm=False,
+    )
+    sample = bounded_out.outputs[0]
+    assert sample.finish_reason == "stop", sample.text
+    jsonschema.validate(json.loads(sample.text), BOUNDED)
+    assert unbounded_out.outputs[0].finish_reason == "length" and "aaaa" in unbounded_out.outputs[0].text
+    check_pool(llm)
 
 
 def test_chat_template_renders_tools(tiny_with_tokenizer):

@@ -1,9 +1,10 @@
 """vLLM's names for LLM(...) options (nanoserve/ext/vllm_names.py): an option vLLM has and nanoserve does not is
 accepted at vLLM's default value (it asks for nothing) and refused by name at any other, before any weight is read;
-vLLM's aliases are translated. Code written for vLLM then runs unchanged where it asks for nothing nanoserve lacks."""
+vLLM's aliases are translated; its prompt dicts are unwrapped. Code written for vLLM then runs unchanged where it asks
+for nothing nanoserve lacks."""
 
 import pytest
-from conftest import hf_greedy, random_prompts, refused
+from conftest import default_model_or_skip, hf_greedy, random_prompts, refused
 
 import nanoserve.model_runner
 from nanoserve import LLM, SamplingParams
@@ -68,3 +69,36 @@ def test_vllm_aliases_and_flags(tiny_model, no_weights_loaded):
     refused("block_size", LLM, path, block_size=16, kvcache_block_size=16, **ENGINE)
     refused("kvcache_block_size", LLM, path, block_size=8, **ENGINE)
     assert nanoserve.config.EngineConfig.from_kwargs(device="cpu", block_size=32).kvcache_block_size == 32
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer(tiny_model):
+    """The tiny llama (weights only) with the default model's tokenizer (tokenizer=), and its transformers twin."""
+    path, hf = tiny_model("llama")
+    return LLM(path, tokenizer=default_model_or_skip(), **ENGINE), hf
+
+
+def test_prompt_dicts(with_tokenizer):
+    """Guards against vLLM's {"prompt": text} and {"prompt_token_ids": ids} being refused, alone or in a list (mixed
+    with plain prompts), and against other keys or mismatched types being taken silently."""
+    llm, hf = with_tokenizer
+    text = "1+2=3; (a, b)"
+    ids = llm.tokenizer.encode(text)
+    assert max(ids) < 384, "a text the tiny model's vocabulary holds"
+    expected = hf_greedy(hf, ids, 6)
+    one = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    several = llm.generate([{"prompt": text}, ids, {"prompt_token_ids": ids}, text], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in one + several] == [expected] * 5
+    assert one[0].prompt is None and several[0].prompt == text and several[0].prompt_token_ids == ids
+    for bad, field in (
+        ({"prompt": text, "multi_modal_data": {}}, "prompt"),
+        ({"prompt": text, "prompt_token_ids": ids}, "prompt"),
+        ({}, "prompt"),
+        ({"prompt_token_ids": text}, "prompt_token_ids"),
+        ({"prompt": ids}, "prompt"),
+    ):
+        refused(field, llm.generate, bad, GREEDY, use_tqdm=False)
+        refused(field, llm.add_request, bad, GREEDY)
+    error = refused("prompt", llm.generate, {"prompt": text, "multi_modal_data": {}}, GREEDY)
+    assert "'multi_modal_data'" in str(error)
+    assert not llm.has_unfinished_requests() and llm.stats()["kv_blocks_used"] == 0

@@ -16,7 +16,9 @@ Every field of a body is honoured or refused by name (the tables below): a clien
 asked for. A field the engine does not implement yet (beam search, vLLM's guided_* fields) is refused with a
 400 naming it, unless its value asks for nothing (best_of 1); an unknown one is refused as OpenAI does; metadata that
 changes nothing the client gets (user, store) is accepted. With ServerConfig.api_key set, every /v1 request needs
-`Authorization: Bearer KEY`."""
+`Authorization: Bearer KEY`. Tool calls: a forced one (a named function) constrains the output to its parameters'
+schema; with --enable-auto-tool-choice --tool-call-parser hermes, tool_choice "auto" (the default with tools, as in
+vLLM) has the calls parsed out of the model's text (ext/tool_parsers.py)."""
 
 import argparse
 import asyncio
@@ -45,11 +47,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from tokenizers import decoders
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from nanoserve.checks import InvalidField, check_number, shown
+from nanoserve.checks import InvalidField, check_flag, check_number, shown
 from nanoserve.config import EngineConfig
+from nanoserve.ext import load
 from nanoserve.ext.default_model import DEFAULT_MODEL
 from nanoserve.llm import LLM
 from nanoserve.outputs import CompletionOutput, RequestOutput
@@ -82,14 +86,15 @@ BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # opening: +1, cl
 # Named alike in OpenAI's body (with vLLM's extras) and SamplingParams
 SAMPLING_FIELDS = """
     n temperature top_p top_k min_p min_tokens ignore_eos stop stop_token_ids seed presence_penalty frequency_penalty
-    repetition_penalty logit_bias include_stop_str_in_output skip_special_tokens prompt_logprobs
+    repetition_penalty logit_bias include_stop_str_in_output skip_special_tokens prompt_logprobs allowed_token_ids
+    bad_words truncate_prompt_tokens
 """.split()
 # The body's fields. Honoured: SAMPLING_FIELDS and these. Anything in no table is refused, as OpenAI does.
 HONOURED = "model max_tokens logprobs stream stream_options response_format".split() + SAMPLING_FIELDS
 CHAT_HONOURED = "messages max_completion_tokens top_logprobs tools tool_choice".split() + HONOURED
 COMPLETION_HONOURED = "prompt echo".split() + HONOURED
-# Accepted and ignored: they change nothing the client gets (parallel_tool_calls: a forced call is one call; the
-# prompt cache is automatic and shared, so its key and retention are hints)
+# Accepted and ignored: they change nothing the client gets (parallel_tool_calls: a forced call is one call, and "auto"
+# returns the calls the model wrote; the prompt cache is automatic and shared, so its key and retention are hints)
 IGNORED = """
     user metadata store service_tier safety_identifier prompt_cache_key prompt_cache_retention prompt_cache_options
     parallel_tool_calls
@@ -98,7 +103,7 @@ IGNORED = """
 NOT_IMPLEMENTED = dict.fromkeys(
     """
     suffix functions audio prediction reasoning_effort verbosity web_search_options moderation
-    allowed_token_ids logits_processors truncate_prompt_tokens guided_json guided_regex guided_choice
+    logits_processors guided_json guided_regex guided_choice
     guided_grammar guided_decoding_backend guided_whitespace_pattern structural_tag structured_outputs chat_template
     chat_template_kwargs documents mm_processor_kwargs add_special_tokens request_id cache_salt kv_transfer_params
     vllm_xargs
@@ -109,7 +114,6 @@ NOT_IMPLEMENTED = dict.fromkeys(
     "use_beam_search": False,
     "function_call": "none",
     "modalities": ["text"],
-    "bad_words": [],
     "spaces_between_special_tokens": True,
     "add_generation_prompt": True,
     "continue_final_message": False,
@@ -146,11 +150,23 @@ class ServerConfig:
     body_timeout: float = 30.0  # seconds for a request's body to arrive once its headers have; then a 408
     shutdown_timeout: float = 5.0  # seconds open requests get to finish at shutdown; then they fail
     api_key: str | None = None  # every /v1 request must send `Authorization: Bearer KEY`; None: no key needed
+    # vLLM's pair: tools without tool_choice mean "auto", tool calls parsed out of the text by the parser named
+    # (ext/tool_parsers.py: hermes); without them, "none" (the template renders the tools, the answer is text)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        texts = ("host", "served_model_name", "api_key", "enable_auto_tool_choice", "tool_call_parser")
         for name, value in vars(self).items():
-            if name not in ("host", "served_model_name", "api_key") and value is not None:
+            if name not in texts and value is not None:
                 check_number(name, value, low=0, above_low=name != "port")
+        check_flag("enable_auto_tool_choice", self.enable_auto_tool_choice)
+        # the parser's class, found by name in its extension (ext/tool_parsers.py); None: no parser
+        self.tool_parser = None
+        if self.tool_call_parser is not None:
+            self.tool_parser = load("tool_parsers", "tool_call_parser").parser_for(self.tool_call_parser)
+        if self.enable_auto_tool_choice and self.tool_parser is None:
+            raise InvalidField("enable_auto_tool_choice", "needs a parser: --tool-call-parser hermes")
 
 
 class EngineLoop:
@@ -332,7 +348,7 @@ def check_fields(body: dict, chat: bool) -> None:
         if name in NOT_IMPLEMENTED and value not in (None, NOT_IMPLEMENTED[name]):
             raise InvalidField(name, "nanoserve does not implement this field yet")
     for name in field(body, "stream_options", dict, {}):
-        if name != "include_usage":
+        if name not in ("include_usage", "continuous_usage_stats"):
             raise InvalidField(f"stream_options.{name}", "nanoserve does not implement this field yet")
     for name in ("echo", "prompt_logprobs"):  # a stream's chunks carry only the completion
         if body.get(name) not in (None, False) and body.get("stream"):  # a bad type is refused by name later, too
@@ -374,12 +390,15 @@ def normalized(messages: object) -> object:
     return out
 
 
-def check_context(prompts: list[list[int]], max_tokens: int, max_model_len: int, prompt_field: str) -> None:
-    """A prompt plus max_tokens beyond the context is refused with the numbers (vLLM's words), not cut at "length"."""
+def check_context(prompts: list[list[int]], max_tokens: int, max_model_len: int, names: tuple[str, str]) -> None:
+    """A prompt plus max_tokens beyond the context is refused with the numbers (vLLM's words), not cut at "length".
+    names: the body's fields for the prompt and for max_tokens; the error names max_tokens's unless the prompt alone
+    fills the context."""
+    prompt_field, tokens_field = names
     for ids in prompts:
         if len(ids) + max_tokens > max_model_len:
             raise InvalidField(
-                prompt_field,
+                prompt_field if len(ids) >= max_model_len else tokens_field,
                 f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                 f"{len(ids) + max_tokens} tokens ({len(ids)} in the {prompt_field}, {max_tokens} in the completion). "
                 f"Please reduce the length of the {prompt_field} or completion.",
@@ -399,7 +418,7 @@ def client_named(error: InvalidField, body: dict, chat: bool) -> InvalidField:
     return InvalidField(names.get(error.field, error.field), error.problem)
 
 
-def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParams:
+def sampling_params(body: dict, chat: bool, max_model_len: int, tool: dict | str) -> SamplingParams:
     """SamplingParams from an OpenAI body. SamplingParams checks every type and range, so the server refuses a
     string temperature or a negative one with the same code as the offline API."""
     kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
@@ -417,51 +436,52 @@ def sampling_params(body: dict, chat: bool, max_model_len: int) -> SamplingParam
                 kwargs["max_tokens"] = 1  # (not max(): a string max_tokens is SamplingParams' to refuse, by name)
     elif field(body, "logprobs", bool, False):  # chat: `logprobs` says whether, `top_logprobs` how many
         kwargs["logprobs"] = body.get("top_logprobs") or 0
-    kwargs["structured_outputs"] = structured_outputs(body)
+    kwargs["structured_outputs"] = structured_outputs(body, tool)
     try:
         return SamplingParams(**kwargs)
     except InvalidField as e:  # under the client's name: chat's `logprobs` count is its top_logprobs
         raise client_named(e, body, chat) from None
 
 
-def structured_outputs(body: dict) -> dict | None:
+def structured_outputs(body: dict, tool: dict | str) -> dict | None:
     """vLLM's structured outputs for a response_format, or for a forced tool call (its parameters' schema)."""
     response_format = field(body, "response_format", dict, {})
     kind = response_format.get("type", "text")
     schema = field(response_format, "json_schema", dict, {}).get("schema") or {"type": "object"}
     forms = {"text": None, "json_object": {"json_object": True}, "json_schema": {"json": schema}}
-    tool = forced_tool(body)
-    if tool is not None and kind == "text":
+    forced = isinstance(tool, dict)
+    if forced and kind == "text":
         return {"json": tool["function"].get("parameters") or {"type": "object"}}
-    if kind not in forms or tool is not None:
+    if kind not in forms or forced:
         raise InvalidField("response_format", "expected type text, json_object or json_schema, and no forced tool call")
     return forms[kind]
 
 
-def forced_tool(body: dict) -> dict | None:
-    """The tool a chat body's tool_choice forces (a named function, or "required" with one tool); None: "none". "auto"
-    (the default with tools) is refused: nanoserve does not parse free-form tool calls out of a model's text."""
+def tool_choice(body: dict, auto: bool) -> dict | str:
+    """What a chat body's tool_choice asks for: "none" (tools, if any, go to the chat template only; the answer is
+    text), "auto" (tool calls parsed out of the answer's text: only on a server started with
+    --enable-auto-tool-choice), or the tool it forces (a named function, or "required" with one tool), whose parameters'
+    schema then constrains the answer. Without tool_choice, tools mean "auto" on a server that parses tool calls and
+    "none" on others, as vLLM's."""
     tools = field(body, "tools", list, [])
     try:
         by_name = {tool["function"]["name"]: tool for tool in tools}
     except (TypeError, KeyError):  # a tool that is not a dict of that shape
         raise InvalidField("tools", "expected a list of {'type': 'function', 'function': {'name': str, ...}}") from None
-    choice = body.get("tool_choice") or ("auto" if tools else "none")
-    if choice == "none":
-        return None
-    if choice == "auto":
-        raise InvalidField(
-            "tool_choice", "nanoserve does not parse free-form tool calls: use 'required' or a named one"
-        )
+    choice = body.get("tool_choice") or ("auto" if tools and auto else "none")
+    if choice == "auto" and not auto:
+        raise InvalidField("tool_choice", "'auto' needs a server started with --enable-auto-tool-choice")
+    if choice in ("none", "auto"):
+        return choice if tools else "none"  # "auto" with no tools: nothing to call
     if body.get("stream"):
-        raise InvalidField("stream", "nanoserve does not stream tool calls yet")
+        raise InvalidField("stream", "nanoserve does not stream forced tool calls yet")
     if choice == "required" and len(tools) == 1:
         return tools[0]
     try:  # {"type": "function", "function": {"name": NAME}}, as a tool names itself
         return by_name[choice["function"]["name"]]
     except (TypeError, KeyError):  # not a dict of that shape, or no tool of that name
         raise InvalidField(
-            "tool_choice", f"{shown(choice)} is not 'none', 'required' with one tool, or a tool's name"
+            "tool_choice", f"{shown(choice)} is not 'none', 'auto', 'required' with one tool, or a tool's name"
         ) from None
 
 
@@ -499,7 +519,8 @@ def logprobs_json(
         return {
             "tokens": tokens,
             "token_logprobs": [position and position[t] for t, position in zip(token_ids, logprobs, strict=False)],
-            "top_logprobs": [top and {tokenizer.decode(alt): logprob for alt, logprob in top} for top in tops],
+            # a dict per token, {} with logprobs 0 (None: an echoed prompt's first token)
+            "top_logprobs": [None if top is None else {tokenizer.decode(a): p for a, p in top} for top in tops],
             "text_offset": [0, *accumulate(map(len, tokens))][: len(tokens)],
         }
 
@@ -557,6 +578,13 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
         response.headers.update(error.headers or {})  # 405's Allow, or Connection: close
         return response
 
+    @app.exception_handler(ClientDisconnect)
+    def client_gone(request: Request, error: ClientDisconnect) -> Response:
+        """The client hung up while its body was being read: an ordinary disconnect (a debug line, not a traceback);
+        nobody reads the answer."""
+        logging.getLogger(__name__).debug("a client went away before its request's body arrived")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
     @app.exception_handler(RuntimeError)  # the engine failed the request (its thread has logged why)
     @app.exception_handler(Exception)  # a bug: uvicorn logs its traceback too
     def server_error(request: Request, error: Exception) -> JSONResponse:
@@ -610,11 +638,16 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
                 "model",
                 "model_not_found",
             )
-        params = sampling_params(body, chat, llm.config.max_model_len)
+        # what tool_choice asks for: "none", "auto" (calls parsed out of the text), or the tool it forces (not streamed)
+        tool = tool_choice(body, config.enable_auto_tool_choice)
+        params = sampling_params(body, chat, llm.config.max_model_len, tool)
         stream = field(body, "stream", bool, False)
-        usage = field(field(body, "stream_options", dict, {}), "include_usage", bool, False)
+        options = field(body, "stream_options", dict, {})
+        usage = field(options, "include_usage", bool, False)
+        # vLLM's: with include_usage, every chunk carries its choice's usage so far (guidellm asks for it)
+        continuous_usage = usage and field(options, "continuous_usage_stats", bool, False)
         echo = field(body, "echo", bool, False)  # never in a stream: check_fields refuses it
-        tool = forced_tool(body)  # its arguments are the constrained output: never in a stream either
+        keep = params.truncate_prompt_tokens  # vLLM's: only the prompt's last N tokens (None: all of it)
 
         # 2) the prompts as token ids
         prompt_field = "messages" if chat else "prompt"
@@ -628,12 +661,13 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
             prompts = prompt if is_list else [prompt]  # a list of prompts, or one: text or token ids
             # each checked as the engine checks a prompt (which it does again on the ids, in O(length)); prompt_ids
             # reads only the tokenizer and the config, so any thread may call it. map is lazy: list() runs it there
-            to_ids = partial(list, map(llm.prompt_ids, prompts))
+            to_ids = partial(list, map(partial(llm.prompt_ids, keep=keep), prompts))
         check_cost(prompts, params, prompt_field)
-        prompts = await asyncio.to_thread(to_ids)
+        prompts = [ids[-keep:] if keep else ids for ids in await asyncio.to_thread(to_ids)]  # chat's too
         # chat's default max_tokens, the whole context, means as much as fits; any other is checked against it
         if not chat or max_tokens_field(body) is not None:
-            check_context(prompts, params.max_tokens, llm.config.max_model_len, prompt_field)
+            names = (prompt_field, max_tokens_field(body) or "max_tokens")
+            check_context(prompts, params.max_tokens, llm.config.max_model_len, names)
 
         # 3) queued: every prompt, or none
         results = engine.generate(http, prompts, params, stream)
@@ -651,11 +685,15 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
             "model": model_name,
         }
 
+        parsers = {}  # with tool_choice "auto": choice index -> its tool parser (ext/tool_parsers.py)
+
         def choice(index: int, out: RequestOutput, sample: CompletionOutput) -> dict:
             """Sample `sample` of prompt `index` as a choice, which OpenAI numbers prompt x n + sample: the whole
             completion, or in a stream its new text and tokens (a chat stream names the role first). With echo
-            (completions, never streamed): the prompt's text, tokens and logprobs before the completion's. A forced
-            tool call (chat, never streamed): OpenAI's tool_calls, the output its arguments."""
+            (completions, never streamed): the prompt's text, tokens and logprobs before the completion's. Chat with
+            a forced tool call (never streamed): OpenAI's tool_calls, the output its arguments; with "auto": the calls
+            the tool parser finds, and the text outside them as content. A choice that made calls and stopped on its
+            own ends with finish_reason "tool_calls"; one cut at max_tokens says "length", whatever it made."""
             text, token_ids = (sample.text_delta, sample.token_ids_delta) if stream else (sample.text, sample.token_ids)
             first = len(sample.token_ids) - len(token_ids)  # where these tokens start in the completion
             token_logprobs = sample.logprobs and sample.logprobs[first:]  # None: no logprobs asked for
@@ -671,14 +709,24 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
             }
             if not chat:
                 result["text"] = text
-            elif tool is not None:
-                function = {"name": tool["function"]["name"], "arguments": text}
-                call = {"id": f"call_{uuid.uuid4().hex}", "type": "function", "function": function}
-                result["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
-                if sample.finish_reason == "stop":
+            else:
+                content, calls, num_calls = text, [], 0  # num_calls: the calls this choice has made so far
+                if isinstance(tool, dict):  # forced: the whole output is the call's arguments
+                    function = {"name": tool["function"]["name"], "arguments": text}
+                    calls = [{"id": f"call_{uuid.uuid4().hex}", "type": "function", "function": function}]
+                    content, num_calls = "", 1
+                elif tool == "auto":  # as the text comes: the calls in it, and the text outside them
+                    parser = parsers.setdefault(result["index"], config.tool_parser())
+                    content, calls = parser.feed(text, final=sample.finish_reason is not None)
+                    num_calls = parser.num_calls
+                # the whole message, or a stream's first chunk, names the role
+                message = {"role": "assistant", "content": content} if first == 0 else {"content": content}
+                if calls:
+                    message["tool_calls"] = calls
+                if calls and not content and not stream:  # OpenAI's: a message of calls only has content null
+                    message["content"] = None
+                if num_calls and sample.finish_reason == "stop":
                     result["finish_reason"] = "tool_calls"
-            else:  # the whole message, or a stream's first chunk, names the role
-                message = {"role": "assistant", "content": text} if first == 0 else {"content": text}
                 result["delta" if stream else "message"] = message
             if body.get("prompt_logprobs") is not None:  # vLLM's: per prompt token (the first: None), by token id
                 result["prompt_logprobs"] = [
@@ -689,8 +737,8 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
             return result
 
         async def chunks() -> AsyncIterator[str]:
-            """A chunk per choice with new tokens (finish_reason rides on a choice's last), the usage if asked,
-            [DONE]."""
+            """A chunk per choice with new tokens (finish_reason rides on a choice's last; with continuous usage, its
+            usage so far), the usage of all if asked, [DONE]."""
             finals = {}  # prompt index -> its final output
             try:
                 async for index, out in results:
@@ -699,6 +747,8 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
                     for sample in out.outputs:
                         if sample.token_ids_delta:
                             chunk = {**head, "choices": [choice(index, out, sample)]}
+                            if continuous_usage:  # this choice's tokens so far
+                                chunk["usage"] = usage_json([replace(out, outputs=[sample])])
                             yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
             except RuntimeError as e:  # the engine failed, or shutdown came, after the 200: say so in the stream
                 yield f"data: {error_response(500, str(e)).body.decode()}\n\n"
