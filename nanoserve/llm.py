@@ -10,8 +10,9 @@ right after it is launched: the plain synchronous loop, with the same outputs.
 
 Extensions (nanoserve/ext/, found through its registry) meet the engine at four places: one whose engine option is set
 starts with the engine (start); a request whose fields belong to an extension is attached to it once, when it is added
-(attach); the logits processors extensions make live here (logits_processors) and go to every step's launch; and
-run_step / receive_tokens are the step driver that a loop of its own (beam search) runs steps with."""
+(attach; generate's lora_request likewise, to ext/lora.py); the logits processors extensions make live here
+(logits_processors) and go to every step's launch; and run_step / receive_tokens are the step driver that a loop of
+its own (beam search) runs steps with."""
 
 import time
 import weakref
@@ -317,10 +318,12 @@ class LLM:
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: object = None,
     ) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either; sampling_params: one for all, or one per
-        prompt. Every prompt is checked before any is queued; then the engine steps until all have finished, and the
-        outputs come back in prompt order. The progress bar counts output tokens."""
+        prompt; lora_request: vLLM's, a LoRA adapter for all prompts or a list of one (or None) per prompt, which the
+        extension ext/lora.py attaches. Every prompt is checked before any is queued; then the engine steps until all
+        have finished, and the outputs come back in prompt order. The progress bar counts output tokens."""
         # 1) check everything: a bad prompt or parameter refuses the whole batch before any work
         if is_one_prompt(prompts):
             prompts = [prompts]
@@ -331,6 +334,8 @@ class LLM:
             raise InvalidField("sampling_params", f"{len(params)} given for {len(prompts)} prompts")
         check_flag("use_tqdm", use_tqdm)
         requests = [self._make_request(p, sp, None, stream=False) for p, sp in zip(prompts, params, strict=True)]
+        if lora_request is not None:  # each request's adapter, checked and loaded before any is queued
+            ext.load("lora", "lora_request").attach_adapters(self, requests, lora_request)
         # 2) queue them all and step until each has finished
         finished: dict[str, RequestOutput] = {}
         generated_before = self.counters.generated_tokens  # the bar counts this batch's tokens: bar.n of them so far

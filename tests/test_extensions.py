@@ -22,6 +22,7 @@ ASKING = {
     "structured_outputs": {"regex": "[ab]+"},
     "tensor_parallel_size": 2,
     "trace": "trace.jsonl",
+    "lora_config": {"max_loras": 2},
 }
 
 
@@ -60,7 +61,7 @@ def test_values_that_ask_for_nothing_need_no_extension(monkeypatch):
         logit_bias={}, repetition_penalty=1, presence_penalty=0.0, frequency_penalty=0, structured_outputs=None
     )
     assert params.extensions == ()
-    assert EngineConfig(device="cpu", tensor_parallel_size=1, trace=None).tensor_parallel_size == 1
+    assert EngineConfig(device="cpu", tensor_parallel_size=1, trace=None, lora_config=None).tensor_parallel_size == 1
     assert not asks_for_nothing(True, 1.0) and not asks_for_nothing(False, 0.0) and not asks_for_nothing([], None)
 
 
@@ -81,3 +82,17 @@ def test_vllm_names_without_their_extension_are_unknown(monkeypatch):
     without(monkeypatch, "vllm_names")
     assert "unknown" in refused("block_size", EngineConfig.from_kwargs, device="cpu", block_size=16).problem
     assert EngineConfig.from_kwargs(device="cpu", kvcache_block_size=32).kvcache_block_size == 32
+
+
+def test_lora_without_its_extension_is_refused_by_name(tiny_model, monkeypatch):
+    """Guards against LoRA's options being ignored when ext/lora.py is deleted: generate's lora_request and vLLM's
+    enable_lora are InvalidFields naming them (enable_lora: as a name ext/vllm_names.py refuses without the extension,
+    or an unknown key without either), and the engine serves on."""
+    without(monkeypatch, "lora")
+    refused("enable_lora", LLM, device="cpu", enable_lora=True)
+    llm = LLM(tiny_model("llama")[0], device="cpu", max_model_len=64, num_kvcache_blocks=16)
+    prompt = random_prompts([5])[0]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    refused("lora_request", llm.generate, prompt, params, use_tqdm=False, lora_request=("an adapter", 1, "path"))
+    out = llm.generate(prompt, params, use_tqdm=False, lora_request=None)[0]
+    assert len(out.outputs[0].token_ids) == 4 and llm.stats()["kv_blocks_used"] == 0
