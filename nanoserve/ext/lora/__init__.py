@@ -127,12 +127,13 @@ def start(llm: "LLM") -> None:
 
 def check_adapter(llm: "LLM", adapter: object) -> None:
     """One request's adapter: None, or a LoRARequest that this engine (with LoRA on) loads, checking it."""
-    if adapter is not None and "lora" not in llm.config.extensions:
+    if adapter is None:
+        return
+    if "lora" not in llm.config.extensions:
         raise InvalidField("lora_request", "needs LoRA on: LLM(..., enable_lora=True), or lora_config")
-    if adapter is not None and not isinstance(adapter, LoRARequest):
+    if not isinstance(adapter, LoRARequest):
         raise InvalidField("lora_request", f"{shown(adapter)} is not a LoRARequest (or None)")
-    if adapter is not None:
-        llm.lora.on_host(adapter)
+    llm.lora.on_host(adapter)
 
 
 def attach_adapters(llm: "LLM", requests: list, lora_request: object) -> None:
@@ -309,7 +310,7 @@ class Adapters:
     def before_step(self, step: Step) -> None:
         """The runner's step hook: the step's adapters into slots, then its rows grouped by slot into the segments."""
         adapters = [s.seq.cache_salt for s in step.scheduled]  # each sequence's LoRARequest, or None
-        needed = set(adapters) - {None}  # at most max_loras: may_admit sees to it
+        needed = [a for a in dict.fromkeys(adapters) if a is not None]  # in step order; at most max_loras (may_admit)
         for adapter in needed:
             self.to_slot(adapter, needed)
         rows = [[] for _ in self.last_rows]  # per slot
@@ -324,7 +325,7 @@ class Adapters:
             host = host.pin_memory()  # a pinned source lets the copy run asynchronously
         self.step_inputs[: len(host)].copy_(host, non_blocking=True)
 
-    def to_slot(self, request: LoRARequest, needed: set[LoRARequest]) -> None:
+    def to_slot(self, request: LoRARequest, needed: list[LoRARequest]) -> None:
         """Put the request's adapter in a slot if it is in none: a free one, else the least recently used one whose
         adapter this step does not need. The copies queue behind the steps already launched, which read the old."""
         if request not in self.slot_of:

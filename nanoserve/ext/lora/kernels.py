@@ -157,12 +157,17 @@ def sgmv_ref(
     columns = list(pairwise(col_starts.tolist())) if col_starts is not None else [(0, w.shape[1])]
     rank_of = ranks.tolist()  # the segments, read on the host (a sync on a GPU)
     for slot, (first, last) in enumerate(pairwise(slot_starts.tolist())):
-        rows = rows_by_slot[first:last].long()
-        if not rank_of[slot]:
+        if first == last or not rank_of[slot]:
             continue
-        for shard, (start, end) in enumerate(columns):  # one shard in a shrink
-            x_shard = x[rows, shard * k_size : (shard + 1) * k_size].to(w.dtype)  # expand: rounded as the kernel does
-            product = x_shard.float() @ w[slot, start:end].float().T
-            if scales is not None:  # expand: scaled, added to the base output
-                product = out[rows, start:end].float() + product * scales[slot]
-            out[rows, start:end] = product.to(out.dtype)
+        rows = rows_by_slot[first:last].long()
+        x_rows = x[rows].to(w.dtype).float()  # gathered once; an expand's u rounded as the kernel does
+        product = torch.cat(  # each shard's columns (a shrink has one)
+            [
+                x_rows[:, i * k_size : (i + 1) * k_size] @ w[slot, start:end].float().T
+                for i, (start, end) in enumerate(columns)
+            ],
+            dim=1,
+        )
+        if scales is not None:  # expand: scaled, added to the base output
+            product = out[rows].float() + product * scales[slot]
+        out[rows] = product.to(out.dtype)
