@@ -28,13 +28,12 @@ from nanoserve.ext.lora import LoRAConfig, LoRARequest  # noqa: E402
 from nanoserve.ext.lora.kernels import sgmv, sgmv_ref  # noqa: E402
 
 ENGINE = {"device": "cpu", "max_model_len": 128, "num_kvcache_blocks": 64, "enable_lora": True, "max_loras": 4}
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (rank, target modules, more of PEFT's LoraConfig): ranks 2 to 16, attention only, MLP only, one projection
 # of a merged one (k of q|k|v, up of gate|up), all of them, rsLoRA's scaling
 ADAPTERS = {
     "qv8": (8, ["q_proj", "v_proj"], {}),
     "kogd4": (4, ["k_proj", "o_proj", "gate_proj", "down_proj"], {"use_rslora": True}),
-    "all16": (16, ALL, {"lora_alpha": 32}),
+    "all16": (16, "all-linear", {"lora_alpha": 32}),  # PEFT saves its modules' paths
     "up2": (2, ["up_proj"], {"lora_alpha": 7}),
 }
 NUM_TOKENS = 10
@@ -467,3 +466,17 @@ def test_the_server_serves_adapters_by_model_name(tmp_path):
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="nobody", **body)
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_bench_loras_mode(tmp_path):
+    """Guards against bench.py --loras (the BENCHMARKS figure and gpu_check.sh's) crashing or reporting runs that are
+    not the same requests: the no-adapter run and the adapters' generate the same tokens and say how much slower."""
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root))
+    import bench
+
+    tiny = ["--arch", "tiny", "--num-seqs", "4", "--max-input-len", "40", "--max-output-len", "8"]
+    bench.main([*tiny, "--max-model-len", "1024", "--loras", "2", "--json", str(tmp_path / "rows.json")])
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [row["run"] for row in rows] == ["no adapter", "2 adapters"]
+    assert rows[0]["output_tokens"] == rows[1]["output_tokens"] == 4 * 8 and rows[1]["lora_slowdown"] > 0

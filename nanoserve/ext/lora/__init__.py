@@ -82,8 +82,8 @@ class LoRARequest:
     lora_path: str
 
     def __post_init__(self) -> None:
-        is_id = isinstance(self.lora_int_id, int) and self.lora_int_id > 0
-        if not (self.lora_name and isinstance(self.lora_name, str) and is_id and isinstance(self.lora_path, str)):
+        names = isinstance(self.lora_name, str) and isinstance(self.lora_path, str)
+        if not (names and isinstance(self.lora_int_id, int)) or self.lora_int_id < 1:
             raise InvalidField("lora_request", f"{shown(self)}: a name, a positive integer id and a folder")
 
 
@@ -165,7 +165,7 @@ class Adapter:
 
     rank: int
     scale: float
-    weights: dict[tuple[int, str], tuple[Tensor, Tensor]]
+    weights: dict  # (layer, projection) -> (A, B), for each projection the adapter adapts
 
 
 def load_adapter(request: LoRARequest, layers: dict[tuple[int, str], "LoRALinear"], max_rank: int) -> Adapter:
@@ -187,8 +187,10 @@ def load_adapter(request: LoRARequest, layers: dict[tuple[int, str], "LoRALinear
     for key, plain in PLAIN_LORA.items():
         if (peft.get(key) or plain) != plain:
             raise refuse(f"{key}={shown(peft[key])}: plain LoRA only")
-    targets = list(SHARD_OF) if peft.get("target_modules") == "all-linear" else peft.get("target_modules")
-    if not isinstance(targets, LISTS) or not set(targets) <= set(SHARD_OF):
+    # target modules by name, as PEFT matches them: the last part of each (its "all-linear" saves whole paths)
+    targets = peft.get("target_modules")
+    targets = {str(t).rsplit(".", 1)[-1] for t in targets} if isinstance(targets, LISTS) else targets
+    if not isinstance(targets, set) or not targets <= set(SHARD_OF):
         raise refuse(f"target modules {shown(targets)}: this model has {', '.join(SHARD_OF)}")
     weights = {}  # (layer, projection) -> its A and B
     for key, tensor in tensors.items():
@@ -211,27 +213,19 @@ def load_adapter(request: LoRARequest, layers: dict[tuple[int, str], "LoRALinear
     return Adapter(rank, scale, weights)
 
 
-@dataclass
-class StepSegments:
-    """What every adapted projection reads of a step, filled by the step hook before it runs: its rows grouped by slot
-    (slot s's rows are rows_by_slot[slot_starts[s] : slot_starts[s + 1]]), and each slot's scale. Static buffers on the
-    device, so a CUDA graph's replay reads the current step's."""
-
-    rows_by_slot: Tensor  # [max_num_batched_tokens] int32
-    slot_starts: Tensor  # [max_loras + 1] int32
-    scales: Tensor  # [max_loras] fp32
-
-
 class LoRALinear(nn.Module):
     """A projection with every slot's adapter beside it (vLLM's ...WithLoRA layers): base(x), then the rows of each slot
     get scale x (x @ A^T) @ B^T added (shrink, expand). A merged projection (q|k|v, gate|up) has an A and a B per shard,
     stacked: a [slots, shards x max rank, in] and b [slots, out, max rank], zero where an adapter leaves a shard alone;
     ranks [slots] says which slots adapt it at all (0: not, and the kernel skips the slot)."""
 
-    def __init__(self, base: nn.Linear, segments: StepSegments, config: LoRAConfig, kernel: object) -> None:
+    def __init__(self, base: nn.Linear, step: tuple, config: LoRAConfig, kernel: object) -> None:
         super().__init__()
         self.base = base
-        self.segments = segments
+        # what every adapted projection reads of a step, which the step hook fills before it runs: its rows grouped by
+        # slot (slot s's rows are rows_by_slot[slot_starts[s] : slot_starts[s + 1]]) and each slot's scale. Static
+        # buffers on the device, so a CUDA graph's replay reads the current step's
+        self.rows_by_slot, self.slot_starts, self.scales = step  # [max_num_batched_tokens], [slots + 1] int32; [slots]
         self.shard_sizes = tuple(base.shard_sizes if isinstance(base, MergedLinear) else [base.out_features])
         slots, rank, weight = config.max_loras, config.max_lora_rank, base.weight
         self.a = weight.new_zeros(slots, len(self.shard_sizes) * rank, base.in_features)
@@ -244,10 +238,10 @@ class LoRALinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x [rows, in] -> [rows, out]: the base projection, plus each row's adapter (none for rows in no segment)."""
         y = self.base(x)
-        segments = (self.segments.rows_by_slot, self.segments.slot_starts, self.ranks)
+        segments = (self.rows_by_slot, self.slot_starts, self.ranks)
         u = x.new_empty(len(x), self.a.shape[1], dtype=torch.float32)  # shrink: x @ A^T, [rows, shards x max rank]
         self.sgmv(u, x, self.a, *segments)
-        self.sgmv(y, u, self.b, *segments, self.segments.scales, self.shard_starts)  # expand
+        self.sgmv(y, u, self.b, *segments, self.scales, self.shard_starts)  # expand
         return y
 
 
@@ -263,14 +257,14 @@ class Adapters:
         parts = [config.max_loras + 1, llm.config.max_num_batched_tokens]
         self.step_inputs = torch.zeros(sum(parts), dtype=torch.int32, device=runner.device)
         starts, rows = self.step_inputs.split(parts)
-        self.segments = StepSegments(rows, starts, torch.zeros(config.max_loras, device=runner.device))
+        self.scales = torch.zeros(config.max_loras, device=runner.device)  # each slot's
         # 1) each adapted projection of each layer wrapped: (layer, projection) -> its LoRALinear
         kernel = sgmv if llm.config.kernels == "triton" else sgmv_ref
         self.layers = {}
         for i, layer in enumerate(runner.model.model.layers):
             for module, name in PROJECTIONS:
                 parent = getattr(layer, module)
-                self.layers[i, name] = LoRALinear(getattr(parent, name), self.segments, config, kernel)
+                self.layers[i, name] = LoRALinear(getattr(parent, name), (rows, starts, self.scales), config, kernel)
                 setattr(parent, name, self.layers[i, name])
         # 2) the decode graphs captured again, over the wrapped projections; the old ones and their pool go first
         if runner.graphs is not None:
@@ -336,7 +330,7 @@ class Adapters:
                     layer.a[slot].copy_(adapter.weights[key][0])
                     layer.b[slot].copy_(adapter.weights[key][1])
                 layer.ranks[slot] = adapter.rank if key in adapter.weights else 0
-            self.segments.scales[slot] = adapter.scale
+            self.scales[slot] = adapter.scale
             self.slot_of[request] = slot
         self.slot_of.move_to_end(request)
 
