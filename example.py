@@ -2,13 +2,19 @@
 The other options are the knobs of the course guide's experiments (docs/course.md); --plot DIR also writes a step
 trace and draws it (kv_blocks.png, batches.png, block_tables.png; needs matplotlib). --beam-width N runs a beam search
 of N beams on each question instead of chatting (LLM.beam_search), and compares the KV blocks it used with what
-beams that did not share their blocks would need."""
+beams that did not share their blocks would need. --loras N makes N random LoRA adapters for the model and asks the
+first N questions each under its own adapter (the others under none), in one batch, and prints the slot table."""
 
 import argparse
+import json
 import logging
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import save_file
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.sampling_params import BeamSearchParams
@@ -76,6 +82,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="N",
         help="beam search with N beams per question instead of chat generation (deterministic: no --temperature)",
     )
+    parser.add_argument(
+        "--loras",
+        type=int,
+        default=None,
+        metavar="N",
+        help="N random LoRA adapters (rank 4, 8, 16, ... on q/k/v/o), one per question, in one batch (at most 3)",
+    )
     parser.add_argument("--plot", metavar="DIR", help="write DIR/trace.jsonl and draw it into DIR as PNG files")
     return parser.parse_args(argv)
 
@@ -92,6 +105,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "threads": args.threads,
         "dtype": args.dtype,
         "trace": str(Path(args.plot) / "trace.jsonl") if args.plot else None,
+        # --loras: a slot per adapter and a free one (ext/lora.py; vLLM's enable_lora=True, max_loras=... too)
+        "lora_config": {"max_loras": args.loras + 1} if args.loras else None,
     }
 
 
@@ -106,7 +121,7 @@ def main(argv=None):
     if args.beam_width:
         beam_search(llm, conversations, args)
     else:
-        chat(llm, conversations, args)
+        chat(llm, conversations, args, random_adapters(llm, args.loras) if args.loras else [])
     if args.plot:
         from nanoserve.ext.plots import plot_trace
 
@@ -114,14 +129,26 @@ def main(argv=None):
             print(f"wrote {path}")
 
 
-def chat(llm: LLM, conversations: list[list[dict]], args: argparse.Namespace) -> None:
-    """Generate an answer to every question in one batch; print them, the throughput and the KV account."""
+def chat(llm: LLM, conversations: list[list[dict]], args: argparse.Namespace, adapters: list) -> None:
+    """Generate an answer to every question in one batch, the first ones each under its own adapter of adapters
+    (--loras: then the slot table of the batch's first step is printed, before the answers); print them, the
+    throughput and the KV account."""
     start, computed = time.perf_counter(), llm.stats()["computed_tokens"]
-    outputs = llm.chat(conversations, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    per_question = adapters + [None] * (len(conversations) - len(adapters))
+    tables = []  # the slot table after each step's hook (ext/lora.py's runs first)
+    if adapters:
+        llm.runner.step_hooks.append(lambda step: tables.append(llm.lora.slot_table()))
+    outputs = llm.generate(llm.chat_prompts(conversations), params, lora_request=per_question if adapters else None)
     seconds = time.perf_counter() - start
-    for question, out in zip(QUESTIONS, outputs, strict=False):
+    if adapters:
+        print(
+            f"\nthe slot table of the first step (rows: the step's tokens, prompts one after the other):\n{tables[0]}"
+        )
+    for question, out, adapter in zip(QUESTIONS, outputs, per_question, strict=False):
         answer = out.outputs[0]
-        print(f"\n> {question}\n{answer.text.strip()}  [{len(answer.token_ids)} tokens, {answer.finish_reason}]")
+        under = f" (adapter {adapter.lora_name})" if adapter else (" (no adapter)" if adapters else "")
+        print(f"\n> {question}{under}\n{answer.text.strip()}  [{len(answer.token_ids)} tokens, {answer.finish_reason}]")
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats, bs = llm.stats(), args.block_size
     prompt, cached = sum(len(o.prompt_token_ids) for o in outputs), sum(o.num_cached_tokens for o in outputs)
@@ -142,6 +169,51 @@ def chat(llm: LLM, conversations: list[list[dict]], args: argparse.Namespace) ->
         f"prompts: {prompt} tokens, {cached} from the prefix cache; tokens computed "
         f"{stats['computed_tokens'] - computed}; time to first token {ttft:.2f} s (mean)"
     )
+
+
+def random_adapters(llm: LLM, count: int) -> list:
+    """count random LoRA adapters for llm's model, of ranks 4, 8, 16, ... on q/k/v/o, in a temporary folder (PEFT's
+    format), as LoRARequests."""
+    from nanoserve.ext.lora import LoRARequest
+    from nanoserve.loader import resolve_model_dir
+
+    folder = Path(tempfile.mkdtemp(prefix="nanoserve-loras-"))
+    for i in range(count):
+        save_random_adapter(resolve_model_dir(llm.config.model), folder / f"adapter-{i + 1}", 4 << i, seed=i)
+    return [LoRARequest(f"adapter-{i + 1}", i + 1, str(folder / f"adapter-{i + 1}")) for i in range(count)]
+
+
+def save_random_adapter(
+    model_dir: str, folder: Path, rank: int, targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj"), seed: int = 0
+) -> None:
+    """A random LoRA adapter for the model in model_dir, in PEFT's format (adapter_config.json and
+    adapter_model.safetensors), made without peft: A ~ N(0, 1/in) and B ~ N(0, 0.02^2) (the scale of the model's own
+    weights: each projection's output moves by about a tenth), lora_alpha = rank (scale 1)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
+    shapes = {  # (in, out) features, and the module of the decoder layer
+        "q_proj": (hidden, q, "self_attn"),
+        "k_proj": (hidden, kv, "self_attn"),
+        "v_proj": (hidden, kv, "self_attn"),
+        "o_proj": (q, hidden, "self_attn"),
+        "gate_proj": (hidden, inter, "mlp"),
+        "up_proj": (hidden, inter, "mlp"),
+        "down_proj": (inter, hidden, "mlp"),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for target in targets:
+            n_in, n_out, module = shapes[target]
+            name = f"base_model.model.model.layers.{layer}.{module}.{target}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, n_in, generator=generator) / n_in**0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(n_out, rank, generator=generator) * 0.02
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    peft_config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(targets)}
+    (folder / "adapter_config.json").write_text(json.dumps(peft_config | {"base_model_name_or_path": str(model_dir)}))
 
 
 def beam_search(llm: LLM, conversations: list[list[dict]], args: argparse.Namespace) -> None:
