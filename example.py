@@ -187,8 +187,8 @@ def save_random_adapter(
     model_dir: str, folder: Path, rank: int, targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj"), seed: int = 0
 ) -> None:
     """A random LoRA adapter for the model in model_dir, in PEFT's format (adapter_config.json and
-    adapter_model.safetensors), made without peft: A ~ N(0, 1/in) and B ~ N(0, 0.02^2) (the scale of the model's own
-    weights: each projection's output moves by about a tenth), lora_alpha = rank (scale 1)."""
+    adapter_model.safetensors), made without peft: A ~ N(0, 1/in) and B ~ N(0, 0.04^2) (twice the scale of SmolLM2's
+    own weights: a projection's output moves by a tenth to a fifth), lora_alpha = rank (scale 1)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
@@ -209,7 +209,7 @@ def save_random_adapter(
             n_in, n_out, module = shapes[target]
             name = f"base_model.model.model.layers.{layer}.{module}.{target}"
             tensors[f"{name}.lora_A.weight"] = torch.randn(rank, n_in, generator=generator) / n_in**0.5
-            tensors[f"{name}.lora_B.weight"] = torch.randn(n_out, rank, generator=generator) * 0.02
+            tensors[f"{name}.lora_B.weight"] = torch.randn(n_out, rank, generator=generator) * 0.04
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, folder / "adapter_model.safetensors")
     peft_config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(targets)}
