@@ -193,6 +193,28 @@ def test_the_prefix_cache_finds_blocks_under_their_own_adapter_only(adapters):
     assert cached(requests["qv8"]) == cached(requests["up2"]) == cached(None) == 48
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_replay_any_mix_of_adapters(adapters):
+    """Guards against decode graphs captured without the adapters (the engine's start must capture them again over the
+    wrapped projections), a replay that reads the previous step's segments or slots, padded rows that take an adapter,
+    and slot replacement racing the steps in flight (overlap is on): on a GPU, in fp32 with the Triton kernels and CUDA
+    graphs, 5 rows (a graph of 8) under 4 adapters and none, then the same prompts under 3 adapters with 2 slots (they
+    queue, and slots are replaced between steps), give PEFT's greedy tokens."""
+    path, requests = adapters("qwen3")
+    torch.manual_seed(8)
+    prompts = random_prompts([7, 19, 11, 24, 5])
+    qv8, kogd4, all16, up2 = requests.values()
+    gpu = {"dtype": "float32", "max_model_len": 128, "num_kvcache_blocks": 64, "max_num_seqs": 8}
+    for max_loras, per_prompt in ((4, [qv8, None, kogd4, all16, up2]), (2, [qv8, kogd4, all16, qv8, None])):
+        llm = LLM(path, **gpu, enable_lora=True, max_loras=max_loras)
+        assert llm.runner.graphs is not None and llm.config.overlap
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=per_prompt)
+        for prompt, adapter, out in zip(prompts, per_prompt, outs, strict=True):
+            assert out.outputs[0].token_ids == hf_greedy_run(peft_model(path, adapter), prompt, NUM_TOKENS)[0]
+        assert llm.stats()["kv_blocks_used"] == 0
+
+
 # ---- the kernel -----------------------------------------------------------------------------------------------------
 def random_step(num_rows: int, num_slots: int, seed: int) -> tuple[list[int | None], list[list[int]]]:
     """Each row's slot or None (no adapter), at random with holes (slots with no rows), and the rows of each slot."""
