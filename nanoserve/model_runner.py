@@ -181,6 +181,9 @@ class ModelRunner:
         self.config = config
         self.args = args
         self.peers = Peers()  # alone until start-up's steps (warm_up) have run: every rank runs its own
+        # extensions' callables, each called with every step before it runs (start-up's too: none is added before the
+        # engine starts), to fill inputs of their own that the model reads (ext/lora.py: which rows use which adapter)
+        self.step_hooks = []
         self.device = torch.device(f"cuda:{peers.local_rank}" if config.device == "cuda" else "cpu")
         if self.device.type == "cpu":
             torch.set_num_threads(config.threads or max(1, free_cores() // peers.size))
@@ -208,9 +211,6 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, self.max_blocks_per_seq)
             self.graphs.capture()
         self.peers = peers  # set last: every rank runs start-up's steps (warm_up) on its own
-        # extensions' callables, each called with every step before it runs, to fill the inputs of their own that the
-        # model reads (ext/lora.py: which rows use which adapter)
-        self.step_hooks = []
 
     def close(self) -> None:
         self.peers.close()
