@@ -215,6 +215,63 @@ def test_cuda_graphs_replay_any_mix_of_adapters(adapters):
         assert llm.stats()["kv_blocks_used"] == 0
 
 
+class RerunGraph:
+    """Stands in for a captured CUDA graph on a CPU (as in tests/test_engine.py): replay() reruns the decode forward
+    on the graphs' static buffers, which is what replaying the real graph computes."""
+
+    def __init__(self, graphs: object = None, size: int = 0) -> None:
+        self.graphs, self.size = graphs, size
+
+    def pool(self) -> None:
+        return None
+
+    def replay(self) -> None:
+        self.graphs.forward(self.size)
+        self.graphs.replays += 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU stand-in; the GPU test replays real graphs")
+def test_decode_graphs_are_captured_again_and_read_the_current_step(adapters, monkeypatch):
+    """Guards against the CUDA-graph path's LoRA bugs on a CPU: graphs captured before the projections were wrapped
+    (the engine's start must capture new ones over them, the old ones dropped), replays that read a stale step's
+    segments or slots (they are static buffers, filled before each replay), and padded rows that take an adapter.
+    'Capture' runs the forward eagerly and each replay reruns it on the static buffers; 5 rows (a graph of 8) under 3
+    adapters and none, with 2 slots (so slots are replaced between steps), give the eager engine's tokens."""
+    import contextlib
+
+    from nanoserve.config import EngineConfig
+    from nanoserve.cuda_graphs import DecodeGraphs
+    from nanoserve.ext.lora import LoRALinear
+
+    path, requests = adapters("qwen3")
+    torch.manual_seed(9)
+    prompts = random_prompts([7, 19, 11, 24, 5])
+    per_prompt = [requests["qv8"], requests["kogd4"], None, requests["all16"], requests["qv8"]]
+    engine = dict(ENGINE, max_loras=2, max_num_seqs=8)
+    eager = tokens(LLM(path, **engine).generate(prompts, GREEDY, use_tqdm=False, lora_request=per_prompt))
+    resolve = EngineConfig._resolve_kernels
+
+    def graphs_on_a_cpu(config: EngineConfig) -> None:
+        resolve(config)
+        config.enforce_eager = False
+
+    captured = []
+    capture = DecodeGraphs.capture
+    monkeypatch.setattr(EngineConfig, "_resolve_kernels", graphs_on_a_cpu)
+    monkeypatch.setattr(DecodeGraphs, "capture", lambda graphs: captured.append(graphs) or capture(graphs))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", RerunGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    llm = LLM(path, **engine)
+    graphs = llm.runner.graphs
+    assert len(captured) == 2 and graphs is captured[1]  # the runner's, then the engine start's over the adapters
+    assert isinstance(graphs.model.model.layers[0].self_attn.qkv_proj, LoRALinear)
+    graphs.graphs = {size: RerunGraph(graphs, size) for size in graphs.graphs}
+    graphs.replays = 0
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=per_prompt)) == eager
+    assert graphs.replays >= NUM_TOKENS - 1 and llm.stats()["kv_blocks_used"] == 0
+
+
 # ---- the kernel -----------------------------------------------------------------------------------------------------
 def random_step(num_rows: int, num_slots: int, seed: int) -> tuple[list[int | None], list[list[int]]]:
     """Each row's slot or None (no adapter), at random with holes (slots with no rows), and the rows of each slot."""
