@@ -22,8 +22,8 @@ Adapters are PEFT's folders (adapter_config.json, adapter_model.safetensors) tha
     under one adapter is never found by a request under another or under none; preemption and recompute keep it.
 The engine's start wraps the model's projections and captures the decode graphs again over them (the first capture,
 in ModelRunner.__init__, saw none: its graphs go first, and their memory pool with them). The slots are allocated after
-the KV pool was sized, beyond gpu_memory_utilization: max_loras x max_lora_rank x (the adapted projections' inputs and
-outputs) elements per layer (Qwen3-0.6B, 8 slots of rank 16: 162 MB in bf16). Tensor parallelism is refused
+the KV pool was sized, beyond gpu_memory_utilization: max_loras x max_lora_rank x (in + out features of each of q, k, v,
+o, gate, up and down) elements per layer (Qwen3-0.6B, 8 slots of rank 16: 161 MB in bf16). Tensor parallelism is refused
 (tensor_parallel_size must be 1): the adapters are not sharded as the base weights are."""
 
 import json
