@@ -139,7 +139,7 @@ def chat(llm: LLM, conversations: list[list[dict]], args: argparse.Namespace, ad
     tables = []  # the slot table after each step's hook (ext/lora.py's runs first)
     if adapters:
         llm.runner.step_hooks.append(lambda step: tables.append(llm.lora.slot_table()))
-    outputs = llm.generate(llm.chat_prompts(conversations), params, lora_request=per_question if adapters else None)
+    outputs = llm.chat(conversations, params, lora_request=per_question if adapters else None)
     seconds = time.perf_counter() - start
     if adapters:
         print(

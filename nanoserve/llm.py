@@ -372,9 +372,11 @@ class LLM:
         messages: Conversation | list[Conversation],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: object = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them, through the chat template."""
-        return self.generate(self.chat_prompts(messages), sampling_params, use_tqdm)
+        """One conversation (a list of {"role", "content"} dicts) or a list of them, through the chat template;
+        lora_request as generate takes it."""
+        return self.generate(self.chat_prompts(messages), sampling_params, use_tqdm, lora_request)
 
     def chat_prompts(
         self, messages: Conversation | list[Conversation], tools: list[dict] | None = None

@@ -559,3 +559,23 @@ def test_bench_loras_mode(tmp_path):
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert [row["run"] for row in rows] == ["no adapter", "2 adapters"]
     assert rows[0]["output_tokens"] == rows[1]["output_tokens"] == 4 * 8 and rows[1]["lora_slowdown"] > 0
+
+
+def test_chat_takes_lora_request(adapters):
+    """Guards against LLM.chat dropping vLLM's lora_request: a chat under an adapter equals generate under it on the
+    template's prompt, and differs from the plain chat (the tiny model has no tokenizer: a stand-in template)."""
+
+    class Template:
+        chat_template = "a stand-in"
+
+        @staticmethod
+        def apply_chat_template(conversations: list, **kwargs: object) -> list[list[int]]:
+            return [[5 + len(message["content"]) for message in conversation] * 4 for conversation in conversations]
+
+    path, requests = adapters("llama")
+    llm = LLM(path, **ENGINE)
+    llm.tokenizer = Template()
+    chat = [{"role": "user", "content": "Hello there"}]
+    under = tokens(llm.chat(chat, GREEDY, use_tqdm=False, lora_request=requests["all16"]))
+    assert under == tokens(llm.generate(llm.chat_prompts(chat), GREEDY, use_tqdm=False, lora_request=requests["all16"]))
+    assert under != tokens(llm.chat(chat, GREEDY, use_tqdm=False))
