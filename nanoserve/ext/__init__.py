@@ -20,7 +20,7 @@ per step, never per token:
 - Steps, admission and the prefix cache (ModelRunner.step_hooks, Scheduler.may_admit, Sequence.cache_salt): a callable
   the runner calls with every step before it runs, a rule that holds the waiting queue, and a salt that keeps a
   sequence's blocks apart in the prefix cache (ext/lora.py: which rows use which adapter, at most max_loras adapters
-  at once, blocks computed under one adapter never found under another). LLM.generate's lora_request (vLLM's) asks
+  at once, blocks computed under one adapter never found under another). LLM.generate's (and chat's) lora_request asks
   ext/lora.py to attach each request's adapter (attach_adapters), checked before any request is queued.
 - Named entry points the core calls when its option is set: the default model (model=None, ext/default_model.py), the
   step trace (trace=PATH, ext/plots.py), tensor parallelism's runner (ext/tp), LLM.beam_search (ext/beam_search.py).
