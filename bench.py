@@ -13,6 +13,7 @@ FILE also writes them). Without a GPU the flags left out take CPU sizes, and a l
                                              # the pool: bytes per token, tokens it holds (--kv-cache-dtype fp8: twice)
     python bench.py --plot plots/            # the run's step trace as pictures (nanoserve/ext/plots.py)
     python bench.py --prefix                 # a 2k-token system prompt shared by every request, caching off vs on
+    python bench.py --loras 4                # the requests with no adapter, then spread over 4 random LoRA adapters
     python bench.py --latency                # one request: 512 prompt + 256 greedy tokens
     python bench.py --cpu-profile            # host ms per engine step, by stage
     python bench.py --op-profile             # torch.profiler over the run: the top operators by self CPU time
@@ -38,6 +39,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -71,6 +73,8 @@ OP_PROFILE_ROWS = 12  # --op-profile: operators listed
 HF_RESULT_TIMEOUT_S = 600  # --compare hf: longest wait for one finished request
 HF_MAX_BATCH_TOKENS, HF_PAGE_SIZE = 8192, 256  # ...transformers' defaults (our batch budget is 8192 too)
 BUSY_START_S = 0.5  # --busy: the burners spin before the engine counts free cores
+LORA_RANK = 16  # --loras: the adapters' rank, on q/k/v/o
+LORA_REPEATS = 2  # --loras: each run twice, alternating with its peer, the faster kept (the CPU VM is noisy)
 VLLM_CLAIMS = "vLLM's announcement: 60-80% wasted by contiguous reservation, under 4% with paging"
 DEFAULT_THREADS = torch.get_num_threads()  # torch's own choice, before the engine sets its count
 
@@ -261,11 +265,11 @@ def build_workload(args, llm) -> Workload:
 
 
 # ---- nanoserve's runs ------------------------------------------------------------------------------------------
-def timed_generate(llm, prompts, params):
+def timed_generate(llm, prompts, params, lora_request=None):
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     sync()
     return outs, time.perf_counter() - start
 
@@ -353,6 +357,39 @@ def run_prefix(llm, workload, args):
         outs, seconds = timed_generate(llm, prompts, params)
         rows.append(result_row(f"prefix caching {caching}", llm, outs, seconds))
     print(f"prefix caching speed-up (wall time off / on): {rows[0]['seconds'] / rows[1]['seconds']:.1f}x")
+    return rows
+
+
+def run_loras(llm, workload, args):
+    """The workload with no adapter, then the same requests spread round-robin over args.loras random rank-16 adapters
+    on q/k/v/o (example.py's save_random_adapter), in one engine with LoRA on; each run LORA_REPEATS times,
+    alternating, the faster kept. Prefix caching is off: an adapter's blocks are its own, which would make the two
+    runs' cache hits differ (the system prompts of the chat workload) and hide what the adapters' matmuls cost."""
+    from example import save_random_adapter
+    from nanoserve.ext.lora import LoRARequest
+    from nanoserve.loader import resolve_model_dir
+
+    folder = Path(tempfile.mkdtemp(prefix="nanoserve-loras-"))
+    adapters = []
+    for i in range(args.loras):
+        save_random_adapter(resolve_model_dir(llm.config.model), folder / f"adapter-{i}", LORA_RANK, seed=i)
+        adapters.append(LoRARequest(f"adapter-{i}", i + 1, str(folder / f"adapter-{i}")))
+    spread = [adapters[i % len(adapters)] for i in range(len(workload.prompts))]
+    llm.block_manager.enable_prefix_caching = False
+    best = {}
+    try:
+        for _ in range(LORA_REPEATS):
+            for name, lora_request in (("no adapter", None), (f"{args.loras} adapters", spread)):
+                print(f"running nanoserve, LoRA on, {name}: {workload.description}", flush=True)
+                reset_counters(llm)
+                outs, seconds = timed_generate(llm, workload.prompts, workload.params, lora_request)
+                if name not in best or seconds < best[name]["seconds"]:
+                    best[name] = result_row(name, llm, outs, seconds)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    rows = list(best.values())
+    rows[1]["lora_slowdown"] = round(rows[1]["seconds"] / rows[0]["seconds"], 3)
+    print(f"{args.loras} adapters / no adapter, wall time: {rows[1]['lora_slowdown']:.3f}x")
     return rows
 
 
@@ -641,6 +678,7 @@ def run_engine(args, model_dir, cpu_default, speculative=None):
         kv_cache_dtype=args.kv_cache_dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         overlap=args.overlap,
+        lora_config={"max_loras": args.loras, "max_lora_rank": LORA_RANK} if args.loras else None,
     )
     try:
         workload = None if args.prefix or args.latency else build_workload(args, llm)
@@ -668,6 +706,8 @@ def run_engine(args, model_dir, cpu_default, speculative=None):
             if args.op_profile
             else run_serve
             if args.serve
+            else run_loras
+            if args.loras
             else run_throughput
         )
         rows = run_traced(llm, run, workload, args) if args.kv_report or args.plot else run(llm, workload, args)
@@ -802,6 +842,12 @@ def parse_args(argv=None):
     mode.add_argument("--op-profile", action="store_true", help="torch.profiler: top operators by self CPU time")
     mode.add_argument("--attention", action="store_true", help="the attention kernels beside SDPA")
     mode.add_argument("--serve", action="store_true", help="the OpenAI server in-process, ShareGPT at --request-rate")
+    mode.add_argument(
+        "--loras",
+        type=int,
+        metavar="N",
+        help="one engine with LoRA on: the requests with no adapter, then spread over N random rank-16 adapters",
+    )
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     if (args.compare or args.kv_report or args.plot) and (args.prefix or args.latency or args.attention or args.serve):

@@ -3,15 +3,23 @@ The other options are the knobs of the course guide's experiments (docs/course.m
 trace and draws it (kv_blocks.png, batches.png, block_tables.png; needs matplotlib). --beam-width N runs a beam search
 of N beams on each question instead of chatting (LLM.beam_search), and compares the KV blocks it used with what
 beams that did not share their blocks would need. --speculative K proposes K n-gram draft tokens per step (speculative
-decoding), and --repeat asks for answers that copy their input, where the drafts are right."""
+decoding), and --repeat asks for answers that copy their input, where the drafts are right. --loras N makes N random
+LoRA adapters for the model and asks the first N questions each under its own adapter (the others under none), in one
+batch, and prints the slot table."""
 
 import argparse
+import json
 import logging
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+from safetensors.torch import save_file
+
 from nanoserve import LLM, SamplingParams
+from nanoserve.ext.chat import chat_prompts
 from nanoserve.sampling_params import BeamSearchParams
 
 if TYPE_CHECKING:  # --beam-width's outputs; the extension itself is loaded by LLM.beam_search
@@ -97,6 +105,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="instead of the four questions, ask four times for the built-in text back (repeated, corrected, one "
         "sentence per line, copied): answers that reuse their input, speculative decoding's best case",
     )
+    parser.add_argument(
+        "--loras",
+        type=int,
+        default=None,
+        metavar="N",
+        help="N random LoRA adapters (rank 4, 8, 16, ... on q/k/v/o), one per question, in one batch (at most 3)",
+    )
     parser.add_argument("--plot", metavar="DIR", help="write DIR/trace.jsonl and draw it into DIR as PNG files")
     return parser.parse_args(argv)
 
@@ -114,6 +129,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "dtype": args.dtype,
         "trace": str(Path(args.plot) / "trace.jsonl") if args.plot else None,
         "speculative_config": speculative_config(args.speculative),
+        # --loras: a slot per adapter and a free one (ext/lora.py; vLLM's enable_lora=True, max_loras=... too)
+        "lora_config": {"max_loras": args.loras + 1} if args.loras else None,
     }
 
 
@@ -142,7 +159,7 @@ def main(argv=None):
     if args.beam_width:
         beam_search(llm, conversations, args)
     else:
-        chat(llm, conversations, args)
+        chat(llm, conversations, args, random_adapters(llm, args.loras) if args.loras else [])
     if args.plot:
         from nanoserve.ext.plots import plot_trace
 
@@ -150,16 +167,28 @@ def main(argv=None):
             print(f"wrote {path}")
 
 
-def chat(llm: LLM, conversations: list[list[dict]], args: argparse.Namespace) -> None:
-    """Generate an answer to every question in one batch; print them, the throughput and the KV account."""
+def chat(llm: LLM, conversations: list[list[dict]], args: argparse.Namespace, adapters: list) -> None:
+    """Generate an answer to every question in one batch, the first ones each under its own adapter of adapters
+    (--loras: then the slot table of the batch's first step is printed, before the answers); print them, the
+    throughput, the KV account, and the steps (with --speculative, what became of the drafts)."""
     before = llm.stats()
     start, computed = time.perf_counter(), before["computed_tokens"]
-    outputs = llm.chat(conversations, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    per_question = adapters + [None] * (len(conversations) - len(adapters))
+    tables = []  # the slot table after each step's hook (ext/lora.py's runs first)
+    if adapters:
+        llm.runner.step_hooks.append(lambda step: tables.append(llm.lora.slot_table()))
+    outputs = llm.chat(conversations, params, lora_request=per_question if adapters else None)
     seconds = time.perf_counter() - start
-    for question, out in zip(questions(args), outputs, strict=False):
+    if adapters:
+        print(
+            f"\nthe slot table of the first step (rows: the step's tokens, prompts one after the other):\n{tables[0]}"
+        )
+    for question, out, adapter in zip(questions(args), outputs, per_question, strict=False):
         answer = out.outputs[0]
         asked = question.splitlines()[0]  # --repeat: the task, not the text after it
-        print(f"\n> {asked}\n{answer.text.strip()}  [{len(answer.token_ids)} tokens, {answer.finish_reason}]")
+        under = f" (adapter {adapter.lora_name})" if adapter else (" (no adapter)" if adapters else "")
+        print(f"\n> {asked}{under}\n{answer.text.strip()}  [{len(answer.token_ids)} tokens, {answer.finish_reason}]")
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats, bs = llm.stats(), args.block_size
     prompt, cached = sum(len(o.prompt_token_ids) for o in outputs), sum(o.num_cached_tokens for o in outputs)
@@ -190,12 +219,57 @@ def chat(llm: LLM, conversations: list[list[dict]], args: argparse.Namespace) ->
     print(line)
 
 
+def random_adapters(llm: LLM, count: int) -> list:
+    """count random LoRA adapters for llm's model, of ranks 4, 8, 16, ... on q/k/v/o, in a temporary folder (PEFT's
+    format), as LoRARequests."""
+    from nanoserve.ext.lora import LoRARequest
+    from nanoserve.loader import resolve_model_dir
+
+    folder = Path(tempfile.mkdtemp(prefix="nanoserve-loras-"))
+    for i in range(count):
+        save_random_adapter(resolve_model_dir(llm.config.model), folder / f"adapter-{i + 1}", 4 << i, seed=i)
+    return [LoRARequest(f"adapter-{i + 1}", i + 1, str(folder / f"adapter-{i + 1}")) for i in range(count)]
+
+
+def save_random_adapter(
+    model_dir: str, folder: Path, rank: int, targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj"), seed: int = 0
+) -> None:
+    """A random LoRA adapter for the model in model_dir, in PEFT's format (adapter_config.json and
+    adapter_model.safetensors), made without peft: A ~ N(0, 1/in) and B ~ N(0, 0.04^2) (twice the scale of SmolLM2's
+    own weights: a projection's output moves by a tenth to a fifth), lora_alpha = rank (scale 1)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
+    shapes = {  # (in, out) features, and the module of the decoder layer
+        "q_proj": (hidden, q, "self_attn"),
+        "k_proj": (hidden, kv, "self_attn"),
+        "v_proj": (hidden, kv, "self_attn"),
+        "o_proj": (q, hidden, "self_attn"),
+        "gate_proj": (hidden, inter, "mlp"),
+        "up_proj": (hidden, inter, "mlp"),
+        "down_proj": (inter, hidden, "mlp"),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for target in targets:
+            n_in, n_out, module = shapes[target]
+            name = f"base_model.model.model.layers.{layer}.{module}.{target}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, n_in, generator=generator) / n_in**0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(n_out, rank, generator=generator) * 0.04
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    peft_config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(targets)}
+    (folder / "adapter_config.json").write_text(json.dumps(peft_config | {"base_model_name_or_path": str(model_dir)}))
+
+
 def beam_search(llm: LLM, conversations: list[list[dict]], args: argparse.Namespace) -> None:
     """A beam search of args.beam_width beams on every question, one question after the other (LLM.beam_search);
     print each question's beams, best first, then the KV blocks the search used at its peak against what the same
     beams would need if each held its own copy of the prompt and of its history."""
     k, bs = args.beam_width, args.block_size
-    prompts = llm.chat_prompts(conversations)
+    prompts = chat_prompts(llm, conversations)
     before = llm.stats()
     start = time.perf_counter()
     outputs = llm.beam_search(prompts, BeamSearchParams(beam_width=k, max_tokens=args.max_tokens))

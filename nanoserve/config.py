@@ -1,7 +1,8 @@
 """Engine settings: one dataclass that checks every field's type and value before any work starts, and resolves the
 'auto' device and kernels for this machine (the 'auto' dtype waits for the checkpoint: torch_dtype). The fields that
-belong to an extension (tensor_parallel_size: ext/tp; trace: ext/plots.py) are checked by it, and refused by name where
-it is not installed, unless left at the value that asks for nothing (ext/__init__.py's tables)."""
+belong to an extension (tensor_parallel_size: ext/tp; trace: ext/plots.py; lora_config: ext/lora.py) are checked by
+it, and refused by name where it is not installed, unless left at the value that asks for nothing (ext/__init__.py's
+tables)."""
 
 import os
 from dataclasses import dataclass
@@ -68,6 +69,9 @@ class EngineConfig(Settings):
     tokenizer: str | None = None  # a tokenizer folder (str or os.PathLike) other than the model's
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: float8 e4m3, 1 byte per element (attention.py)
     speculative_config: dict | str | None = None  # vLLM's keys, or their JSON (ext/speculative.py)
+    # LoRA adapters (ext/lora.py): a LoRAConfig there, or a dict (or JSON text) of its fields, max_loras and the rest;
+    # vLLM's enable_lora=True, max_loras=... make one (ext/vllm_names.py)
+    lora_config: object = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":

@@ -10,8 +10,9 @@ right after it is launched: the plain synchronous loop, with the same outputs.
 
 Extensions (nanoserve/ext/, found through its registry) meet the engine at four places: one whose engine option is set
 starts with the engine (start); a request whose fields belong to an extension is attached to it once, when it is added
-(attach); the logits processors extensions make live here (logits_processors) and go to every step's launch; and
-run_step / receive_tokens are the step driver that a loop of its own (beam search) runs steps with."""
+(attach; generate's lora_request likewise, to ext/lora.py); the logits processors extensions make live here
+(logits_processors) and go to every step's launch; and run_step / receive_tokens are the step driver that a loop of
+its own (beam search) runs steps with."""
 
 import time
 import weakref
@@ -316,10 +317,12 @@ class LLM:
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: object = None,
     ) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either; sampling_params: one for all, or one per
-        prompt. Every prompt is checked before any is queued; then the engine steps until all have finished, and the
-        outputs come back in prompt order. The progress bar counts output tokens."""
+        prompt; lora_request: vLLM's, a LoRA adapter for all prompts or a list of one (or None) per prompt, which the
+        extension ext/lora.py attaches. Every prompt is checked before any is queued; then the engine steps until all
+        have finished, and the outputs come back in prompt order. The progress bar counts output tokens."""
         # 1) check everything: a bad prompt or parameter refuses the whole batch before any work
         if is_one_prompt(prompts):
             prompts = [prompts]
@@ -330,6 +333,8 @@ class LLM:
             raise InvalidField("sampling_params", f"{len(params)} given for {len(prompts)} prompts")
         check_flag("use_tqdm", use_tqdm)
         requests = [self._make_request(p, sp, None, stream=False) for p, sp in zip(prompts, params, strict=True)]
+        if lora_request is not None:  # each request's adapter, checked and loaded before any is queued
+            ext.load("lora", "lora_request").attach_adapters(self, requests, lora_request)
         # 2) queue them all and step until each has finished
         finished: dict[str, RequestOutput] = {}
         generated_before = self.generated_tokens  # the bar counts this batch's tokens: bar.n of them so far
@@ -362,14 +367,10 @@ class LLM:
         return ext.load("beam_search", "beam_search").beam_search(self, prompts, params)
 
     def chat(self, messages: Conversation | list[Conversation], *args: object, **kwargs: object) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them, through the chat template; then
-        generate's other arguments (sampling_params, use_tqdm)."""
-        return self.generate(self.chat_prompts(messages), *args, **kwargs)
-
-    def chat_prompts(self, messages: Conversation | list[Conversation], tools: list | None = None) -> list[list[int]]:
-        """Each conversation through the chat template, as token ids; tools: OpenAI's function definitions, which a
-        template that supports tools renders (the extension ext/chat.py, which checks every message first)."""
-        return ext.load("chat", "messages").chat_prompts(self, messages, tools)
+        """One conversation (a list of {"role", "content"} dicts) or a list of them, through the chat template (the
+        extension ext/chat.py, which checks every message first and renders them as token ids); then generate's other
+        arguments (sampling_params, use_tqdm, lora_request)."""
+        return self.generate(ext.load("chat", "messages").chat_prompts(self, messages), *args, **kwargs)
 
     def stats(self) -> dict[str, int | float]:
         """The pool, the prefix cache, the queues and the running totals (an application that wants latencies reads

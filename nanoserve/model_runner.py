@@ -1,9 +1,10 @@
 """The ModelRunner owns the model and its KV cache on the device. Each step it turns the scheduler's Step into flat
 tensors (step_inputs.py), runs the model (replaying a CUDA graph when the step is decode-only), samples, and returns an
 InFlightStep without waiting: the samples stay on the device as the next step's inputs while a copy travels to the host.
-Two extension points meet here, each called once per step: the logits processors the engine hands to launch (the
-sampler applies them, sampler.py), and the runner's Peers, the other processes that run every step with this one (none
-in the core; ext/tp's tensor-parallel ranks).
+Three extension points meet here, each called once per step: the logits processors the engine hands to launch (the
+sampler applies them, sampler.py), the runner's Peers, the other processes that run every step with this one (none
+in the core; ext/tp's tensor-parallel ranks), and step_hooks, called with each step before it runs (ext/lora.py fills
+its table of which rows use which adapter there).
 
 KV cache size: every token keeps a K and a V vector per layer and KV head, so
     bytes per token = 2 x num_layers x num_kv_heads x head_dim x bytes per element,
@@ -161,6 +162,9 @@ class ModelRunner:
         self.config = config
         self.args = args
         self.peers = Peers()  # alone until start-up's steps (warm_up) have run: every rank runs its own
+        # extensions' callables, each called with every step before it runs (start-up's too: none is added before the
+        # engine starts), to fill inputs of their own that the model reads (ext/lora.py: which rows use which adapter)
+        self.step_hooks = []
         self.device = torch.device(f"cuda:{peers.local_rank}" if config.device == "cuda" else "cpu")
         # CPU threads: threads=, or the cores other processes leave free (ext/cpu_threads.py; without it, torch's count)
         cpu_threads = find("cpu_threads") if self.device.type == "cpu" else None
@@ -285,6 +289,8 @@ class ModelRunner:
         and maybe not yet read back, holds the values of this step's PENDING decode inputs; processors: the engine's
         logits processors (LLM.logits_processors), each asked for its rows of this step."""
         lists = self.prepare(step, previous)
+        for hook in self.step_hooks:
+            hook(step)
         header, flat = upload(lists, self.device)
         try:
             self.peers.send_step(header, flat)  # tensor parallel: every rank runs the step; rank 0 samples

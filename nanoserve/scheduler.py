@@ -64,6 +64,9 @@ class Scheduler:
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)  # in admission order: the last one is preempted first
     num_preemptions: int = 0
+    # the extension point of admission: may this waiting sequence join the running ones now? The queue waits while its
+    # first sequence may not, as when the pool is short (ext/lora.py: at most max_loras adapters run at once)
+    may_admit: object = lambda seq: True
 
     def check_fits(self, seq: Sequence, num_beams: int = 1) -> None:
         """Refuse a request that could not fit in the whole pool even alone: it would never finish. Beam search's beams
@@ -106,7 +109,8 @@ class Scheduler:
         #    preemption, which would only make the pool thrash
         while not step.preempted and self.waiting and len(self.running) < self.max_num_seqs and self._budget(step):
             seq = self.waiting[0]
-            if seq.num_pending:  # a preempted sequence waits for its tokens' values
+            # a preempted sequence waits for its tokens' values; an extension's rule may hold the queue too
+            if seq.num_pending or not self.may_admit(seq):
                 break
             cached = bm.find_cached_prefix(seq)  # none if it asked for prompt_logprobs
             num_new = min(seq.num_tokens - len(cached) * bm.block_size, self._budget(step))

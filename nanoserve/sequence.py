@@ -82,6 +82,10 @@ class Sequence:
         # the outputs.Request it samples for, set when the engine queues it (None: beam search's sequences, which
         # belong to no request)
         self.request = None
+        # what this sequence's K/V depend on besides its tokens (vLLM's cache_salt): its LoRA adapter (ext/lora.py), or
+        # None. Its blocks are keyed under it in the prefix cache (block_manager.py), so a block computed under one
+        # salt is never found by a sequence under another; forks, preemption and recompute keep it. Never an int
+        self.cache_salt = None
 
     # Lengths: every token counts, pending ones included; only their values are unknown.
     @property

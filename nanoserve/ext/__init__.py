@@ -17,6 +17,11 @@ per step, never per token:
 - The step driver (LLM.run_step and LLM.receive_tokens): a loop of its own over the engine's steps (ext/beam_search.py).
 - Layers and peers (layers.Layers, model_runner.Peers): how the model's weights are held and which other processes run
   each step (ext/tp: tensor parallelism).
+- Steps, admission and the prefix cache (ModelRunner.step_hooks, Scheduler.may_admit, Sequence.cache_salt): a callable
+  the runner calls with every step before it runs, a rule that holds the waiting queue, and a salt that keeps a
+  sequence's blocks apart in the prefix cache (ext/lora.py: which rows use which adapter, at most max_loras adapters
+  at once, blocks computed under one adapter never found under another). LLM.generate's (and chat's) lora_request asks
+  ext/lora.py to attach each request's adapter (attach_adapters), checked before any request is queued.
 - Named entry points the core calls when its option is set: the default model (model=None, ext/default_model.py), the
   step trace (trace=PATH, ext/plots.py), tensor parallelism's runner (ext/tp), LLM.beam_search (ext/beam_search.py).
 - vLLM's names (ext/vllm_names.py): LLM(...) keywords go there first, if it is installed (`find`), where vLLM's are
@@ -35,6 +40,7 @@ ENGINE_OPTIONS = {
     "tensor_parallel_size": ("tp", 1),
     "trace": ("plots", None),
     "speculative_config": ("speculative", None),
+    "lora_config": ("lora", None),
 }
 # SamplingParams' fields:
 REQUEST_FIELDS = {

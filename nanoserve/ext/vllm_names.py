@@ -4,6 +4,9 @@ LLM(...)'s keywords (the core alone refuses every keyword that is not its own as
   - block_size is vLLM's name for kvcache_block_size (give one of the two);
   - trust_remote_code is accepted as False (nanoserve runs only its own model code), disable_log_stats as a bool
     (nanoserve logs no periodic stats);
+  - enable_lora=True, with max_loras, max_lora_rank and max_cpu_loras, is nanoserve's lora_config (ext/lora.py: a
+    dict of those sizes, which it checks), as vLLM makes its LoRAConfig of them; the sizes without enable_lora are
+    taken at vLLM's defaults only;
   - every other option of vLLM's engine (VLLM_DEFAULTS) is accepted at vLLM's default value, which asks for nothing
     (quantization=None, swap_space=4, enable_chunked_prefill=True: nanoserve always chunks), and refused by name at
     any other value, as "a vLLM option that nanoserve does not implement";
@@ -12,6 +15,7 @@ And vLLM's prompt dicts, {"prompt": text} and {"prompt_token_ids": ids}, which L
 beam_search hand it (unwrap_prompt): without this extension, a dict prompt is refused as "prompt"."""
 
 from nanoserve.checks import InvalidField, check_flag, check_token_ids, shown
+from nanoserve.ext import load
 
 # vLLM's engine options that nanoserve does not implement -> the values that ask for nothing (vLLM's default; None,
 # where vLLM's default is None or "chosen for you"). Equality decides: 4 and 4.0 are one value, but True is never 1.
@@ -80,11 +84,7 @@ VLLM_DEFAULTS = {
     "multi_step_stream_outputs": (True,),
     "async_scheduling": (False,),
     "use_v2_block_manager": (True,),
-    "enable_lora": (False,),
     "enable_lora_bias": (False,),
-    "max_loras": (1,),
-    "max_lora_rank": (16,),
-    "max_cpu_loras": (None,),
     "lora_dtype": ("auto",),
     "lora_extra_vocab_size": (256,),
     "fully_sharded_loras": (False,),
@@ -124,6 +124,7 @@ VLLM_DEFAULTS = {
     "tokenizer_pool_type": ("ray",),
     "tokenizer_pool_extra_config": (None,),
 }
+LORA_SIZES = {"max_loras": (1,), "max_lora_rank": (16,), "max_cpu_loras": (None,)}  # vLLM's LoRA sizes, its defaults
 
 
 def asks_for_nothing(value: object, defaults: tuple) -> bool:
@@ -142,6 +143,17 @@ def engine_kwargs(kwargs: dict[str, object]) -> dict[str, object]:
     check_flag("disable_log_stats", kwargs.pop("disable_log_stats", False))
     if kwargs.pop("trust_remote_code", False) is not False:
         raise InvalidField("trust_remote_code", "only False: nanoserve runs only its own model code (Llama, Qwen)")
+    lora_sizes = {name: kwargs.pop(name) for name in LORA_SIZES if name in kwargs}
+    enable_lora = kwargs.pop("enable_lora", False)
+    check_flag("enable_lora", enable_lora)
+    for name, value in lora_sizes.items():  # without enable_lora, only vLLM's defaults: they ask for nothing
+        if not enable_lora and not asks_for_nothing(value, LORA_SIZES[name]):
+            raise InvalidField(name, f"{shown(value)} needs enable_lora=True")
+    if enable_lora and "lora_config" in kwargs:
+        raise InvalidField("enable_lora", "vLLM's name for lora_config: give one of the two")
+    if enable_lora:
+        load("lora", "enable_lora")  # refused by this name where the extension is not installed
+        kwargs["lora_config"] = lora_sizes
     for name in sorted(set(kwargs) & set(VLLM_DEFAULTS)):
         value = kwargs.pop(name)
         if not asks_for_nothing(value, VLLM_DEFAULTS[name]):

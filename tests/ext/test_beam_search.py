@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import nanoserve
 from nanoserve import SamplingParams
+from nanoserve.ext.chat import chat_prompts
 from nanoserve.sampling_params import BeamSearchParams, InvalidField
 
 LLM = partial(nanoserve.LLM, device="cpu")  # CPU semantics in fp32 on any machine
@@ -123,7 +124,7 @@ def test_default_model_beams_match_transformers():
     tokenizer = AutoTokenizer.from_pretrained(folder)
     llm = LLM(folder, max_model_len=256, num_kvcache_blocks=64)
     questions = ["What is the capital of France?", "Name a colour.", "Say hello."]
-    prompts = llm.chat_prompts([[{"role": "user", "content": q}] for q in questions])
+    prompts = chat_prompts(llm, [[{"role": "user", "content": q}] for q in questions])
     outs = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=1.0))
     eos = sorted(llm.eos_token_ids)[0]
     for prompt, out in zip(prompts, outs, strict=True):

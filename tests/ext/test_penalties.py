@@ -15,6 +15,7 @@ from conftest import default_model_or_skip, hf_generate, random_prompts, refused
 from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.ext.chat import chat_prompts
 
 ENGINE = {"device": "cpu", "max_model_len": 128, "num_kvcache_blocks": 32}
 HUGE = 10**400  # too large for a float: float(HUGE) raises OverflowError
@@ -175,7 +176,7 @@ def test_default_model_chat(tmp_path):
     model_dir = default_model_or_skip()
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     llm = LLM(model_dir, device="cpu", max_model_len=256, num_kvcache_blocks=32)
-    prompt = llm.chat_prompts([{"role": "user", "content": "List three fruits, then three more."}])[0]
+    prompt = chat_prompts(llm, [{"role": "user", "content": "List three fruits, then three more."}])[0]
     im_end = llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
     cases = [
         {"repetition_penalty": 1.3},

@@ -400,18 +400,17 @@ def test_missing_routes_and_methods_answer_in_openai_shape(served):
     assert served.client.completions.create(prompt="hi", model=MODEL, max_tokens=1).usage.completion_tokens == 1
 
 
-def test_a_bug_answers_500_in_openai_shape(served):
+def test_a_bug_answers_500_in_openai_shape(served, monkeypatch):
     """Guards against Starlette's plain-text "Internal Server Error": an exception no handler expects (here a
     TypeError from the chat template) is a 500 in OpenAI's shape, and the server serves on."""
+    from nanoserve.ext.server import app
 
-    def broken(messages, tools=None):
+    def broken(llm, messages, tools=None):
         raise TypeError("injected bug")
 
-    served.llm.chat_prompts = broken  # the handler looks it up per request
-    try:
+    with monkeypatch.context() as patch:
+        patch.setattr(app, "chat_prompts", broken)  # the handler looks it up per request
         r = httpx.post(f"{served.base_url}/chat/completions", json={"messages": MESSAGES}, timeout=30)
-    finally:
-        del served.llm.chat_prompts
     assert r.status_code == 500
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "server_error"

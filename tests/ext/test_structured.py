@@ -16,6 +16,7 @@ xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
 from nanoserve import LLM, SamplingParams  # noqa: E402
+from nanoserve.ext.chat import chat_prompts  # noqa: E402
 from nanoserve.ext.structured import StructuredOutputsParams  # noqa: E402
 from nanoserve.sampling_params import InvalidField  # noqa: E402
 
@@ -339,6 +340,6 @@ def test_chat_template_renders_tools(tiny_with_tokenizer):
     folder, _, _ = tiny_with_tokenizer
     llm = LLM(folder, max_model_len=128, num_kvcache_blocks=8, dtype="float32")
     llm.tokenizer.chat_template = "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0].content }}"
-    (ids,) = llm.chat_prompts([{"role": "user", "content": "hi"}], tools=[WEATHER, TIME])
+    (ids,) = chat_prompts(llm, [{"role": "user", "content": "hi"}], tools=[WEATHER, TIME])
     assert llm.tokenizer.decode(ids) == "get_weather;get_time;hi"
     llm.close()

@@ -17,6 +17,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from nanoserve import LLM  # noqa: E402
+from nanoserve.ext.chat import chat_prompts  # noqa: E402
 from nanoserve.ext.tool_parsers import HermesToolParser  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -175,7 +176,7 @@ def test_the_template_renders_the_tools(tools_llm):
     """Guards against a test that passes without tools reaching the model: the prompt holds the tool's signature, and
     the tool-result turn renders the call and its result."""
     conversation = [{**message, "content": message["content"] or ""} for message in TOOL_RESULT_TURN]  # as served
-    (ids,) = tools_llm.chat_prompts([conversation], tools=[WEATHER])
+    (ids,) = chat_prompts(tools_llm, [conversation], tools=[WEATHER])
     prompt = tools_llm.tokenizer.decode(ids)
     assert json.dumps(WEATHER["function"]["parameters"]["properties"]) in prompt.replace("\n", "")
     assert '"name": "get_weather", "arguments": {"city": "Paris"}' in prompt and "18 C and sunny" in prompt

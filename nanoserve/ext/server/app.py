@@ -54,6 +54,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from nanoserve.checks import InvalidField, check_flag, check_number, shown
 from nanoserve.config import EngineConfig
 from nanoserve.ext import load
+from nanoserve.ext.chat import chat_prompts
 from nanoserve.ext.default_model import DEFAULT_MODEL
 from nanoserve.llm import LLM
 from nanoserve.outputs import CompletionOutput, RequestOutput
@@ -154,9 +155,11 @@ class ServerConfig:
     # (ext/tool_parsers.py: hermes); without them, "none" (the template renders the tools, the answer is text)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # vLLM's --lora-modules name=path ...: LoRA adapters (ext/lora.py) that a request's model field names
+    lora_modules: list[str] | None = None
 
     def __post_init__(self) -> None:
-        texts = ("host", "served_model_name", "api_key", "enable_auto_tool_choice", "tool_call_parser")
+        texts = ("host", "served_model_name", "api_key", "enable_auto_tool_choice", "tool_call_parser", "lora_modules")
         for name, value in vars(self).items():
             if name not in texts and value is not None:
                 check_number(name, value, low=0, above_low=name != "port")
@@ -188,10 +191,11 @@ class EngineLoop:
         return asyncio.wrap_future(future)
 
     async def generate(
-        self, http: Request, prompts: list, params: SamplingParams, stream: bool
+        self, http: Request, prompts: list, params: SamplingParams, stream: bool, lora_request: object = None
     ) -> AsyncIterator[tuple[int, RequestOutput] | None]:
-        """One engine request per prompt: yields None once all are queued (bad input raises before a response
-        starts), then (prompt index, output) as they come; aborts what is left if the client or the caller quits."""
+        """One engine request per prompt (under lora_request's adapter, if not None): yields None once all are queued
+        (bad input raises before a response starts), then (prompt index, output) as they come; aborts what is left if
+        the client or the caller quits."""
         loop = asyncio.get_running_loop()
         outputs = asyncio.Queue()  # what sink gets: this request's outputs, or the exception that failed it
 
@@ -204,7 +208,11 @@ class EngineLoop:
         def add() -> None:  # on the engine thread: all prompts are queued or none (one bad prompt refuses them all)
             try:
                 for prompt, request_id in zip(prompts, request_ids, strict=True):
-                    self.llm.add_request(prompt, params, request_id, stream)
+                    if lora_request is None:
+                        self.llm.add_request(prompt, params, request_id, stream)
+                    else:  # the adapter the body's model names: LLM.add_request with it (ext/lora.py)
+                        lora = load("lora", "model")
+                        lora.add_request(self.llm, prompt, params, request_id, stream, lora_request=lora_request)
                     self.sinks[request_id] = sink
             except Exception:
                 self._abort(request_ids)
@@ -555,6 +563,13 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving engine.llm; the engine thread runs while the app does (lifespan)."""
     llm = engine.llm
     model_name = config.served_model_name or llm.config.model or DEFAULT_MODEL
+    # --lora-modules: name -> its LoRARequest, each adapter checked and loaded before the server serves
+    adapters = {}
+    for lora_int_id, module in enumerate(config.lora_modules or [], 1):
+        lora = load("lora", "lora_modules")
+        name, _, path = module.partition("=")
+        adapters[name] = lora.LoRARequest(name, lora_int_id, path)
+        lora.check_adapter(llm, adapters[name])
     max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * llm.config.max_model_len
 
     @contextlib.asynccontextmanager
@@ -604,7 +619,8 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
             "owned_by": "nanoserve",
             "max_model_len": llm.config.max_model_len,
         }
-        return {"object": "list", "data": [model]}
+        lora = [{**model, "id": name, "parent": model_name, "root": r.lora_path} for name, r in adapters.items()]
+        return {"object": "list", "data": [model, *lora]}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -631,10 +647,10 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
         if not isinstance(body, dict):
             raise ValueError("the body must be a JSON object")
         check_fields(body, chat)
-        if body.get("model") not in (None, model_name):
+        if body.get("model") not in (None, model_name, *adapters):
             return error_response(
                 404,
-                f"model {body['model']!r} does not exist; this server has {model_name!r}",
+                f"model {body['model']!r} does not exist; this server has {[model_name, *adapters]}",
                 "model",
                 "model_not_found",
             )
@@ -654,7 +670,7 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
         # to_ids() tokenizes, on the executor: the engine thread, and with it every stream, does not wait for it
         if chat:  # one conversation, as a list of one: chat_prompts takes a list of conversations
             prompts = [normalized(body.get("messages"))]
-            to_ids = partial(llm.chat_prompts, prompts, tools=body.get("tools"))  # rendered by the template, if it can
+            to_ids = partial(chat_prompts, llm, prompts, tools=body.get("tools"))  # rendered by the template, if it can
         else:  # a string, token ids, or a list of either; the engine refuses anything else as "prompt"
             prompt = body.get("prompt")
             is_list = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
@@ -670,7 +686,7 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
             check_context(prompts, params.max_tokens, llm.config.max_model_len, names)
 
         # 3) queued: every prompt, or none
-        results = engine.generate(http, prompts, params, stream)
+        results = engine.generate(http, prompts, params, stream, adapters.get(body.get("model")))
         try:
             await anext(results)  # queues every prompt, or raises why not
         except InvalidField as e:
@@ -682,7 +698,7 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": kind,
             "created": int(time.time()),
-            "model": model_name,
+            "model": body.get("model") or model_name,
         }
 
         parsers = {}  # with tool_choice "auto": choice index -> its tool parser (ext/tool_parsers.py)
@@ -853,12 +869,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         kind = next((kind for kind in (bool, int, float) if kind in kinds), str)
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction)  # --x and --no-x
-        else:
-            parser.add_argument(flag, type=kind)
+        else:  # --lora-modules takes a list
+            parser.add_argument(flag, type=kind, nargs="+" if config_field.name == "lora_modules" else None)
     parser.set_defaults(api_key=os.environ.get(API_KEY_ENV))  # the key from the environment, unless --api-key
     args = vars(parser.parse_args(argv))
     config = ServerConfig(**{f.name: args.pop(f.name) for f in server_fields if f.name in args})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if config.lora_modules:  # adapters need LoRA on: vLLM's default sizes unless --lora-config gives others
+        args.setdefault("lora_config", "{}")
     llm = LLM(**args)  # what is left: the EngineConfig fields given, --model among them
     server = Server(llm, config)
     with contextlib.suppress(KeyboardInterrupt):  # after a Ctrl+C's drain, uvicorn raises it again
