@@ -132,14 +132,13 @@ def test_bad_text_flags_name_the_field(kwargs, field):
 
 
 # ---- requests ------------------------------------------------------------------------------------------------------
-def test_bad_flags_and_too_many_samples_name_the_field(engine):
-    """Guards against stream="no" and use_tqdm="no" being taken as true, and n beyond what a step can run being
-    queued (n = 10**6 sequences)."""
+def test_bad_flags_name_the_field(engine):
+    """Guards against stream="no" and use_tqdm="no" being taken as true. (n beyond what a step can run:
+    tests/ext/test_parallel_sampling.py.)"""
     llm, hf = engine
     prompt = random_prompts([5])[0]
     refused("stream", llm.add_request, prompt, GREEDY, stream="no")
     refused("use_tqdm", llm.generate, prompt, GREEDY, use_tqdm="no")
-    refused("n", llm.generate, prompt, SamplingParams(n=10**6), use_tqdm=False)
     still_serves(llm, hf)
 
 
