@@ -119,6 +119,8 @@ class BlockManager:
         copy_on_write = seq.num_computed_tokens % self.block_size and self.blocks[seq.block_table[-1]].ref_count > 1
         if num_new_blocks + num_revived + copy_on_write > self.num_free_blocks:
             return False
+        if not (num_new_blocks > 0 or cached_blocks or copy_on_write):
+            return True  # most decode steps: the token fits in the sequence's last block (nothing to do, quickly)
         hit_tokens = len(cached_blocks) * self.block_size
         if seq.num_cached_tokens is None:  # first admission; a preempted sequence's recompute is not a query
             seq.num_cached_tokens = hit_tokens

@@ -167,9 +167,11 @@ class Scheduler:
         end = 0  # of the sequence's rows
         for seq in step.sampling_seqs:
             start, end = end, end + seq.num_draft_tokens + 1
-            if not seq.is_finished:
-                kept = self.keep_drafts(seq, tokens[start:end])
-                got_tokens.append((seq, tokens[start : start + kept + 1], logprobs[start : start + kept + 1]))
+            if seq.is_finished:
+                continue
+            # (the common row, one token and no drafts, skips keep_drafts: this loop runs for every sequence per step)
+            kept = self.keep_drafts(seq, tokens[start:end]) if end - start > 1 else 0
+            got_tokens.append((seq, tokens[start : start + kept + 1], logprobs[start : start + kept + 1]))
         return got_tokens
 
     def keep_drafts(self, seq: Sequence, samples: list[int]) -> int:

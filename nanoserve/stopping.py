@@ -46,9 +46,10 @@ class StopChecker:
         """After seq's oldest pending token is read back: "stop", "length" or None. Keeps seq.text up to date
         token by token when `incremental` (streaming) or when stop strings need it, else decodes once at the end."""
         params = seq.params
-        num_out = seq.num_known_tokens - seq.num_prompt_tokens
+        num_known = seq.num_known_tokens  # (this runs for every sequence every step: each look costs)
+        num_out = num_known - seq.num_prompt_tokens
         may_stop = num_out >= params.min_tokens
-        newest = seq.token_ids[seq.num_known_tokens - 1]
+        newest = seq.token_ids[num_known - 1]
         if may_stop and newest in seq.stop_token_ids:
             # the stop id's own text is shown only with include_stop_str_in_output (EOS's is empty anyway where
             # skip_special_tokens leaves special tokens out)
@@ -56,9 +57,9 @@ class StopChecker:
             return "stop"
         if incremental or params.stop:
             self._decode(seq, num_out, final=False)
-        if search_stop_strings(seq, may_stop):  # without stop strings: nothing to find
+        if params.stop and search_stop_strings(seq, may_stop):
             return "stop"
-        if num_out >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:
+        if num_out >= params.max_tokens or num_known >= self.max_model_len:
             self._decode(seq, num_out, final=True)
             return "length"
         return None
