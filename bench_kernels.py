@@ -6,7 +6,8 @@ from this file (Triton refuses a @jit function fed on standard input). Needs CUD
     python bench_kernels.py profile OUT.txt MODEL_DIR      # torch.profiler tables: decode at 256, mixed, decode at 1
 
 Shapes are Qwen3-0.6B's heads (16 query, 8 KV, head_dim 128) in bf16, block size 16, unless a row says otherwise;
-MODEL_DIR is the random Qwen3-0.6B folder gpu_check.sh saves once (`bench.py --save-model`)."""
+MODEL_DIR is the random Qwen3-0.6B folder gpu_check.sh saves once (`bench.py --save-model`). On a machine without
+CUDA it runs on the CPU, only so that tests/test_gpu_check.py can check it runs; its timings mean nothing there."""
 
 import json
 import sys
@@ -20,7 +21,9 @@ from nanoserve import LLM, SamplingParams
 from nanoserve import attention as A
 from nanoserve import sampler as S
 
-DEVICE = "cuda"
+# CUDA for the measurements; the CPU (Triton's interpreter, tiny shapes) only for tests/test_gpu_check.py's smoke run
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 KV_BYTES_PER_TOKEN_BF16 = 2 * NUM_KV_HEADS * HEAD_DIM * 2  # K and V of one token in bf16, one layer
 
@@ -53,9 +56,23 @@ def paged_batch(query_lens, context_lens, dtype=torch.bfloat16, kv_dtype=None):
     return q, k_cache, v_cache, meta
 
 
+def milliseconds(fn) -> float:
+    """fn's time: Triton's do_bench on a GPU (CUDA events, the cache flushed between runs); one timed call on a CPU."""
+    if ON_GPU:
+        return do_bench(fn)
+    start = time.perf_counter()
+    fn()
+    return 1000 * (time.perf_counter() - start)
+
+
+def synchronize() -> None:
+    if ON_GPU:
+        torch.cuda.synchronize()
+
+
 def time_attention(query_lens, context_lens, **kwargs) -> float:
     q, k, v, meta = paged_batch(query_lens, context_lens, **kwargs)
-    return do_bench(lambda: A.paged_attention(q, k, v, meta, HEAD_DIM**-0.5))
+    return milliseconds(lambda: A.paged_attention(q, k, v, meta, HEAD_DIM**-0.5))
 
 
 def kernels(out_path: str) -> None:
@@ -70,7 +87,8 @@ def kernels(out_path: str) -> None:
     # at batch 128-256 (the reduce was 19 us of 143 per layer at batch 256 in the 2026-11-27 profile)
     real_splits = A.decode_splits
     for num_seqs, ctx in ((64, 1024), (128, 1024), (256, 512), (256, 1024)):
-        splits = real_splits(num_seqs, NUM_KV_HEADS, torch.cuda.get_device_properties(0).multi_processor_count)
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else A.CPU_NUM_SMS
+        splits = real_splits(num_seqs, NUM_KV_HEADS, num_sms)
         now = time_attention([1] * num_seqs, [ctx] * num_seqs)
         at_least_two = max(2, splits)
         A.decode_splits = lambda *args, n=at_least_two: n
@@ -136,7 +154,7 @@ def kernels(out_path: str) -> None:
     for num_rows in (1, 16, 256):
         logits = torch.randn(num_rows, 151936, device=DEVICE, dtype=torch.bfloat16)
         temps, seeds = [0.6] * num_rows, list(range(num_rows))
-        ms = do_bench(lambda logits=logits, temps=temps, seeds=seeds: S.gumbel_argmax(logits, temps, seeds))
+        ms = milliseconds(lambda logits=logits, temps=temps, seeds=seeds: S.gumbel_argmax(logits, temps, seeds))
         report(what="gumbel_argmax T=0.6", rows=num_rows, ms=round(ms, 4))
     with open(out_path, "w") as f:
         json.dump(rows, f, indent=1)
@@ -176,12 +194,13 @@ def profile(out_path: str, model_dir: str) -> None:
     tables = []
 
     def profiled(name: str, llm: LLM, num_steps: int) -> None:
-        torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        synchronize()
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if ON_GPU else [ProfilerActivity.CPU]
+        with torch_profile(activities=activities) as prof:
             for _ in range(num_steps):
                 llm.step()
-            torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+            synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total" if ON_GPU else "cpu_time_total", row_limit=30)
         tables.append(f"== {name} ({num_steps} steps)\n{table}")
         print(tables[-1], flush=True)
 

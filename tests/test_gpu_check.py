@@ -1,0 +1,104 @@
+"""gpu_check.sh and bench_kernels.py run only on a GPU machine, whose minutes are few: a bug there costs a lease. Here
+on the CPU: gpu_check.sh's bench stage with a stand-in for bench.py (a mode that fails or hangs adds no rows, in
+particular never the previous mode's again, and fails the run), and bench_kernels.py's functions on tiny shapes."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A stand-in for python3: bench.py writes one row naming its arguments, except that --latency fails and --prefix
+# hangs; anything else (the script's own `python3 -c`) goes to the real Python.
+FAKE_PYTHON = """#!/usr/bin/env bash
+if [ "$1" = bench.py ]; then
+  case " $* " in
+    *" --latency "*) exit 3 ;;
+    *" --prefix "*) sleep 30; exit 0 ;;
+  esac
+  while [ $# -gt 0 ]; do [ "$1" = --json ] && json=$2; shift; done
+  echo '[{"ran": true}]' > "$json"
+  exit 0
+fi
+exec {python} "$@"
+"""
+
+
+def executable(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def test_bench_stage_appends_only_the_modes_that_ran(tmp_path):
+    """Guards against run() hiding a failure: `run X && append_rows` appended the previous mode's rows again after a
+    failed mode, and a hung mode held the lease until it ended."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    executable(fake_bin / "python3", FAKE_PYTHON.replace("{python}", sys.executable))
+    executable(fake_bin / "nvidia-smi", "#!/bin/sh\necho 'a fake GPU'\n")
+    out = tmp_path / "out"
+    env = os.environ | {
+        "PATH": f"{fake_bin}:{os.environ['PATH']}",
+        "OUT": str(out),
+        "BENCH_JSON": str(tmp_path / "bench.json"),
+        "STEP_TIMEOUT": "2",
+        "MODEL": str(tmp_path / "model"),
+    }
+    done = subprocess.run(["bash", str(ROOT / "gpu_check.sh"), "bench"], env=env, capture_output=True, text=True)
+    assert done.returncode == 1, done.stdout + done.stderr
+    modes = [json.loads(line)["mode"] for line in (out / "bench.jsonl").read_text().splitlines()]
+    for failed in ("latency", "latency-speculative", "latency-40k", "prefix"):
+        assert failed not in modes
+    for ran in ("attention", "standard", "standard-host-time", "kv-report", "kv-report-fp8", "lora"):
+        assert modes.count(ran) == 1, modes
+    assert "FAILED (exit 3)" in done.stdout and "FAILED (timed out after 2 s)" in done.stdout
+    assert (out / "stages.txt").read_text().startswith("== stage bench: ")
+
+
+@pytest.fixture(scope="module")
+def bench_kernels():
+    sys.path.insert(0, str(ROOT))
+    import bench_kernels
+
+    return bench_kernels
+
+
+def test_bench_kernels_attention_on_tiny_shapes(bench_kernels):
+    """paged_batch builds a valid paged batch (its attention matches the reference) and time_attention times it."""
+    from nanoserve import attention as A
+
+    q, k, v, meta = bench_kernels.paged_batch([1, 3], [40, 19], dtype=torch.float32)
+    scale = bench_kernels.HEAD_DIM**-0.5
+    got = A.paged_attention(q, k, v, meta, scale)
+    want = A.paged_attention_ref(q, k, v, meta, scale)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    assert bench_kernels.time_attention([1, 1], [33, 17], dtype=torch.float32) > 0
+
+
+def test_bench_kernels_eager_and_profile_run(bench_kernels, tmp_path):
+    """The eager and profile modes on a tiny model with Qwen3's layout (4,096 positions, as they ask for)."""
+    config = Qwen3Config(
+        vocab_size=1024,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    bench_kernels.eager(str(tmp_path / "eager.json"), str(tmp_path / "model"))
+    row = json.loads((tmp_path / "eager.json").read_text())
+    assert row["steps"] >= 64 and row["max_step_ms"] > 0
+    bench_kernels.profile(str(tmp_path / "profile.txt"), str(tmp_path / "model"))
+    tables = (tmp_path / "profile.txt").read_text()
+    assert tables.count("== ") == 3 and "aten::" in tables
