@@ -73,9 +73,10 @@ class SpeculativeConfig:
             self.prompt_lookup_min = check_number(f"{FIELD}.prompt_lookup_min", low, 1, self.prompt_lookup_max, True)
         elif not isinstance(self.model, str):
             raise InvalidField(f"{FIELD}.model", "draft_model needs the draft model's folder")
-        unused = "model" if self.method == "ngram" else "prompt_lookup_max" if self.prompt_lookup_max else None
-        if unused is not None and getattr(self, unused) is not None:
-            raise InvalidField(f"{FIELD}.{unused}", f"is not a key of method {self.method!r}")
+        # the other method's keys are refused, not ignored
+        for unused in ("model",) if self.method == "ngram" else ("prompt_lookup_max", "prompt_lookup_min"):
+            if getattr(self, unused) is not None:
+                raise InvalidField(f"{FIELD}.{unused}", f"is not a key of method {self.method!r}")
         if self.disable_by_batch_size is None:
             self.disable_by_batch_size = DEFAULT_DISABLE_BY_BATCH_SIZE
 

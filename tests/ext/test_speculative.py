@@ -39,11 +39,17 @@ def outputs(llm: LLM, prompts: list, params: SamplingParams | list) -> list[list
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def assert_nothing_held(llm: LLM) -> None:
+def assert_nothing_held(llm: LLM, finished: list[list[int]]) -> None:
+    """After a run: no request left, every block back in the pool, and every block the prefix cache can find holds
+    verified tokens: a block-aligned run of some finished sequence's prompt + output (`finished`; a block keyed on
+    a rejected draft would hold tokens no output has there)."""
     stats = llm.stats()
     assert stats["kv_blocks_used"] == 0 and not llm.has_unfinished_requests(), stats
-    for key, _ in llm.block_manager.cached.items():
-        assert key is not None
+    size = llm.block_manager.block_size
+    verified = {tuple(ids[i : i + size]) for ids in finished for i in range(0, len(ids) - size + 1, size)}
+    assert llm.block_manager.cached or not llm.config.enable_prefix_caching, "nothing cached: nothing checked"
+    for _, tokens in llm.block_manager.cached:
+        assert tokens in verified
 
 
 def chi2_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -67,7 +73,7 @@ def test_ngram_greedy_equals_plain_decoding_and_transformers(tiny_model, family)
     assert got == [hf_greedy(hf, p, 40) for p in prompts]
     stats = spec.stats()
     assert stats["spec_accepted_tokens"] > 10 and stats["spec_proposed_tokens"] >= stats["spec_accepted_tokens"]
-    assert_nothing_held(spec)
+    assert_nothing_held(spec, [p + g for p, g in zip(prompts, got, strict=True)])
 
 
 @pytest.mark.parametrize(
@@ -79,15 +85,19 @@ def test_ngram_greedy_equals_plain_decoding_and_transformers(tiny_model, family)
     ],
     ids=["chunked", "preemption", "prefix"],
 )
-def test_ngram_greedy_under_chunking_preemption_and_prefix_caching(tiny_model, engine):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_under_chunking_preemption_and_prefix_caching(tiny_model, engine, method):
     """Guards against drafts meeting the scheduler's other paths: cut by the step budget, dropped by a preemption
-    (a recompute must not take unverified drafts for tokens), or cached as a prefix before they are verified."""
+    (a recompute must not take unverified drafts for tokens), or cached as a prefix before they are verified. For
+    n-gram drafts and for a draft model (the target itself: every draft agrees, so runs are long)."""
     path, hf = tiny_model("qwen3")
     prompts = repetitive_prompts()
-    llm = LLM(path, **{**ENGINE, **engine}, speculative_config={**NGRAM, "disable_by_batch_size": 64})
+    proposer = NGRAM if method == "ngram" else {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    llm = LLM(path, **{**ENGINE, **engine}, speculative_config={**proposer, "disable_by_batch_size": 64})
     for _ in range(2):  # the second wave hits the first's cached prefixes
-        assert outputs(llm, prompts, GREEDY) == [hf_greedy(hf, p, 40) for p in prompts]
-        assert_nothing_held(llm)
+        got = outputs(llm, prompts, GREEDY)
+        assert got == [hf_greedy(hf, p, 40) for p in prompts]
+        assert_nothing_held(llm, [p + g for p, g in zip(prompts, got, strict=True)])
     if "num_kvcache_blocks" in engine:
         assert llm.stats()["preemptions"] > 0
     assert llm.stats()["spec_accepted_tokens"] > 0
@@ -107,11 +117,13 @@ def test_stop_rules_inside_an_accepted_run(tiny_model):
         SamplingParams(temperature=0, max_tokens=17, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
     ]
+    finished = []
     for params in cases:
         want = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0]
         got = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
         assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), params
-    assert_nothing_held(spec)
+        finished.append(prompt + list(got.token_ids))
+    assert_nothing_held(spec, finished)
 
 
 def test_stop_string_inside_an_accepted_run(tiny_model):
@@ -160,7 +172,8 @@ def test_draft_models_accept_all_or_almost_nothing(tiny_model, tmp_path):
 
 
 # ---- sampling: the target's distribution -----------------------------------------------------------------------
-def test_seeded_sampling_is_identical_with_and_without_drafts(tiny_model):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_seeded_sampling_is_identical_with_and_without_drafts(tiny_model, method):
     """Guards against a sampled row drawn with other noise, or a draft kept that the model's draw did not agree with:
     a seeded request's noise depends on its seed and position only, so with drafts its tokens are exactly those
     without, for many seeds, with top-p and with top-k (at temperatures low enough for the tiny model's flat logits
@@ -168,20 +181,37 @@ def test_seeded_sampling_is_identical_with_and_without_drafts(tiny_model):
     path, _ = tiny_model("llama")
     prompts = repetitive_prompts()
     plain = LLM(path, **ENGINE)
-    spec = LLM(path, **ENGINE, speculative_config={**NGRAM, "disable_by_batch_size": 64})
+    proposer = NGRAM if method == "ngram" else {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    spec = LLM(path, **ENGINE, speculative_config={**proposer, "disable_by_batch_size": 64})
+    finished = []
     for filters in ({"temperature": 0.05}, {"temperature": 0.1, "top_p": 0.8}, {"temperature": 0.2, "top_k": 5}):
         params = [SamplingParams(**filters, seed=s, max_tokens=24, ignore_eos=True) for s in range(8)]
         batch = [p for p in prompts for _ in range(2)]
-        assert outputs(spec, batch, params) == outputs(plain, batch, params)
+        got = outputs(spec, batch, params)
+        assert got == outputs(plain, batch, params)
+        finished += [p + g for p, g in zip(batch, got, strict=True)]
     assert spec.stats()["spec_accepted_tokens"] > 0
-    assert_nothing_held(spec)
+    assert_nothing_held(spec, finished)
 
 
-def test_sampled_tokens_follow_the_target_distribution(tmp_path):
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution a request samples from, in plain PyTorch: softmax(logits / T), then top-p (tokens by falling
+    probability, kept while the mass before them is below top_p), renormalised."""
+    probs = (logits.double() / temperature).softmax(-1)
+    sorted_probs, order = probs.sort(-1, descending=True)
+    dropped_sorted = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+    dropped = torch.zeros_like(dropped_sorted).scatter(-1, order, dropped_sorted)  # back in token order
+    probs = probs.masked_fill(dropped, 0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("filters", [{"temperature": 1.0}, {"temperature": 0.8, "top_p": 0.7}], ids=["plain", "top_p"])
+def test_sampled_tokens_follow_the_target_distribution(tmp_path, filters):
     """Guards against speculation biasing sampling (drafts accepted too often, or the draw after a rejection not
     the model's): on a 16-token vocabulary, the third token after a repetitive prompt (drawn at a draft's row when the
     draft for the second was kept) follows the target's marginal, the sum over t1, t2 of p(t1) p(t2 | t1) p(t3 | t1,
-    t2), by a chi-square test; the second token's too."""
+    t2), by a chi-square test; the second token's too. Plain sampling, and with temperature and top-p (a draft is
+    kept only if the filtered draw agrees: the filters must apply at draft rows exactly as at the last one)."""
     torch.manual_seed(5)
     config = LlamaConfig(**{**FAMILIES["llama"]().to_dict(), "vocab_size": 16, "initializer_range": 0.3})
     hf = AutoModelForCausalLM.from_config(config).eval()
@@ -189,13 +219,14 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path):
     prompt = [3, 4, 5] * 6 + [3, 4]
     pairs = torch.cartesian_prod(torch.arange(16), torch.arange(16))  # every (t1, t2)
     with torch.no_grad():
-        p1 = hf(torch.tensor([prompt])).logits[0, -1].softmax(-1)  # [16]
-        p2 = hf(torch.tensor([prompt + [t] for t in range(16)])).logits[:, -1].softmax(-1)  # [t1, t2]
-        p3 = hf(torch.cat([torch.tensor([prompt]).expand(256, -1), pairs], 1)).logits[:, -1].softmax(-1)  # [pair, t3]
+        p1 = sampling_probs(hf(torch.tensor([prompt])).logits[0, -1], **filters)  # [16]
+        p2 = sampling_probs(hf(torch.tensor([prompt + [t] for t in range(16)])).logits[:, -1], **filters)  # [t1, t2]
+        logits3 = hf(torch.cat([torch.tensor([prompt]).expand(256, -1), pairs], 1)).logits[:, -1]
+        p3 = sampling_probs(logits3, **filters)  # [pair, t3]
     second = (p1[:, None] * p2).sum(0)
     third = ((p1[:, None] * p2).flatten()[:, None] * p3).sum(0)
     llm = LLM(str(tmp_path), **ENGINE, max_num_seqs=256, speculative_config={**NGRAM, "disable_by_batch_size": 512})
-    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    params = SamplingParams(**filters, max_tokens=3, ignore_eos=True)
     got = outputs(llm, [prompt] * 1500, params)
     for position, marginal in ((1, second), (2, third)):
         counts = np.bincount([tokens[position] for tokens in got], minlength=16)
@@ -295,6 +326,19 @@ def test_ngram_lookup():
             "speculative_config.draft_tensor_parallel_size",
         ),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
+        # the other method's keys: refused, not silently ignored
+        (
+            {"method": "draft_model", "model": "m", "num_speculative_tokens": 2, "prompt_lookup_min": 1},
+            "speculative_config.prompt_lookup_min",
+        ),
+        (
+            {"method": "draft_model", "model": "m", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+            "speculative_config.prompt_lookup_max",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "model": "m"},
+            "speculative_config.model",
+        ),
         (
             {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "disable_by_batch_size": 0},
             "speculative_config.disable_by_batch_size",
