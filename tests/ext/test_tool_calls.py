@@ -94,6 +94,9 @@ PARSED = [  # (the model's text, the content, the calls as (name, arguments))
     ),
     ('Sure <tool_call>\n{"name": "a", "arguments": {"s": "é"}}', "Sure ", [("a", {"s": "é"})]),  # never closed
     ("1 < 2 and <tool", "1 < 2 and <tool", []),  # the start of a block that never comes is content at the end
+    # keys in another order: a call by its whole JSON; another key between name and arguments: read at the close
+    ('<tool_call>{"arguments": {"x": [1]}, "name": "a"}</tool_call>', "", [("a", {"x": [1]})]),
+    ('<tool_call>{"name": "a", "why": "}", "arguments": [2, {}]}</tool_call>', "", [("a", [2, {}])]),
 ]
 
 
@@ -102,19 +105,53 @@ def test_hermes_parser_whole_and_streamed(text, content, calls):
     """Guards against a call lost or garbled (arguments not a JSON string of what the model wrote), text dropped or
     duplicated around blocks, and a stream whose pieces differ from the whole answer: fed whole, or one character at a
     time (the tail that may start "<tool_call>" held back until it cannot), the parser gives the same content and
-    calls, the calls numbered 0, 1, ... with ids of their own."""
+    calls, the calls numbered 0, 1, ... with ids of their own; the deltas joined by index are the calls."""
     for pieces in ([text], list(text)):
         parser = HermesToolParser()
-        found_content, found_calls = "", []
+        found_content, deltas = "", []
         for i, piece in enumerate(pieces):
-            more, new_calls = parser.feed(piece, final=i == len(pieces) - 1)
+            more, new_deltas = parser.feed(piece, final=i == len(pieces) - 1)
             found_content += more
-            found_calls += new_calls
+            deltas += new_deltas
         assert found_content == content
-        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in found_calls] == calls
-        assert [c["index"] for c in found_calls] == list(range(len(calls))) and parser.num_calls == len(calls)
-        assert all(c["type"] == "function" and c["id"].startswith("call_") for c in found_calls)
-        assert len({c["id"] for c in found_calls}) == len(calls)
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parser.calls] == calls
+        assert parser.num_calls == len(calls) and join_deltas(deltas) == parser.calls
+        assert all(c["type"] == "function" and c["id"].startswith("call_") for c in parser.calls)
+        assert len({c["id"] for c in parser.calls}) == len(calls)
+
+
+def join_deltas(deltas: list[dict]) -> list[dict]:
+    """A stream's tool-call deltas joined as a client joins them, checking their order on the way: a call's first
+    delta (its index the next one) has id, type and name, and arguments ""; later ones only a piece of arguments."""
+    calls = []
+    for delta in deltas:
+        if "id" in delta:
+            assert delta["index"] == len(calls) and delta["function"]["arguments"] == ""
+            calls.append(
+                {key: value for key, value in delta.items() if key != "index"} | {"function": {**delta["function"]}}
+            )
+        else:
+            assert set(delta) == {"index", "function"} and delta["index"] == len(calls) - 1
+            assert set(delta["function"]) == {"arguments"} and delta["function"]["arguments"]
+            calls[-1]["function"]["arguments"] += delta["function"]["arguments"]
+    return calls
+
+
+def test_hermes_parser_streams_the_name_first_then_the_arguments():
+    """Guards against a call held back until its block closes (vLLM streams it as it is written): fed a character at
+    a time, the call's first delta comes as soon as its name's closing quote does, then an arguments piece per new
+    character of the arguments value, none for the call's closing brace or the block's end tag; a quote or bracket
+    escaped inside a string does not end the value."""
+    text = 'x<tool_call>{"name": "f", "arguments": {"s": "a}\\"]"}}\n</tool_call>'
+    parser = HermesToolParser()
+    got = []  # (characters fed so far, the deltas that piece brought)
+    for i, char in enumerate(text):
+        got += [(i + 1, delta) for delta in parser.feed(char, final=i == len(text) - 1)[1]]
+    first_at, first = got[0]
+    assert text[:first_at].endswith('"f"') and first["function"] == {"name": "f", "arguments": ""}
+    arguments = '{"s": "a}\\"]"}'
+    assert [delta["function"]["arguments"] for _, delta in got[1:]] == list(arguments)
+    assert json.loads(parser.calls[0]["function"]["arguments"]) == {"s": 'a}"]'}
 
 
 # ---- the server, on the default model with a template that offers tools ---------------------------------------------
@@ -195,22 +232,21 @@ def test_auto_tool_choice_returns_the_call(auto_url):
 
 def test_auto_tool_choice_streams_as_vllm_streams(auto_url):
     """Guards against a stream that leaks the <tool_call> text as content or never sends the call: content deltas
-    until the block starts, then a delta with the call (index, id, type, name, arguments), then finish_reason
-    "tool_calls"; the deltas join to the whole answer's content and call."""
+    until the block starts, then the call's first delta (index, id, type, name), then its arguments in pieces as the
+    tokens come, then finish_reason "tool_calls"; the deltas join to the whole answer's content and call."""
     stream = client_for(auto_url).chat.completions.create(
         model=MODEL, messages=QUESTION, tools=[WEATHER], tool_choice="auto", stream=True
     )
-    content, calls, reasons = "", {}, []
+    content, deltas, reasons = "", [], []
     for chunk in stream:
         delta = chunk.choices[0].delta
         content += delta.content or ""
-        for call in delta.tool_calls or []:  # accumulated by index, as clients do
-            entry = calls.setdefault(call.index, {"id": call.id, "name": call.function.name, "arguments": ""})
-            entry["arguments"] += call.function.arguments or ""
+        deltas += [call.model_dump(exclude_none=True) for call in delta.tool_calls or []]
         reasons.append(chunk.choices[0].finish_reason)
     assert content == "Let me check.\n" and "<tool" not in content
-    assert list(calls) == [0] and calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
-    assert json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+    (call,) = join_deltas(deltas)  # the name first, then the arguments in several pieces, as vLLM streams them
+    assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_") and len(deltas) > 2
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     assert reasons[-1] == "tool_calls" and set(reasons[:-1]) == {None}
 
 

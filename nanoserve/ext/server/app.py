@@ -731,9 +731,10 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
                     function = {"name": tool["function"]["name"], "arguments": text}
                     calls = [{"id": f"call_{uuid.uuid4().hex}", "type": "function", "function": function}]
                     content, num_calls = "", 1
-                elif tool == "auto":  # as the text comes: the calls in it, and the text outside them
+                elif tool == "auto":  # as the text comes: the calls in it (a stream's deltas), the text outside them
                     parser = parsers.setdefault(result["index"], config.tool_parser())
                     content, calls = parser.feed(text, final=sample.finish_reason is not None)
+                    calls = calls if stream else parser.calls  # whole: each call joined from its deltas
                     num_calls = parser.num_calls
                 # the whole message, or a stream's first chunk, names the role
                 message = {"role": "assistant", "content": content} if first == 0 else {"content": content}
