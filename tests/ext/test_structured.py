@@ -335,6 +335,25 @@ def test_max_length_and_max_items_bound_the_output(llm):
     check_pool(llm)
 
 
+def test_max_length_and_max_items_through_the_server(client, llm):
+    """The same bounds as a client sends them, through the official openai client: a response_format json_schema and a
+    forced tool call whose parameters are the bounded schema, the model pushed towards "a" forever by logit_bias (as
+    a client may send it); each answer closes its strings and arrays in time and validates."""
+    a = llm.tokenizer.encode("a")[0]
+    push = {str(a): 30}
+    schema_format = {"type": "json_schema", "json_schema": {"name": "bounded", "schema": BOUNDED, "strict": True}}
+    reply = chat(client, response_format=schema_format, logit_bias=push).choices[0]
+    assert reply.finish_reason == "stop", reply.message.content
+    jsonschema.validate(json.loads(reply.message.content), BOUNDED)
+    tool = {"type": "function", "function": {"name": "record", "parameters": BOUNDED}}
+    forced = {"type": "function", "function": {"name": "record"}}
+    reply = chat(client, tools=[tool], tool_choice=forced, logit_bias=push).choices[0]
+    (call,) = reply.message.tool_calls
+    assert reply.finish_reason == "tool_calls" and call.function.name == "record"
+    jsonschema.validate(json.loads(call.function.arguments), BOUNDED)
+    check_pool(llm)
+
+
 def test_chat_template_renders_tools(tiny_with_tokenizer):
     """tools reach the chat template (transformers' apply_chat_template(tools=...)): a template that lists them."""
     folder, _, _ = tiny_with_tokenizer
