@@ -174,3 +174,19 @@ def test_huge_counts_and_unreadable_tensors_are_refused_by_name(tiny_model, no_w
     for unreadable in (ids.to_sparse(), torch.empty(3, dtype=torch.long, device="meta")):
         refused("stop_token_ids", SamplingParams, stop_token_ids=unreadable)
     assert SamplingParams(stop_token_ids=ids).stop_token_ids == [5, 6, 7]  # a dense tensor is fine
+
+
+@pytest.mark.parametrize("kind", ["sparse", "meta"])
+def test_unreadable_tensors_are_refused_as_prompts_and_token_lists(tiny_model, kind):
+    """The same for the other places that take token ids: a prompt (generate and add_request) and allowed_token_ids
+    name their field, and the engine serves the next request."""
+    import torch
+
+    path, _ = tiny_model("llama")
+    dense = torch.tensor([5, 6, 7])
+    unreadable = dense.to_sparse() if kind == "sparse" else torch.empty(3, dtype=torch.long, device="meta")
+    llm = LLM(path, **ENGINE)
+    refused("prompt", llm.generate, unreadable, use_tqdm=False)
+    refused("prompt", llm.add_request, unreadable)
+    refused("allowed_token_ids", SamplingParams, allowed_token_ids=unreadable)
+    assert llm.generate(dense, SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
