@@ -9,6 +9,7 @@ leaks); bad input refused by name before any work; vLLM's names; the server's --
 import itertools
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -352,6 +353,23 @@ def test_sgmv_kernel_equals_its_reference(num_rows, in_features, shard_sizes, ma
         torch.testing.assert_close(u_kernel[row], u_ref[row], **tolerance)
         torch.testing.assert_close(y_ref[row].float(), y[row].float() + delta, **tolerance)
         torch.testing.assert_close(y_kernel[row].float(), y_ref[row].float(), **tolerance)
+
+
+@pytest.mark.parametrize("draw", range(4))
+def test_sgmv_kernel_on_freshly_drawn_shapes(draw):
+    """The same comparison on shapes drawn afresh each run (the seed is in the failure's message, to replay it):
+    1-48 rows, 16-160 input features, 1-3 shards of 8-96 columns, a max rank up to 64 (64 in the first draw), 1-8
+    slots, fp32 or fp16."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    max_rank = 64 if draw == 0 else rng.randint(1, 64)
+    shards = tuple(rng.randint(8, 96) for _ in range(rng.randint(1, 3)))
+    shape = (rng.randint(1, 48), rng.randint(16, 160), shards, max_rank, rng.randint(1, 8))
+    dtype = rng.choice([torch.float32, torch.float16])
+    try:
+        test_sgmv_kernel_equals_its_reference(*shape, dtype)
+    except AssertionError as error:
+        raise AssertionError(f"seed {seed}: rows, features, shards, max rank, slots = {shape}, {dtype}") from error
 
 
 def test_sgmv_kernel_compiles_for_h100_without_spills():
