@@ -566,6 +566,37 @@ def test_the_server_serves_adapters_by_model_name(tmp_path):
     assert llm.stats()["kv_blocks_used"] == 0
 
 
+def test_the_servers_lora_flags_are_vllms(monkeypatch):
+    """Guards against a vLLM user's command line failing: `--enable-lora --max-loras 4 --max-lora-rank 32` reach LLM()
+    as vLLM's names (which ext/vllm_names.py turns into lora_config), --lora-modules alone turns LoRA on with vLLM's
+    sizes, and a module that is not name=path is refused by that flag's name before any model is loaded."""
+    pytest.importorskip("fastapi")
+    from nanoserve.ext.server import app as server
+
+    engines = []
+
+    class Stop(Exception):
+        pass
+
+    def made(**kwargs):
+        engines.append(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(server, "LLM", made)
+    for argv, expected in (
+        (["--enable-lora", "--max-loras", "4", "--max-lora-rank", "32"], {"enable_lora": True, "max_loras": 4}),
+        (["--lora-modules", "a=/x", "b=/y"], {"lora_config": "{}"}),
+        (["--enable-lora", "--lora-modules", "a=/x"], {"enable_lora": True}),
+    ):
+        with pytest.raises(Stop):
+            server.main(argv)
+        assert engines[-1].items() >= expected.items(), engines[-1]
+    assert engines[0]["max_lora_rank"] == 32 and "lora_config" not in engines[2]
+    for module in ("shouty", "=/x", "a="):
+        refused("lora_modules", server.main, ["--lora-modules", module])
+    assert len(engines) == 3  # no engine made for a bad module
+
+
 def test_bench_loras_mode(tmp_path):
     """Guards against bench.py --loras (the BENCHMARKS figure and gpu_check.sh's) crashing or reporting runs that are
     not the same requests: the no-adapter run and the adapters' generate the same tokens and say how much slower."""

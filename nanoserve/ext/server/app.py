@@ -170,6 +170,10 @@ class ServerConfig:
             self.tool_parser = load("tool_parsers", "tool_call_parser").parser_for(self.tool_call_parser)
         if self.enable_auto_tool_choice and self.tool_parser is None:
             raise InvalidField("enable_auto_tool_choice", "needs a parser: --tool-call-parser hermes")
+        for module in self.lora_modules or []:  # before the engine is made: a typo costs no model load
+            name, equals, path = str(module).partition("=")
+            if not (name and equals and path):
+                raise InvalidField("lora_modules", f"{shown(module)} is not name=path")
 
 
 class EngineLoop:
@@ -872,12 +876,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction)  # --x and --no-x
         else:  # --lora-modules takes a list
             parser.add_argument(flag, type=kind, nargs="+" if config_field.name == "lora_modules" else None)
+    # vLLM's LoRA flags, which LLM() takes by the same names (ext/vllm_names.py makes lora_config of them)
+    parser.add_argument("--enable-lora", action=argparse.BooleanOptionalAction)
+    for flag in ("--max-loras", "--max-lora-rank", "--max-cpu-loras"):
+        parser.add_argument(flag, type=int)
     parser.set_defaults(api_key=os.environ.get(API_KEY_ENV))  # the key from the environment, unless --api-key
     args = vars(parser.parse_args(argv))
     config = ServerConfig(**{f.name: args.pop(f.name) for f in server_fields if f.name in args})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    if config.lora_modules:  # adapters need LoRA on: vLLM's default sizes unless --lora-config gives others
-        args.setdefault("lora_config", "{}")
+    if config.lora_modules and "enable_lora" not in args:  # adapters need LoRA on: vLLM's default sizes unless
+        args.setdefault("lora_config", "{}")  # --lora-config or --enable-lora --max-loras ... give others
     llm = LLM(**args)  # what is left: the EngineConfig fields given, --model among them
     server = Server(llm, config)
     with contextlib.suppress(KeyboardInterrupt):  # after a Ctrl+C's drain, uvicorn raises it again
