@@ -126,3 +126,23 @@ def test_size_within_budget():
     """The core within 22,000 code tokens, each extension within 3,500 (the server 6,000): the tool's own --check."""
     result = subprocess.run([sys.executable, str(CODE_SIZE_TOOL), "--check"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_core_only_guard_fails_a_process_that_loads_nanoserve_from_elsewhere(tmp_path):
+    """Guards .ci/run's core-only step: its sitecustomize.py must fail (exit code 3) any process that loads a nanoserve
+    module from outside the copy under test, as the editable install's finder would serve a deleted extension, and let
+    one that loads only the copy's modules pass. Here the copy is a folder holding only nanoserve/checks.py."""
+    copy = tmp_path / "copy"
+    (copy / "nanoserve").mkdir(parents=True)
+    (copy / "nanoserve" / "__init__.py").write_text("")
+    (copy / "nanoserve" / "checks.py").write_text("WHERE = 'copy'\n")
+    guard = str(ROOT / ".ci" / "core_only")
+
+    def run(code: str, path: list[str]) -> subprocess.CompletedProcess:
+        env = {"PATH": "/usr/bin:/bin", "CORE_ONLY_ROOT": str(copy), "PYTHONPATH": ":".join([guard, *path])}
+        return subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
+
+    inside = run("import nanoserve.checks as c; assert c.WHERE == 'copy'", [str(copy)])
+    assert inside.returncode == 0, inside.stderr
+    outside = run("import nanoserve.checks", [str(ROOT)])  # the checkout's own package: not the copy
+    assert outside.returncode == 3 and "loaded from outside the copy" in outside.stderr
