@@ -13,6 +13,7 @@ FILE also writes them). Without a GPU the flags left out take CPU sizes, and a l
                                              # the pool: bytes per token, tokens it holds (--kv-cache-dtype fp8: twice)
     python bench.py --plot plots/            # the run's step trace as pictures (nanoserve/ext/plots.py)
     python bench.py --prefix                 # a 2k-token system prompt shared by every request, caching off vs on
+                                             # vs on with cascade attention (ext/cascade.py)
     python bench.py --loras 4                # the requests with no adapter, then spread over 4 random LoRA adapters
     python bench.py --latency                # one request: 512 prompt + 256 greedy tokens
     python bench.py --cpu-profile            # host ms per engine step, by stage
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM, SamplingParams, ext
 from nanoserve.model_runner import InFlightStep
 
 STANDARD_NUM_SEQS, STANDARD_MAX_LEN = 256, 1024  # the standard workload: requests, longest prompt and output
@@ -350,13 +351,19 @@ def run_prefix(llm, workload, args):
     ]
     params = SamplingParams(temperature=RANDOM_TEMPERATURE, ignore_eos=True, max_tokens=PREFIX_ANSWER_LEN)
     rows = []
-    for caching in ("off", "on"):
-        print(f"running nanoserve, prefix caching {caching}: {args.num_seqs} requests", flush=True)
+    # caching off (no block is shared, so no cascade either), on, and on with cascade attention where the engine has it
+    runs = [("off", False), ("on", False)] + [("on", True)] * (getattr(llm, "cascade", None) is not None)
+    for caching, cascade in runs:
+        name = f"prefix caching {caching}" + (", cascade attention" if cascade else "")
+        print(f"running nanoserve, {name}: {args.num_seqs} requests", flush=True)
         llm.block_manager.enable_prefix_caching = caching == "on"
+        if getattr(llm, "cascade", None) is not None:
+            llm.cascade.enabled = cascade
         reset_counters(llm)
         outs, seconds = timed_generate(llm, prompts, params)
-        rows.append(result_row(f"prefix caching {caching}", llm, outs, seconds))
-    print(f"prefix caching speed-up (wall time off / on): {rows[0]['seconds'] / rows[1]['seconds']:.1f}x")
+        rows.append(result_row(name, llm, outs, seconds))
+    for row in rows[1:]:
+        print(f"{row['run']}: speed-up over caching off (wall time): {rows[0]['seconds'] / row['seconds']:.1f}x")
     return rows
 
 
@@ -679,6 +686,8 @@ def run_engine(args, model_dir, cpu_default, speculative=None):
         max_num_batched_tokens=args.max_num_batched_tokens,
         overlap=args.overlap,
         lora_config={"max_loras": args.loras, "max_lora_rank": LORA_RANK} if args.loras else None,
+        # --prefix measures cascade attention beside plain caching, where the extension is installed
+        cascade_attention=bool(args.prefix and ext.find("cascade")),
     )
     try:
         workload = None if args.prefix or args.latency else build_workload(args, llm)

@@ -72,6 +72,8 @@ class EngineConfig(Settings):
     # LoRA adapters (ext/lora.py): a LoRAConfig there, or a dict (or JSON text) of its fields, max_loras and the rest;
     # vLLM's enable_lora=True, max_loras=... make one (ext/vllm_names.py)
     lora_config: object = None
+    # a decode step's shared leading blocks (a common system prompt) read once for all its sequences (ext/cascade.py)
+    cascade_attention: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":

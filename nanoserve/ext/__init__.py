@@ -41,6 +41,7 @@ ENGINE_OPTIONS = {
     "trace": ("plots", None),
     "speculative_config": ("speculative", None),
     "lora_config": ("lora", None),
+    "cascade_attention": ("cascade", False),  # last: it wraps the decode graphs that lora may capture again
 }
 # SamplingParams' fields:
 REQUEST_FIELDS = {
