@@ -7,6 +7,7 @@ Needs CUDA. Usage: python bench_attention.py [--block-size 16]
 """
 
 import argparse
+import importlib.util
 import json
 
 import torch
@@ -22,6 +23,9 @@ DECODE_CASES = [(b, ctx) for b in (64, 128, 256) for ctx in (1024, 4096, 8192)] 
     (b, ctx) for b in (1, 8) for ctx in (8192, 32768)
 ]  # (batch, context): big batches, then small and long
 PREFILL_CASE = (8, 2048)  # (sequences, tokens each), causal, nothing cached
+# decode behind a shared prompt, as bench.py --prefix: (batch, shared tokens, each sequence's own tokens after them);
+# plain paged attention beside cascade attention (ext/cascade.py) and SDPA, in logical TB/s (every sequence's keys)
+CASCADE_CASES = [(256, 2048, 128), (64, 2048, 128), (16, 4096, 256)]
 COPIES_IN_MEMORY = 6  # K and V, each contiguous + paged + a transient copy while paging: skip what won't fit
 
 
@@ -66,6 +70,50 @@ def bench_case(batch, ctx, query_len, block_size):
     return do_bench(ours), do_bench(sdpa), diff  # do_bench warms up, flushes L2 and synchronizes
 
 
+def bench_cascade_case(batch, shared, own, block_size):
+    """(cascade ms, plain ms, SDPA ms, max |cascade - SDPA|) for a decode batch whose first `shared` keys are the same
+    blocks for every sequence, as the prefix cache makes them."""
+    from nanoserve.ext import cascade
+
+    q, k, v, k_cache, v_cache, meta = make_case(batch, shared + own, 1, block_size)
+    shared_blocks = shared // block_size
+    meta.block_tables[1:, :shared_blocks] = meta.block_tables[0, :shared_blocks]  # the same blocks...
+    k[1:, :, :shared], v[1:, :, :shared] = k[:1, :, :shared], v[:1, :, :shared]  # ...and SDPA's the same keys
+    scale = HEAD_DIM**-0.5
+    q_rows = q.transpose(1, 2).reshape(-1, NUM_HEADS, HEAD_DIM)
+    suffix = cascade.suffix_metadata(meta, shared_blocks, block_size)
+
+    def cascaded():
+        return cascade.cascade_attention(q_rows, k_cache, v_cache, meta, suffix, shared_blocks, scale)
+
+    def plain():
+        return paged_attention(q_rows, k_cache, v_cache, meta, scale)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+
+    diff = (cascaded().view(batch, 1, NUM_HEADS, HEAD_DIM).transpose(1, 2) - sdpa()).abs().max().item()
+    return do_bench(cascaded), do_bench(plain), do_bench(sdpa), diff
+
+
+def run_cascade_rows(print_fn, block_size, kv_bytes_per_token) -> list[dict]:
+    """The cascade cases' rows: logical TB/s (every sequence's keys counted, as plain attention reads them)."""
+    rows = []
+    for batch, shared, own in CASCADE_CASES:
+        cascade_ms, plain_ms, sdpa_ms, diff = bench_cascade_case(batch, shared, own, block_size)
+        work = batch * (shared + own) * kv_bytes_per_token / 1e12
+        row = {"kind": "cascade", "batch": batch, "context": shared + own, "shared": shared, "block_size": block_size}
+        row |= {"unit": "TB/s", "ours": round(work / (cascade_ms / 1e3), 3), "sdpa": round(work / (sdpa_ms / 1e3), 3)}
+        row |= {"ratio": round(sdpa_ms / cascade_ms, 3), "plain_over_cascade": round(plain_ms / cascade_ms, 2)}
+        row |= {"ours_ms": round(cascade_ms, 4), "plain_ms": round(plain_ms, 4), "sdpa_ms": round(sdpa_ms, 4)}
+        rows.append(row | {"max_abs_diff": diff})
+        name = f"cascade B={batch} {shared}+{own}"
+        print_fn(f"{name:<24}{row['ours']:>10.2f}{row['sdpa']:>10.2f}  TB/s    {row['ratio']:>10.2f}{diff:>11.2e}")
+        print_fn(f"{'':<24}plain paged attention {plain_ms:.3f} ms: {row['plain_over_cascade']}x the cascade's time")
+        torch.cuda.empty_cache()
+    return rows
+
+
 def run_attention_bench(print_fn=print, block_size=16) -> list[dict]:
     """Time every case, print a table and a JSON line, return the rows ([] without CUDA)."""
     if not torch.cuda.is_available():
@@ -108,6 +156,8 @@ def run_attention_bench(print_fn=print, block_size=16) -> list[dict]:
         name = f"{kind} B={batch} ctx={ctx}"
         print_fn(f"{name:<24}{ours:>10.2f}{sdpa:>10.2f}  {unit:<8}{ours / sdpa:>10.2f}{diff:>11.2e}")
         torch.cuda.empty_cache()
+    if importlib.util.find_spec("nanoserve.ext.cascade") is not None:
+        rows += run_cascade_rows(print_fn, block_size, kv_bytes_per_token)
     print_fn(json.dumps({"bench": "attention", "device": torch.cuda.get_device_name(), "results": rows}))
     return rows
 
