@@ -141,6 +141,12 @@ def engine_kwargs(kwargs: dict[str, object]) -> dict[str, object]:
             raise InvalidField("block_size", "vLLM's name for kvcache_block_size: give one of the two")
         kwargs["kvcache_block_size"] = kwargs.pop("block_size")
     check_flag("disable_log_stats", kwargs.pop("disable_log_stats", False))
+    if "disable_cascade_attn" in kwargs:  # vLLM's: False lets it use cascade attention where it pays, as ours does
+        if "cascade_attention" in kwargs:
+            raise InvalidField("disable_cascade_attn", "vLLM's name for cascade_attention: give one of the two")
+        disable = kwargs.pop("disable_cascade_attn")
+        check_flag("disable_cascade_attn", disable)
+        kwargs["cascade_attention"] = not disable
     if kwargs.pop("trust_remote_code", False) is not False:
         raise InvalidField("trust_remote_code", "only False: nanoserve runs only its own model code (Llama, Qwen)")
     lora_sizes = {name: kwargs.pop(name) for name in LORA_SIZES if name in kwargs}

@@ -3,6 +3,8 @@ accepted at vLLM's default value (it asks for nothing) and refused by name at an
 vLLM's aliases are translated; its prompt dicts are unwrapped. Code written for vLLM then runs unchanged where it asks
 for nothing nanoserve lacks."""
 
+import importlib.util
+
 import pytest
 from conftest import default_model_or_skip, hf_greedy, random_prompts, refused
 
@@ -69,6 +71,13 @@ def test_vllm_aliases_and_flags(tiny_model, no_weights_loaded):
     refused("block_size", LLM, path, block_size=16, kvcache_block_size=16, **ENGINE)
     refused("kvcache_block_size", LLM, path, block_size=8, **ENGINE)
     assert nanoserve.config.EngineConfig.from_kwargs(device="cpu", block_size=32).kvcache_block_size == 32
+    # vLLM's disable_cascade_attn: False lets the engine use cascade attention (ext/cascade.py), True keeps it off
+    config_of = nanoserve.config.EngineConfig.from_kwargs
+    if importlib.util.find_spec("nanoserve.ext.cascade") is not None:
+        assert config_of(device="cpu", disable_cascade_attn=False).cascade_attention is True
+    assert config_of(device="cpu", disable_cascade_attn=True).cascade_attention is False
+    refused("disable_cascade_attn", config_of, device="cpu", disable_cascade_attn="no")
+    refused("disable_cascade_attn", config_of, device="cpu", disable_cascade_attn=True, cascade_attention=True)
 
 
 @pytest.fixture(scope="module")
