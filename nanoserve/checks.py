@@ -73,14 +73,15 @@ def check_numbers(settings: object, limits: dict[str, dict]) -> None:
     through check_number with its limits, as an integer if the field is an int, and is stored back as a plain int or
     float; each bool field must be a bool (check_flag). A field whose default is None may be None: it is unset."""
     for field in fields(settings):
-        value = getattr(settings, field.name)
+        name = field.name
+        value = getattr(settings, name)
         if value is None and field.default is None:
             continue
         if field.type in (bool, bool | None):
-            check_flag(field.name, value)
-        if field.name in limits:
+            check_flag(name, value)
+        if name in limits:
             integer = field.type in (int, int | None)
-            setattr(settings, field.name, check_number(field.name, value, integer=integer, **limits[field.name]))
+            setattr(settings, name, check_number(name, value, integer=integer, **limits[name]))
 
 
 def check_flag(field: str, value: object) -> None:
@@ -116,4 +117,4 @@ def check_token_ids(field: str, ids: object, vocab_size: int | None = None) -> l
         raise InvalidField(field, "expected a list of integer token ids")
     if vocab_size is not None and not all(0 <= t < vocab_size for t in ids):
         raise InvalidField(field, f"token ids must lie in [0, {vocab_size})")
-    return [int(t) for t in ids]
+    return list(map(int, ids))

@@ -48,10 +48,9 @@ def resolve_model_dir(model: str | os.PathLike | None) -> str:
     model = os.fspath(model)  # a pathlib.Path
     if os.path.isdir(model):
         return model
-    problem = f"no such model directory: {model!r}"
     # "org/name" and no such path here: a hub id (./org/name, /org/name and ~/org/name are paths, never fetched)
     if model.count("/") != 1 or os.path.exists(model) or model.startswith((".", "/", "~")):
-        raise InvalidField("model", problem)
+        raise InvalidField("model", f"no such model directory: {model!r}")
     return ext.load("hub", "model").download(model)
 
 
@@ -86,7 +85,7 @@ def read_safetensors(model_dir: str, shapes_only: bool = False) -> NamedTensors:
         raise InvalidField("model", f"{model_dir!r} has no *.safetensors files")
     for path in files:
         try:
-            with safe_open(path, framework="pt", device="cpu") as f:
+            with safe_open(path, framework="pt") as f:  # on the CPU (its default device)
                 for name in f.keys():
                     if shapes_only:
                         yield name, torch.empty(f.get_slice(name).get_shape(), device="meta")

@@ -59,10 +59,10 @@ def copy_to_host_async(samples: Samples | None) -> Samples | None:
 
     if samples is None:
         return None
-    logprobs = samples.logprobs
+    tokens, logprobs = samples
     if logprobs is not None:
         logprobs = SampledLogprobs(*map(to_host, logprobs))
-    return Samples(to_host(samples.tokens), logprobs)
+    return Samples(to_host(tokens), logprobs)
 
 
 def logprob_dicts(samples: Samples, nums: list[int | None]) -> list[RowLogprobs]:
@@ -71,7 +71,7 @@ def logprob_dicts(samples: Samples, nums: list[int | None]) -> list[RowLogprobs]
     columns = [samples.tokens, *samples.logprobs]  # tokens, chosen, top values, top ids: each one .tolist() call
     return [
         None if n is None else dict(zip(top_ids[:n], top_values[:n], strict=True)) | {token: chosen}
-        for n, token, chosen, top_values, top_ids in zip(nums, *(c.tolist() for c in columns), strict=True)
+        for n, token, chosen, top_values, top_ids in zip(nums, *map(Tensor.tolist, columns), strict=True)
     ]
 
 
@@ -140,12 +140,13 @@ class InFlightStep:
             ]
             entries = logprob_dicts(self.host_prompt_samples, [seq.params.prompt_logprobs for seq, _ in positions])
             prompt_logprobs = list(zip(positions, entries, strict=True))
-        if self.host_samples is None:
+        samples = self.host_samples
+        if samples is None:
             return [], None, prompt_logprobs
         logprobs = None
-        if self.host_samples.logprobs is not None:
-            logprobs = logprob_dicts(self.host_samples, [seq.params.logprobs for seq, _ in self.rows])
-        return self.host_samples.tokens.tolist(), logprobs, prompt_logprobs
+        if samples.logprobs is not None:
+            logprobs = logprob_dicts(samples, [seq.params.logprobs for seq, _ in self.rows])
+        return samples.tokens.tolist(), logprobs, prompt_logprobs
 
 
 class ModelRunner:
@@ -161,18 +162,18 @@ class ModelRunner:
         peers = peers or Peers()
         self.config = config
         self.args = args
+        self.on_gpu = config.device == "cuda"
         self.peers = Peers()  # alone until start-up's steps (warm_up) have run: every rank runs its own
         # extensions' callables, each called with every step before it runs (start-up's too: none is added before the
         # engine starts), to fill inputs of their own that the model reads (ext/lora.py: which rows use which adapter)
         self.step_hooks = []
-        self.device = torch.device(f"cuda:{peers.local_rank}" if config.device == "cuda" else "cpu")
+        self.device = torch.device(f"cuda:{peers.local_rank}" if self.on_gpu else "cpu")
         # CPU threads: threads=, or the cores other processes leave free (ext/cpu_threads.py; without it, torch's count)
-        cpu_threads = find("cpu_threads") if self.device.type == "cpu" else None
+        cpu_threads = None if self.on_gpu else find("cpu_threads")
         if config.threads or cpu_threads:
             torch.set_num_threads(config.threads or cpu_threads.threads_per_rank(peers.size))
         self.block_size = config.kvcache_block_size
         self.num_kv_heads = args.num_kv_heads // peers.size  # this rank's share
-        self.num_ranks = peers.size
         # a block table long enough for max_model_len tokens, its width a multiple of BLOCK_TABLE_WIDTH_MULTIPLE
         widest = round_up(config.max_model_len, self.block_size * BLOCK_TABLE_WIDTH_MULTIPLE)
         self.max_blocks_per_seq = widest // self.block_size
@@ -180,10 +181,11 @@ class ModelRunner:
         kernels = get_kernels(config.kernels)
         self.dtype = config.torch_dtype(hf_config)
         self.kv_dtype = config.kv_cache_torch_dtype(self.dtype)
+        self.kv_bytes_per_token = args.kv_bytes_per_token(self.kv_dtype, peers.size)  # this rank's share
         self.model = build_model(args, model_dir, self.dtype, self.device, kernels, peers.layers())
         self.sampler = Sampler(kernels.gumbel_argmax)
         # 2) the KV cache: as many blocks as the memory left after a warm-up run of 1) holds, on every rank
-        if self.device.type == "cuda":
+        if self.on_gpu:
             self.warm_up()
         self.num_kvcache_blocks = peers.fewest_blocks(config.num_kvcache_blocks or self.blocks_from_memory())
         self.make_kv_cache(self.num_kvcache_blocks)
@@ -199,22 +201,17 @@ class ModelRunner:
         self.peers.close()
 
     # ---- the KV cache -----------------------------------------------------------------------------
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.args.kv_bytes_per_token(self.kv_dtype, self.num_ranks)  # this rank's share
-
     def kv_account(self) -> str:
         """One line: the per-token formula with this model's numbers, the pool's size, and what sized it."""
-        args = self.args
         num_tokens = self.num_kvcache_blocks * self.block_size
         if self.config.num_kvcache_blocks:
             sized_by = "num_kvcache_blocks"
-        elif self.device.type == "cpu":
+        elif not self.on_gpu:
             sized_by = "1 GiB of host memory on a CPU"
         else:
             sized_by = f"{self.config.gpu_memory_utilization:.0%} of the GPU less weights, activations"
         return (
-            f"KV cache: 2 (K, V) x {args.num_layers} layers x {self.num_kv_heads} KV heads x {args.head_dim} "
+            f"KV cache: 2 (K, V) x {self.args.num_layers} layers x {self.num_kv_heads} KV heads x {self.args.head_dim} "
             f"x {self.kv_dtype.itemsize} bytes ({str(self.kv_dtype).removeprefix('torch.')}) "
             f"= {self.kv_bytes_per_token / 1024:.1f} KiB per token; "
             f"{self.num_kvcache_blocks} blocks x {self.block_size} = {num_tokens:,} tokens, "
@@ -235,7 +232,7 @@ class ModelRunner:
         # Python object in the block manager: small models would otherwise get millions.
         enough = self.config.max_num_seqs * self.max_blocks_per_seq
         budget = CPU_KV_CACHE_BYTES
-        if self.device.type == "cuda":  # the share of the GPU given to the engine, less what is taken already
+        if self.on_gpu:  # the share of the GPU given to the engine, less what is taken already
             free, total = torch.cuda.mem_get_info()
             outside_torch = total - free - torch.cuda.memory_reserved()  # CUDA context, other processes
             peak = torch.cuda.max_memory_allocated()  # weights + the largest step's activations (warm_up's)
@@ -263,11 +260,11 @@ class ModelRunner:
         self.make_kv_cache(1)
         self.kv_cache.zero_()  # the scratch cache; the real one replaces it
         for tile in prefill_tile_sizes(self.dtype):
-            self.launch(self._dummy_step([tile]), None, [])
+            self.launch(self._dummy_step([tile]))
         config = self.config
         budget = config.max_num_batched_tokens
         seq_lens = [min(config.max_model_len, budget - i) for i in range(0, budget, config.max_model_len)]
-        self.launch(self._dummy_step(seq_lens + [1] * (config.max_num_seqs - len(seq_lens))), None, [])
+        self.launch(self._dummy_step(seq_lens + [1] * (config.max_num_seqs - len(seq_lens))))
 
     def _dummy_step(self, seq_lens: list[int]) -> Step:
         """A step of whole prompts of token 0, each sampling its next token (PROFILE_SAMPLING), all in block 0."""
@@ -284,10 +281,13 @@ class ModelRunner:
         return flatten_step(step, self.block_size, previous.row_of if previous is not None else None)
 
     @torch.inference_mode()
-    def launch(self, step: Step, previous: InFlightStep | None, processors: list[LogitsProcessor]) -> InFlightStep:
+    def launch(
+        self, step: Step, previous: InFlightStep | None = None, processors: list[LogitsProcessor] = ()
+    ) -> InFlightStep:
         """Queue one step on the device and return without waiting for it. `previous`, the step launched before
-        and maybe not yet read back, holds the values of this step's PENDING decode inputs; processors: the engine's
-        logits processors (LLM.logits_processors), each asked for its rows of this step."""
+        and maybe not yet read back, holds the values of this step's PENDING decode inputs (None: no step before it,
+        as for warm_up's steps); processors: the engine's logits processors (LLM.logits_processors), each asked for its
+        rows of this step (none for warm_up's)."""
         lists = self.prepare(step, previous)
         for hook in self.step_hooks:
             hook(step)
@@ -306,11 +306,11 @@ class ModelRunner:
                     logits,
                     [seq.params for seq in seqs],
                     list(lengths),
-                    [banned_token_ids(seq) for seq in seqs],
+                    list(map(banned_token_ids, seqs)),
                     step_processors,
                 )
                 self.peers.send_tokens(samples.tokens)  # the other ranks' next decode inputs
-            return InFlightStep(step, samples, prompt_samples, on_gpu=self.device.type == "cuda")
+            return InFlightStep(step, samples, prompt_samples, on_gpu=self.on_gpu)
         except BaseException as error:  # Ctrl-C too: the other ranks may be waiting inside the step
             self.peers.failed(error)  # raises (ext/tp: naming the rank at fault)
 
@@ -347,4 +347,4 @@ class ModelRunner:
             logprobs = self.model.compute_logits(rows).float().log_softmax(-1)  # [rows, vocab]
             pieces.append(logprobs_of(logprobs, ids, top_n))
         columns = zip(*pieces, strict=True)  # chosen, top values, top ids: each concatenated over the slices
-        return Samples(next_ids, SampledLogprobs(*(torch.cat(column) for column in columns)))
+        return Samples(next_ids, SampledLogprobs(*map(torch.cat, columns)))

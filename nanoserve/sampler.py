@@ -102,9 +102,7 @@ def _gumbel_argmax_kernel(
 
 def sampling_temperature(temperature: float) -> float:
     """The temperature a row is drawn at: 0 (greedy) as it is, any other clamped into the finite range above."""
-    if temperature == 0:
-        return 0.0
-    return min(max(temperature, MIN_TEMPERATURE), MAX_TEMPERATURE)
+    return min(max(temperature, MIN_TEMPERATURE), MAX_TEMPERATURE) if temperature else 0.0
 
 
 def gumbel_argmax(logits: Tensor, temperatures: list[float], seeds: list[int]) -> Tensor:
@@ -144,7 +142,7 @@ def gumbel_argmax_ref(logits: Tensor, temperatures: list[float], seeds: list[int
 
 def logprobs_of(logprobs: Tensor, tokens: Tensor, top_n: int) -> SampledLogprobs:
     """Per row of logprobs ([rows, vocab] fp32): the logprob of tokens[row], and the top_n logprobs with their ids."""
-    return SampledLogprobs(logprobs.gather(-1, tokens[:, None])[:, 0], *logprobs.topk(top_n, dim=-1))
+    return SampledLogprobs(logprobs.gather(-1, tokens[:, None])[:, 0], *logprobs.topk(top_n))
 
 
 def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -157,7 +155,8 @@ class Sampler:
     """One step's logits -> Samples, drawn by the chosen backend's gumbel_argmax (kernels.py). Its only state is the
     random source of fresh seeds for unseeded rows."""
 
-    def __init__(self, gumbel_argmax: Callable[[Tensor, list[float], list[int]], Tensor]) -> None:
+    def __init__(self, gumbel_argmax: Callable) -> None:
+        # (logits [rows, vocab], temperatures, seeds) -> tokens [rows] int64, as Kernels.gumbel_argmax (kernels.py)
         self.gumbel_argmax = gumbel_argmax
         self.fresh_seeds = random.Random()  # new noise every step for unseeded rows
 
@@ -198,7 +197,7 @@ class Sampler:
             rows = to_device(filtered, torch.long, logits.device)
             logits[rows] = drop_filtered(logits[rows].float(), [params[r] for r in filtered]).to(logits.dtype)
         # 4) the draw
-        seeds = [self.noise_seed(p, length) for p, length in zip(params, lengths, strict=False)]
+        seeds = list(map(self.noise_seed, params, lengths))
         temperatures = [sampling_temperature(p.temperature) for p in params]
         tokens = self.gumbel_argmax(logits, temperatures, seeds)
         for processor in processors:

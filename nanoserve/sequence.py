@@ -95,15 +95,15 @@ class Sequence:
     @property
     def num_known_tokens(self) -> int:
         """Tokens whose values are on the host and final (all but the pending ones and the drafts)."""
-        return len(self.token_ids) - self.num_pending - self.num_draft_tokens
+        return self.num_tokens - self.num_pending - self.num_draft_tokens
 
     @property
     def num_completion_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def completion_token_ids(self) -> list[int]:
@@ -146,7 +146,7 @@ class Sequence:
     def drop_drafts(self, keep: int = 0) -> None:
         """Keep only the first `keep` draft tokens (before the step that computes them is planned)."""
         if keep < self.num_draft_tokens:
-            del self.token_ids[len(self.token_ids) - self.num_draft_tokens + keep :]
+            del self.token_ids[self.num_tokens - self.num_draft_tokens + keep :]
             self.num_draft_tokens = keep
 
     def drop_pending(self) -> None:

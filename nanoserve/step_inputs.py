@@ -88,14 +88,15 @@ def flatten_step(step: Step, block_size: int, previous_rows: dict[int, int] | No
             lists.prompt_rows += range(first_row, first_row + len(positions))
             lists.prompt_next_ids += seq.token_ids[positions.start : positions.stop]
         lists.input_ids += seq.token_ids[start:end]
+        rows_end = len(lists.input_ids)  # one past this sequence's last row
         lists.positions += range(start, end)
         lists.slot_mapping += slots_of(seq.block_table, start, end, block_size)
-        lists.query_start_loc.append(len(lists.input_ids))
+        lists.query_start_loc.append(rows_end)
         lists.context_lens.append(end)
         # int32 arrays: the block table is copied whole, never converted entry by entry
         lists.block_tables += seq.block_table + padding[len(seq.block_table) :]
         if scheduled.picks_next_token:  # its last row; with draft tokens, each draft's row too
-            lists.sample_rows += range(len(lists.input_ids) - 1 - seq.num_draft_tokens, len(lists.input_ids))
+            lists.sample_rows += range(rows_end - 1 - seq.num_draft_tokens, rows_end)
     return lists
 
 
