@@ -1,13 +1,14 @@
-"""Paged attention: write this step's K/V into their cache slots, then attend through each sequence's block table.
+"""Paged attention: attend through each sequence's block table to the K/V in the cache's slots.
 
 The KV cache of one layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]; a sequence's tokens live in
 the blocks its block table lists, in order, so physical blocks need not be contiguous (PagedAttention, Kwon et al.
-2023). Three Triton jobs: `store_kv` scatters this step's K/V into their slots; a flash-attention kernel
+2023). This step's K/V reach their slots first, stored by the kernel that rotates K (fused_ops.py: that program already
+holds each token's K; `store_kv_ref` here is the store's reference). Then two Triton jobs: a flash-attention kernel
 (FlashAttention-2, Dao 2023: query tiles, online softmax) serves the sequences with several queries (prefill chunks),
 causal and varlen; a split-KV kernel (Flash-Decoding, Dao et al. 2023) serves the sequences with one query (decodes),
 also inside a mixed step, by splitting each sequence's keys across programs and merging their partial softmaxes in a
 small reduce kernel. Each kernel skips the other's sequences, so a mixed step is two launches over one metadata. Every
-key is read from the cache, so store_kv runs before attention. The PyTorch references at the bottom are the oracle the
+key is read from the cache, so the store runs before attention. The PyTorch references at the bottom are the oracle the
 kernels are tested against, and the CPU's fast path. Words: a "block" is a KV-cache page, a "tile" a kernel's compute
 tile.
 
@@ -70,38 +71,6 @@ class AttentionMetadata:
         assert self.query_start_loc.shape == (num_seqs + 1,) and len(self.block_tables) == num_seqs
         assert self.block_tables.stride(1) == 1
         assert not self.decode_only or len(self.slot_mapping) == num_seqs, "decode: one query per sequence"
-
-
-@triton.jit
-def _store_kv_kernel(
-    k_ptr,
-    v_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_mapping_ptr,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,  # k, v: [num_tokens, num_kv_heads, head_dim]
-    stride_cb,
-    stride_cs,
-    stride_ch,  # caches: [num_blocks, block_size, num_kv_heads, head_dim]
-    NUM_KV_HEADS: tl.constexpr,
-    HEADS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    PAD: tl.constexpr,
-):
-    # program t copies token t's K and V, all KV heads at once, into its slot
-    t = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-    if slot == PAD:
-        return
-    h, d = tl.arange(0, HEADS_PAD)[:, None], tl.arange(0, HEAD_DIM)[None, :]
-    mask = h < NUM_KV_HEADS  # [HEADS_PAD, 1]
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
-    tl.store(k_cache_ptr + dst, tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + dst, tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -342,26 +311,6 @@ def _decode_reduce_kernel(
     total = tl.sum(w, 0)
     out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM]; 0 if context_len 0
     tl.store(out_ptr + q_row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
-
-
-def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """k, v: [num_tokens, num_kv_heads, head_dim] -> into their slots of k_cache, v_cache; PAD_SLOT tokens skipped."""
-    num_tokens, num_kv_heads, head_dim = k.shape
-    _store_kv_kernel[(num_tokens,)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        *k.stride()[:2],
-        *v.stride()[:2],
-        *k_cache.stride()[:3],  # stride_cb, stride_cs, stride_ch (head_dim is contiguous)
-        NUM_KV_HEADS=num_kv_heads,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1],
-        PAD=PAD_SLOT,
-    )
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:

@@ -1,5 +1,6 @@
-"""A decoder layer's small elementwise work: residual add + RMSNorm, Qwen3's per-head QK-norm + RoPE, and SiLU(gate) *
-up. Each is one Triton kernel instead of 5 to 20 PyTorch kernels, with its PyTorch reference after it.
+"""A decoder layer's small elementwise work: residual add + RMSNorm, Qwen3's per-head QK-norm + RoPE with the K/V store
+into the cache, and SiLU(gate) * up. Each is one Triton kernel instead of 5 to 20 PyTorch kernels, with its PyTorch
+reference after it.
 
 Why it matters: a decode step moves little data per kernel, so each kernel costs its fixed few microseconds on the GPU
 even inside a CUDA graph; unfused, a Qwen3 layer launched about 70 kernels, fused it launches 11. Statistics are in
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from nanoserve.attention import PAD_SLOT, store_kv_ref
 from nanoserve.triton_shim import tl, triton
 
 SILU_BLOCK = 1024  # columns per program of the SiLU kernel
@@ -49,7 +51,7 @@ def _norm_rope_heads(
 ):
     """In place on one token's heads [num_heads, 2 * HALF] at ptr: per-head RMSNorm with the weight at weight_ptr
     (skipped when it is None: a compile-time constant), then rotate-half RoPE with this position's cos and sin
-    [HALF] (fp32)."""
+    [HALF] (fp32). Returns the two rotated halves as stored, [HEADS_PAD, HALF] each in the heads' dtype."""
     h, d = tl.arange(0, HEADS_PAD)[:, None], tl.arange(0, HALF)[None, :]
     mask = h < num_heads
     first = ptr + h * stride_h + d  # [HEADS_PAD, HALF] pointers to each head's first half; its second: first + HALF
@@ -63,38 +65,65 @@ def _norm_rope_heads(
         # as RMSNorm rounds: the normed head to the model dtype, then its product with the weight, in that dtype
         x1 = ((x1 * inv_rms).to(w1.dtype) * w1).to(tl.float32)
         x2 = ((x2 * inv_rms).to(w2.dtype) * w2).to(tl.float32)
-    # the fp32 rotation, rounded once by the store to the heads' dtype
-    tl.store(first, x1 * cos - x2 * sin, mask=mask)
-    tl.store(first + HALF, x2 * cos + x1 * sin, mask=mask)
+    # the fp32 rotation, rounded once to the heads' dtype
+    y1 = (x1 * cos - x2 * sin).to(ptr.dtype.element_ty)
+    y2 = (x2 * cos + x1 * sin).to(ptr.dtype.element_ty)
+    tl.store(first, y1, mask=mask)
+    tl.store(first + HALF, y2, mask=mask)
+    return y1, y2
 
 
 @triton.jit
-def _qk_norm_rope_kernel(
+def _qk_norm_rope_store_kernel(
     q_ptr,
     k_ptr,
+    v_ptr,
     positions_ptr,
     cos_ptr,
     sin_ptr,
     q_weight_ptr,
     k_weight_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,  # caches: [num_blocks, block_size, num_kv_heads, head_dim]
     num_q_heads,
     num_k_heads,
     eps,
     Q_HEADS_PAD: tl.constexpr,
     K_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PAD: tl.constexpr,
 ):
-    # program t: every q and k head of token t, which share its position's cos and sin
+    # program t: every q and k head of token t, which share its position's cos and sin; then token t's K, as rotated
+    # (still in registers), and V into its cache slot, unless it is a padded token (slot PAD: it stores nothing)
     t = tl.program_id(0)
     pos = tl.load(positions_ptr + t)  # int32: pos * HALF stays far below 2**31
     row = pos * HALF + tl.arange(0, HALF)[None, :]  # this position's row of the cos and sin tables
     cos, sin = tl.load(cos_ptr + row), tl.load(sin_ptr + row)
     _norm_rope_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, q_weight_ptr, cos, sin, eps, Q_HEADS_PAD, HALF)
-    _norm_rope_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, k_weight_ptr, cos, sin, eps, K_HEADS_PAD, HALF)
+    k1, k2 = _norm_rope_heads(
+        k_ptr + t * stride_kt, stride_kh, num_k_heads, k_weight_ptr, cos, sin, eps, K_HEADS_PAD, HALF
+    )
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    h, d = tl.arange(0, K_HEADS_PAD)[:, None], tl.arange(0, HALF)[None, :]
+    mask = h < tl.where(slot == PAD, 0, num_k_heads)  # [K_HEADS_PAD, 1]: a padded token stores no head
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d  # first halves
+    v = v_ptr + t * stride_vt + h * stride_vh + d
+    # (the store casts to the cache's dtype: fp8 rounds from the model dtype's value, as a separate store would)
+    tl.store(k_cache_ptr + dst, k1, mask=mask)
+    tl.store(k_cache_ptr + dst + HALF, k2, mask=mask)
+    tl.store(v_cache_ptr + dst, tl.load(v, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + dst + HALF, tl.load(v + HALF, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -148,38 +177,53 @@ def add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor, eps: float) ->
     return rms_norm_ref(stream, weight, eps), stream
 
 
-def qk_norm_rope(
+def qk_norm_rope_store_kv(
     q: Tensor,
     k: Tensor,
+    v: Tensor,
     positions: Tensor,
     cos: Tensor,
     sin: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
     q_weight: Tensor | None = None,
     k_weight: Tensor | None = None,
     eps: float = 0.0,
-) -> tuple[Tensor, Tensor]:
+) -> Tensor:
     """In place: q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] get, per head, RMSNorm with
-    q_weight / k_weight (Qwen3; skipped when None), then RoPE at their positions. cos, sin: [max_pos, head_dim/2]."""
+    q_weight / k_weight (Qwen3; skipped when None), then RoPE at their positions (cos, sin: [max_pos, head_dim/2]);
+    then each token's K and V [tokens, k_heads, head_dim] go into its slot of k_cache, v_cache ([num_blocks,
+    block_size, k_heads, head_dim], cast to their dtype, fp8 too), PAD_SLOT tokens skipped. Returns q. One kernel:
+    the K/V store rides with the rotation, which already holds K, instead of a launch of its own per layer."""
     tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
-    _qk_norm_rope_kernel[(tokens,)](
+    _qk_norm_rope_store_kernel[(tokens,)](
         q,
         k,
+        v,
         positions,
         cos,
         sin,
         q_weight,  # None without the norm: Triton compiles the kernel without it (a constant None)
         k_weight,
+        k_cache,
+        v_cache,
+        slot_mapping,
         *q.stride()[:2],  # its token and head strides (a head's elements are adjacent)
         *k.stride()[:2],
+        *v.stride()[:2],
+        *k_cache.stride()[:3],  # block, slot, head (head_dim is contiguous)
         num_q_heads,
         num_k_heads,
         eps,
         Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
         K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
         HALF=head_dim // 2,
+        BLOCK_SIZE=k_cache.shape[1],
+        PAD=PAD_SLOT,
     )
-    return q, k
+    return q
 
 
 def rope_ref(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -202,6 +246,26 @@ def qk_norm_rope_ref(
     if q_weight is not None:
         q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     return rope_ref(q, positions, cos, sin), rope_ref(k, positions, cos, sin)
+
+
+def qk_norm_rope_store_kv_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    positions: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    q_weight: Tensor | None = None,
+    k_weight: Tensor | None = None,
+    eps: float = 0.0,
+) -> Tensor:
+    """qk_norm_rope_store_kv in PyTorch: the rotation (qk_norm_rope_ref), then the store (attention.store_kv_ref)."""
+    q, k = qk_norm_rope_ref(q, k, positions, cos, sin, q_weight, k_weight, eps)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
 
 
 def silu_and_mul(x: Tensor) -> Tensor:

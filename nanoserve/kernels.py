@@ -14,9 +14,10 @@ from nanoserve import attention, fused_ops, sampler
 class Kernels:
     name: str
     add_rms_norm: Callable  # (x, residual, weight, eps) -> (RMSNorm(x + residual) * weight, x + residual)
-    qk_norm_rope: Callable  # (q, k, positions, cos, sin, q_weight, k_weight, eps) -> (q, k), rotated
+    # (q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, q_weight, k_weight, eps) -> q: q and k normed
+    # (Qwen3) and rotated in place, then this step's K/V into their slots (cast: fp8 too)
+    qk_norm_rope_store_kv: Callable
     silu_and_mul: Callable  # [rows, 2n] = [gate | up] -> silu(gate) * up, [rows, n]
-    store_kv: Callable  # (k, v, k_cache, v_cache, slot_mapping): this step's K/V into their slots (cast: fp8 too)
     paged_attention: Callable  # (q, k_cache, v_cache, meta, scale) -> out: through the block tables
     gumbel_argmax: Callable  # (logits, temperatures, seeds) -> tokens: a draw from softmax(logits / T)
 
@@ -28,18 +29,16 @@ def get_kernels(name: str) -> Kernels:
         return Kernels(
             "triton",
             fused_ops.add_rms_norm,
-            fused_ops.qk_norm_rope,
+            fused_ops.qk_norm_rope_store_kv,
             fused_ops.silu_and_mul,
-            attention.store_kv,
             attention.paged_attention,
             sampler.gumbel_argmax,
         )
     return Kernels(
         "torch",
         fused_ops.add_rms_norm_ref,
-        fused_ops.qk_norm_rope_ref,
+        fused_ops.qk_norm_rope_store_kv_ref,
         fused_ops.silu_and_mul_ref,
-        attention.store_kv_ref,
         attention.paged_attention_ref,
         sampler.gumbel_argmax_ref,
     )

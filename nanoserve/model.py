@@ -121,7 +121,8 @@ class Attention(nn.Module):
         kv_size = args.num_kv_heads * args.head_dim
         self.qkv_proj = layers.merged(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias)
         self.o_proj = layers.linear(q_size, args.hidden_size, args.o_bias)
-        # Qwen3's per-head norms of q and k: never called, the fused qk_norm_rope kernel reads their weight and eps
+        # Qwen3's per-head norms of q and k: never called, the fused qk_norm_rope_store_kv kernel reads their weight
+        # and eps
         self.q_norm = nn.RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = nn.RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
@@ -132,10 +133,12 @@ class Attention(nn.Module):
         # each [num_tokens, its heads, head_dim]: views into the one projection, which the kernel rotates in place
         q, k, v = (part.unflatten(-1, (-1, self.head_dim)) for part in qkv)
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.k_norm.eps) if self.q_norm is not None else ()
-        q, k = self.kernels.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, *qk_norm)
-        # All of the step's K/V are stored (into kv_cache: K cache, V cache) before any is read: a sequence may read
-        # blocks another sequence computes in this same step (a shared prefix admitted together).
-        self.kernels.store_kv(k, v, *kv_cache, meta.slot_mapping)
+        # q and k rotated, and all of the step's K/V stored (into kv_cache: K cache, V cache), in one kernel, before
+        # any is read: a sequence may read blocks another sequence computes in this same step (a shared prefix
+        # admitted together)
+        q = self.kernels.qk_norm_rope_store_kv(
+            q, k, v, positions, rotary.cos, rotary.sin, *kv_cache, meta.slot_mapping, *qk_norm
+        )
         o = self.kernels.paged_attention(q, *kv_cache, meta, self.scale)
         return self.o_proj(o.flatten(1))
 

@@ -75,12 +75,20 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
     kv_dtype = kv_dtype or dtype
     cache = {"k_cache_ptr": kv_dtype, "v_cache_ptr": kv_dtype}
     q_torch, kv_torch = TORCH_DTYPES[dtype], TORCH_DTYPES[kv_dtype]
+    # Qwen3's QK-norm + RoPE with the K/V store, and RoPE with the store alone (Llama, Qwen2): no norm weights, None
+    # pointers compile as constants; it writes the cache, so it is built for every cache dtype
+    rope_types = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "positions_ptr": "*i32", "cos_ptr": "*fp32"}
+    rope_types |= {"sin_ptr": "*fp32", **cache, "slot_mapping_ptr": "*i32"}
+    rope_sizes = {"Q_HEADS_PAD": 8 * group, "K_HEADS_PAD": 8, "HALF": head_dim // 2}
+    rope_sizes |= {"BLOCK_SIZE": block_size, "PAD": A.PAD_SLOT}
     yield build(
-        A._store_kv_kernel,
-        dict(k_ptr=dtype, v_ptr=dtype, **cache, slot_mapping_ptr="*i32"),
-        {"NUM_KV_HEADS": 8, "HEADS_PAD": 8, "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size, "PAD": A.PAD_SLOT},
+        F._qk_norm_rope_store_kernel,
+        {**rope_types, "q_weight_ptr": dtype, "k_weight_ptr": dtype, "eps": "fp32"},
+        rope_sizes,
         4,
     )
+    no_norm = {**rope_sizes, "q_weight_ptr": None, "k_weight_ptr": None}
+    yield build(F._qk_norm_rope_store_kernel, rope_types, no_norm, 4)
     meta = {"block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32", "context_lens_ptr": "*i32", "qk_scale": "fp32"}
     for tile_m in A.prefill_tile_sizes(q_torch):
         yield build(
@@ -130,16 +138,6 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
             {"BLOCK": hidden},
             F.rms_norm_num_warps(hidden),
         )
-    rope_types = {"q_ptr": dtype, "k_ptr": dtype, "positions_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
-    rope_sizes = {"Q_HEADS_PAD": 8 * group, "K_HEADS_PAD": 8, "HALF": head_dim // 2}
-    # Qwen3's QK-norm + RoPE, and RoPE alone (Llama, Qwen2): no norm weights, None pointers compile as constants
-    yield build(
-        F._qk_norm_rope_kernel,
-        {**rope_types, "q_weight_ptr": dtype, "k_weight_ptr": dtype, "eps": "fp32"},
-        rope_sizes,
-        4,
-    )
-    yield build(F._qk_norm_rope_kernel, rope_types, {**rope_sizes, "q_weight_ptr": None, "k_weight_ptr": None}, 4)
     yield build(F._silu_mul_kernel, {"x_ptr": dtype, "out_ptr": dtype}, {"BLOCK": F.SILU_BLOCK}, 4)
     yield build(
         S._gumbel_argmax_kernel,

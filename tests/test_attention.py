@@ -31,9 +31,9 @@ from nanoserve.attention import (
     decode_splits,
     paged_attention,
     paged_attention_ref,
-    store_kv,
     store_kv_ref,
 )
+from nanoserve.fused_ops import qk_norm_rope_store_kv
 from nanoserve.step_inputs import BLOCK_TABLE_WIDTH_MULTIPLE, round_up
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -72,6 +72,14 @@ def nan_for_new_buffers(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: poison(empty(*args, **kwargs)))
     monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: poison(empty_like(*args, **kwargs)))
+
+
+def store_kv(k, v, k_cache, v_cache, slots):
+    """The engine's K/V store, which rides in the kernel that rotates K (fused_ops.qk_norm_rope_store_kv): here with
+    an identity rotation (cos 1, sin 0, no norm), so K and V reach their slots exactly as given (q: a copy of k)."""
+    cos = torch.ones(1, k.shape[-1] // 2, device=k.device)
+    positions = torch.zeros(len(k), dtype=torch.int32, device=k.device)
+    qk_norm_rope_store_kv(k.clone(), k, v, positions, cos, torch.zeros_like(cos), k_cache, v_cache, slots)
 
 
 def randint(low, high):

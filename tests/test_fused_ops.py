@@ -83,9 +83,8 @@ def test_backends_pair_each_kernel_with_its_reference():
     assert (triton.name, torch_.name) == ("triton", "torch")
     pairs = {
         "add_rms_norm": (fused_ops.add_rms_norm, fused_ops.add_rms_norm_ref),
-        "qk_norm_rope": (fused_ops.qk_norm_rope, fused_ops.qk_norm_rope_ref),
+        "qk_norm_rope_store_kv": (fused_ops.qk_norm_rope_store_kv, fused_ops.qk_norm_rope_store_kv_ref),
         "silu_and_mul": (fused_ops.silu_and_mul, fused_ops.silu_and_mul_ref),
-        "store_kv": (attention.store_kv, attention.store_kv_ref),
         "paged_attention": (attention.paged_attention, attention.paged_attention_ref),
         "gumbel_argmax": (sampler.gumbel_argmax, sampler.gumbel_argmax_ref),
     }
@@ -125,33 +124,52 @@ def test_add_rms_norm_writes_the_stream_back(dtype, first_layer):
 @pytest.mark.parametrize(
     "head_dim,num_heads,num_kv_heads,qk_norm", [(16, 3, 1, True), (32, 4, 2, False), (64, 6, 6, True)]
 )
-def test_qk_norm_rope_in_place_on_qkv_views(dtype, head_dim, num_heads, num_kv_heads, qk_norm):
-    """Guards against rotating the wrong halves or positions, norming across heads, or touching v."""
+def test_qk_norm_rope_store_kv_on_qkv_views(dtype, head_dim, num_heads, num_kv_heads, qk_norm):
+    """Guards against rotating the wrong halves or positions, norming across heads, touching v, and a store that
+    writes the unrotated K, the wrong slot, another head, or a padded token's slot: q and k (views into one
+    projection, as the model's are) rotated in place as the reference rotates them, and the caches written as the
+    reference writes them, slot for slot."""
     rotary = Rotary(make_args(head_dim, num_heads, num_kv_heads, qk_norm)).to(DEVICE)
-    tokens = randint(1, 7)
+    tokens, block_size, num_blocks = randint(1, 7), 16, 3
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = torch.randn(tokens, q_size + 2 * kv_size, device=DEVICE).to(dtype)
     positions = torch.randint(0, rotary.cos.shape[0], (tokens,), device=DEVICE, dtype=torch.int32)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens].int()
+    slots[::3] = attention.PAD_SLOT  # the first token, and every third, is padding: its slot stays as it was
     weights = (
         (torch.randn(head_dim, device=DEVICE).to(dtype), torch.randn(head_dim, device=DEVICE).to(dtype), EPS)
         if qk_norm
         else ()
     )
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE).to(dtype)
 
     def split(t):
         q, k, v = t.split([q_size, kv_size, kv_size], dim=-1)
-        return q.view(tokens, num_heads, head_dim), k.view(tokens, num_kv_heads, head_dim), v
+        return (
+            q.view(tokens, num_heads, head_dim),
+            k.view(tokens, num_kv_heads, head_dim),
+            v.view(k.shape[0], -1, head_dim),
+        )
 
-    q, k, _ = split(qkv.clone())
-    ref_q, ref_k = fused_ops.qk_norm_rope_ref(q, k, positions, rotary.cos, rotary.sin, *weights)
+    ref_cache = cache.clone()
+    q, k, v = split(qkv.clone())
+    ref_q = fused_ops.qk_norm_rope_store_kv_ref(q, k, v, positions, rotary.cos, rotary.sin, *ref_cache, slots, *weights)
+    ref_k = fused_ops.qk_norm_rope_ref(*split(qkv.clone())[:2], positions, rotary.cos, rotary.sin, *weights)[1]
 
     fused = qkv.clone()
     q, k, v = split(fused)
-    out_q, out_k = fused_ops.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, *weights)
-    assert out_q is q and out_k is k
+    out_q = fused_ops.qk_norm_rope_store_kv(q, k, v, positions, rotary.cos, rotary.sin, *cache, slots, *weights)
+    assert out_q is q
     assert_close(q, ref_q, dtype, "q")  # q and k: the views into `fused`, so this checks the in-place write
     assert_close(k, ref_k, dtype, "k")
     assert torch.equal(v, split(qkv)[2])
+    padded = slots == attention.PAD_SLOT
+    written = slots[~padded].long()
+    assert_close(cache[0].flatten(0, 1)[written], ref_cache[0].flatten(0, 1)[written], dtype, "K in the cache")
+    assert torch.equal(cache[1].flatten(0, 1)[written], v[~padded]), "V in the cache: as given"
+    others = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
+    others[written] = False
+    assert torch.equal(cache.flatten(1, 2)[:, others], ref_cache.flatten(1, 2)[:, others]), "no other slot written"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

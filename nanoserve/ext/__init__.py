@@ -62,8 +62,8 @@ def asks_for_nothing(value: object, nothing: object) -> bool:
     dict (logit_bias={})."""
     if isinstance(nothing, tuple):
         return any(asks_for_nothing(value, each) for each in nothing)
-    if nothing is None:
-        return value is None
+    if nothing is None or isinstance(nothing, bool):  # None, or a flag: only that very value (never 0 or 1)
+        return value is nothing
     if isinstance(nothing, dict):
         return isinstance(value, dict) and value == nothing
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == nothing

@@ -112,7 +112,9 @@ class Cascade:
         if (len(seqs) - 1) * shared * self.block_size >= MIN_SAVED_KEY_READS:
             self.shared_blocks = shared
 
-    def paged_attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float):
+    def paged_attention(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
         """The model's paged attention: the cascade in a decode step that shares blocks, else the plain path."""
         if not (meta.decode_only and self.shared_blocks):
             return self.plain(q, k_cache, v_cache, meta, scale)

@@ -82,7 +82,7 @@ def test_the_rule_takes_the_cascade_only_where_it_pays():
         return SimpleNamespace(scheduled=[SimpleNamespace(seq=s, num_new_tokens=new_tokens) for s in seqs])
 
     hook = cascade.Cascade.__new__(cascade.Cascade)
-    hook.block_size = 16
+    hook.block_size, hook.enabled = 16, True
     blocks_needed = -(-cascade.MIN_SAVED_KEY_READS // 16)  # shared blocks that pay with 2 sequences
     shared = list(range(100, 100 + blocks_needed))
     cases = [  # (tables, contexts, new tokens per sequence, shared blocks expected)
