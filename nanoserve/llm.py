@@ -14,8 +14,6 @@ starts with the engine (start); a request whose fields belong to an extension is
 (logits_processors) and go to every step's launch; and run_step / receive_tokens are the step driver that a loop of
 its own (beam search) runs steps with."""
 
-import atexit
-import gc
 import time
 import weakref
 from collections.abc import Callable
@@ -75,13 +73,6 @@ class LLM:
             runner = ModelRunner(config, model_dir, hf_config, args)
         self._close = weakref.finalize(self, runner.close)  # closed or garbage-collected: the workers exit
         self._start(config, runner, tokenizer, eos_token_ids, args.vocab_size)
-        # Python's full garbage collection walks every object alive: with torch and transformers imported, a pause of
-        # ~0.1 s, several times in a long run, each on some decode step's host path (vLLM freezes its heap too).
-        # Freezing what exists now (libraries, weights, tokenizer) leaves the collector only the engine's new
-        # objects. An engine has no reference cycles: freed, it is still freed at once, by reference counting.
-        gc.collect()
-        gc.freeze()
-        atexit.register(gc.unfreeze)  # (at exit the frozen objects are collected after all: nothing reported leaked)
 
     def _start(  # the engine around a runner; tests start it around a fake runner (tests/conftest.py's FakeEngine)
         self,
@@ -290,6 +281,7 @@ class LLM:
         streaming one, and the others once they have finished."""
         sampled = self.receive_tokens(in_flight)
         now = time.time()
+        stopped = set()  # the requests a sequence of which stopped: only they may have finished
         for seq, tokens, logprobs in sampled:
             request = seq.request
             # one token, or a speculative run's kept drafts and the token after them: each meets the stop rules in turn
@@ -299,12 +291,13 @@ class LLM:
                 reason = self.stop_checker.check(seq, incremental=request.stream)
                 if reason is not None:
                     self.scheduler.finish_sequence(seq, reason)  # (it drops the tokens after this one)
+                    stopped.add(request)
                     break
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
         outputs = []
         for request in dict.fromkeys(seq.request for seq, _, _ in sampled):  # the requests that changed, once, in order
-            finished = request.finished  # (once: a look at each of its sequences, for every request every step)
+            finished = request in stopped and request.finished  # (n > 1: all its samples)
             if finished:
                 request.metrics.finished_time = now
                 del self.requests[request.request_id]

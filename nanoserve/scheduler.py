@@ -192,7 +192,9 @@ class Scheduler:
     def resolve(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         """seq's oldest pending token has its value: fill it in, and make a block it completes findable."""
         seq.resolve_pending(token, logprobs)
-        self.block_manager.cache_full_blocks(seq)  # (a preempted sequence holds none: no-op)
+        # a block completes only when its last token's value comes (a preempted sequence holds none: no-op)
+        if seq.num_known_tokens % self.block_manager.block_size == 0:
+            self.block_manager.cache_full_blocks(seq)
 
     def finish_sequence(self, seq: Sequence, reason: str) -> None:
         """Stopped or aborted: its blocks return to the pool at once, wherever it was."""

@@ -95,7 +95,8 @@ class Sequence:
     @property
     def num_known_tokens(self) -> int:
         """Tokens whose values are on the host and final (all but the pending ones and the drafts)."""
-        return self.num_tokens - self.num_pending - self.num_draft_tokens
+        # (len, not num_tokens: this and num_uncomputed_tokens run several times per sequence per step)
+        return len(self.token_ids) - self.num_pending - self.num_draft_tokens
 
     @property
     def num_completion_tokens(self) -> int:
@@ -103,7 +104,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def completion_token_ids(self) -> list[int]:
