@@ -130,7 +130,7 @@ def test_qk_norm_rope_store_kv_on_qkv_views(dtype, head_dim, num_heads, num_kv_h
     projection, as the model's are) rotated in place as the reference rotates them, and the caches written as the
     reference writes them, slot for slot."""
     rotary = Rotary(make_args(head_dim, num_heads, num_kv_heads, qk_norm)).to(DEVICE)
-    tokens, block_size, num_blocks = randint(1, 7), 16, 3
+    tokens, block_size, num_blocks = randint(2, 7), 16, 3  # 2+: at least one token is not padding
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = torch.randn(tokens, q_size + 2 * kv_size, device=DEVICE).to(dtype)
     positions = torch.randint(0, rotary.cos.shape[0], (tokens,), device=DEVICE, dtype=torch.int32)
