@@ -352,13 +352,14 @@ def run_prefix(llm, workload, args):
     params = SamplingParams(temperature=RANDOM_TEMPERATURE, ignore_eos=True, max_tokens=PREFIX_ANSWER_LEN)
     rows = []
     # caching off (no block is shared, so no cascade either), on, and on with cascade attention where the engine has it
-    runs = [("off", False), ("on", False)] + [("on", True)] * (getattr(llm, "cascade", None) is not None)
+    cascade_of = getattr(llm, "cascade", None)  # the engine's cascade attention (ext/cascade.py), if it has one
+    runs = [("off", False), ("on", False)] + [("on", True)] * (cascade_of is not None)
     for caching, cascade in runs:
         name = f"prefix caching {caching}" + (", cascade attention" if cascade else "")
         print(f"running nanoserve, {name}: {args.num_seqs} requests", flush=True)
         llm.block_manager.enable_prefix_caching = caching == "on"
-        if getattr(llm, "cascade", None) is not None:
-            llm.cascade.enabled = cascade
+        if cascade_of is not None:
+            cascade_of.enabled = cascade
         reset_counters(llm)
         outs, seconds = timed_generate(llm, prompts, params)
         rows.append(result_row(name, llm, outs, seconds))

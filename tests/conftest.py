@@ -62,6 +62,27 @@ def tiny_model(tmp_path_factory):
     return make
 
 
+def sm90_builds(script: str) -> list[dict]:
+    """Run `script` (Python that prints one JSON build per line, with tests/sm90_build.py's build) in a process of its
+    own without TRITON_INTERPRET, the real kernels' compiler, from the repository root; its builds, parsed. Skips where
+    Triton's NVIDIA backend is missing."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real kernels, not the interpreter
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    prelude = "import json, sys\nsys.path.insert(0, 'tests')\nimport sm90_build\n"
+    done = subprocess.run(
+        [sys.executable, "-c", prelude + script], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
 def extension_or_skip(name: str):
     """The extension nanoserve.ext.<name>; skips the calling test where it is not installed (the core-only run of
     .ci/run deletes every extension)."""

@@ -64,7 +64,6 @@ class HermesToolParser:
         self.pending = ""  # text not handed out yet: an open block, or a tail that may be the start of one
         self.in_block = False  # pending is inside a <tool_call> block
         self.after_call = False  # a call has just closed: whitespace here is a separator, not content
-        self.num_calls = 0  # calls begun so far: the next one's index in a stream
         self.calls: list[dict] = []  # every call so far, joined from its deltas (a whole answer's tool_calls)
         self.streaming: dict | None = None  # the open block's call, once its name is known: where its arguments are
 
@@ -110,6 +109,11 @@ class HermesToolParser:
             self.after_call = not text
         return text
 
+    @property
+    def num_calls(self) -> int:
+        """Calls begun so far: the newest one's index in a stream is num_calls - 1."""
+        return len(self.calls)
+
     def _stream(self, block: str, closed: bool) -> list[dict]:
         """The deltas of a block that opens with its name, so far: the call's first delta once the name is whole, then
         the arguments written since the last look. closed: the block is complete; what is left of the arguments goes
@@ -140,7 +144,6 @@ class HermesToolParser:
         """A new call's first delta (index, id, type, name; no arguments yet), and its entry in self.calls."""
         call = {"id": f"call_{uuid.uuid4().hex}", "type": "function", "function": {"name": name, "arguments": ""}}
         self.calls.append(call)
-        self.num_calls += 1
         return {"index": self.num_calls - 1, **call, "function": dict(call["function"])}
 
     def _arguments(self, piece: str) -> list[dict]:

@@ -5,12 +5,8 @@ on a CPU); the engine's greedy outputs with it equal to those without it and to 
 bad settings refused by name."""
 
 import gc
-import json
 import os
-import subprocess
-import sys
 import weakref
-from pathlib import Path
 
 import torch
 
@@ -18,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' definition
 
 import pytest
-from conftest import extension_or_skip, hf_greedy, random_prompts, refused
+from conftest import extension_or_skip, hf_greedy, random_prompts, refused, sm90_builds
 from test_attention import ATOL, assert_close, make_batch, randint
 
 cascade = extension_or_skip("cascade")
@@ -142,11 +138,7 @@ def test_shared_prefix_kernel_compiles_for_h100_without_spills():
     """Guards against a kernel that only Triton's interpreter accepts: the shared-prefix kernel, at Qwen3-0.6B's
     heads (head_dim 128, group 2, block 16) in bf16 and fp16, and with an fp8 cache, compiles for an H100 (sm_90) with
     ptxas, with no register spills, its dots on wgmma (tests/sm90_build.py's build)."""
-    pytest.importorskip("triton.backends.nvidia.compiler")
     script = """
-import json, sys
-sys.path.insert(0, "tests")
-import sm90_build
 from nanoserve.ext import cascade as C
 for dtype, cache in (("*bf16", "*bf16"), ("*fp16", "*fp16"), ("*bf16", "*fp8e4nv")):
     types = {"q_ptr": dtype, "k_cache_ptr": cache, "v_cache_ptr": cache, "shared_table_ptr": "*i32",
@@ -154,13 +146,5 @@ for dtype, cache in (("*bf16", "*bf16"), ("*fp16", "*fp16"), ("*bf16", "*fp8e4nv
     constants = {"GROUP": 2, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "TILE_M": C.SHARED_TILE_M[2], "TILE_N": C.SHARED_TILE_N}
     print(json.dumps(sm90_build.build(C._shared_prefix_kernel, types, constants, C.SHARED_NUM_WARPS)))
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real kernels, not the interpreter
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    builds = [json.loads(line) for line in done.stdout.splitlines()]
-    print(builds)
+    builds = sm90_builds(script)
     assert len(builds) == 3 and all(b["spill_bytes"] == 0 and b["wgmma"] for b in builds), builds

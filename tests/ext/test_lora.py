@@ -8,15 +8,13 @@ leaks); bad input refused by name before any work; vLLM's names; the server's --
 
 import itertools
 import json
-import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import extension_or_skip, hf_greedy_run, random_prompts, refused
+from conftest import extension_or_skip, hf_greedy_run, random_prompts, refused, sm90_builds
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -375,11 +373,7 @@ def test_sgmv_kernel_on_freshly_drawn_shapes(draw):
 def test_sgmv_kernel_compiles_for_h100_without_spills():
     """Guards against a kernel that only Triton's interpreter accepts: the shrink and the expand, in every model
     dtype, compile for an H100 (sm_90) with ptxas, with no register spills (tests/sm90_build.py's build)."""
-    pytest.importorskip("triton.backends.nvidia.compiler")
     script = """
-import json, sys
-sys.path.insert(0, "tests")
-import sm90_build
 from nanoserve.ext.lora import kernels as K
 for dtype in ("*bf16", "*fp16", "*fp32"):
     for expand, tile_k in ((False, 64), (True, 16), (True, 64)):
@@ -392,14 +386,7 @@ for dtype in ("*bf16", "*fp16", "*fp32"):
             constants |= {"scales_ptr": None, "col_starts_ptr": None}
         print(json.dumps(sm90_build.build(K._sgmv_kernel, types, constants, 4) | {"expand": expand}))
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real kernels, not the interpreter
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    builds = [json.loads(line) for line in done.stdout.splitlines()]
+    builds = sm90_builds(script)
     assert len(builds) == 9 and all(b["spill_bytes"] == 0 for b in builds), builds
 
 
