@@ -6,6 +6,7 @@ and detokenize, and any other keyword refused by name. (vLLM's prompt dicts are 
 tests/ext/test_vllm_names.py.) Every refusal is an InvalidField naming the field, made before any
 weight is read, and no block leaks."""
 
+import dataclasses
 import time
 
 import pytest
@@ -113,7 +114,6 @@ def test_get_tokenizer_and_unknown_sampling_keywords(with_tokenizer):
     field (a misspelling, or one of vLLM's that nanoserve lacks) failing with a bare TypeError: an InvalidField names
     it. copy.deepcopy (Sequence.fork), dataclasses.replace and pickle still make SamplingParams."""
     import copy
-    import dataclasses
     import pickle
 
     llm, _ = with_tokenizer
@@ -149,9 +149,12 @@ def test_detokenize_false_gives_ids_without_text(with_tokenizer):
     text deltas, streamed or not; stop strings, which are matched in the text, are refused with it, as vLLM does."""
     llm, _ = with_tokenizer
     prompt = random_prompts([6])[0]
-    expected = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
+    # Special tokens' text kept: a random model may answer only special tokens (ids 0-16 here), whose text is
+    # otherwise empty, and the plain run must have text for the comparison to mean anything.
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, skip_special_tokens=False)
+    expected = llm.generate(prompt, plain, use_tqdm=False)[0].outputs[0]
     assert expected.text, "the plain run has text"
-    quiet = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, detokenize=False)
+    quiet = dataclasses.replace(plain, detokenize=False)
     out = llm.generate(prompt, quiet, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == expected.token_ids and out.text == ""
     llm.add_request(prompt, quiet, "streamed")
