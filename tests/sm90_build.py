@@ -37,12 +37,16 @@ TORCH_DTYPES = {
 }
 
 
-def build(fn, types: dict, constexprs: dict, num_warps: int) -> dict:
-    """Compile fn for sm_90 with the given argument types (others: i32) and report ptxas's verdict."""
+def build(
+    fn, types: dict, constexprs: dict, num_warps: int, look_for: tuple[str, ...] = (), aligned: tuple[str, ...] = ()
+) -> dict:
+    """Compile fn for sm_90 with the given argument types (others: i32) and report ptxas's verdict; look_for: PTX
+    instructions to report as present or not (an atomic's memory order, a load's cache operator); aligned: more int
+    arguments the launcher would see divisible by 16 (a model's feature counts), as pointers and strides are."""
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         signature[name] = "constexpr" if name in constexprs else types.get(name, "i32")
-        if signature[name].startswith("*") or name.startswith("stride"):
+        if signature[name].startswith("*") or name.startswith("stride") or name in aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]  # what the launcher sees for aligned tensors and strides
     kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=H100, options={"num_warps": num_warps})
     ptx = kernel.asm["ptx"]
@@ -66,6 +70,7 @@ def build(fn, types: dict, constexprs: dict, num_warps: int) -> dict:
         "wgmma": "wgmma" in ptx,
         "shared_bytes": kernel.metadata.shared,
         "async_copy_bytes": sorted({int(n, 16) for n in async_copies}),
+        "found": {text: text in ptx for text in look_for},
     }
 
 

@@ -27,6 +27,7 @@ ASKING = {
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
     "lora_config": {"max_loras": 2},
     "cascade_attention": True,
+    "small_batch_gemv": True,
 }
 
 
@@ -65,7 +66,14 @@ def test_values_that_ask_for_nothing_need_no_extension(monkeypatch):
         logit_bias={}, repetition_penalty=1, presence_penalty=0.0, frequency_penalty=0, structured_outputs=None
     )
     assert params.extensions == ()
-    config = EngineConfig(device="cpu", tensor_parallel_size=1, trace=None, lora_config=None, cascade_attention=False)
+    config = EngineConfig(
+        device="cpu",
+        tensor_parallel_size=1,
+        trace=None,
+        lora_config=None,
+        cascade_attention=False,
+        small_batch_gemv=False,
+    )
     assert config.extensions == () and EngineConfig(device="cpu").extensions == ()
     assert not asks_for_nothing(True, 1.0) and not asks_for_nothing(False, 0.0) and not asks_for_nothing([], None)
     assert asks_for_nothing(False, False) and not asks_for_nothing(0, False) and not asks_for_nothing(True, False)

@@ -43,7 +43,6 @@ from nanoserve.checks import LISTS, InvalidField, check_numbers, shown
 from nanoserve.config import EngineConfig
 from nanoserve.cuda_graphs import DecodeGraphs
 from nanoserve.ext.lora.kernels import sgmv, sgmv_ref
-from nanoserve.layers import MergedLinear
 from nanoserve.scheduler import Step
 from nanoserve.sequence import Sequence
 
@@ -226,7 +225,7 @@ class LoRALinear(nn.Module):
         # slot (slot s's rows are rows_by_slot[slot_starts[s] : slot_starts[s + 1]]) and each slot's scale. Static
         # buffers on the device, so a CUDA graph's replay reads the current step's
         self.rows_by_slot, self.slot_starts, self.scales = step  # [max_num_batched_tokens], [slots + 1] int32; [slots]
-        self.shard_sizes = tuple(base.shard_sizes if isinstance(base, MergedLinear) else [base.out_features])
+        self.shard_sizes = tuple(getattr(base, "shard_sizes", [base.out_features]))  # merged: its shards'
         slots, rank, weight = config.max_loras, config.max_lora_rank, base.weight
         self.a = weight.new_zeros(slots, len(self.shard_sizes) * rank, base.in_features)
         self.b = weight.new_zeros(slots, base.out_features, rank)

@@ -1,0 +1,235 @@
+"""An extension: a weight-read path for few rows, `LLM(..., small_batch_gemv=True)`. At batch 1 a decode step is
+bound by reading the weights once: Qwen3-0.6B's 1.19 GB take 0.40 ms at the H100's 3 TB/s, yet the first H100 run
+measured 0.78 ms in the weight GEMMs alone (84 small cuBLAS kernels of ~5.8 us, 28 split-K reductions, a 110 us LM head:
+1.5 TB/s, half the copy bandwidth). With one to a few rows a matmul is a matrix-vector product (a GEMV): every weight
+is read once and used for one multiply-add per row, so the only aim is to stream the weight at full bandwidth.
+
+How the kernel below does it, for y [rows, out] = x [rows, in] @ W [out, in]^T (+ bias), rows <= MAX_ROWS:
+  1. enough reads in flight: the output features are cut into tiles of BLOCK_N, and where that gives too few programs
+     to fill the GPU (an o or down projection has 1,024 outputs: 32 tiles for 132 SMs) the inner dimension is cut into
+     SPLIT_K parts too (split-K), until about PROGRAMS_PER_SM programs per SM (`plan`). Each program streams its
+     [BLOCK_N, in / SPLIT_K] slice of W in [BLOCK_N, BLOCK_K] tiles, which Triton's software pipeline loads ahead of
+     use, and multiplies them by the few rows of x (padded to a tile of MAX_ROWS rows: tensor cores are idle anyway);
+  2. no second kernel for split-K: each program writes its fp32 partial sums to a workspace and adds one to its tile's
+     counter; the program that arrives last (the counter's old value is SPLIT_K - 1) sums the SPLIT_K partials in
+     split order, adds the bias, writes y and sets the counter back to 0 for the next launch. The sum's order never
+     depends on which program came last, so the result is deterministic. The counter's atomic add is acquire-release
+     at GPU scope: the partials a program stored before it are visible to the program that reads them after it (a
+     barrier first, so all of the program's threads have stored; the reads bypass L1, which may hold the workspace's
+     lines from an earlier launch).
+More rows than MAX_ROWS (prefill, big batches) go to the base projection's torch matmul (cuBLAS), as before.
+
+The engine's start wraps every decoder projection (q|k|v, o, gate|up, down) and the LM head in a FewRowLinear and
+captures the decode graphs again over them (the first capture saw cuBLAS). One workspace and one set of counters serve
+every projection: kernels on one stream never overlap. On kernels="torch" the wrapper routes the same rows to
+`gemv_ref`, the PyTorch reference the kernel is tested against. Tensor parallelism is refused (a sharded projection
+joins its ranks' results after its matmul, which the wrapper would skip); LoRA wraps the wrapped projections."""
+
+from itertools import product
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from nanoserve.attention import _num_sms
+from nanoserve.checks import InvalidField, check_flag
+from nanoserve.config import EngineConfig
+from nanoserve.cuda_graphs import DecodeGraphs
+from nanoserve.layers import MergedLinear
+from nanoserve.triton_shim import tl, triton
+
+if TYPE_CHECKING:
+    from nanoserve.llm import LLM
+
+FIELD = "small_batch_gemv"
+MAX_ROWS = 16  # rows that take the GEMV: the smallest tile tl.dot takes, and where cuBLAS's GEMMs stop being GEMVs
+BLOCK_N = 32  # output features per program
+BLOCK_K = 128  # inner elements per loaded tile: a [32, 128] bf16 tile is 8 KiB, 64 bytes per thread of 4 warps
+PROGRAMS_PER_SM = 2  # split-K until the grid has about this many programs per SM
+MIN_SPLIT_TILES = 2  # ... while each split still streams at least this many tiles
+NUM_WARPS, NUM_STAGES = 4, 3
+# the projections wrapped in each decoder layer, (module, name); and the LM head
+PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+
+
+def check_config(config: EngineConfig) -> None:
+    check_flag(FIELD, config.small_batch_gemv)
+    if config.tensor_parallel_size > 1:
+        raise InvalidField(FIELD, "nanoserve reads weights with the GEMV at tensor_parallel_size=1 only")
+
+
+def start(llm: "LLM") -> None:
+    """The engine starts with the GEMV on: its projections wrapped, the decode graphs captured again over them."""
+    runner = llm.runner
+    model = runner.model
+    named = [(getattr(layer, part), name) for layer in model.model.layers for part, name in PROJECTIONS]
+    named.append((model, "lm_head"))
+    num_sms = _num_sms(runner.device)
+    plans = [plan(*getattr(parent, name).weight.shape, num_sms) for parent, name in named]
+    workspace = Workspace(plans, runner.device)
+    use_kernel = llm.config.kernels == "triton"
+    wrapped = []
+    for (parent, name), (split_k, _) in zip(named, plans, strict=True):
+        wrapped.append(FewRowLinear(getattr(parent, name), split_k, workspace, use_kernel))
+        setattr(parent, name, wrapped[-1])
+    if runner.device.type == "cuda":  # every build the kernel needs, now, not in a step (the LM head runs eagerly):
+        # 1, some and MAX_ROWS rows (Triton compiles apart for an int equal to 1, or divisible by 16)
+        for module, rows in product(wrapped, (1, 2, MAX_ROWS)):
+            module(module.weight.new_zeros(rows, module.in_features))
+    if runner.graphs is not None:  # the old graphs (and their pool) go first
+        runner.graphs = None
+        torch.cuda.empty_cache()
+        runner.graphs = DecodeGraphs(model, runner.kv_caches, llm.config.max_num_seqs, runner.max_blocks_per_seq)
+        runner.graphs.capture()
+
+
+def plan(out_features: int, in_features: int, num_sms: int) -> tuple[int, int]:
+    """(SPLIT_K, programs) for a projection of this shape on num_sms SMs: the inner dimension split in two until the
+    grid has PROGRAMS_PER_SM programs per SM, or until a split would stream fewer than MIN_SPLIT_TILES tiles."""
+    tiles = -(-out_features // BLOCK_N)
+    split_k = 1
+    while tiles * split_k < PROGRAMS_PER_SM * num_sms and in_features >= 2 * split_k * MIN_SPLIT_TILES * BLOCK_K:
+        split_k *= 2
+    return split_k, tiles * split_k
+
+
+class Workspace:
+    """The split-K partial sums ([SPLIT_K, MAX_ROWS, out] fp32, as one flat buffer) and per-tile arrival counters
+    (int32, zero between launches) that every wrapped projection shares, sized for the largest."""
+
+    def __init__(self, plans: list[tuple[int, int]], device: torch.device) -> None:
+        self.partials = torch.empty(max(p * BLOCK_N * MAX_ROWS for _, p in plans), device=device)
+        self.counters = torch.zeros(max(p for _, p in plans), dtype=torch.int32, device=device)
+
+
+class FewRowLinear(nn.Module):
+    """A projection whose forward reads its weight with the GEMV for at most MAX_ROWS rows, and with the base
+    projection's own forward otherwise. The base keeps its parameters (and their names' place in the checkpoint)."""
+
+    def __init__(self, base: nn.Linear, split_k: int, workspace: Workspace, use_kernel: bool) -> None:
+        super().__init__()
+        self.base = base
+        self.split_k = split_k
+        self.workspace = workspace
+        self.gemv = gemv if use_kernel else gemv_ref
+        if isinstance(base, MergedLinear):
+            self.shard_sizes = base.shard_sizes  # the model splits q|k|v by these
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.base.weight
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        if len(x) > MAX_ROWS:
+            return self.base(x)
+        return self.gemv(x, self.base.weight, self.base.bias, self.split_k, self.workspace)
+
+
+def gemv_ref(x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int, workspace: Workspace) -> Tensor:
+    """The kernel's PyTorch reference: x @ weight^T (+ bias) accumulated in fp32, in x's dtype (split_k and the
+    workspace only shape the kernel's work, never its result)."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
+
+
+def gemv(x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int, workspace: Workspace) -> Tensor:
+    """x [rows <= MAX_ROWS, in] @ weight [out, in]^T (+ bias [out]) -> [rows, out] in x's dtype, by _gemv_kernel."""
+    rows, in_features = x.shape
+    out_features = weight.shape[0]
+    assert rows <= MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1, "rows over MAX_ROWS, or strided rows"
+    y = x.new_empty(rows, out_features)
+    # each split's share of the inner dimension, in whole tiles, so the splits never overlap
+    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), BLOCK_K) * BLOCK_K
+    grid = (triton.cdiv(out_features, BLOCK_N), split_k)
+    _gemv_kernel[grid](
+        x,
+        weight,
+        weight if bias is None else bias,  # (never read without a bias)
+        y,
+        workspace.partials,
+        workspace.counters,
+        rows,
+        out_features,
+        in_features,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        SPLIT_K=split_k,
+        K_PER_SPLIT=k_per_split,
+        BLOCK_M=MAX_ROWS,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+    )
+    return y
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    y_ptr,
+    partials_ptr,
+    counters_ptr,
+    rows,
+    N,
+    K,
+    stride_x,
+    stride_w,
+    stride_y,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (tile, split): output features [tile * BLOCK_N, +BLOCK_N) over inner elements [split * K_PER_SPLIT,
+    +K_PER_SPLIT); the last of a tile's SPLIT_K programs to finish writes the tile's output."""
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    m = tl.arange(0, BLOCK_M)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(split * K_PER_SPLIT, (split + 1) * K_PER_SPLIT, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=(m[:, None] < rows) & (k[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")  # (fp32 weights: no TF32 rounding)
+    out_mask = (m[:, None] < rows) & (n[None, :] < N)
+    if SPLIT_K == 1:
+        _write_rows(acc, bias_ptr, y_ptr, stride_y, m, n, N, out_mask, HAS_BIAS)
+    else:
+        # this split's partial sums, then its arrival on the tile's counter (see the module's docstring)
+        partials = partials_ptr + (split * BLOCK_M + m[:, None]) * N + n[None, :]
+        tl.store(partials, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread of the program has stored before the counter says so
+        arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the tile's last program: every split's partials are in
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT_K):  # in split order, whichever program came last
+                part = partials_ptr + (s * BLOCK_M + m[:, None]) * N + n[None, :]
+                total += tl.load(part, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(counters_ptr + tile, 0)  # ready for the next launch (a graph replays this one)
+            _write_rows(total, bias_ptr, y_ptr, stride_y, m, n, N, out_mask, HAS_BIAS)
+
+
+@triton.jit
+def _write_rows(acc, bias_ptr, y_ptr, stride_y, m, n, N, out_mask, HAS_BIAS: tl.constexpr):
+    """A tile's sums, plus the bias, into y in y's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)

@@ -1,0 +1,194 @@
+"""The few-row weight read (nanoserve/ext/gemv.py): the split-K GEMV kernel against its PyTorch reference and against a
+plain fp32 matmul on freshly drawn shapes (in Triton's interpreter on a CPU), its arrival counters back at zero after
+every launch; the plan's split rule; the engine's greedy outputs with it equal to those without it and to
+transformers, with the kernel really taking the few-row steps; LoRA on top of it; bad settings refused by name; the
+kernel's sm_90 build."""
+
+import json
+import os
+import random
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' definition
+
+import pytest
+from conftest import extension_or_skip, hf_greedy, random_prompts, refused, sm90_builds
+
+gemv = extension_or_skip("gemv")
+
+from nanoserve import LLM, SamplingParams  # noqa: E402
+from nanoserve.config import EngineConfig  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ENGINE = {"device": "cpu", "max_model_len": 128, "num_kvcache_blocks": 64}
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed():
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    random.seed(seed)
+    print(f"seed {seed}")
+
+
+def draw_projection(dtype, split_k=None):
+    """A random projection and its input: 1..16 rows, output and inner sizes that fill no tile exactly (or do), a
+    bias or none, and a split of the inner dimension from 1 to 8."""
+    rows, out_features = random.randint(1, gemv.MAX_ROWS), random.choice([random.randint(1, 150), 64])
+    in_features = random.choice([random.randint(1, 700), 256])
+    split_k = split_k or random.choice([1, 2, 4, 8])
+    x = torch.randn(rows, in_features, device=DEVICE).to(dtype)
+    weight = (torch.randn(out_features, in_features, device=DEVICE) / in_features**0.5).to(dtype)
+    bias = torch.randn(out_features, device=DEVICE).to(dtype) if random.random() < 0.5 else None
+    return x, weight, bias, split_k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_equals_the_reference_and_a_plain_matmul(dtype):
+    """Guards against a row, feature or inner element missed or counted twice (a split's range, a tile's mask), a split
+    summed twice or not at all, the bias added per split, or a counter left non-zero (the next launch would have no
+    last program, or the wrong one): five drawn projections through one shared workspace, each twice, against the
+    reference and against an fp32 matmul of the same numbers; the counters are zero after every launch."""
+    shapes = [draw_projection(dtype, split_k=4)] + [draw_projection(dtype) for _ in range(4)]
+    plans = [(s, -(-w.shape[0] // gemv.BLOCK_N) * s) for _, w, _, s in shapes]
+    workspace = gemv.Workspace(plans, torch.device(DEVICE))
+    tolerance = {torch.float32: 1e-4, torch.float16: 2e-3}[dtype]
+    for x, weight, bias, split_k in shapes * 2:
+        got = gemv.gemv(x, weight, bias, split_k, workspace)
+        truth = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+        reference = gemv.gemv_ref(x, weight, bias, split_k, workspace)
+        shape = (len(x), *weight.shape, split_k, bias is not None)
+        assert got.dtype == dtype and got.shape == truth.shape, shape
+        torch.testing.assert_close(
+            got.double(), truth, atol=tolerance, rtol=tolerance, msg=lambda m, shape=shape: f"{shape}: {m}"
+        )
+        torch.testing.assert_close(
+            got, reference, atol=tolerance, rtol=tolerance, msg=lambda m, shape=shape: f"{shape}: {m}"
+        )
+        assert not workspace.counters.any(), f"{shape}: a counter left non-zero"
+
+
+def test_the_plan_splits_until_the_grid_fills_the_gpu():
+    """The split rule on Qwen3-0.6B's projections on an H100 (132 SMs) as BENCHMARKS.md states it, and on drawn
+    shapes: splits are powers of two, a split doubles only while the grid has under PROGRAMS_PER_SM programs per SM
+    and each split keeps MIN_SPLIT_TILES tiles, and the programs are the tiles times the splits."""
+    qwen3 = {
+        "qkv": (4096, 1024),
+        "o": (1024, 2048),
+        "gate_up": (6144, 1024),
+        "down": (1024, 3072),
+        "lm": (151936, 1024),
+    }
+    assert {name: gemv.plan(*shape, 132)[0] for name, shape in qwen3.items()} == {
+        "qkv": 4,
+        "o": 8,
+        "gate_up": 2,
+        "down": 8,
+        "lm": 1,
+    }
+    for _ in range(200):
+        out_features, in_features, num_sms = random.randint(1, 9000), random.randint(1, 9000), random.randint(1, 200)
+        split_k, programs = gemv.plan(out_features, in_features, num_sms)
+        tiles = -(-out_features // gemv.BLOCK_N)
+        assert programs == tiles * split_k and split_k & (split_k - 1) == 0
+        if split_k > 1:
+            assert in_features >= split_k * gemv.MIN_SPLIT_TILES * gemv.BLOCK_K
+            assert tiles * split_k // 2 < gemv.PROGRAMS_PER_SM * num_sms
+        may_double = in_features >= 2 * split_k * gemv.MIN_SPLIT_TILES * gemv.BLOCK_K
+        assert programs >= gemv.PROGRAMS_PER_SM * num_sms or not may_double
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_engine_outputs_are_unchanged_and_the_gemv_runs(tiny_model, monkeypatch, kernels):
+    """Guards against the engine's use of it (a projection not wrapped, q|k|v split wrongly, the LM head's rows, a
+    prefill of more than MAX_ROWS rows sent to it): greedy tokens with the GEMV equal those without it and
+    transformers', for Qwen2 (q|k|v with a bias); every wrapped projection ran it in a few-row step, and never on more
+    than MAX_ROWS rows."""
+    path, hf = tiny_model("qwen2")
+    prompts = random_prompts([21, 5, 9])
+    plain = [o.outputs[0].token_ids for o in LLM(path, **ENGINE, kernels=kernels).generate(prompts, GREEDY)]
+    llm = LLM(path, **ENGINE, kernels=kernels, small_batch_gemv=True)
+    wrapped = [m for m in llm.runner.model.modules() if isinstance(m, gemv.FewRowLinear)]
+    assert len(wrapped) == 4 * len(llm.runner.model.model.layers) + 1
+    rows_seen = {id(m): [] for m in wrapped}
+    for module in wrapped:
+        real = module.gemv
+
+        def counting(x, *args, module=module, real=real):
+            rows_seen[id(module)].append(len(x))
+            return real(x, *args)
+
+        monkeypatch.setattr(module, "gemv", counting)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == plain == [hf_greedy(hf, p, 8) for p in prompts]
+    assert all(rows_seen.values()), "a wrapped projection never took the GEMV"
+    assert max(max(rows) for rows in rows_seen.values()) <= gemv.MAX_ROWS
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_lora_wraps_the_wrapped_projections(tiny_model, tmp_path):
+    """Guards against LoRA losing its adapters (or q|k|v's shards) on projections the GEMV wrapped: with both on, a
+    request under an adapter gives the tokens it gives with LoRA alone, which differ from the base model's."""
+    pytest.importorskip("safetensors")
+    extension_or_skip("lora")
+    from safetensors.torch import save_file
+
+    from nanoserve.ext.lora import LoRARequest
+
+    path, _ = tiny_model("qwen3")
+    llm = LLM(path, **ENGINE, enable_lora=True, max_loras=2, small_batch_gemv=True)
+    args, rank = llm.runner.model.args, 4
+    # k of q|k|v and up of gate|up: a shard that is not the first, of each merged projection
+    sizes = {("self_attn", "k_proj"): args.num_kv_heads * args.head_dim, ("mlp", "up_proj"): args.intermediate_size}
+    tensors = {}
+    for i in range(args.num_layers):
+        for (part, name), size in sizes.items():
+            prefix = f"base_model.model.model.layers.{i}.{part}.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, args.hidden_size) / 4
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(size, rank) / 4
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"r": rank, "target_modules": ["k_proj", "up_proj"]}))
+    save_file(tensors, folder / "adapter_model.safetensors")
+    adapter = LoRARequest("k-up", 1, str(folder))
+    prompts = random_prompts([11, 6])
+    both = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=adapter)]
+    base = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    alone = LLM(path, **ENGINE, enable_lora=True, max_loras=2)
+    lora_only = [o.outputs[0].token_ids for o in alone.generate(prompts, GREEDY, use_tqdm=False, lora_request=adapter)]
+    assert both == lora_only != base
+
+
+def test_bad_settings_are_refused_by_name():
+    refused("small_batch_gemv", EngineConfig, device="cpu", small_batch_gemv=1)
+    refused("small_batch_gemv", EngineConfig, device="cpu", small_batch_gemv=True, tensor_parallel_size=2)
+
+
+def test_kernel_compiles_for_h100_without_spills():
+    """Guards against a kernel that only Triton's interpreter accepts, and against the split-K handshake losing its
+    memory order: in bf16 and fp32, with one split and with four (and a bias), the kernel compiles for an H100 (sm_90)
+    without spills, its weight tiles loaded ahead by 16-byte asynchronous copies (the software pipeline); with splits,
+    the counter's add is acquire-release at GPU scope, a barrier precedes it and the partials are read past L1."""
+    script = """
+from nanoserve.ext import gemv as G
+for dtype in ("*bf16", "*fp32"):
+    for split_k, bias in ((1, False), (4, True)):
+        names = ("x_ptr", "w_ptr", "bias_ptr", "y_ptr")
+        types = {name: dtype for name in names} | {"partials_ptr": "*fp32", "counters_ptr": "*i32"}
+        constants = {"HAS_BIAS": bias, "SPLIT_K": split_k, "K_PER_SPLIT": 512, "BLOCK_M": G.MAX_ROWS,
+                     "BLOCK_N": G.BLOCK_N, "BLOCK_K": G.BLOCK_K}
+        look_for = ("atom.global.gpu.acq_rel.add", "ld.global.cg", "bar.sync")
+        built = sm90_build.build(G._gemv_kernel, types, constants, G.NUM_WARPS, look_for, aligned=("N", "K"))
+        print(json.dumps(built | {"split_k": split_k}))
+"""
+    builds = sm90_builds(script)
+    assert len(builds) == 4, builds
+    for b in builds:
+        assert b["spill_bytes"] == 0 and 16 in b["async_copy_bytes"], b
+        if b["split_k"] > 1:
+            assert all(b["found"].values()), b
+        else:  # one split writes its output itself: no handshake
+            assert not b["found"]["atom.global.gpu.acq_rel.add"], b
