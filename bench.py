@@ -24,6 +24,7 @@ FILE also writes them). Without a GPU the flags left out take CPU sizes, and a l
                                              # speculative decoding beside the same run without it, on requests
                                              # whose answers copy their input (repeat, correct, reformat a text)
     python bench.py --latency --speculative ngram       # one request, with and without n-gram drafts
+    python bench.py --latency --gemv         # one request, the weights read by cuBLAS, then by ext/gemv.py's GEMV
 """
 
 import argparse
@@ -671,14 +672,15 @@ def speculative_config(args) -> dict | None:
     return {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": SPECULATIVE_TOKENS}
 
 
-def run_engine(args, model_dir, cpu_default, speculative=None):
-    """nanoserve's run of the chosen mode (with speculative, vLLM's speculative_config): (rows, the workload for a
-    peer)."""
+def run_engine(args, model_dir, cpu_default, speculative=None, gemv=False):
+    """nanoserve's run of the chosen mode (with speculative, vLLM's speculative_config; gemv: the few-row weight read
+    of ext/gemv.py): (rows, the workload for a peer)."""
     llm = LLM(
         model_dir,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs or min(args.num_seqs, MAX_NUM_SEQS),
         speculative_config=speculative,
+        small_batch_gemv=gemv,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tp,
         threads=args.threads,
@@ -724,6 +726,8 @@ def run_engine(args, model_dir, cpu_default, speculative=None):
         extra = {"device": device, "busy": args.busy, "peak_rss_mb": peak_rss_mb()}
         if args.speculative:
             extra = {"speculative": "off" if speculative is None else args.speculative} | extra
+        if args.gemv:
+            extra = {"gemv": gemv} | extra
         return [row | extra for row in rows], workload
     finally:
         llm.close()
@@ -734,6 +738,8 @@ def run_all(args, cpu_default):
     try:
         if args.speculative:
             return run_speculative(args, model_dir, cpu_default)
+        if args.gemv:
+            return run_gemv(args, model_dir, cpu_default)
         rows, workload = run_engine(args, model_dir, cpu_default)
         if args.compare:
             if torch.cuda.is_available():
@@ -761,6 +767,18 @@ def run_speculative(args, model_dir, cpu_default):
     drafted[0]["speedup"] = round(ratio, 2)
     print(f"speculative decoding ({args.speculative}) / without: {ratio:.2f}x {rate}")
     return plain + drafted
+
+
+def run_gemv(args, model_dir, cpu_default):
+    """The mode's run with cuBLAS's GEMMs, then with the few-row GEMV (ext/gemv.py) for steps of at most 16 rows, each
+    its own engine, and the ratio of decode (or output) tok/s."""
+    plain, _ = run_engine(args, model_dir, cpu_default)
+    fast, _ = run_engine(args, model_dir, cpu_default, gemv=True)
+    rate = "decode_tok_per_s" if args.latency else "tok_per_s"
+    ratio = fast[0][rate] / plain[0][rate]
+    fast[0]["speedup"] = round(ratio, 2)
+    print(f"few-row GEMV / cuBLAS: {ratio:.2f}x {rate}")
+    return plain + fast
 
 
 def peak_rss_mb() -> int:
@@ -813,6 +831,12 @@ def parse_args(argv=None):
         metavar="ngram|draft:DIR",
         help=f"also run with speculative decoding ({SPECULATIVE_TOKENS} drafts per step): n-gram prompt lookup, or a "
         "draft model's folder; both runs are reported, with the speedup",
+    )
+    ap.add_argument(
+        "--gemv",
+        action="store_true",
+        help="also run with the few-row GEMV (ext/gemv.py) reading the weights of steps of at most 16 rows; both runs "
+        "are reported, with the speedup",
     )
     ap.add_argument(
         "--max-output-len",
@@ -870,6 +894,10 @@ def parse_args(argv=None):
         ap.error("--speculative goes with the throughput and --latency modes, alone")
     if args.speculative and importlib.util.find_spec("nanoserve.ext.speculative") is None:
         ap.error("--speculative needs nanoserve/ext/speculative.py, which this checkout does not have")
+    if args.gemv and (args.speculative or args.compare or args.prefix or args.attention or args.serve or args.tp > 1):
+        ap.error("--gemv goes with the throughput and --latency modes, alone")
+    if args.gemv and importlib.util.find_spec("nanoserve.ext.gemv") is None:
+        ap.error("--gemv needs nanoserve/ext/gemv.py, which this checkout does not have")
     if args.plot and importlib.util.find_spec("nanoserve.ext.plots") is None:
         ap.error("--plot needs nanoserve/ext/plots.py (plot_trace), which this checkout does not have")
     return args

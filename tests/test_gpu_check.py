@@ -82,6 +82,13 @@ def test_bench_kernels_attention_on_tiny_shapes(bench_kernels):
     assert bench_kernels.time_attention([1, 1], [33, 17], dtype=torch.float32) > 0
 
 
+def test_bench_kernels_times_the_weight_reads(bench_kernels):
+    """time_gemv times cuBLAS's matmul and ext/gemv.py's GEMV on one projection, with the split the engine plans."""
+    pytest.importorskip("nanoserve.ext.gemv")
+    row = bench_kernels.time_gemv(3, 40, 600)
+    assert row["split_k"] > 1 and row["cublas_ms"] > 0 and row["gemv_ms"] > 0 and "gemv_TBps" in row
+
+
 def test_bench_kernels_eager_and_profile_run(bench_kernels, tmp_path):
     """The eager and profile modes on a tiny model with Qwen3's layout (4,096 positions, as they ask for)."""
     config = Qwen3Config(
