@@ -4,6 +4,7 @@ from this file (Triton refuses a @jit function fed on standard input). Needs CUD
     python bench_kernels.py kernels OUT.json [MODEL_DIR]   # kernel timings, one JSON object per measurement
     python bench_kernels.py eager OUT.json MODEL_DIR       # eager steps after warm-up: does a step wait for a compile?
     python bench_kernels.py profile OUT.txt MODEL_DIR      # torch.profiler tables: decode at 256, mixed, decode at 1
+    python bench_kernels.py sweep OUT.json                 # attention's tiles, stages and split counts, each timed
 
 Shapes are Qwen3-0.6B's heads (16 query, 8 KV, head_dim 128) in bf16, block size 16, unless a row says otherwise;
 MODEL_DIR is the random Qwen3-0.6B folder gpu_check.sh saves once (`bench.py --save-model`). On a machine without
@@ -12,6 +13,7 @@ CUDA it runs on the CPU, only so that tests/test_gpu_check.py can check it runs;
 import json
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 from triton import cdiv
@@ -26,6 +28,23 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 KV_BYTES_PER_TOKEN_BF16 = 2 * NUM_KV_HEADS * HEAD_DIM * 2  # K and V of one token in bf16, one layer
+# the sweep's candidates (issue 33: prefill at least 0.75x SDPA, FP8 within 10% of bf16; long contexts at small batch
+# at least 0.9x SDPA). Prefill (query rows, keys per step, pipeline stages, warps): today's first, then the Triton
+# fused-attention tutorial's Hopper choice (128 x 128, 3 stages, 8 warps) and the neighbours of both
+PREFILL_CONFIGS = (
+    (128, 64, 3, 8),
+    (128, 128, 3, 8),
+    (128, 128, 2, 8),
+    (128, 64, 2, 8),
+    (128, 64, 4, 8),
+    (128, 32, 3, 8),
+    (128, 64, 3, 4),
+    (64, 64, 3, 4),
+)
+# decode (sequences, context) at small batches, and the split counts tried beside the one decode_splits chooses
+DECODE_SHAPES = ((1, 2048), (1, 8192), (1, 32768), (4, 8192), (8, 8192), (8, 32768), (16, 4096))
+SPLIT_COUNTS = (4, 8, 16, 32, 64)
+DECODE_KEYS_PER_STEP = (32, 64, 128)  # decode's keys per step of its loop (DECODE_TILE_N for 16-bit q and cache)
 # Qwen3-0.6B's projections: (name, out features, in features)
 QWEN3_PROJECTIONS = (
     ("q|k|v", 4096, 1024),
@@ -225,6 +244,83 @@ def eager(out_path: str, model_dir: str) -> None:
         json.dump(row, f)
 
 
+@contextmanager
+def patched(module, **values):
+    """module's named globals set to values for the block, then restored: the launchers read them at every call."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def prefill_settings(tile_m: int, tile_n: int, stages: int, warps: int, itemsize: int) -> dict:
+    """attention.py's prefill constants that make paged_attention launch this configuration for queries of itemsize
+    bytes (8 warps: the wide-tile threshold at tile_m; 4: above it)."""
+    return {
+        "PREFILL_TILE_M": {**A.PREFILL_TILE_M, itemsize: tile_m},
+        "PREFILL_TILE_N": tile_n,
+        "PREFILL_NUM_STAGES": stages,
+        "PREFILL_WIDE_TILE_M": {**A.PREFILL_WIDE_TILE_M, itemsize: tile_m if warps == 8 else 2 * tile_m},
+    }
+
+
+def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, dtype=torch.bfloat16) -> list[dict]:
+    """Times attention under each candidate setting (attention.py's constants patched, paged_attention as the engine
+    calls it): the prefill's tiles, stages and warps on prefill_shape (sequences x tokens, causal; bf16 and an fp8
+    cache), and decode's split count and keys per step at small batches. Each row says whether it is today's setting;
+    the next session sets the rules from the fastest."""
+    rows = []
+    num_seqs, tokens = prefill_shape
+    flops = 4 * num_seqs * NUM_HEADS * HEAD_DIM * tokens * tokens / 2  # QK^T and PV over the causal half
+    for kv_dtype in (None, torch.float8_e4m3fn):
+        for tile_m, tile_n, stages, warps in PREFILL_CONFIGS:
+            with patched(A, **prefill_settings(tile_m, tile_n, stages, warps, dtype.itemsize)):
+                ms = time_attention([tokens] * num_seqs, [tokens] * num_seqs, dtype=dtype, kv_dtype=kv_dtype)
+            rows.append(
+                {
+                    "what": "sweep prefill" + (" fp8 cache" if kv_dtype else ""),
+                    "tile_m": tile_m,
+                    "tile_n": tile_n,
+                    "stages": stages,
+                    "warps": warps,
+                    "today": (tile_m, tile_n, stages, warps) == PREFILL_CONFIGS[0],
+                    "ms": round(ms, 4),
+                    "TFLOPs": round(flops / ms / 1e9, 1),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else A.CPU_NUM_SMS
+    real_splits = A.decode_splits
+    for seqs, ctx in decode_shapes:
+        chosen = real_splits(seqs, NUM_KV_HEADS, num_sms)
+        for splits in sorted({chosen, *SPLIT_COUNTS}):
+            for keys in DECODE_KEYS_PER_STEP:
+                tile = {**A.DECODE_TILE_N, (dtype.itemsize, dtype.itemsize): keys}
+                with patched(A, decode_splits=lambda *args, n=splits: n, DECODE_TILE_N=tile):
+                    ms = time_attention([1] * seqs, [ctx] * seqs, dtype=dtype)
+                today = splits == chosen and keys == A.DECODE_TILE_N[dtype.itemsize, dtype.itemsize]
+                rows.append(
+                    {
+                        "what": "sweep decode",
+                        "num_seqs": seqs,
+                        "context": ctx,
+                        "splits": splits,
+                        "keys_per_step": keys,
+                        "today": today,
+                        "ms": round(ms, 4),
+                        "TBps": round(seqs * ctx * KV_BYTES_PER_TOKEN_BF16 / ms / 1e9, 2),
+                    }
+                )
+                print(json.dumps(rows[-1]), flush=True)
+    with open(out_path, "w") as f:
+        json.dump(rows, f, indent=1)
+    return rows
+
+
 def profile(out_path: str, model_dir: str) -> None:
     """torch.profiler's kernel tables: 3 decode-only steps at 256 sequences, 3 mixed steps (256 decodes beside 4
     prompts of 1,000), and 8 decode steps of one request (512-token prompt; CUDA graphs on, as in --latency)."""
@@ -267,6 +363,10 @@ def profile(out_path: str, model_dir: str) -> None:
 
 if __name__ == "__main__":
     mode, out, *rest = sys.argv[1:]
-    {"kernels": lambda: kernels(out), "eager": lambda: eager(out, *rest), "profile": lambda: profile(out, *rest)}[
-        mode
-    ]()
+    modes = {
+        "kernels": lambda: kernels(out),
+        "eager": lambda: eager(out, *rest),
+        "profile": lambda: profile(out, *rest),
+        "sweep": lambda: sweep(out),
+    }
+    modes[mode]()

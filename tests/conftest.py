@@ -12,6 +12,10 @@ if not torch.cuda.is_available():
 import pytest
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+# where an engine with kernels="triton" runs: the GPU where there is one (the interpreter, which runs the kernels on
+# the CPU, is only switched on without CUDA, and LLM(device="cpu", kernels="triton") refuses to run without it)
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 TINY = {
     "vocab_size": 384,
     "hidden_size": 64,

@@ -89,6 +89,35 @@ def test_bench_kernels_times_the_weight_reads(bench_kernels):
     assert row["split_k"] > 1 and row["cublas_ms"] > 0 and row["gemv_ms"] > 0 and "gemv_TBps" in row
 
 
+def test_bench_kernels_sweep_times_each_setting_and_restores_today(bench_kernels, monkeypatch, tmp_path):
+    """The sweep on tiny shapes (two prefill settings, two split counts, one key step): a row per setting, today's
+    marked once per group, each setting really reaching the launcher (its constants as paged_attention reads them),
+    and attention.py's constants as they were afterwards."""
+    from nanoserve import attention as A
+
+    before = (A.PREFILL_TILE_M, A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, A.PREFILL_WIDE_TILE_M, A.DECODE_TILE_N)
+    settings = bench_kernels.prefill_settings(64, 32, 2, 4, 4)
+    with bench_kernels.patched(A, **settings):
+        assert (A.PREFILL_TILE_M[4], A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES) == (64, 32, 2)
+        assert A.prefill_num_warps(64, torch.float32) == 4
+    with bench_kernels.patched(A, **bench_kernels.prefill_settings(16, 16, 3, 8, 4)):
+        assert A.prefill_num_warps(16, torch.float32) == 8
+    assert (A.PREFILL_TILE_M, A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, A.PREFILL_WIDE_TILE_M, A.DECODE_TILE_N) == before
+    today_prefill = (A.PREFILL_TILE_M[4], A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, 8)
+    monkeypatch.setattr(bench_kernels, "PREFILL_CONFIGS", (today_prefill, (16, 16, 2, 4)))
+    monkeypatch.setattr(bench_kernels, "SPLIT_COUNTS", (2,))
+    monkeypatch.setattr(bench_kernels, "DECODE_KEYS_PER_STEP", (A.DECODE_TILE_N[4, 4],))
+    rows = bench_kernels.sweep(str(tmp_path / "sweep.json"), (1, 20), ((1, 40),), torch.float32)
+    assert json.loads((tmp_path / "sweep.json").read_text()) == rows
+    prefill = [r for r in rows if r["what"] == "sweep prefill"]
+    decode = [r for r in rows if r["what"] == "sweep decode"]
+    chosen = A.decode_splits(1, bench_kernels.NUM_KV_HEADS, A.CPU_NUM_SMS)
+    assert len(prefill) == 2 and len(decode) == len({2, chosen}) and len(rows) == 2 * 2 + len(decode)
+    assert [r["today"] for r in prefill] == [True, False] and sum(r["today"] for r in decode) == 1
+    assert all(r["ms"] > 0 for r in rows)
+    assert (A.PREFILL_TILE_M, A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, A.PREFILL_WIDE_TILE_M, A.DECODE_TILE_N) == before
+
+
 def test_bench_kernels_eager_and_profile_run(bench_kernels, tmp_path):
     """The eager and profile modes on a tiny model with Qwen3's layout (4,096 positions, as they ask for)."""
     config = Qwen3Config(

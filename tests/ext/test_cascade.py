@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' definition
 
 import pytest
-from conftest import extension_or_skip, hf_greedy, random_prompts, refused, sm90_builds
+from conftest import TRITON_DEVICE, extension_or_skip, hf_greedy, random_prompts, refused, sm90_builds
 from test_attention import ATOL, assert_close, make_batch, randint
 
 cascade = extension_or_skip("cascade")
@@ -103,7 +103,8 @@ def test_engine_outputs_are_unchanged(tiny_model, monkeypatch, kernels):
     system = random_prompts([50])[0]
     prompts = [system + tail for tail in random_prompts([3, 7, 5, 9])]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    engine = {"device": "cpu", "kernels": kernels, "max_model_len": 128, "num_kvcache_blocks": 64}
+    device = TRITON_DEVICE if kernels == "triton" else "cpu"
+    engine = {"device": device, "kernels": kernels, "dtype": "float32", "max_model_len": 128, "num_kvcache_blocks": 64}
     plain = [o.outputs[0].token_ids for o in LLM(path, **engine).generate(prompts, params, use_tqdm=False)]
     llm = LLM(path, **engine, cascade_attention=True)
     cascaded = []

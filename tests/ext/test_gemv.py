@@ -14,14 +14,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' definition
 
 import pytest
-from conftest import extension_or_skip, hf_greedy, random_prompts, refused, sm90_builds
+from conftest import TRITON_DEVICE, extension_or_skip, hf_greedy, random_prompts, refused, sm90_builds
 
 gemv = extension_or_skip("gemv")
 
 from nanoserve import LLM, SamplingParams  # noqa: E402
 from nanoserve.config import EngineConfig  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = TRITON_DEVICE
 ENGINE = {"device": "cpu", "max_model_len": 128, "num_kvcache_blocks": 64}
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

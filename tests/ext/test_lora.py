@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import extension_or_skip, hf_greedy_run, random_prompts, refused, sm90_builds
+from conftest import TRITON_DEVICE, extension_or_skip, hf_greedy_run, random_prompts, refused, sm90_builds
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -137,8 +137,8 @@ def test_the_triton_kernel_serves_a_mixed_batch_as_the_reference_does(adapters):
     per_prompt = [requests["qv8"], None, requests["kogd4"], requests["all16"]]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     runs = [
-        tokens(LLM(path, **ENGINE, kernels=kernels).generate(prompts, params, use_tqdm=False, lora_request=per_prompt))
-        for kernels in ("triton", "torch")
+        tokens(LLM(path, **engine).generate(prompts, params, use_tqdm=False, lora_request=per_prompt))
+        for engine in (ENGINE | {"kernels": "triton", "device": TRITON_DEVICE, "dtype": "float32"}, ENGINE)
     ]
     assert runs[0] == runs[1]
 

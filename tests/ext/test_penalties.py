@@ -11,7 +11,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from conftest import default_model_or_skip, hf_generate, random_prompts, refused
+from conftest import TRITON_DEVICE, default_model_or_skip, hf_generate, random_prompts, refused
 from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from nanoserve import LLM, SamplingParams
@@ -154,7 +154,7 @@ def test_n_samples_and_a_reused_row(tiny_model):
 def test_triton_sampler_in_the_interpreter(tiny_model):
     """Guards against the Triton backend (its sampling kernel) drawing from logits other than the penalized ones."""
     path, hf = tiny_model("qwen3")
-    llm = LLM(path, kernels="triton", **ENGINE)
+    llm = LLM(path, **ENGINE | {"kernels": "triton", "device": TRITON_DEVICE, "dtype": "float32"})
     check_against_transformers(llm, hf, random_prompts([6]), [CASES[3]])
 
 
