@@ -43,7 +43,7 @@ PREFILL_CONFIGS = (
 )
 # decode (sequences, context) at small batches, and the split counts tried beside the one decode_splits chooses
 DECODE_SHAPES = ((1, 2048), (1, 8192), (1, 32768), (4, 8192), (8, 8192), (8, 32768), (16, 4096))
-SPLIT_COUNTS = (4, 8, 16, 32, 64)
+SPLIT_COUNTS = (4, 8, 16, A.MAX_SPLITS)  # (the merge holds at most MAX_SPLITS partials of a head)
 DECODE_KEYS_PER_STEP = (32, 64, 128)  # decode's keys per step of its loop (DECODE_TILE_N for 16-bit q and cache)
 # Qwen3-0.6B's projections: (name, out features, in features)
 QWEN3_PROJECTIONS = (
@@ -137,8 +137,8 @@ def kernels(out_path: str) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    # 1) decode at batches that fill the GPU: one split writes the output itself (no reduce, issue 30), against the
-    # same batch forced to two splits (the old path: partials, then the reduce). Prediction: one split 10-15% faster
+    # 1) decode at batches that fill the GPU: one split writes the output itself (issue 30), against the same batch
+    # forced to two splits (partials, merged by the last split; before 2026-11-29 by a reduce kernel). Prediction: one split 10-15% faster
     # at batch 128-256 (the reduce was 19 us of 143 per layer at batch 256 in the 2026-11-27 profile)
     real_splits = A.decode_splits
     for num_seqs, ctx in ((64, 1024), (128, 1024), (256, 512), (256, 1024)):

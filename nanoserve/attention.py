@@ -6,11 +6,11 @@ the blocks its block table lists, in order, so physical blocks need not be conti
 holds each token's K; `store_kv_ref` here is the store's reference). Then two Triton jobs: a flash-attention kernel
 (FlashAttention-2, Dao 2023: query tiles, online softmax) serves the sequences with several queries (prefill chunks),
 causal and varlen; a split-KV kernel (Flash-Decoding, Dao et al. 2023) serves the sequences with one query (decodes),
-also inside a mixed step, by splitting each sequence's keys across programs and merging their partial softmaxes in a
-small reduce kernel. Each kernel skips the other's sequences, so a mixed step is two launches over one metadata. Every
-key is read from the cache, so the store runs before attention. The PyTorch references at the bottom are the oracle the
-kernels are tested against, and the CPU's fast path. Words: a "block" is a KV-cache page, a "tile" a kernel's compute
-tile.
+also inside a mixed step, by splitting each sequence's keys across programs and merging their partial softmaxes: the
+last of a sequence's split programs to finish merges them, so no second kernel runs. Each kernel skips the other's
+sequences, so a mixed step is two launches over one metadata. Every key is read from the cache, so the store runs
+before attention. The PyTorch references at the bottom are the oracle the kernels are tested against, and the CPU's
+fast path. Words: a "block" is a KV-cache page, a "tile" a kernel's compute tile.
 
 FP8 KV cache (kv_cache_dtype="fp8"): the caches are float8 e4m3 (1 byte per element, half of bf16's), written by a
 saturating round-to-nearest cast (on a GPU and in torch; Triton's CPU interpreter rounds roughly, so its tests feed
@@ -46,7 +46,9 @@ DECODE_TILE_N = {(2, 2): 64, (2, 1): 32, (4, 4): 16, (4, 1): 16}  # keys per ste
 DECODE_NUM_WARPS = 4
 PROGRAMS_PER_SM = 4  # decode splits the keys until the grid has about this many programs per SM
 REFERENCE_RUN_SIZE = 1 << 24  # the PyTorch reference's padded queries x keys per SDPA call (reference_groups)
-MAX_SPLITS = 64  # the reduce kernel holds all partials of a head, [MAX_SPLITS, head_dim] fp32, in registers
+MAX_SPLITS = 32  # the merge holds all partials of a head, [MAX_SPLITS, head_dim] fp32, in registers (64 pushed the
+# fp8-cache decode kernel to 143 registers on triton 3.6: 3 programs per SM, not 4; and at batch 1 the H100 measured
+# 64 splits slower than fewer, 2026-11-27)
 CPU_NUM_SMS = 4  # SM count assumed under TRITON_INTERPRET: small, yet CPU tests still see several splits
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # powers of two; 256 would overflow the registers of a 128-row tile
 
@@ -61,6 +63,9 @@ class AttentionMetadata:
     block_tables: Tensor  # [num_seqs, max_blocks_per_seq] int32
     max_query_len: int  # a host-side bound, so launching a kernel never reads the GPU
     decode_only: bool  # every sequence has exactly one query token
+    # [num_seqs * num_kv_heads] int32 zeros, the decode merge's arrival counters (zero again after every launch), or
+    # None: each launch makes its own. The CUDA graphs keep one, so a replay allocates nothing
+    split_counters: Tensor | None = None
     # what the PyTorch reference derives from the above (gather_for_reference, per run of sequences): the same for
     # every layer, so paged_attention_ref computes it in the step's first layer and the others reuse it; no caller
     # passes it
@@ -223,18 +228,23 @@ def _decode_split_kernel(
     stride_oh,
     part_out_ptr,
     part_lse_ptr,
+    split_counters_ptr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
+    MERGE: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):
     # program (seq, kv_head, split): the GROUP query heads sharing kv_head (rows of one tl.dot, so each K/V byte
     # is read once) attend to the split-th of num_splits equal runs of whole key tiles of sequence seq's context,
     # if seq has one query (a decode); its split length follows its own context, so a CUDA graph's fixed grid
     # keeps every split busy whatever the context. With ONE_SPLIT (a batch that fills the GPU by itself) the one
-    # split's output is the answer: it goes straight to out, and no reduce runs; the part pointers are not used.
+    # split's output is the answer: it goes straight to out; the part pointers are not used. Otherwise each split
+    # writes its partial output and log-sum-exp, and with MERGE the last split of (seq, kv_head) to finish merges
+    # them into out (without, the caller merges: ext/cascade.py).
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_row = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:  # several queries: the prefill kernel's
@@ -278,47 +288,33 @@ def _decode_split_kernel(
         row = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split  # [GROUP_PAD]
         tl.store(part_lse_ptr + row, lse, mask=real_rows)
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d, out, mask=real_rows[:, None])
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    query_start_loc_ptr,
-    stride_ph,
-    stride_ot,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,
-):
-    # program (seq, head): merge one query head's partial outputs, each weighted by its split's share of the
-    # softmax mass, 2^(lse_s - max lse), if seq is a decode (the split kernel wrote nothing for the others).
-    # The number of splits arrives as part_out's head stride (num_splits * HEAD_DIM): Triton compiles a variant per
-    # integer argument that is 1 or a multiple of 16, and a count would be either, or neither; this stride is always
-    # a multiple of 16, so one variant serves every batch size (warm-up compiles it, eager runs never wait for one).
-    seq, head = tl.program_id(0), tl.program_id(1)
-    q_row = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
-        return
-    num_splits = stride_ph // HEAD_DIM
-    s, d = tl.arange(0, MAX_SPLITS), tl.arange(0, HEAD_DIM)
-    row = (seq * tl.num_programs(1) + head) * num_splits + s  # [MAX_SPLITS]
-    real_splits = s < num_splits  # [MAX_SPLITS]: the others are padding
-    lse = tl.load(part_lse_ptr + row, mask=real_splits, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # context_len 0: every split is empty
-    w = tl.exp2(lse - lse_max)  # [MAX_SPLITS], 0 for empty splits
-    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=real_splits[:, None], other=0.0)
-    total = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM]; 0 if context_len 0
-    tl.store(out_ptr + q_row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+        if MERGE:
+            # Arrive on (seq, kv_head)'s counter; the split that arrives last merges every split's partials. The
+            # barrier first: all of this program's threads have stored. The add is acquire-release at GPU scope, so
+            # the partials other programs stored before their add are visible to the last one after its own.
+            tl.debug_barrier()
+            counter = split_counters_ptr + seq * tl.num_programs(1) + kv_head
+            num_splits = tl.num_programs(2)
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                tl.store(counter, 0)  # zero again for the next layer (a CUDA graph replays the same counters)
+                s = tl.arange(0, MAX_SPLITS)[:, None]  # [MAX_SPLITS, 1]; splits >= num_splits are padding
+                for h in range(kv_head * GROUP, kv_head * GROUP + GROUP):  # each query head: its partials weighted
+                    # by their splits' shares of the softmax mass, 2^(lse_s - max lse), summed in split order
+                    # (whichever split merges); read past L1 (".cg"), which may hold an earlier launch's lines
+                    part_row = (seq * tl.num_programs(1) * GROUP + h) * num_splits + s
+                    lses = tl.load(part_lse_ptr + part_row, s < num_splits, float("-inf"), cache_modifier=".cg")
+                    # (the max floored, so that a context of no keys, every lse -inf, weighs 0 and merges to 0)
+                    w = tl.exp2(lses - tl.maximum(tl.max(lses, 0), -1e30))  # [MAX_SPLITS, 1]: 0 for an empty split
+                    part = tl.load(part_out_ptr + part_row * HEAD_DIM + d, s < num_splits, 0.0, cache_modifier=".cg")
+                    merged = tl.sum(w * part, 0) / tl.maximum(tl.sum(w, 0), 1e-30)  # [HEAD_DIM]
+                    out_at = out_ptr + q_row * stride_ot + h * stride_oh + d
+                    tl.store(out_at, merged[None, :].to(out_ptr.dtype.element_ty))
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
     """q: [num_tokens, num_heads, head_dim] -> out, same shape: causal attention over each sequence's cached keys.
     The sequences with several queries (prefill chunks) go through the prefill kernel, those with one (decodes)
-    through the split-KV kernel and its reduce: in a mixed step both launch, each skipping the other's sequences."""
+    through the split-KV kernel: in a mixed step both launch, each skipping the other's sequences."""
     out = torch.empty_like(q)
     _, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = len(meta.context_lens), k_cache.shape[2]
@@ -352,37 +348,31 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
             num_warps=prefill_num_warps(tile_m, q.dtype),
             num_stages=PREFILL_NUM_STAGES,
         )
-    # the decodes: the split kernel writes each split's partial output and log-sum-exp, the reduce merges them into
-    # out; with one split (a batch that fills the GPU), the split kernel writes out itself and no reduce runs. They
-    # launch in every step, even one without decodes (they skip every sequence), so warm-up's prefill steps compile
-    # them: its one-sequence steps the split variant and the reduce, its biggest step the one-split variant if any
-    # batch can have one split.
+    # the decodes: the split kernel writes each split's partial output and log-sum-exp, and the last split of each
+    # (sequence, KV head) merges them into out; with one split (a batch that fills the GPU), the split kernel writes
+    # out itself. It launches in every step, even one without decodes (it skips every sequence), so warm-up's prefill
+    # steps compile it: its one-sequence steps the split variant, its biggest step the one-split variant if any batch
+    # can have one split.
     num_splits = decode_splits(num_seqs, num_kv_heads, _num_sms(q.device))
     part_out = out.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32) if num_splits > 1 else out
     part_lse = part_out.new_empty(part_out.shape[:3]) if num_splits > 1 else out  # (one split: unused)
+    counters = meta.split_counters  # the graphs' own, or fresh zeros
+    if counters is None:
+        counters = meta.context_lens.new_zeros(num_seqs * num_kv_heads)
     _decode_split_kernel[num_seqs, num_kv_heads, num_splits](
         *args,
         out,
         *out.stride()[:2],
         part_out,
         part_lse,
+        counters,
         **shape,
         GROUP_PAD=decode_group_pad(shape["GROUP"]),
         TILE_N=DECODE_TILE_N[q.dtype.itemsize, k_cache.dtype.itemsize],
         ONE_SPLIT=num_splits == 1,
+        MERGE=True,
+        MAX_SPLITS=MAX_SPLITS,
         num_warps=DECODE_NUM_WARPS,
-    )
-    if num_splits == 1:
-        return out
-    _decode_reduce_kernel[num_seqs, num_heads](
-        part_out,
-        part_lse,
-        out,
-        meta.query_start_loc,
-        part_out.stride(1),
-        *out.stride()[:2],
-        HEAD_DIM=head_dim,
-        MAX_SPLITS=MAX_SPLITS,  # one variant for any number of splits
     )
     return out
 

@@ -108,7 +108,7 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
             },
             A.prefill_num_warps(tile_m, q_torch),
         )
-    for one_split in (False, True):  # partials for the reduce, or (a batch that fills the GPU) the output itself
+    for one_split in (False, True):  # partials merged by the last split, or (a batch that fills the GPU) the output
         parts = (
             {"part_out_ptr": dtype, "part_lse_ptr": dtype}
             if one_split
@@ -116,7 +116,7 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
         )
         yield build(
             A._decode_split_kernel,
-            dict(q_ptr=dtype, **cache, **meta, out_ptr=dtype, **parts),
+            dict(q_ptr=dtype, **cache, **meta, out_ptr=dtype, **parts, split_counters_ptr="*i32"),
             {
                 "GROUP": group,
                 "GROUP_PAD": A.decode_group_pad(group),
@@ -124,17 +124,14 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
                 "BLOCK_SIZE": block_size,
                 "TILE_N": A.DECODE_TILE_N[q_torch.itemsize, kv_torch.itemsize],
                 "ONE_SPLIT": one_split,
+                "MERGE": True,
+                "MAX_SPLITS": A.MAX_SPLITS,
             },
             A.DECODE_NUM_WARPS,
+            look_for=("atom.global.gpu.acq_rel.add", "ld.global.cg"),
         ) | {"one_split": one_split}
     if kv_dtype != dtype:
-        return  # the reduce and the layer kernels never see the cache
-    yield build(
-        A._decode_reduce_kernel,
-        {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": dtype, "query_start_loc_ptr": "*i32"},
-        {"HEAD_DIM": head_dim, "MAX_SPLITS": A.MAX_SPLITS},
-        4,
-    )
+        return  # the layer kernels never see the cache
     # the fused layer kernels, at Qwen3-0.6B's widths (hidden 1024, intermediate 3072) and 8x as wide
     for hidden in (1024, 8192):
         yield build(

@@ -344,27 +344,53 @@ class NotLaunched:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_a_batch_that_fills_the_gpu_runs_one_split_and_no_reduce(dtype, monkeypatch):
+def test_a_batch_that_fills_the_gpu_runs_one_split_and_no_merge(dtype):
     """Guards against the one-split path (a batch big enough that each (sequence, KV head) program alone fills the
     GPU: the split kernel writes the output itself) writing a wrong or unnormalized output, another row's output, or
-    launching the reduce for nothing: decodes alone and beside prefill chunks equal the reference with the reduce
-    made to fail if launched."""
+    arriving on the merge's counters for nothing: decodes alone and beside prefill chunks equal the reference, and
+    counters set to a value the merge would change stay as they were."""
     num_sms = _num_sms(torch.device(DEVICE))
     num_seqs = -(-PROGRAMS_PER_SM * num_sms // 2) + 2  # 2 KV heads: one split
     assert decode_splits(num_seqs, 2, num_sms) == 1
-
-    class MustNotLaunch:
-        def __getitem__(self, grid: tuple):
-            raise AssertionError("the reduce launched for one split")
-
-    monkeypatch.setattr(attention, "_decode_reduce_kernel", MustNotLaunch())
     for query_lens in ([1] * num_seqs, [randint(2, 30)] + [1] * (num_seqs - 2) + [randint(2, 30)]):
         context_lens = [max(q, randint(1, 300)) for q in query_lens]
         q, k_cache, v_cache, meta = make_batch(
             query_lens, context_lens, **heads(2), head_dim=32, block_size=16, dtype=dtype
         )
+        meta.split_counters = torch.full((num_seqs * 2,), 5, dtype=torch.int32, device=DEVICE)
         out = paged_attention(q, k_cache, v_cache, meta, 32**-0.5)
         assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 32**-0.5), ATOL[dtype], "one split")
+        assert (meta.split_counters == 5).all(), "the one-split path arrived on the merge's counters"
+
+
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_the_last_split_merges_and_leaves_the_counters_at_zero(group):
+    """Guards against the in-kernel merge (the last of a (sequence, KV head)'s split programs to arrive merges every
+    split's partials) merging too early or twice, weighting a split wrongly, missing a query head of the group, or
+    leaving its counter non-zero, which would break the next layer's launch (a CUDA graph replays the same counters):
+    one counters tensor through three launches, as three layers use it, each equal to the reference and the same
+    every time (the merge sums in split order, whichever split arrives last); contexts of 0 keys (a graph's padded
+    rows) give 0. Triton's interpreter runs the programs one at a time, in one order, so only a GPU run of this test
+    sees splits arrive at once (gpu_check.sh's tests stage); the sm_90 build checks the handshake's memory order."""
+    num_seqs = randint(1, 3)
+    context_lens = [randint(1, 400) for _ in range(num_seqs)] + [0]
+    q, k_cache, v_cache, meta = make_batch(
+        [1] * (num_seqs + 1),
+        [max(c, 1) for c in context_lens],
+        **heads(group),
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float32,
+    )
+    meta.context_lens[-1] = 0
+    assert decode_splits(num_seqs + 1, 2, _num_sms(torch.device(DEVICE))) > 1
+    meta.split_counters = torch.zeros((num_seqs + 1) * 2, dtype=torch.int32, device=DEVICE)
+    expected = paged_attention_ref(q, k_cache, v_cache, meta, 32**-0.5)
+    outs = [paged_attention(q, k_cache, v_cache, meta, 32**-0.5) for _ in range(3)]
+    for out in outs:
+        assert_close(out, expected, ATOL[torch.float32], "merged in the kernel")
+        assert torch.equal(out, outs[0]) and not out[-1].any()
+    assert not meta.split_counters.any(), "a counter left non-zero"
 
 
 def test_the_reference_attends_in_runs_whose_padding_is_bounded(monkeypatch):
@@ -425,8 +451,8 @@ def test_decode_kernels_have_one_variant_for_every_batch(monkeypatch):
     """Guards against decode kernels compiled in the middle of an eager run (0.5-1 s each on a GPU): warm-up runs
     prefill steps only, which launch the decode kernels too, so every decode step, whatever its batch size and
     number of splits or its mix of prefills, must present one variant key to Triton per kind of grid: several splits
-    (the split kernel's partials and the reduce) and, for a batch that fills the GPU, one split (the split kernel
-    writing the output, no reduce). The batch sizes come from this device's SM count: from 1 sequence (the most
+    (partials, merged by the last split) and, for a batch that fills the GPU, one split (the split kernel writing the
+    output itself). The batch sizes come from this device's SM count: from 1 sequence (the most
     splits) to one that fills every SM by itself (one split: 2 x SMs sequences of 2 KV heads, 132 SMs on an H100)."""
     keys = {}
 
@@ -441,8 +467,7 @@ def test_decode_kernels_have_one_variant_for_every_batch(monkeypatch):
 
             return launch
 
-    for name in ("_decode_split_kernel", "_decode_reduce_kernel"):
-        monkeypatch.setattr(attention, name, Recorder(name))
+    monkeypatch.setattr(attention, "_decode_split_kernel", Recorder("_decode_split_kernel"))
     num_sms = _num_sms(torch.device(DEVICE))
     one_split_batch = -(-PROGRAMS_PER_SM * num_sms // 2)  # sequences of 2 KV heads that fill every SM's programs
     splits = set()
@@ -459,7 +484,6 @@ def test_decode_kernels_have_one_variant_for_every_batch(monkeypatch):
     assert {kind: len(variants) for kind, variants in keys.items()} == {
         ("_decode_split_kernel", False): 1,
         ("_decode_split_kernel", True): 1,
-        ("_decode_reduce_kernel", None): 1,
     }
 
 
@@ -490,7 +514,7 @@ def test_mixed_step_sends_decodes_to_the_split_kernel(group, dtype, monkeypatch)
     out = paged_attention(q, k_cache, v_cache, meta, 32**-0.5)
     assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 32**-0.5), ATOL[dtype], "mixed step")
     decode_row = torch.tensor([n == 1 for n in query_lens for _ in range(n)], device=DEVICE)
-    decode_kernels, prefill_kernels = ("_decode_split_kernel", "_decode_reduce_kernel"), ("_prefill_kernel",)
+    decode_kernels, prefill_kernels = ("_decode_split_kernel",), ("_prefill_kernel",)
     for kernels, unwritten in ((decode_kernels, decode_row), (prefill_kernels, ~decode_row)):
         with monkeypatch.context() as patch:
             for kernel in kernels:

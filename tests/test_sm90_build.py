@@ -33,7 +33,6 @@ SHAPES = {  # name -> model dtype : head_dim : GQA group : block size [: KV cach
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAYER_KERNELS = {  # built once per model dtype: they never see the KV cache
-    "_decode_reduce_kernel",
     "_add_rms_norm_kernel",
     "_silu_mul_kernel",
     "_gumbel_argmax_kernel",
@@ -72,7 +71,7 @@ def test_every_kernel_compiles_for_h100(builds, shape):
     """Guards against a kernel that only the interpreter accepts, or one whose variants stopped building."""
     kernels = [r["kernel"] for r in builds[shape]]
     assert kernels.count("_prefill_kernel") == len(prefill_tile_sizes(model_dtype(shape)))  # every query tile
-    assert kernels.count("_decode_split_kernel") == 2  # with the reduce, and without
+    assert kernels.count("_decode_split_kernel") == 2  # split and merged by the last split, and one split
     assert has_fp8_cache(shape) or LAYER_KERNELS <= set(kernels)
     assert kernels.count("_qk_norm_rope_store_kernel") == 2  # with the QK norm, and RoPE alone; each stores K/V
 
@@ -97,3 +96,5 @@ def test_hot_kernels_do_not_spill_and_prefill_uses_wgmma(builds, shape):
     for decode in (r for r in builds[shape] if r["kernel"] == "_decode_split_kernel"):  # both variants
         assert PROGRAMS_PER_SM * DECODE_NUM_WARPS * 32 * decode["registers"] <= H100_REGISTERS_PER_SM, decode
         assert PROGRAMS_PER_SM * decode["shared_bytes"] <= H100_SHARED_BYTES_PER_SM, decode
+        # the merge's handshake: an acquire-release add at GPU scope, the partials read past L1; none in one split
+        assert all(decode["found"].values()) != decode["one_split"], decode

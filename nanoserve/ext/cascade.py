@@ -35,6 +35,7 @@ from nanoserve.attention import (
     DECODE_NUM_WARPS,
     DECODE_TILE_N,
     LOG2E,
+    MAX_SPLITS,
     AttentionMetadata,
     _attend_key_tiles,
     _decode_split_kernel,
@@ -221,7 +222,7 @@ def cascade_attention(
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    # 1) each sequence's own keys: the core's split kernel, its partials kept (at least one split, never ONE_SPLIT)
+    # 1) each sequence's own keys: the core's split kernel, its partials kept (never ONE_SPLIT, never merged)
     num_splits = decode_splits(num_seqs, num_kv_heads, attention._num_sms(q.device))
     part_out = q.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32)
     part_lse = part_out.new_empty(part_out.shape[:3])
@@ -240,12 +241,15 @@ def cascade_attention(
         *out.stride()[:2],
         part_out,
         part_lse,
+        part_lse,  # (the merge's counters: unused, MERGE off)
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         GROUP_PAD=decode_group_pad(group),
         TILE_N=DECODE_TILE_N[q.dtype.itemsize, k_cache.dtype.itemsize],
         ONE_SPLIT=False,
+        MERGE=False,  # the partials stay for the shared-prefix kernel to merge
+        MAX_SPLITS=MAX_SPLITS,
         num_warps=DECODE_NUM_WARPS,
     )
     # 2) the shared keys, once per TILE_M rows of (sequence, query head), merged with the partials into out
