@@ -41,8 +41,9 @@ PREFILL_CONFIGS = (
     (128, 64, 3, 4),
     (64, 64, 3, 4),
 )
-# decode (sequences, context) at small batches, and the split counts tried beside the one decode_splits chooses
-DECODE_SHAPES = ((1, 2048), (1, 8192), (1, 32768), (4, 8192), (8, 8192), (8, 32768), (16, 4096))
+# decode (sequences, context) at small batches, and at the standard workload's (256 and 64 sequences: attention was
+# 63% of its step at 1.7 TB/s), and the split counts tried beside the one decode_splits chooses
+DECODE_SHAPES = ((1, 2048), (1, 8192), (1, 32768), (4, 8192), (8, 8192), (8, 32768), (16, 4096), (64, 1024), (256, 512))
 SPLIT_COUNTS = (4, 8, 16, A.MAX_SPLITS)  # (the merge holds at most MAX_SPLITS partials of a head)
 DECODE_KEYS_PER_STEP = (32, 64, 128)  # decode's keys per step of its loop (DECODE_TILE_N for 16-bit q and cache)
 # Qwen3-0.6B's projections: (name, out features, in features)
@@ -138,8 +139,9 @@ def kernels(out_path: str) -> None:
         print(json.dumps(row), flush=True)
 
     # 1) decode at batches that fill the GPU: one split writes the output itself (issue 30), against the same batch
-    # forced to two splits (partials, merged by the last split; before 2026-11-29 by a reduce kernel). Prediction: one split 10-15% faster
-    # at batch 128-256 (the reduce was 19 us of 143 per layer at batch 256 in the 2026-11-27 profile)
+    # forced to two splits (partials, merged by the last split; before 2026-11-29 by a reduce kernel). Prediction: one
+    # split 10-15% faster at batch 128-256 (the reduce was 19 us of 143 per layer at batch 256 in the 2026-11-27
+    # profile; the in-kernel merge costs less, so the gap may be smaller now)
     real_splits = A.decode_splits
     for num_seqs, ctx in ((64, 1024), (128, 1024), (256, 512), (256, 1024)):
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else A.CPU_NUM_SMS
