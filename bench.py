@@ -894,7 +894,8 @@ def parse_args(argv=None):
         ap.error("--speculative goes with the throughput and --latency modes, alone")
     if args.speculative and importlib.util.find_spec("nanoserve.ext.speculative") is None:
         ap.error("--speculative needs nanoserve/ext/speculative.py, which this checkout does not have")
-    if args.gemv and (args.speculative or args.compare or args.prefix or args.attention or args.serve or args.tp > 1):
+    others = (args.speculative, args.compare, args.prefix, args.attention, args.serve, args.loras, args.kv_report)
+    if args.gemv and (any(others) or args.plot or args.tp > 1):
         ap.error("--gemv goes with the throughput and --latency modes, alone")
     if args.gemv and importlib.util.find_spec("nanoserve.ext.gemv") is None:
         ap.error("--gemv needs nanoserve/ext/gemv.py, which this checkout does not have")

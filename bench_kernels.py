@@ -30,7 +30,8 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 KV_BYTES_PER_TOKEN_BF16 = 2 * NUM_KV_HEADS * HEAD_DIM * 2  # K and V of one token in bf16, one layer
 # the sweep's candidates (issue 33: prefill at least 0.75x SDPA, FP8 within 10% of bf16; long contexts at small batch
 # at least 0.9x SDPA). Prefill (query rows, keys per step, pipeline stages, warps): today's first, then the Triton
-# fused-attention tutorial's Hopper choice (128 x 128, 3 stages, 8 warps) and the neighbours of both
+# fused-attention tutorial's Hopper choice (128 x 128, 3 stages, 8 warps) and the neighbours of both (each row's
+# "today" says whether it is attention.py's own setting for the sweep's dtype)
 PREFILL_CONFIGS = (
     (128, 64, 3, 8),
     (128, 128, 3, 8),
@@ -277,6 +278,9 @@ def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, d
     the next session sets the rules from the fastest."""
     rows = []
     num_seqs, tokens = prefill_shape
+    today_tile_m = A.PREFILL_TILE_M[dtype.itemsize]
+    today_prefill = (today_tile_m, A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, A.prefill_num_warps(today_tile_m, dtype))
+    kv_bytes_per_token = 2 * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize  # K and V, one layer
     flops = 4 * num_seqs * NUM_HEADS * HEAD_DIM * tokens * tokens / 2  # QK^T and PV over the causal half
     for kv_dtype in (None, torch.float8_e4m3fn):
         for tile_m, tile_n, stages, warps in PREFILL_CONFIGS:
@@ -289,7 +293,7 @@ def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, d
                     "tile_n": tile_n,
                     "stages": stages,
                     "warps": warps,
-                    "today": (tile_m, tile_n, stages, warps) == PREFILL_CONFIGS[0],
+                    "today": (tile_m, tile_n, stages, warps) == today_prefill,
                     "ms": round(ms, 4),
                     "TFLOPs": round(flops / ms / 1e9, 1),
                 }
@@ -314,7 +318,7 @@ def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, d
                         "keys_per_step": keys,
                         "today": today,
                         "ms": round(ms, 4),
-                        "TBps": round(seqs * ctx * KV_BYTES_PER_TOKEN_BF16 / ms / 1e9, 2),
+                        "TBps": round(seqs * ctx * kv_bytes_per_token / ms / 1e9, 2),
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)

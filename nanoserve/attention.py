@@ -7,10 +7,10 @@ holds each token's K; `store_kv_ref` here is the store's reference). Then two Tr
 (FlashAttention-2, Dao 2023: query tiles, online softmax) serves the sequences with several queries (prefill chunks),
 causal and varlen; a split-KV kernel (Flash-Decoding, Dao et al. 2023) serves the sequences with one query (decodes),
 also inside a mixed step, by splitting each sequence's keys across programs and merging their partial softmaxes: the
-last of a sequence's split programs to finish merges them, so no second kernel runs. Each kernel skips the other's
-sequences, so a mixed step is two launches over one metadata. Every key is read from the cache, so the store runs
-before attention. The PyTorch references at the bottom are the oracle the kernels are tested against, and the CPU's
-fast path. Words: a "block" is a KV-cache page, a "tile" a kernel's compute tile.
+last of a (sequence, KV head)'s split programs to finish merges them, so no second kernel runs. Each kernel skips
+the other's sequences, so a mixed step is two launches over one metadata. Every key is read from the cache, so the
+store runs before attention. The PyTorch references at the bottom are the oracle the kernels are tested against, and
+the CPU's fast path. Words: a "block" is a KV-cache page, a "tile" a kernel's compute tile.
 
 FP8 KV cache (kv_cache_dtype="fp8"): the caches are float8 e4m3 (1 byte per element, half of bf16's), written by a
 saturating round-to-nearest cast (on a GPU and in torch; Triton's CPU interpreter rounds roughly, so its tests feed
@@ -63,8 +63,9 @@ class AttentionMetadata:
     block_tables: Tensor  # [num_seqs, max_blocks_per_seq] int32
     max_query_len: int  # a host-side bound, so launching a kernel never reads the GPU
     decode_only: bool  # every sequence has exactly one query token
-    # [num_seqs * num_kv_heads] int32 zeros, the decode merge's arrival counters (zero again after every launch), or
-    # None: each launch makes its own. The CUDA graphs keep one, so a replay allocates nothing
+    # at least [num_seqs * num_kv_heads] int32 zeros, the decode merge's arrival counters (zero again after every
+    # launch), or None: the step's first layer makes them, for every layer. The CUDA graphs keep one tensor, so a
+    # replay allocates nothing
     split_counters: Tensor | None = None
     # what the PyTorch reference derives from the above (gather_for_reference, per run of sequences): the same for
     # every layer, so paged_attention_ref computes it in the step's first layer and the others reuse it; no caller
@@ -356,9 +357,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     num_splits = decode_splits(num_seqs, num_kv_heads, _num_sms(q.device))
     part_out = out.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32) if num_splits > 1 else out
     part_lse = part_out.new_empty(part_out.shape[:3]) if num_splits > 1 else out  # (one split: unused)
-    counters = meta.split_counters  # the graphs' own, or fresh zeros
+    counters = meta.split_counters  # the graphs' own; or made once per step, in its first layer, for them all
     if counters is None:
-        counters = meta.context_lens.new_zeros(num_seqs * num_kv_heads)
+        counters = meta.split_counters = meta.context_lens.new_zeros(num_seqs * num_kv_heads)
     _decode_split_kernel[num_seqs, num_kv_heads, num_splits](
         *args,
         out,

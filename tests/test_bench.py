@@ -267,6 +267,8 @@ def test_dataset_repeat(tmp_path):
         ["--speculative", "ngram", "--compare", "hf"],
         ["--gemv", "--prefix"],
         ["--gemv", "--speculative", "ngram"],
+        ["--gemv", "--loras", "2"],
+        ["--gemv", "--kv-report"],
     ],
 )
 def test_conflicting_flags_are_refused(flags):

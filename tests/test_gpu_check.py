@@ -103,7 +103,8 @@ def test_bench_kernels_sweep_times_each_setting_and_restores_today(bench_kernels
     with bench_kernels.patched(A, **bench_kernels.prefill_settings(16, 16, 3, 8, 4)):
         assert A.prefill_num_warps(16, torch.float32) == 8
     assert (A.PREFILL_TILE_M, A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, A.PREFILL_WIDE_TILE_M, A.DECODE_TILE_N) == before
-    today_prefill = (A.PREFILL_TILE_M[4], A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, 8)
+    today_prefill = (A.PREFILL_TILE_M[4], A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, 8)  # fp32's today (32 rows: 8 warps)
+    assert A.prefill_num_warps(A.PREFILL_TILE_M[4], torch.float32) == 8
     monkeypatch.setattr(bench_kernels, "PREFILL_CONFIGS", (today_prefill, (16, 16, 2, 4)))
     monkeypatch.setattr(bench_kernels, "SPLIT_COUNTS", (2,))
     monkeypatch.setattr(bench_kernels, "DECODE_KEYS_PER_STEP", (A.DECODE_TILE_N[4, 4],))

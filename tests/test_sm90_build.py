@@ -96,5 +96,9 @@ def test_hot_kernels_do_not_spill_and_prefill_uses_wgmma(builds, shape):
     for decode in (r for r in builds[shape] if r["kernel"] == "_decode_split_kernel"):  # both variants
         assert PROGRAMS_PER_SM * DECODE_NUM_WARPS * 32 * decode["registers"] <= H100_REGISTERS_PER_SM, decode
         assert PROGRAMS_PER_SM * decode["shared_bytes"] <= H100_SHARED_BYTES_PER_SM, decode
-        # the merge's handshake: an acquire-release add at GPU scope, the partials read past L1; none in one split
-        assert all(decode["found"].values()) != decode["one_split"], decode
+        # the merge's handshake: a barrier after the partials' stores, then an acquire-release add at GPU scope, the
+        # partials read past L1; none of it in one split
+        if decode["one_split"]:
+            assert not any(decode["found"].values()) and decode["barrier_before_atomic"] is None, decode
+        else:
+            assert all(decode["found"].values()) and decode["barrier_before_atomic"], decode

@@ -29,6 +29,7 @@ from itertools import product
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nanoserve.attention import _num_sms
@@ -95,11 +96,13 @@ def plan(out_features: int, in_features: int, num_sms: int) -> tuple[int, int]:
 
 class Workspace:
     """The split-K partial sums ([SPLIT_K, MAX_ROWS, out] fp32, as one flat buffer) and per-tile arrival counters
-    (int32, zero between launches) that every wrapped projection shares, sized for the largest."""
+    (int32, zero between launches) that every wrapped projection shares, sized for the largest that splits (an
+    unsplit one, the LM head's 4,748 tiles, uses neither). plans: each projection's (SPLIT_K, programs)."""
 
     def __init__(self, plans: list[tuple[int, int]], device: torch.device) -> None:
-        self.partials = torch.empty(max(p * BLOCK_N * MAX_ROWS for _, p in plans), device=device)
-        self.counters = torch.zeros(max(p for _, p in plans), dtype=torch.int32, device=device)
+        split = [(s, p) for s, p in plans if s > 1] or [(1, 1)]
+        self.partials = torch.empty(max(p * BLOCK_N * MAX_ROWS for _, p in split), dtype=torch.float32, device=device)
+        self.counters = torch.zeros(max(p // s for s, p in split), dtype=torch.int32, device=device)
 
 
 class FewRowLinear(nn.Module):
@@ -134,12 +137,9 @@ class FewRowLinear(nn.Module):
 
 
 def gemv_ref(x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int, workspace: Workspace) -> Tensor:
-    """The kernel's PyTorch reference: x @ weight^T (+ bias) accumulated in fp32, in x's dtype (split_k and the
-    workspace only shape the kernel's work, never its result)."""
-    y = x.float() @ weight.float().T
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype)
+    """The kernel's PyTorch reference: torch's own x @ weight^T (+ bias), in x's dtype (split_k and the workspace
+    only shape the kernel's work, never its result). No fp32 copy of the weight: the LM head's would be 0.6 GB."""
+    return F.linear(x, weight, bias)
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int, workspace: Workspace) -> Tensor:
@@ -203,11 +203,12 @@ def _gemv_kernel(
     split = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]: 64-bit, a weight may pass 2^31 elements
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(split * K_PER_SPLIT, (split + 1) * K_PER_SPLIT, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=(m[:, None] < rows) & (k[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision="ieee")  # (fp32 weights: no TF32 rounding)
     out_mask = (m[:, None] < rows) & (n[None, :] < N)
     if SPLIT_K == 1:
