@@ -25,6 +25,8 @@ every projection: kernels on one stream never overlap. On kernels="torch" the wr
 `gemv_ref`, the PyTorch reference the kernel is tested against. Tensor parallelism is refused (a sharded projection
 joins its ranks' results after its matmul, which the wrapper would skip); LoRA wraps the wrapped projections."""
 
+from collections.abc import Callable
+from dataclasses import replace
 from itertools import product
 from typing import TYPE_CHECKING
 
@@ -36,6 +38,7 @@ from nanoserve.attention import _num_sms
 from nanoserve.checks import InvalidField, check_flag
 from nanoserve.config import EngineConfig
 from nanoserve.cuda_graphs import DecodeGraphs
+from nanoserve.fused_ops import silu_and_mul_ref
 from nanoserve.layers import MergedLinear
 from nanoserve.triton_shim import tl, triton
 
@@ -73,15 +76,31 @@ def start(llm: "LLM") -> None:
     for (parent, name), (split_k, _) in zip(named, plans, strict=True):
         wrapped.append(FewRowLinear(getattr(parent, name), split_k, workspace, use_kernel))
         setattr(parent, name, wrapped[-1])
+    if "lora" not in llm.config.extensions:  # (a LoRA adapter of down reads SiLU-and-mul's output: kept apart)
+        for layer in model.model.layers:
+            fuse_silu_into_down(layer)
     if runner.device.type == "cuda":  # every build the kernel needs, now, not in a step (the LM head runs eagerly):
         # 1, some and MAX_ROWS rows (Triton compiles apart for an int equal to 1, or divisible by 16)
         for module, rows in product(wrapped, (1, 2, MAX_ROWS)):
-            module(module.weight.new_zeros(rows, module.in_features))
+            module(module.weight.new_zeros(rows, module.in_features * (2 if module.silu_and_mul else 1)))
     if runner.graphs is not None:  # the old graphs (and their pool) go first
         runner.graphs = None
         torch.cuda.empty_cache()
         runner.graphs = DecodeGraphs(model, runner.kv_caches, llm.config.max_num_seqs, runner.max_blocks_per_seq)
         runner.graphs.capture()
+
+
+def fuse_silu_into_down(layer: nn.Module) -> None:
+    """The layer's SiLU-and-mul moves into its down projection's input load: the layer's kernel table hands the MLP's
+    gate|up on whole (`gate_and_up`), and the down projection's wrapper applies SiLU-and-mul to it, inside the GEMV's
+    load for few rows (one launch fewer per layer), or with the table's own kernel before cuBLAS for more."""
+    layer.mlp.down_proj.silu_and_mul = layer.kernels.silu_and_mul
+    layer.kernels = replace(layer.kernels, silu_and_mul=gate_and_up)
+
+
+def gate_and_up(x: Tensor) -> Tensor:
+    """The kernel table's SiLU-and-mul in a layer whose down projection applies it: gate|up, unchanged."""
+    return x
 
 
 def plan(out_features: int, in_features: int, num_sms: int) -> tuple[int, int]:
@@ -115,6 +134,9 @@ class FewRowLinear(nn.Module):
         self.split_k = split_k
         self.workspace = workspace
         self.gemv = gemv if use_kernel else gemv_ref
+        # a down projection's: the kernel table's SiLU-and-mul, which its input [gate | up] still needs
+        # (fuse_silu_into_down); None: the input is the projection's own
+        self.silu_and_mul: Callable | None = None
         if isinstance(base, MergedLinear):
             self.shard_sizes = base.shard_sizes  # the model splits q|k|v by these
 
@@ -131,22 +153,30 @@ class FewRowLinear(nn.Module):
         return self.base.out_features
 
     def forward(self, x: Tensor) -> Tensor:
+        silu = self.silu_and_mul is not None
         if len(x) > MAX_ROWS:
-            return self.base(x)
-        return self.gemv(x, self.base.weight, self.base.bias, self.split_k, self.workspace)
+            return self.base(self.silu_and_mul(x) if silu else x)
+        return self.gemv(x, self.base.weight, self.base.bias, self.split_k, self.workspace, silu)
 
 
-def gemv_ref(x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int, workspace: Workspace) -> Tensor:
+def gemv_ref(
+    x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int, workspace: Workspace, silu_input: bool = False
+) -> Tensor:
     """The kernel's PyTorch reference: torch's own x @ weight^T (+ bias), in x's dtype (split_k and the workspace
-    only shape the kernel's work, never its result). No fp32 copy of the weight: the LM head's would be 0.6 GB."""
-    return F.linear(x, weight, bias)
+    only shape the kernel's work, never its result); with silu_input, x is [gate | up] and the input is SiLU-and-mul
+    of it (fused_ops' reference). No fp32 copy of the weight: the LM head's would be 0.6 GB."""
+    return F.linear(silu_and_mul_ref(x) if silu_input else x, weight, bias)
 
 
-def gemv(x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int, workspace: Workspace) -> Tensor:
-    """x [rows <= MAX_ROWS, in] @ weight [out, in]^T (+ bias [out]) -> [rows, out] in x's dtype, by _gemv_kernel."""
-    rows, in_features = x.shape
-    out_features = weight.shape[0]
+def gemv(
+    x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int, workspace: Workspace, silu_input: bool = False
+) -> Tensor:
+    """x [rows <= MAX_ROWS, in] @ weight [out, in]^T (+ bias [out]) -> [rows, out] in x's dtype, by _gemv_kernel; with
+    silu_input, x is [rows, 2 in] = [gate | up] and the input is silu(gate) * up, made as the kernel loads it."""
+    rows = len(x)
+    out_features, in_features = weight.shape
     assert rows <= MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1, "rows over MAX_ROWS, or strided rows"
+    assert x.shape[1] == in_features * (2 if silu_input else 1), "x's columns: in, or gate and up"
     y = x.new_empty(rows, out_features)
     # each split's share of the inner dimension, in whole tiles, so the splits never overlap
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), BLOCK_K) * BLOCK_K
@@ -165,6 +195,7 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int, workspace
         weight.stride(0),
         y.stride(0),
         HAS_BIAS=bias is not None,
+        SILU_INPUT=silu_input,
         SPLIT_K=split_k,
         K_PER_SPLIT=k_per_split,
         BLOCK_M=MAX_ROWS,
@@ -191,6 +222,7 @@ def _gemv_kernel(
     stride_w,
     stride_y,
     HAS_BIAS: tl.constexpr,
+    SILU_INPUT: tl.constexpr,
     SPLIT_K: tl.constexpr,
     K_PER_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -207,7 +239,12 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(split * K_PER_SPLIT, (split + 1) * K_PER_SPLIT, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=(m[:, None] < rows) & (k[None, :] < K), other=0.0)
+        x_at = x_ptr + m[:, None] * stride_x + k[None, :]
+        x_mask = (m[:, None] < rows) & (k[None, :] < K)
+        x = tl.load(x_at, mask=x_mask, other=0.0)
+        if SILU_INPUT:  # x's rows are [gate | up]: this is gate; silu(gate) * up, rounded as the SiLU kernel rounds
+            g = x.to(tl.float32)
+            x = (g / (1.0 + tl.exp(-g))).to(x.dtype) * tl.load(x_at + K, mask=x_mask, other=0.0)
         w = tl.load(w_rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision="ieee")  # (fp32 weights: no TF32 rounding)
     out_mask = (m[:, None] < rows) & (n[None, :] < N)
