@@ -371,3 +371,42 @@ class FakeEngine:
 
     def tokens_computed(self, seq) -> int:
         return sum(n for step in self.steps for s, _, n in step if s is seq)
+
+
+# ---- CUDA graphs on a CPU -------------------------------------------------------------------------------------------
+class RerunGraph:
+    """Stands in for a captured CUDA graph on a CPU (as in tests/test_engine.py): replay() reruns the decode forward
+    on the graphs' static buffers, which is what replaying the real graph computes, and counts it on the graphs."""
+
+    def __init__(self, graphs: object = None, size: int = 0) -> None:
+        self.graphs, self.size = graphs, size
+
+    def pool(self) -> None:
+        return None
+
+    def replay(self) -> None:
+        self.graphs.forward(self.size)
+        self.graphs.replays += 1
+
+
+def graphs_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Engines made after this call capture decode graphs on a CPU: enforce_eager is left off, 'capture' runs the
+    forward eagerly, and every DecodeGraphs captured is appended to the list returned. A test then swaps each graph
+    for a RerunGraph (graphs.graphs) to count replays in graphs.replays."""
+    import contextlib
+
+    from nanoserve.config import EngineConfig
+    from nanoserve.cuda_graphs import DecodeGraphs
+
+    resolve, capture, captured = EngineConfig._resolve_kernels, DecodeGraphs.capture, []
+
+    def resolve_with_graphs(config: EngineConfig) -> None:
+        resolve(config)
+        config.enforce_eager = False
+
+    monkeypatch.setattr(EngineConfig, "_resolve_kernels", resolve_with_graphs)
+    monkeypatch.setattr(DecodeGraphs, "capture", lambda graphs: captured.append(graphs) or capture(graphs))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", RerunGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    return captured

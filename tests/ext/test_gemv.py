@@ -14,7 +14,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' definition
 
 import pytest
-from conftest import TRITON_DEVICE, extension_or_skip, hf_greedy, random_prompts, refused, sm90_builds
+from conftest import (
+    TRITON_DEVICE,
+    RerunGraph,
+    extension_or_skip,
+    graphs_on_a_cpu,
+    hf_greedy,
+    random_prompts,
+    refused,
+    sm90_builds,
+)
 
 gemv = extension_or_skip("gemv")
 
@@ -154,6 +163,33 @@ def test_engine_outputs_are_unchanged_and_the_gemv_runs(tiny_model, monkeypatch,
     assert got == plain == [hf_greedy(hf, p, 8) for p in prompts]
     assert all(rows_seen.values()), "a wrapped projection never took the GEMV"
     assert max(max(rows) for rows in rows_seen.values()) <= gemv.MAX_ROWS
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU stand-in; the GPU engine test replays real graphs")
+def test_decode_graphs_are_captured_again_over_the_gemv(tiny_model, monkeypatch):
+    """Guards against the CUDA-graph path's GEMV bugs on a CPU: graphs captured before the projections were wrapped
+    (the engine's start must capture new ones over them), and counters or partials left over from one replay (or one
+    graph size) spoiling the next. 'Capture' runs the forward eagerly and each replay reruns it on the static buffers,
+    with the Triton kernels in the interpreter and every projection split 2 ways: 5 sequences (a graph of 8, then
+    smaller ones as they finish) give the eager engine's tokens without the GEMV, and the counters end at zero."""
+    monkeypatch.setattr(gemv, "plan", forced_splits(2))
+    path, _ = tiny_model("qwen3")
+    prompts = random_prompts([7, 19, 11, 24, 5])
+    lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 8, 5, 8, 6)]
+    engine = ENGINE | {"kernels": "triton", "dtype": "float32", "max_num_seqs": 8}
+    eager = [o.outputs[0].token_ids for o in LLM(path, **engine).generate(prompts, lengths, use_tqdm=False)]
+    captured = graphs_on_a_cpu(monkeypatch)
+    llm = LLM(path, **engine, small_batch_gemv=True)
+    graphs = llm.runner.graphs
+    assert len(captured) == 2 and graphs is captured[1]  # the runner's, then the engine start's over the GEMV
+    assert isinstance(graphs.model.model.layers[0].self_attn.qkv_proj, gemv.FewRowLinear)
+    graphs.graphs = {size: RerunGraph(graphs, size) for size in graphs.graphs}
+    graphs.replays = 0
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, lengths, use_tqdm=False)]
+    assert got == eager and graphs.replays >= 7
+    workspace = graphs.model.lm_head.workspace
+    assert not workspace.counters.any() and not graphs.split_counters.any()
     assert llm.stats()["kv_blocks_used"] == 0
 
 

@@ -14,7 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRITON_DEVICE, extension_or_skip, hf_greedy_run, random_prompts, refused, sm90_builds
+from conftest import (
+    TRITON_DEVICE,
+    RerunGraph,
+    extension_or_skip,
+    graphs_on_a_cpu,
+    hf_greedy_run,
+    random_prompts,
+    refused,
+    sm90_builds,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -215,21 +224,6 @@ def test_cuda_graphs_replay_any_mix_of_adapters(adapters):
         assert llm.stats()["kv_blocks_used"] == 0
 
 
-class RerunGraph:
-    """Stands in for a captured CUDA graph on a CPU (as in tests/test_engine.py): replay() reruns the decode forward
-    on the graphs' static buffers, which is what replaying the real graph computes."""
-
-    def __init__(self, graphs: object = None, size: int = 0) -> None:
-        self.graphs, self.size = graphs, size
-
-    def pool(self) -> None:
-        return None
-
-    def replay(self) -> None:
-        self.graphs.forward(self.size)
-        self.graphs.replays += 1
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU stand-in; the GPU test replays real graphs")
 def test_decode_graphs_are_captured_again_and_read_the_current_step(adapters, monkeypatch):
     """Guards against the CUDA-graph path's LoRA bugs on a CPU: graphs captured before the projections were wrapped
@@ -237,10 +231,6 @@ def test_decode_graphs_are_captured_again_and_read_the_current_step(adapters, mo
     segments or slots (they are static buffers, filled before each replay), and padded rows that take an adapter.
     'Capture' runs the forward eagerly and each replay reruns it on the static buffers; 5 rows (a graph of 8) under 3
     adapters and none, with 2 slots (so slots are replaced between steps), give the eager engine's tokens."""
-    import contextlib
-
-    from nanoserve.config import EngineConfig
-    from nanoserve.cuda_graphs import DecodeGraphs
     from nanoserve.ext.lora import LoRALinear
 
     path, requests = adapters("qwen3")
@@ -249,19 +239,7 @@ def test_decode_graphs_are_captured_again_and_read_the_current_step(adapters, mo
     per_prompt = [requests["qv8"], requests["kogd4"], None, requests["all16"], requests["qv8"]]
     engine = dict(ENGINE, max_loras=2, max_num_seqs=8)
     eager = tokens(LLM(path, **engine).generate(prompts, GREEDY, use_tqdm=False, lora_request=per_prompt))
-    resolve = EngineConfig._resolve_kernels
-
-    def graphs_on_a_cpu(config: EngineConfig) -> None:
-        resolve(config)
-        config.enforce_eager = False
-
-    captured = []
-    capture = DecodeGraphs.capture
-    monkeypatch.setattr(EngineConfig, "_resolve_kernels", graphs_on_a_cpu)
-    monkeypatch.setattr(DecodeGraphs, "capture", lambda graphs: captured.append(graphs) or capture(graphs))
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", RerunGraph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    captured = graphs_on_a_cpu(monkeypatch)
     llm = LLM(path, **engine)
     graphs = llm.runner.graphs
     assert len(captured) == 2 and graphs is captured[1]  # the runner's, then the engine start's over the adapters
