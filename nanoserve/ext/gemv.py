@@ -16,7 +16,10 @@ How the kernel below does it, for y [rows, out] = x [rows, in] @ W [out, in]^T (
      depends on which program came last, so the result is deterministic. The counter's atomic add is acquire-release
      at GPU scope: the partials a program stored before it are visible to the program that reads them after it (a
      barrier first, so all of the program's threads have stored; the reads bypass L1, which may hold the workspace's
-     lines from an earlier launch).
+     lines from an earlier launch);
+  3. an elementwise op can ride in the input load: the layer's SiLU-and-mul moves into its down projection, which reads
+     gate and up and forms silu(gate) * up as it loads x (`fuse_silu_into_down`; one launch fewer per layer). Not under
+     LoRA, whose down adapter reads the SiLU's output itself.
 More rows than MAX_ROWS (prefill, big batches) go to the base projection's torch matmul (cuBLAS), as before.
 
 The engine's start wraps every decoder projection (q|k|v, o, gate|up, down) and the LM head in a FewRowLinear and
