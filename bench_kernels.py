@@ -271,12 +271,29 @@ def prefill_settings(tile_m: int, tile_n: int, stages: int, warps: int, itemsize
     }
 
 
+def timed_or_nan(query_lens, context_lens, **kwargs) -> float:
+    """time_attention's milliseconds, or NaN (printed with the reason) where the setting cannot run: a candidate may
+    need more shared memory than an SM has (Triton's OutOfResources at launch), and the sweep goes on without it."""
+    try:
+        return time_attention(query_lens, context_lens, **kwargs)
+    except Exception as error:  # noqa: BLE001 (any launch failure: the row says NaN, the reason is printed)
+        print(f"setting failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
+        return float("nan")
+
+
 def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, dtype=torch.bfloat16) -> list[dict]:
     """Times attention under each candidate setting (attention.py's constants patched, paged_attention as the engine
     calls it): the prefill's tiles, stages and warps on prefill_shape (sequences x tokens, causal; bf16 and an fp8
     cache), and decode's split count and keys per step at small batches. Each row says whether it is today's setting;
     the next session sets the rules from the fastest."""
     rows = []
+
+    def add(row: dict) -> None:  # printed, and the file rewritten: a stage cut short by its timeout keeps its rows
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with open(out_path, "w") as f:
+            json.dump(rows, f, indent=1)
+
     num_seqs, tokens = prefill_shape
     today_tile_m = A.PREFILL_TILE_M[dtype.itemsize]
     today_prefill = (today_tile_m, A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, A.prefill_num_warps(today_tile_m, dtype))
@@ -285,8 +302,8 @@ def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, d
     for kv_dtype in (None, torch.float8_e4m3fn):
         for tile_m, tile_n, stages, warps in PREFILL_CONFIGS:
             with patched(A, **prefill_settings(tile_m, tile_n, stages, warps, dtype.itemsize)):
-                ms = time_attention([tokens] * num_seqs, [tokens] * num_seqs, dtype=dtype, kv_dtype=kv_dtype)
-            rows.append(
+                ms = timed_or_nan([tokens] * num_seqs, [tokens] * num_seqs, dtype=dtype, kv_dtype=kv_dtype)
+            add(
                 {
                     "what": "sweep prefill" + (" fp8 cache" if kv_dtype else ""),
                     "tile_m": tile_m,
@@ -298,7 +315,6 @@ def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, d
                     "TFLOPs": round(flops / ms / 1e9, 1),
                 }
             )
-            print(json.dumps(rows[-1]), flush=True)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else A.CPU_NUM_SMS
     real_splits = A.decode_splits
     for seqs, ctx in decode_shapes:
@@ -307,9 +323,9 @@ def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, d
             for keys in DECODE_KEYS_PER_STEP:
                 tile = {**A.DECODE_TILE_N, (dtype.itemsize, dtype.itemsize): keys}
                 with patched(A, decode_splits=lambda *args, n=splits: n, DECODE_TILE_N=tile):
-                    ms = time_attention([1] * seqs, [ctx] * seqs, dtype=dtype)
+                    ms = timed_or_nan([1] * seqs, [ctx] * seqs, dtype=dtype)
                 today = splits == chosen and keys == A.DECODE_TILE_N[dtype.itemsize, dtype.itemsize]
-                rows.append(
+                add(
                     {
                         "what": "sweep decode",
                         "num_seqs": seqs,
@@ -321,9 +337,6 @@ def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, d
                         "TBps": round(seqs * ctx * kv_bytes_per_token / ms / 1e9, 2),
                     }
                 )
-                print(json.dumps(rows[-1]), flush=True)
-    with open(out_path, "w") as f:
-        json.dump(rows, f, indent=1)
     return rows
 
 

@@ -3,6 +3,7 @@ on the CPU: gpu_check.sh's bench stage with a stand-in for bench.py (a mode that
 particular never the previous mode's again, and fails the run), and bench_kernels.py's functions on tiny shapes."""
 
 import json
+import math
 import os
 import stat
 import subprocess
@@ -117,6 +118,18 @@ def test_bench_kernels_sweep_times_each_setting_and_restores_today(bench_kernels
     assert [r["today"] for r in prefill] == [True, False] and sum(r["today"] for r in decode) == 1
     assert all(r["ms"] > 0 for r in rows)
     assert (A.PREFILL_TILE_M, A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, A.PREFILL_WIDE_TILE_M, A.DECODE_TILE_N) == before
+
+
+def test_a_setting_that_cannot_run_is_a_nan_row(bench_kernels, monkeypatch):
+    """A sweep candidate whose launch fails (more shared memory than an SM has, on a GPU) times as NaN, and the sweep
+    goes on."""
+    from nanoserve import attention as A
+
+    def out_of_resources(*args, **kwargs):
+        raise RuntimeError("out of resource: shared memory")
+
+    monkeypatch.setattr(A, "paged_attention", out_of_resources)
+    assert math.isnan(bench_kernels.timed_or_nan([1], [20], dtype=torch.float32))
 
 
 def test_bench_kernels_eager_and_profile_run(bench_kernels, tmp_path):
