@@ -144,7 +144,7 @@ for stage in $stages; do
       run python3 bench_kernels.py kernels "$OUT/kernels.json"
       # eager runs compile nothing after warm-up: a fresh process and Triton cache
       TRITON_CACHE_DIR=$(mktemp -d) run python3 bench_kernels.py eager "$OUT/eager.json" "$MODEL" ;;
-    sweep) run python3 bench_kernels.py sweep "$OUT/sweep.json" ;;
+    sweep) STEP_TIMEOUT=480 run python3 bench_kernels.py sweep "$OUT/sweep.json" ;;  # ~40 compiles; rows kept if cut
     profile) run python3 bench_kernels.py profile "$OUT/profile.txt" "$MODEL" ;;
     hf) run python3 bench.py --model "$MODEL" --num-seqs 64 --compare hf --json "$OUT/hf.json" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
