@@ -737,9 +737,10 @@ def run_all(args, cpu_default):
     model_dir, temporary = model_dir_of(args)
     try:
         if args.speculative:
-            return run_speculative(args, model_dir, cpu_default)
+            name = f"speculative decoding ({args.speculative})"
+            return run_beside(args, model_dir, cpu_default, name, speculative=speculative_config(args))
         if args.gemv:
-            return run_gemv(args, model_dir, cpu_default)
+            return run_beside(args, model_dir, cpu_default, "few-row GEMV", gemv=True)
         rows, workload = run_engine(args, model_dir, cpu_default)
         if args.compare:
             if torch.cuda.is_available():
@@ -757,28 +758,17 @@ def run_all(args, cpu_default):
             shutil.rmtree(model_dir, ignore_errors=True)
 
 
-def run_speculative(args, model_dir, cpu_default):
-    """The mode's run without speculative decoding, then with it (each its own engine, the same requests), and the
-    ratio of output tok/s (greedy outputs are the same tokens either way: speculation is exact)."""
+def run_beside(args, model_dir, cpu_default, name, **option):
+    """The mode's run without an option, then with it (each its own engine, the same requests; option: run_engine's
+    speculative= or gemv=), and the ratio of decode (or output) tok/s. Greedy outputs are the same tokens either way
+    for speculative decoding (it is exact); the GEMV may round a near-tie differently in bf16."""
     plain, _ = run_engine(args, model_dir, cpu_default)
-    drafted, _ = run_engine(args, model_dir, cpu_default, speculative_config(args))
+    other, _ = run_engine(args, model_dir, cpu_default, **option)
     rate = "decode_tok_per_s" if args.latency else "tok_per_s"
-    ratio = drafted[0][rate] / plain[0][rate]
-    drafted[0]["speedup"] = round(ratio, 2)
-    print(f"speculative decoding ({args.speculative}) / without: {ratio:.2f}x {rate}")
-    return plain + drafted
-
-
-def run_gemv(args, model_dir, cpu_default):
-    """The mode's run with cuBLAS's GEMMs, then with the few-row GEMV (ext/gemv.py) for steps of at most 16 rows, each
-    its own engine, and the ratio of decode (or output) tok/s."""
-    plain, _ = run_engine(args, model_dir, cpu_default)
-    fast, _ = run_engine(args, model_dir, cpu_default, gemv=True)
-    rate = "decode_tok_per_s" if args.latency else "tok_per_s"
-    ratio = fast[0][rate] / plain[0][rate]
-    fast[0]["speedup"] = round(ratio, 2)
-    print(f"few-row GEMV / cuBLAS: {ratio:.2f}x {rate}")
-    return plain + fast
+    ratio = other[0][rate] / plain[0][rate]
+    other[0]["speedup"] = round(ratio, 2)
+    print(f"{name} / without: {ratio:.2f}x {rate}")
+    return plain + other
 
 
 def peak_rss_mb() -> int:

@@ -113,7 +113,7 @@ def time_gemv(rows: int, out_features: int, in_features: int) -> dict:
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     weight = torch.randn(out_features, in_features, device=DEVICE).to(dtype)
     x = torch.randn(rows, in_features, device=DEVICE).to(dtype)
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else A.CPU_NUM_SMS
+    num_sms = A._num_sms(torch.device(DEVICE))
     split_k, programs = G.plan(out_features, in_features, num_sms)
     workspace = G.Workspace([(split_k, programs)], torch.device(DEVICE))
     cublas = milliseconds(lambda: torch.nn.functional.linear(x, weight))
@@ -145,7 +145,7 @@ def kernels(out_path: str) -> None:
     # profile; the in-kernel merge costs less, so the gap may be smaller now)
     real_splits = A.decode_splits
     for num_seqs, ctx in ((64, 1024), (128, 1024), (256, 512), (256, 1024)):
-        num_sms = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else A.CPU_NUM_SMS
+        num_sms = A._num_sms(torch.device(DEVICE))
         splits = real_splits(num_seqs, NUM_KV_HEADS, num_sms)
         now = time_attention([1] * num_seqs, [ctx] * num_seqs)
         at_least_two = max(2, splits)
@@ -315,7 +315,7 @@ def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, d
                     "TFLOPs": round(flops / ms / 1e9, 1),
                 }
             )
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else A.CPU_NUM_SMS
+    num_sms = A._num_sms(torch.device(DEVICE))
     real_splits = A.decode_splits
     for seqs, ctx in decode_shapes:
         chosen = real_splits(seqs, NUM_KV_HEADS, num_sms)

@@ -357,16 +357,15 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     num_splits = decode_splits(num_seqs, num_kv_heads, _num_sms(q.device))
     part_out = out.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32) if num_splits > 1 else out
     part_lse = part_out.new_empty(part_out.shape[:3]) if num_splits > 1 else out  # (one split: unused)
-    counters = meta.split_counters  # the graphs' own; or made once per step, in its first layer, for them all
-    if counters is None:
-        counters = meta.split_counters = meta.context_lens.new_zeros(num_seqs * num_kv_heads)
+    if meta.split_counters is None:  # (the graphs keep their own) made once per step, in its first layer, for all
+        meta.split_counters = meta.context_lens.new_zeros(num_seqs * num_kv_heads)
     _decode_split_kernel[num_seqs, num_kv_heads, num_splits](
         *args,
         out,
         *out.stride()[:2],
         part_out,
         part_lse,
-        counters,
+        meta.split_counters,
         **shape,
         GROUP_PAD=decode_group_pad(shape["GROUP"]),
         TILE_N=DECODE_TILE_N[q.dtype.itemsize, k_cache.dtype.itemsize],
