@@ -29,7 +29,7 @@ gemv = extension_or_skip("gemv")
 
 from nanoserve import LLM, SamplingParams  # noqa: E402
 from nanoserve.config import EngineConfig  # noqa: E402
-from nanoserve.fused_ops import silu_and_mul_ref  # noqa: E402
+from nanoserve.fused_ops import add_rms_norm_ref, silu_and_mul_ref  # noqa: E402
 
 DEVICE = TRITON_DEVICE
 ENGINE = {"device": "cpu", "max_model_len": 128, "num_kvcache_blocks": 64}
@@ -44,18 +44,31 @@ def fresh_seed():
     print(f"seed {seed}")
 
 
-def draw_projection(dtype, split_k=None):
+def draw_projection(dtype, split_k=None, kind=None):
     """A random projection and its input: 1..16 rows, output and inner sizes that fill no tile exactly (or do), a
-    bias or none, a split of the inner dimension from 1 to 8, and an input of [gate | up] to apply SiLU-and-mul to
-    (a down projection's, fused) or not."""
+    bias or none, a split of the inner dimension from 1 to 8, and an input that is plain, or [gate | up] to apply
+    SiLU-and-mul to (a down projection's, fused), or a NormedRows (q|k|v's or gate|up's, the add + RMSNorm fused),
+    whose residual rows have a scale of their own (so that a row normed by another row's RMS is seen)."""
     rows, out_features = random.randint(1, gemv.MAX_ROWS), random.choice([random.randint(1, 150), 64])
     in_features = random.choice([random.randint(1, 700), 256])
     split_k = split_k or random.choice([1, 2, 4, 8])
-    silu_input = random.random() < 0.5
-    x = torch.randn(rows, in_features * (2 if silu_input else 1), device=DEVICE).to(dtype)
+    kind = kind or random.choice(["plain", "silu", "norm"])
+    x = torch.randn(rows, in_features * (2 if kind == "silu" else 1), device=DEVICE).to(dtype)
+    if kind == "norm":
+        residual = (torch.randn(rows, in_features, device=DEVICE) * torch.rand(rows, 1, device=DEVICE) * 4).to(dtype)
+        norm_weight = (torch.rand(in_features, device=DEVICE) + 0.5).to(dtype)
+        x = gemv.NormedRows(x, residual, torch.full_like(x, float("nan")), norm_weight, random.choice([1e-6, 1e-5]))
     weight = (torch.randn(out_features, in_features, device=DEVICE) / in_features**0.5).to(dtype)
     bias = torch.randn(out_features, device=DEVICE).to(dtype) if random.random() < 0.5 else None
-    return x, weight, bias, split_k, silu_input
+    return x, weight, bias, split_k, kind == "silu"
+
+
+def kernel_input(x, silu_input):
+    """What the kernel multiplies by the weight, by the PyTorch references (rounded to the dtype, as the kernel rounds
+    it), and the stream a NormedRows must leave (None for other inputs)."""
+    if isinstance(x, gemv.NormedRows):
+        return add_rms_norm_ref(x.x, x.residual, x.weight, x.eps)
+    return (silu_and_mul_ref(x) if silu_input else x), None
 
 
 # bf16 only on a GPU: Triton's interpreter computes bf16 dots wrongly
@@ -65,19 +78,25 @@ BF16_ON_GPU = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(DEVICE != "c
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16_ON_GPU])
 def test_kernel_equals_the_reference_and_a_plain_matmul(dtype):
     """Guards against a row, feature or inner element missed or counted twice (a split's range, a tile's mask), a split
-    summed twice or not at all, the bias added per split, or a counter left non-zero (the next launch would have no
-    last program, or the wrong one): five drawn projections through one shared workspace, each twice, against the
-    reference and against an fp32 matmul of the same numbers; the counters are zero after every launch."""
-    shapes = [draw_projection(dtype, split_k=4)] + [draw_projection(dtype) for _ in range(6)]
+    summed twice or not at all, the bias added per split, a counter left non-zero (the next launch would have no
+    last program, or the wrong one), or a fused norm's mean square taken over part of a row, its weight dropped, or
+    its stream written wrongly or in part: seven drawn projections (one of each input kind split 4 ways, then any)
+    through one shared workspace, each twice, against the reference and against an fp64 matmul of the same numbers;
+    the counters are zero after every launch, and a NormedRows' stream holds x + residual exactly (the reference's
+    sum in the dtype)."""
+    shapes = [draw_projection(dtype, 4, kind) for kind in ("plain", "silu", "norm")]
+    shapes += [draw_projection(dtype) for _ in range(4)]
     plans = [(s, -(-w.shape[0] // gemv.BLOCK_N) * s) for _, w, _, s, _ in shapes]
     workspace = gemv.Workspace(plans, torch.device(DEVICE))
     tolerance = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     for x, weight, bias, split_k, silu_input in shapes * 2:
         got = gemv.gemv(x, weight, bias, split_k, workspace, silu_input)
-        x_in = silu_and_mul_ref(x) if silu_input else x  # (rounded to the dtype, as the kernel rounds it)
+        x_in, stream = kernel_input(x, silu_input)
+        if stream is not None:  # the kernel's stream, checked before the reference overwrites it
+            assert torch.equal(x.stream, stream), "the stream x + residual"
         truth = x_in.double() @ weight.double().T + (0 if bias is None else bias.double())
         reference = gemv.gemv_ref(x, weight, bias, split_k, workspace, silu_input)
-        shape = (len(x), *weight.shape, split_k, bias is not None, silu_input)
+        shape = (len(x), *weight.shape, split_k, bias is not None, silu_input, stream is not None)
         assert got.dtype == dtype and got.shape == truth.shape, shape
         torch.testing.assert_close(
             got.double(), truth, atol=tolerance, rtol=tolerance, msg=lambda m, shape=shape: f"{shape}: {m}"
@@ -134,6 +153,7 @@ def test_engine_outputs_are_unchanged_and_the_gemv_runs(tiny_model, monkeypatch,
     prefill of more than MAX_ROWS rows sent to it, projections of different tile counts sharing one workspace and one
     set of counters, SiLU-and-mul applied twice or never once it moves into the down projection): greedy tokens with
     the GEMV, every projection split 2 ways, equal those without it and transformers', for Qwen2 (q|k|v with a bias);
+    the norms moved into q|k|v and gate|up (a residual stream lost or written in part would change the tokens);
     every wrapped projection ran it in a few-row step, and never on more than MAX_ROWS rows."""
     monkeypatch.setattr(gemv, "plan", forced_splits(2))
     path, hf = tiny_model("qwen2")
@@ -148,8 +168,11 @@ def test_engine_outputs_are_unchanged_and_the_gemv_runs(tiny_model, monkeypatch,
     llm = LLM(path, **engine, small_batch_gemv=True, enforce_eager=True)
     wrapped = [m for m in llm.runner.model.modules() if isinstance(m, gemv.FewRowLinear)]
     assert len(wrapped) == 4 * len(llm.runner.model.model.layers) + 1 and {m.split_k for m in wrapped} == {2}
-    for layer in llm.runner.model.model.layers:  # SiLU-and-mul moved into each down projection's load
+    for layer in llm.runner.model.model.layers:  # SiLU-and-mul moved into each down projection's load, the norms
+        # into q|k|v's and gate|up's
         assert layer.mlp.down_proj.silu_and_mul is not None and layer.kernels.silu_and_mul is gemv.gate_and_up
+        assert isinstance(layer.input_layernorm, gemv.NormIntoProjection)
+        assert isinstance(layer.post_attention_layernorm, gemv.NormIntoProjection)
     rows_seen = {id(m): [] for m in wrapped}
     for module in wrapped:
         real = module.gemv
@@ -224,8 +247,10 @@ def test_lora_wraps_the_wrapped_projections(tiny_model, tmp_path):
     alone = LLM(path, **ENGINE, enable_lora=True, max_loras=2)
     lora_only = [o.outputs[0].token_ids for o in alone.generate(prompts, GREEDY, use_tqdm=False, lora_request=adapter)]
     assert both == lora_only != base
-    for layer in llm.runner.model.model.layers:  # LoRA's down adapter reads SiLU-and-mul's output: not fused
+    for layer in llm.runner.model.model.layers:  # LoRA's adapters read SiLU-and-mul's output and the normed
+        # input: neither fused
         assert layer.kernels.silu_and_mul is not gemv.gate_and_up
+        assert not isinstance(layer.input_layernorm, gemv.NormIntoProjection)
 
 
 def test_bad_settings_are_refused_by_name():
@@ -235,25 +260,27 @@ def test_bad_settings_are_refused_by_name():
 
 def test_kernel_compiles_for_h100_without_spills():
     """Guards against a kernel that only Triton's interpreter accepts, and against the split-K handshake losing its
-    memory order: in bf16 and fp32, with one split, with four (and a bias) and with four and SiLU-and-mul in its input
-    load, the kernel compiles for an H100 (sm_90)
-    without spills, its weight tiles loaded ahead by 16-byte asynchronous copies (the software pipeline); with splits,
-    a barrier lies between the partials' stores and the counter's add, which is acquire-release at GPU scope, and the
-    partials are read past L1."""
+    memory order: in bf16 and fp32, with one split, with four (and a bias), with four and SiLU-and-mul in its input
+    load, and with four and an add + RMSNorm of 2,048-wide rows there (Qwen3-1.7B's), the kernel compiles for an
+    H100 (sm_90) without spills, its weight tiles loaded ahead by 16-byte asynchronous copies (the software
+    pipeline); with splits, a barrier lies between the partials' stores and the counter's add, which is
+    acquire-release at GPU scope, and the partials are read past L1."""
     script = """
 from nanoserve.ext import gemv as G
 for dtype in ("*bf16", "*fp32"):
-    for split_k, bias, silu in ((1, False, False), (4, True, False), (4, False, True)):
-        names = ("x_ptr", "w_ptr", "bias_ptr", "y_ptr")
-        types = {name: dtype for name in names} | {"partials_ptr": "*fp32", "counters_ptr": "*i32"}
-        constants = {"HAS_BIAS": bias, "SILU_INPUT": silu, "SPLIT_K": split_k, "K_PER_SPLIT": 512,
-                     "BLOCK_M": G.MAX_ROWS, "BLOCK_N": G.BLOCK_N, "BLOCK_K": G.BLOCK_K}
+    for split_k, bias, silu, norm in ((1, False, False, False), (4, True, False, False), (4, False, True, False),
+                                      (4, False, False, True)):
+        names = ("x_ptr", "w_ptr", "bias_ptr", "y_ptr", "residual_ptr", "stream_ptr", "norm_w_ptr")
+        types = {name: dtype for name in names} | {"partials_ptr": "*fp32", "counters_ptr": "*i32", "eps": "fp32"}
+        constants = {"HAS_BIAS": bias, "SILU_INPUT": silu, "NORM_INPUT": norm, "NORM_TILES": 2048 // G.BLOCK_K,
+                     "SPLIT_K": split_k, "K_PER_SPLIT": 512, "BLOCK_M": G.MAX_ROWS, "BLOCK_N": G.BLOCK_N,
+                     "BLOCK_K": G.BLOCK_K}
         look_for = ("atom.global.gpu.acq_rel.add", "ld.global.cg")
         built = sm90_build.build(G._gemv_kernel, types, constants, G.NUM_WARPS, look_for, aligned=("N", "K"))
         print(json.dumps(built | {"split_k": split_k}))
 """
     builds = sm90_builds(script)
-    assert len(builds) == 6, builds
+    assert len(builds) == 8, builds
     for b in builds:
         assert b["spill_bytes"] == 0 and 16 in b["async_copy_bytes"], b
         if b["split_k"] > 1:
