@@ -132,6 +132,36 @@ def time_gemv(rows: int, out_features: int, in_features: int) -> dict:
     }
 
 
+def time_norm_into_gemv(rows: int, out_features: int, in_features: int) -> dict:
+    """The add + RMSNorm before a projection, as its own kernel then the GEMV, against the GEMV that forms it as it
+    loads its input (ext/gemv.py's NormedRows): the launch the fusion saves, less the mean square every program
+    redoes."""
+    from nanoserve.ext import gemv as G
+    from nanoserve.fused_ops import add_rms_norm
+
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    weight = torch.randn(out_features, in_features, device=DEVICE).to(dtype)
+    x, residual = (torch.randn(rows, in_features, device=DEVICE).to(dtype) for _ in range(2))
+    norm_weight = torch.ones(in_features, device=DEVICE, dtype=dtype)
+    split_k, programs = G.plan(out_features, in_features, A._num_sms(torch.device(DEVICE)))
+    workspace = G.Workspace([(split_k, programs)], torch.device(DEVICE))
+    normed = G.NormedRows(x, residual, torch.empty_like(x), norm_weight, 1e-6)
+
+    def separate():  # (on a copy of the stream: the kernel adds into it in place)
+        h, _ = add_rms_norm(x, residual.clone(), norm_weight, 1e-6)
+        return G.gemv(h, weight, None, split_k, workspace)
+
+    clone = milliseconds(lambda: residual.clone())
+    apart = milliseconds(separate) - clone
+    fused = milliseconds(lambda: G.gemv(normed, weight, None, split_k, workspace))
+    shape = {"rows": rows, "out": out_features, "in": in_features, "split_k": split_k}
+    return shape | {
+        "separate_ms": round(apart, 4),
+        "fused_ms": round(fused, 4),
+        "fused_over_apart": round(fused / apart, 2),
+    }
+
+
 def kernels(out_path: str) -> None:
     rows = []
 
@@ -218,6 +248,8 @@ def kernels(out_path: str) -> None:
     for name, out_features, in_features in QWEN3_PROJECTIONS:
         for num_rows in (1, 4, 16):
             report(what=f"weight read, {name}", **time_gemv(num_rows, out_features, in_features))
+            if name in ("q|k|v", "gate|up"):  # the projections whose add + RMSNorm moves into their input load
+                report(what=f"add + norm into {name}", **time_norm_into_gemv(num_rows, out_features, in_features))
     with open(out_path, "w") as f:
         json.dump(rows, f, indent=1)
 
