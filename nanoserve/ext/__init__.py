@@ -15,9 +15,10 @@ per step, never per token:
 - Logits processors (sampler.py's LogitsProcessor, in LLM.logits_processors): the runner asks each for its rows of
   every step, and the sampler applies them between the bans and the filters (ext/penalties.py, ext/structured.py).
 - The step driver (LLM.run_step and LLM.receive_tokens): a loop of its own over the engine's steps (ext/beam_search.py).
-- Kernel tables and projections (each layer's `kernels`, a kernels.Kernels, and its projection modules), once, when
-  the engine starts: an extension may give a layer a table with one entry replaced (ext/cascade.py: paged attention;
-  ext/gemv.py: SiLU-and-mul, moved into the down projection), or wrap its projections in modules of its own and
+- Kernel tables, projections and norms (each layer's `kernels`, a kernels.Kernels, and its projection and norm
+  modules), once, when the engine starts: an extension may give a layer a table with one entry replaced
+  (ext/cascade.py: paged attention; ext/gemv.py: SiLU-and-mul, moved into the down projection), or wrap its
+  projections and norms in modules of its own (ext/gemv.py: the add + RMSNorm moved into the next projection) and
   capture the decode graphs again over them (ext/gemv.py, ext/lora).
 - Layers and peers (layers.Layers, model_runner.Peers): how the model's weights are held and which other processes run
   each step (ext/tp: tensor parallelism).
