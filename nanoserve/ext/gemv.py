@@ -22,12 +22,19 @@ How the kernel below does it, for y [rows, out] = x [rows, in] @ W [out, in]^T (
      LoRA, whose down adapter reads the SiLU's output itself;
   4. so can the residual add and RMSNorm before q|k|v and before gate|up (`fuse_norms_into_projections`; two launches
      fewer per layer): the layer's norm hands on a NormedRows (its two inputs, nothing computed), and the projection's
-     programs each first read the whole rows of x + residual (a few KiB, from L2) for their mean square, then form
-     RMSNorm(x + residual) * weight as they load each tile; program (0, 0) also writes x + residual, the next
-     residual stream, into a fresh tensor (the other programs are still reading the old one). Every program redoes
-     the mean square: 1/32 of a tile's weight bytes per row at Qwen3-0.6B's width, instead of a launch of ~1.6 us.
-     Not under LoRA either (its adapters read the normed input).
+     programs each first read the whole rows of x + residual (4 KiB a row at Qwen3-0.6B's width, from L2) for their
+     mean square, then form RMSNorm(x + residual) * weight as they load each tile; program (0, 0) also writes
+     x + residual, the next residual stream, into a fresh tensor (the other programs are still reading the old one).
+     Every program redoing the mean square reads, per row, a quarter to an eighth of the bytes of its weight slice
+     again (from L2, not memory): cheap beside a ~1.6 us launch for a row or a few, not for 16, so only steps of at
+     most NORM_MAX_ROWS rows do it. Not under LoRA either (its adapters read the normed input).
 More rows than MAX_ROWS (prefill, big batches) go to the base projection's torch matmul (cuBLAS), as before.
+
+Why a Triton kernel rather than a better cuBLAS (or cuBLASLt) configuration: cuBLASLt can be told a split-K factor and
+a reduction scheme, but only through its C API's algorithm preferences; torch picks the algorithm per call by its own
+heuristics and gives Python no handle on either (its preferred_blas_library switches the library, not the algorithm),
+so reaching them would need compiled code, which nanoserve does not ship. And a library call cannot do 3 and 4 above,
+which save a launch each, nor promise a fixed order of the split sums (cuBLAS's split-K reductions may use atomics).
 
 The engine's start wraps every decoder projection (q|k|v, o, gate|up, down) and the LM head in a FewRowLinear and
 captures the decode graphs again over them (the first capture saw cuBLAS). One workspace and one set of counters serve
@@ -57,6 +64,7 @@ if TYPE_CHECKING:
 
 FIELD = "small_batch_gemv"
 MAX_ROWS = 16  # rows that take the GEMV: the smallest tile tl.dot takes, and where cuBLAS's GEMMs stop being GEMVs
+NORM_MAX_ROWS = 4  # rows whose add + RMSNorm the GEMV forms in its load (more: the norm's own kernel; see 4 above)
 BLOCK_N = 32  # output features per program
 BLOCK_K = 128  # inner elements per loaded tile: a [32, 128] bf16 tile is 8 KiB, 64 bytes per thread of 4 warps
 PROGRAMS_PER_SM = 2  # split-K until the grid has about this many programs per SM
@@ -94,7 +102,7 @@ def start(llm: "LLM") -> None:
         # 1, some and MAX_ROWS rows (Triton compiles apart for an int equal to 1, or divisible by 16)
         for module, rows in product(wrapped, (1, 2, MAX_ROWS)):
             module(module.weight.new_zeros(rows, module.in_features * (2 if module.silu_and_mul else 1)))
-            if module.takes_normed_rows:
+            if module.takes_normed_rows and rows <= NORM_MAX_ROWS:
                 zeros = module.weight.new_zeros(rows, module.in_features)
                 module(NormedRows(zeros, zeros, torch.empty_like(zeros), zeros[0], 1e-6))
     if runner.graphs is not None:  # the old graphs (and their pool) go first
@@ -119,7 +127,8 @@ def gate_and_up(x: Tensor) -> Tensor:
 
 def fuse_norms_into_projections(layer: nn.Module) -> None:
     """The layer's two add + RMSNorms move into the projections that read their outputs: input_layernorm's into q|k|v,
-    post_attention_layernorm's into gate|up (for few rows; with more, each norm runs its own kernel, as before)."""
+    post_attention_layernorm's into gate|up (for at most NORM_MAX_ROWS rows; with more, each norm runs its own
+    kernel, as before)."""
     layer.input_layernorm = NormIntoProjection(layer.input_layernorm)
     layer.post_attention_layernorm = NormIntoProjection(layer.post_attention_layernorm)
     layer.self_attn.qkv_proj.takes_normed_rows = True
@@ -143,7 +152,7 @@ class NormedRows:
 
 class NormIntoProjection(nn.Module):
     """A decoder layer's add + RMSNorm (model.RMSNorm: forward(x, residual) -> (normed, stream)) that, for at most
-    MAX_ROWS rows, computes nothing: it returns a NormedRows for the next projection's GEMV, and the fresh stream
+    NORM_MAX_ROWS rows, computes nothing: it returns a NormedRows for the next projection's GEMV, and the fresh stream
     tensor the GEMV writes (the model carries it to the next norm, which runs after that GEMV)."""
 
     def __init__(self, norm: nn.Module) -> None:
@@ -151,7 +160,7 @@ class NormIntoProjection(nn.Module):
         self.norm = norm
 
     def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor | NormedRows, Tensor]:
-        if len(x) > MAX_ROWS:
+        if len(x) > NORM_MAX_ROWS:
             return self.norm(x, residual)
         stream = torch.empty_like(residual)
         return NormedRows(x, residual, stream, self.norm.weight, self.norm.eps), stream

@@ -174,11 +174,14 @@ def test_engine_outputs_are_unchanged_and_the_gemv_runs(tiny_model, monkeypatch,
         assert isinstance(layer.input_layernorm, gemv.NormIntoProjection)
         assert isinstance(layer.post_attention_layernorm, gemv.NormIntoProjection)
     rows_seen = {id(m): [] for m in wrapped}
+    normed_rows_seen = {id(m): [] for m in wrapped}
     for module in wrapped:
         real = module.gemv
 
         def counting(x, *args, module=module, real=real):
             rows_seen[id(module)].append(len(x))
+            if isinstance(x, gemv.NormedRows):
+                normed_rows_seen[id(module)].append(len(x))
             return real(x, *args)
 
         monkeypatch.setattr(module, "gemv", counting)
@@ -186,6 +189,9 @@ def test_engine_outputs_are_unchanged_and_the_gemv_runs(tiny_model, monkeypatch,
     assert got == plain == [hf_greedy(hf, p, 8) for p in prompts]
     assert all(rows_seen.values()), "a wrapped projection never took the GEMV"
     assert max(max(rows) for rows in rows_seen.values()) <= gemv.MAX_ROWS
+    for module in wrapped:  # the 3 sequences' decode steps: the norms in q|k|v's and gate|up's loads, only there
+        assert bool(normed_rows_seen[id(module)]) == module.takes_normed_rows
+        assert max(normed_rows_seen[id(module)], default=0) <= gemv.NORM_MAX_ROWS
     assert llm.stats()["kv_blocks_used"] == 0
 
 
