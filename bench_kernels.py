@@ -147,12 +147,10 @@ def time_norm_into_gemv(rows: int, out_features: int, in_features: int) -> dict:
     workspace = G.Workspace([(split_k, programs)], torch.device(DEVICE))
     normed = G.NormedRows(x, residual, torch.empty_like(x), norm_weight, 1e-6)
 
-    def separate():  # (on a copy of the stream: the kernel adds into it in place)
-        h, _ = add_rms_norm(x, residual.clone(), norm_weight, 1e-6)
-        return G.gemv(h, weight, None, split_k, workspace)
-
-    clone = milliseconds(lambda: residual.clone())
-    apart = milliseconds(separate) - clone
+    # the norm's own kernel adds into the residual in place, so repeated calls grow it: no matter for the time
+    apart = milliseconds(
+        lambda: G.gemv(add_rms_norm(x, residual, norm_weight, 1e-6)[0], weight, None, split_k, workspace)
+    )
     fused = milliseconds(lambda: G.gemv(normed, weight, None, split_k, workspace))
     shape = {"rows": rows, "out": out_features, "in": in_features, "split_k": split_k}
     return shape | {

@@ -65,6 +65,9 @@ if TYPE_CHECKING:
 FIELD = "small_batch_gemv"
 MAX_ROWS = 16  # rows that take the GEMV: the smallest tile tl.dot takes, and where cuBLAS's GEMMs stop being GEMVs
 NORM_MAX_ROWS = 4  # rows whose add + RMSNorm the GEMV forms in its load (more: the norm's own kernel; see 4 above)
+# the widest rows whose mean square the GEMV takes: its loop over a row's tiles is unrolled to keep their loads in
+# flight together, and wider rows spill registers on sm_90 (bf16: 104 registers at 4,096, spills from 5,120)
+NORM_MAX_WIDTH = 4096
 BLOCK_N = 32  # output features per program
 BLOCK_K = 128  # inner elements per loaded tile: a [32, 128] bf16 tile is 8 KiB, 64 bytes per thread of 4 warps
 PROGRAMS_PER_SM = 2  # split-K until the grid has about this many programs per SM
@@ -97,9 +100,11 @@ def start(llm: "LLM") -> None:
     if "lora" not in llm.config.extensions:  # (LoRA's adapters read SiLU-and-mul's output and the normed input)
         for layer in model.model.layers:
             fuse_silu_into_down(layer)
-            fuse_norms_into_projections(layer)
+            if model.args.hidden_size <= NORM_MAX_WIDTH:
+                fuse_norms_into_projections(layer)
     if runner.device.type == "cuda":  # every build the kernel needs, now, not in a step (the LM head runs eagerly):
-        # 1, some and MAX_ROWS rows (Triton compiles apart for an int equal to 1, or divisible by 16)
+        # 1, some and MAX_ROWS rows (Triton compiles apart for an int equal to 1, or divisible by 16); with the norm
+        # in the load (takes_normed_rows), 1 and some
         for module, rows in product(wrapped, (1, 2, MAX_ROWS)):
             module(module.weight.new_zeros(rows, module.in_features * (2 if module.silu_and_mul else 1)))
             if module.takes_normed_rows and rows <= NORM_MAX_ROWS:
@@ -153,7 +158,10 @@ class NormedRows:
 class NormIntoProjection(nn.Module):
     """A decoder layer's add + RMSNorm (model.RMSNorm: forward(x, residual) -> (normed, stream)) that, for at most
     NORM_MAX_ROWS rows, computes nothing: it returns a NormedRows for the next projection's GEMV, and the fresh stream
-    tensor the GEMV writes (the model carries it to the next norm, which runs after that GEMV)."""
+    tensor the GEMV writes (the model carries it to the next norm, which runs after that GEMV).
+    What this asks of the layer (model.DecoderLayer.forward, Attention.forward): the normed output goes to one
+    projection and nowhere else, and the stream is read only after that projection has run. Both hold in the core's
+    layer; a change there that reads the norm's output or the stream elsewhere must drop this fusion."""
 
     def __init__(self, norm: nn.Module) -> None:
         super().__init__()
@@ -200,7 +208,9 @@ class FewRowLinear(nn.Module):
         # a down projection's: the kernel table's SiLU-and-mul, which its input [gate | up] still needs
         # (fuse_silu_into_down); None: the input is the projection's own
         self.silu_and_mul: Callable | None = None
-        self.takes_normed_rows = False  # q|k|v's and gate|up's, when their norms move in (fuse_norms_into_projections)
+        # q|k|v's and gate|up's, when their norms move in (fuse_norms_into_projections): start's warm-up compiles
+        # the GEMV's norm builds for these
+        self.takes_normed_rows = False
         if isinstance(base, MergedLinear):
             self.shard_sizes = base.shard_sizes  # the model splits q|k|v by these
 
@@ -260,7 +270,9 @@ def gemv(
     assert rows <= MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1, "rows over MAX_ROWS, or strided rows"
     assert x.shape[1] == in_features * (2 if silu_input else 1), "x's columns: in, or gate and up"
     if normed is not None:
-        assert normed.residual.stride(1) == normed.stream.stride(1) == 1 and not silu_input
+        streams = (normed.residual, normed.stream)
+        assert all(t.shape == x.shape and t.stride(1) == 1 for t in streams), "residual, stream: x's shape, dense rows"
+        assert normed.weight.shape == (in_features,) and normed.weight.is_contiguous() and not silu_input
     y = x.new_empty(rows, out_features)
     # each split's share of the inner dimension, in whole tiles, so the splits never overlap
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), BLOCK_K) * BLOCK_K
@@ -282,7 +294,7 @@ def gemv(
         HAS_BIAS=bias is not None,
         SILU_INPUT=silu_input,
         NORM_INPUT=normed is not None,
-        NORM_TILES=triton.cdiv(in_features, BLOCK_K),
+        NORM_TILES=triton.cdiv(in_features, BLOCK_K) if normed is not None else 1,  # (1: one build without)
         SPLIT_K=split_k,
         K_PER_SPLIT=k_per_split,
         BLOCK_M=MAX_ROWS,
@@ -296,8 +308,8 @@ def gemv(
 
 def _norm_args(normed: NormedRows) -> tuple:
     """What the kernel takes of a NormedRows: the residual and stream and their row strides, the weight, eps."""
-    streams = (normed.residual, normed.stream)
-    return (*streams, *(t.stride(0) for t in streams), normed.weight, normed.eps)
+    residual, stream = normed.residual, normed.stream
+    return residual, stream, residual.stride(0), stream.stride(0), normed.weight, normed.eps
 
 
 @triton.jit
@@ -392,7 +404,8 @@ def _add_and_inv_rms(
     NORM_TILES: tl.constexpr,
 ):
     """[BLOCK_M] 1 / sqrt(mean((x + residual)^2) + eps) over the whole of each row (K elements in NORM_TILES tiles),
-    the sum in the model dtype and the statistic in fp32, as the add + RMSNorm kernel computes them; with
+    the sum in the model dtype and the statistic in fp32, as the add + RMSNorm kernel computes them
+    (fused_ops._add_rms_norm_kernel: a change to its rounding belongs here too, and in the GEMV's load); with
     write_stream, the sum is stored into the stream too. The first loop is unrolled and only loads (a store might
     alias a later load, which could then not be issued before it), so that all its loads can be in flight at once;
     squares are summed across the row once, at the end. The stream's program loads again to store: from L1."""

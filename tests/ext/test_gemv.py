@@ -55,12 +55,33 @@ def draw_projection(dtype, split_k=None, kind=None):
     kind = kind or random.choice(["plain", "silu", "norm"])
     x = torch.randn(rows, in_features * (2 if kind == "silu" else 1), device=DEVICE).to(dtype)
     if kind == "norm":
-        residual = (torch.randn(rows, in_features, device=DEVICE) * torch.rand(rows, 1, device=DEVICE) * 4).to(dtype)
-        norm_weight = (torch.rand(in_features, device=DEVICE) + 0.5).to(dtype)
-        x = gemv.NormedRows(x, residual, torch.full_like(x, float("nan")), norm_weight, random.choice([1e-6, 1e-5]))
+        x = draw_normed_rows(x, dtype)
     weight = (torch.randn(out_features, in_features, device=DEVICE) / in_features**0.5).to(dtype)
     bias = torch.randn(out_features, device=DEVICE).to(dtype) if random.random() < 0.5 else None
     return x, weight, bias, split_k, kind == "silu"
+
+
+def draw_normed_rows(x, dtype):
+    """x as a NormedRows, with rows of its own row strides: x, the residual and the stream are each column slices of
+    wider buffers (a stride mixed up for another's shows), the stream's buffer full of NaN with rows to spare (a write
+    outside the stream's rows and columns shows: see written_outside); the residual's rows have scales of their own
+    (a row normed by another's RMS shows), and row 0 of x is minus the residual's, a sum of exactly 0 (eps dropped:
+    0 / 0), with more rows or half the time with one."""
+    rows, width = x.shape
+    x = torch.cat([x, torch.randn(rows, 5, device=DEVICE).to(dtype)], 1)[:, :width]
+    residual = torch.randn(rows, width + 3, device=DEVICE) * torch.rand(rows, 1, device=DEVICE) * 4
+    residual = residual.to(dtype)[:, 1 : width + 1]
+    if rows > 1 or random.random() < 0.5:
+        residual[0] = -x[0]
+    stream = torch.full((rows + 2, width + 7), float("nan"), device=DEVICE, dtype=dtype)[1 : rows + 1, 2 : width + 2]
+    norm_weight = (torch.rand(width, device=DEVICE) + 0.5).to(dtype)
+    return gemv.NormedRows(x, residual, stream, norm_weight, random.choice([1e-6, 1e-5]))
+
+
+def written_outside(stream):
+    """Elements of a NormedRows' stream buffer (draw_normed_rows: NaN to start with) written outside the stream."""
+    whole = torch.empty(0, dtype=stream.dtype, device=stream.device).set_(stream.untyped_storage())
+    return int((~whole.isnan()).sum()) - stream.numel()
 
 
 def kernel_input(x, silu_input):
@@ -93,7 +114,7 @@ def test_kernel_equals_the_reference_and_a_plain_matmul(dtype):
         got = gemv.gemv(x, weight, bias, split_k, workspace, silu_input)
         x_in, stream = kernel_input(x, silu_input)
         if stream is not None:  # the kernel's stream, checked before the reference overwrites it
-            assert torch.equal(x.stream, stream), "the stream x + residual"
+            assert torch.equal(x.stream, stream) and written_outside(x.stream) == 0, "the stream x + residual"
         truth = x_in.double() @ weight.double().T + (0 if bias is None else bias.double())
         reference = gemv.gemv_ref(x, weight, bias, split_k, workspace, silu_input)
         shape = (len(x), *weight.shape, split_k, bias is not None, silu_input, stream is not None)
@@ -105,6 +126,21 @@ def test_kernel_equals_the_reference_and_a_plain_matmul(dtype):
             got, reference, atol=tolerance, rtol=tolerance, msg=lambda m, shape=shape: f"{shape}: {m}"
         )
         assert not workspace.counters.any(), f"{shape}: a counter left non-zero"
+
+
+def test_the_normed_input_is_rounded_as_the_norm_kernel_rounds_it():
+    """Guards against the fused add + RMSNorm rounding otherwise than the norm's own kernel (the normed value rounded to
+    the dtype before the weight multiplies it, the sum in the dtype): through an identity projection in fp16 (every
+    product exact, each output one input element), the GEMV gives add_rms_norm_ref's normed rows, all but a few
+    elements exactly (the fp32 mean square's summing order may move one by an ulp; rounding once instead of twice
+    moves about a quarter of them)."""
+    width, rows = random.choice([128, 256, 384]), random.randint(1, gemv.NORM_MAX_ROWS)
+    normed = draw_normed_rows(torch.randn(rows, width, device=DEVICE).to(torch.float16), torch.float16)
+    workspace = gemv.Workspace([(2, 2 * width // gemv.BLOCK_N)], torch.device(DEVICE))
+    got = gemv.gemv(normed, torch.eye(width, device=DEVICE).half(), None, 2, workspace)
+    want, _ = add_rms_norm_ref(normed.x, normed.residual, normed.weight, normed.eps)
+    assert (got != want).float().mean() < 0.02
+    torch.testing.assert_close(got, want, atol=0, rtol=2**-10)
 
 
 def test_the_plan_splits_until_the_grid_fills_the_gpu():
@@ -222,6 +258,18 @@ def test_decode_graphs_are_captured_again_over_the_gemv(tiny_model, monkeypatch)
     assert llm.stats()["kv_blocks_used"] == 0
 
 
+def test_norms_stay_apart_in_rows_wider_than_the_gemv_takes(tiny_model, monkeypatch):
+    """Guards against the norm fusion on rows too wide for the GEMV's unrolled mean square (it would spill registers
+    on a GPU): with NORM_MAX_WIDTH below the model's width, the norms stay the layer's own; SiLU-and-mul still moves."""
+    path, _ = tiny_model("qwen3")
+    monkeypatch.setattr(gemv, "NORM_MAX_WIDTH", 32)
+    llm = LLM(path, **ENGINE, small_batch_gemv=True, enforce_eager=True)
+    for layer in llm.runner.model.model.layers:
+        assert llm.runner.model.args.hidden_size > 32 and layer.kernels.silu_and_mul is gemv.gate_and_up
+        assert not isinstance(layer.input_layernorm, gemv.NormIntoProjection)
+        assert not layer.self_attn.qkv_proj.takes_normed_rows
+
+
 def test_lora_wraps_the_wrapped_projections(tiny_model, tmp_path):
     """Guards against LoRA losing its adapters (or q|k|v's shards) on projections the GEMV wrapped: with both on, a
     request under an adapter gives the tokens it gives with LoRA alone, which differ from the base model's."""
@@ -267,9 +315,9 @@ def test_bad_settings_are_refused_by_name():
 def test_kernel_compiles_for_h100_without_spills():
     """Guards against a kernel that only Triton's interpreter accepts, and against the split-K handshake losing its
     memory order: in bf16 and fp32, with one split, with four (and a bias), with four and SiLU-and-mul in its input
-    load, and with four and an add + RMSNorm of 2,048-wide rows there (Qwen3-1.7B's), the kernel compiles for an
-    H100 (sm_90) without spills, its weight tiles loaded ahead by 16-byte asynchronous copies (the software
-    pipeline); with splits, a barrier lies between the partials' stores and the counter's add, which is
+    load, and with four and an add + RMSNorm of the widest rows it takes (NORM_MAX_WIDTH) there, the kernel
+    compiles for an H100 (sm_90) without spills, its weight tiles loaded ahead by 16-byte asynchronous copies (the
+    software pipeline); with splits, a barrier lies between the partials' stores and the counter's add, which is
     acquire-release at GPU scope, and the partials are read past L1."""
     script = """
 from nanoserve.ext import gemv as G
@@ -278,9 +326,9 @@ for dtype in ("*bf16", "*fp32"):
                                       (4, False, False, True)):
         names = ("x_ptr", "w_ptr", "bias_ptr", "y_ptr", "residual_ptr", "stream_ptr", "norm_w_ptr")
         types = {name: dtype for name in names} | {"partials_ptr": "*fp32", "counters_ptr": "*i32", "eps": "fp32"}
-        constants = {"HAS_BIAS": bias, "SILU_INPUT": silu, "NORM_INPUT": norm, "NORM_TILES": 2048 // G.BLOCK_K,
-                     "SPLIT_K": split_k, "K_PER_SPLIT": 512, "BLOCK_M": G.MAX_ROWS, "BLOCK_N": G.BLOCK_N,
-                     "BLOCK_K": G.BLOCK_K}
+        constants = {"HAS_BIAS": bias, "SILU_INPUT": silu, "NORM_INPUT": norm,
+                     "NORM_TILES": G.NORM_MAX_WIDTH // G.BLOCK_K, "SPLIT_K": split_k, "K_PER_SPLIT": 512,
+                     "BLOCK_M": G.MAX_ROWS, "BLOCK_N": G.BLOCK_N, "BLOCK_K": G.BLOCK_K}
         look_for = ("atom.global.gpu.acq_rel.add", "ld.global.cg")
         built = sm90_build.build(G._gemv_kernel, types, constants, G.NUM_WARPS, look_for, aligned=("N", "K"))
         print(json.dumps(built | {"split_k": split_k}))
