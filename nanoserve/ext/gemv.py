@@ -66,7 +66,8 @@ FIELD = "small_batch_gemv"
 MAX_ROWS = 16  # rows that take the GEMV: the smallest tile tl.dot takes, and where cuBLAS's GEMMs stop being GEMVs
 NORM_MAX_ROWS = 4  # rows whose add + RMSNorm the GEMV forms in its load (more: the norm's own kernel; see 4 above)
 # the widest rows whose mean square the GEMV takes: its loop over a row's tiles is unrolled to keep their loads in
-# flight together, and wider rows spill registers on sm_90 (bf16: 104 registers at 4,096, spills from 5,120)
+# flight together, and the registers grow with the width (sm_90, bf16, triton 3.6: 90 at 1,024, 134 at 4,096, 214 at
+# 8,192, where only 2 programs fit an SM): wider rows are left to the norm's own kernel until a GPU run says otherwise
 NORM_MAX_WIDTH = 4096
 BLOCK_N = 32  # output features per program
 BLOCK_K = 128  # inner elements per loaded tile: a [32, 128] bf16 tile is 8 KiB, 64 bytes per thread of 4 warps
