@@ -259,8 +259,9 @@ def test_decode_graphs_are_captured_again_over_the_gemv(tiny_model, monkeypatch)
 
 
 def test_norms_stay_apart_in_rows_wider_than_the_gemv_takes(tiny_model, monkeypatch):
-    """Guards against the norm fusion on rows too wide for the GEMV's unrolled mean square (it would spill registers
-    on a GPU): with NORM_MAX_WIDTH below the model's width, the norms stay the layer's own; SiLU-and-mul still moves."""
+    """Guards against the norm fusion on rows wider than its unrolled mean square was built for (its registers grow
+    with the width): with NORM_MAX_WIDTH below the model's width, the norms stay the layer's own; SiLU-and-mul still
+    moves."""
     path, _ = tiny_model("qwen3")
     monkeypatch.setattr(gemv, "NORM_MAX_WIDTH", 32)
     llm = LLM(path, **ENGINE, small_batch_gemv=True, enforce_eager=True)
