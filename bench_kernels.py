@@ -19,6 +19,7 @@ import torch
 from triton import cdiv
 from triton.testing import do_bench
 
+from bench_attention import replayed
 from nanoserve import LLM, SamplingParams
 from nanoserve import attention as A
 from nanoserve import sampler as S
@@ -85,10 +86,12 @@ def paged_batch(query_lens, context_lens, dtype=torch.bfloat16, kv_dtype=None):
     return q, k_cache, v_cache, meta
 
 
-def milliseconds(fn) -> float:
-    """fn's time: Triton's do_bench on a GPU (CUDA events, the cache flushed between runs); one timed call on a CPU."""
+def milliseconds(fn, graph: bool = False) -> float:
+    """fn's time: Triton's do_bench on a GPU (CUDA events, the cache flushed between runs), with graph of fn captured
+    once and replayed (bench_attention.replayed: what runs inside the engine's decode graphs, timed without the host's
+    launch work); one timed call on a CPU."""
     if ON_GPU:
-        return do_bench(fn)
+        return do_bench(replayed(fn) if graph else fn)
     start = time.perf_counter()
     fn()
     return 1000 * (time.perf_counter() - start)
@@ -99,9 +102,12 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def time_attention(query_lens, context_lens, **kwargs) -> float:
+def time_attention(query_lens, context_lens, graph: bool | None = None, **kwargs) -> float:
+    """paged_attention's time on a random paged batch; decode-only batches as CUDA-graph replays (as the engine runs
+    them) unless graph says otherwise, others eagerly."""
     q, k, v, meta = paged_batch(query_lens, context_lens, **kwargs)
-    return milliseconds(lambda: A.paged_attention(q, k, v, meta, HEAD_DIM**-0.5))
+    graph = max(query_lens) == 1 if graph is None else graph
+    return milliseconds(lambda: A.paged_attention(q, k, v, meta, HEAD_DIM**-0.5), graph)
 
 
 def time_gemv(rows: int, out_features: int, in_features: int) -> dict:
@@ -116,8 +122,9 @@ def time_gemv(rows: int, out_features: int, in_features: int) -> dict:
     num_sms = A._num_sms(torch.device(DEVICE))
     split_k, programs = G.plan(out_features, in_features, num_sms)
     workspace = G.Workspace([(split_k, programs)], torch.device(DEVICE))
-    cublas = milliseconds(lambda: torch.nn.functional.linear(x, weight))
-    gemv = milliseconds(lambda: G.gemv(x, weight, None, split_k, workspace))
+    # both as CUDA-graph replays, as the decode graphs run them (a few microseconds each: eagerly, the host's)
+    cublas = milliseconds(lambda: torch.nn.functional.linear(x, weight), graph=True)
+    gemv = milliseconds(lambda: G.gemv(x, weight, None, split_k, workspace), graph=True)
     gigabytes = weight.numel() * weight.element_size() / 1e9
     return {
         "rows": rows,
@@ -149,9 +156,9 @@ def time_norm_into_gemv(rows: int, out_features: int, in_features: int) -> dict:
 
     # the norm's own kernel adds into the residual in place, so repeated calls grow it: no matter for the time
     apart = milliseconds(
-        lambda: G.gemv(add_rms_norm(x, residual, norm_weight, 1e-6)[0], weight, None, split_k, workspace)
+        lambda: G.gemv(add_rms_norm(x, residual, norm_weight, 1e-6)[0], weight, None, split_k, workspace), graph=True
     )
-    fused = milliseconds(lambda: G.gemv(normed, weight, None, split_k, workspace))
+    fused = milliseconds(lambda: G.gemv(normed, weight, None, split_k, workspace), graph=True)
     shape = {"rows": rows, "out": out_features, "in": in_features, "split_k": split_k}
     return shape | {
         "separate_ms": round(apart, 4),
@@ -191,6 +198,7 @@ def kernels(out_path: str) -> None:
             TBps=round(tbps, 2),
         )
     # 2) small batches, long contexts (issue 33: at least 0.9x SDPA; bench.py --attention has the SDPA peer)
+    # (timed as graph replays, as the engine runs decode, and eagerly beside: the gap is the host's launch work)
     for num_seqs, ctx in ((1, 2048), (1, 8192), (8, 2048), (8, 32768), (1, 32768)):
         ms = time_attention([1] * num_seqs, [ctx] * num_seqs)
         report(
@@ -198,6 +206,7 @@ def kernels(out_path: str) -> None:
             num_seqs=num_seqs,
             context=ctx,
             ms=round(ms, 4),
+            eager_ms=round(time_attention([1] * num_seqs, [ctx] * num_seqs, graph=False), 4),
             TBps=round(num_seqs * ctx * KV_BYTES_PER_TOKEN_BF16 / ms / 1e9, 2),
         )
     # 3) a mixed step: 255 decodes at 1k beside one 512-token chunk, about the sum of its parts

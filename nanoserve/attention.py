@@ -44,7 +44,8 @@ PREFILL_NUM_STAGES = 3  # K/V tiles in flight in the prefill loop's software pip
 DECODE_TILE_N = {(2, 2): 64, (2, 1): 32, (4, 4): 16, (4, 1): 16}  # keys per step of a decode split, by the query's
 # and the cache's element sizes
 DECODE_NUM_WARPS = 4
-PROGRAMS_PER_SM = 4  # decode splits the keys until the grid has about this many programs per SM
+PROGRAMS_PER_SM = 4  # decode programs resident per SM at once (one wave): registers allow 4 on an H100 (107 each, 4
+# warps, triton 3.6; shared memory would allow 5); decode_splits fills one wave
 REFERENCE_RUN_SIZE = 1 << 24  # the PyTorch reference's padded queries x keys per SDPA call (reference_groups)
 MAX_SPLITS = 32  # the merge holds all partials of a head, [MAX_SPLITS, head_dim] fp32, in registers (64 pushed the
 # fp8-cache decode kernel to 143 registers on triton 3.6: 3 programs per SM, not 4; and at batch 1 the H100 measured
@@ -400,10 +401,12 @@ def decode_group_pad(group: int) -> int:
 def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """How many splits the decode grid cuts each sequence's keys into, from the batch alone, so a CUDA graph (one
     per batch size) can hold it. Unsplit, the grid has num_seqs * num_kv_heads programs: a small batch would leave
-    most SMs idle, so the keys are split until about PROGRAMS_PER_SM programs per SM. The kernel then cuts each
-    sequence's own context into that many runs of whole tiles (not whole blocks: keys find their block one by one),
-    so a short context is split as finely as a long one, down to one tile per split."""
-    return min(MAX_SPLITS, triton.cdiv(PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads))
+    most SMs idle, so the keys are split as finely as one wave allows, PROGRAMS_PER_SM programs per SM all running at
+    once (at most MAX_SPLITS). Not one split more: a grid a little over one wave (9 splits at batch 8 on an H100, 576
+    programs for 528 places) ends with a tail of programs streaming alone, at a fraction of the bandwidth. The kernel
+    then cuts each sequence's own context into that many runs of whole tiles (not whole blocks: keys find their
+    block one by one), so a short context is split as finely as a long one, down to one tile per split."""
+    return max(1, min(MAX_SPLITS, PROGRAMS_PER_SM * num_sms // (num_seqs * num_kv_heads)))
 
 
 @functools.cache

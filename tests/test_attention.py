@@ -314,16 +314,20 @@ def test_decode_graph_sized_grid():
     assert_close(out[1:], paged_attention_ref(q, k_cache, v_cache, meta, 0.125)[1:], ATOL[torch.float32], "decode")
 
 
-@pytest.mark.parametrize("num_seqs", [1, 2, 8, 33, 64, 256])
-def test_decode_splits_fill_an_h100(num_seqs):
-    """The split count comes from the batch alone (a CUDA graph's grid), stays within MAX_SPLITS, and gives an H100
-    about PROGRAMS_PER_SM programs per SM when the batch alone does not."""
+@pytest.mark.parametrize("num_seqs", [1, 2, 8, 9, 33, 64, 65, 256])
+def test_decode_splits_fill_one_wave_of_an_h100(num_seqs):
+    """The split count comes from the batch alone (a CUDA graph's grid), stays within MAX_SPLITS, and is the largest
+    whose grid fits one wave of an H100 (PROGRAMS_PER_SM programs on each of 132 SMs): never over it unless one split
+    is (8 sequences of 8 KV heads: 8 splits, 512 programs, not 9 and 576), never a split fewer than fits."""
     num_kv_heads, h100_sms = 8, 132
+    wave = PROGRAMS_PER_SM * h100_sms
     num_splits = decode_splits(num_seqs, num_kv_heads, h100_sms)
     assert 1 <= num_splits <= MAX_SPLITS
     programs = num_seqs * num_kv_heads * num_splits
-    assert programs >= PROGRAMS_PER_SM * h100_sms or num_splits == MAX_SPLITS
-    assert num_splits == 1 or num_seqs * num_kv_heads * (num_splits - 1) < PROGRAMS_PER_SM * h100_sms  # no more
+    assert programs <= wave or num_splits == 1
+    assert num_splits == MAX_SPLITS or programs + num_seqs * num_kv_heads > wave  # one more split would not fit
+    if num_seqs == 8:
+        assert num_splits == 8
 
 
 def triton_variant_key(arg):
