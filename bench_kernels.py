@@ -48,6 +48,10 @@ PREFILL_CONFIGS = (
 DECODE_SHAPES = ((1, 2048), (1, 8192), (1, 32768), (4, 8192), (8, 8192), (8, 32768), (16, 4096), (64, 1024), (256, 512))
 SPLIT_COUNTS = (4, 8, 16, A.MAX_SPLITS)  # (the merge holds at most MAX_SPLITS partials of a head)
 DECODE_KEYS_PER_STEP = (32, 64, 128)  # decode's keys per step of its loop (DECODE_TILE_N for 16-bit q and cache)
+# warps per decode program, tried at the standard workload's shapes (with today's split count, every keys per step):
+# with short contexts a program is mostly its fixed costs, and fewer warps fit more programs on an SM
+DECODE_WARPS = (2, 4, 8)
+DECODE_WARPS_SHAPES = ((256, 512), (64, 1024))
 # Qwen3-0.6B's projections: (name, out features, in features)
 QWEN3_PROJECTIONS = (
     ("q|k|v", 4096, 1024),
@@ -323,7 +327,8 @@ def timed_or_nan(query_lens, context_lens, **kwargs) -> float:
 def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, dtype=torch.bfloat16) -> list[dict]:
     """Times attention under each candidate setting (attention.py's constants patched, paged_attention as the engine
     calls it): the prefill's tiles, stages and warps on prefill_shape (sequences x tokens, causal; bf16 and an fp8
-    cache), and decode's split count and keys per step at small batches. Each row says whether it is today's setting;
+    cache), and decode's split count and keys per step (and at the standard workload's shapes, its warps). Each row
+    says whether it is today's setting;
     the next session sets the rules from the fastest."""
     rows = []
 
@@ -356,26 +361,33 @@ def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, d
             )
     num_sms = A._num_sms(torch.device(DEVICE))
     real_splits = A.decode_splits
+    today_keys, today_warps = A.DECODE_TILE_N[dtype.itemsize, dtype.itemsize], A.DECODE_NUM_WARPS
     for seqs, ctx in decode_shapes:
         chosen = real_splits(seqs, NUM_KV_HEADS, num_sms)
-        for splits in sorted({chosen, *SPLIT_COUNTS}):
-            for keys in DECODE_KEYS_PER_STEP:
-                tile = {**A.DECODE_TILE_N, (dtype.itemsize, dtype.itemsize): keys}
-                with patched(A, decode_splits=lambda *args, n=splits: n, DECODE_TILE_N=tile):
-                    ms = timed_or_nan([1] * seqs, [ctx] * seqs, dtype=dtype)
-                today = splits == chosen and keys == A.DECODE_TILE_N[dtype.itemsize, dtype.itemsize]
-                add(
-                    {
-                        "what": "sweep decode",
-                        "num_seqs": seqs,
-                        "context": ctx,
-                        "splits": splits,
-                        "keys_per_step": keys,
-                        "today": today,
-                        "ms": round(ms, 4),
-                        "TBps": round(seqs * ctx * kv_bytes_per_token / ms / 1e9, 2),
-                    }
-                )
+        # (splits, keys per step, warps): every split count and step at today's warps; at the standard workload's
+        # shapes, the other warp counts at today's split count
+        candidates = [
+            (splits, keys, today_warps) for splits in sorted({chosen, *SPLIT_COUNTS}) for keys in DECODE_KEYS_PER_STEP
+        ]
+        if (seqs, ctx) in DECODE_WARPS_SHAPES:
+            candidates += [(chosen, k, w) for w in DECODE_WARPS if w != today_warps for k in DECODE_KEYS_PER_STEP]
+        for splits, keys, warps in candidates:
+            tile = {**A.DECODE_TILE_N, (dtype.itemsize, dtype.itemsize): keys}
+            with patched(A, decode_splits=lambda *args, n=splits: n, DECODE_TILE_N=tile, DECODE_NUM_WARPS=warps):
+                ms = timed_or_nan([1] * seqs, [ctx] * seqs, dtype=dtype)
+            add(
+                {
+                    "what": "sweep decode",
+                    "num_seqs": seqs,
+                    "context": ctx,
+                    "splits": splits,
+                    "keys_per_step": keys,
+                    "warps": warps,
+                    "today": (splits, keys, warps) == (chosen, today_keys, today_warps),
+                    "ms": round(ms, 4),
+                    "TBps": round(seqs * ctx * kv_bytes_per_token / ms / 1e9, 2),
+                }
+            )
     return rows
 
 

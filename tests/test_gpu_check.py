@@ -121,6 +121,25 @@ def test_bench_kernels_sweep_times_each_setting_and_restores_today(bench_kernels
     assert [r["today"] for r in prefill] == [True, False] and sum(r["today"] for r in decode) == 1
     assert all(r["ms"] > 0 for r in rows)
     assert (A.PREFILL_TILE_M, A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, A.PREFILL_WIDE_TILE_M, A.DECODE_TILE_N) == before
+    # at a shape named for it, the warps too: each candidate's warps reach the launcher, and today's come back
+    launched = []
+    real_kernel = A._decode_split_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["num_warps"])
+                return real_kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(A, "_decode_split_kernel", Recording())
+    monkeypatch.setattr(bench_kernels, "DECODE_WARPS_SHAPES", ((1, 40),))
+    monkeypatch.setattr(bench_kernels, "DECODE_WARPS", (2, A.DECODE_NUM_WARPS))
+    monkeypatch.setattr(bench_kernels, "PREFILL_CONFIGS", ())
+    warps_rows = bench_kernels.sweep(str(tmp_path / "warps.json"), (1, 20), ((1, 40),), torch.float32)
+    assert sorted(r["warps"] for r in warps_rows) == sorted([A.DECODE_NUM_WARPS] * len(decode) + [2])
+    assert set(launched) == {2, A.DECODE_NUM_WARPS} and A.DECODE_NUM_WARPS == 4
 
 
 def test_a_setting_that_cannot_run_is_a_nan_row(bench_kernels, monkeypatch):
