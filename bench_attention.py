@@ -57,32 +57,35 @@ def make_case(batch, ctx, query_len, block_size):
     return q, k, v, paged(k), paged(v), meta
 
 
-def replayed(fn):
-    """fn captured once in a CUDA graph, as a function that replays it: the GPU's time for fn without the host's
-    (one launch call per replay, however many kernels fn runs), as the engine runs its decode steps. A decode kernel
-    of a few microseconds is launched by Python work that can take longer than the kernel: timed eagerly, the GPU may
-    wait for the host inside the timed window, and the figure measures the host. (The first H100 run's batch-1 decode
-    rows took ~50 us at 2k and at 8k keys alike, where the engine's profile had 7 us per layer at 512.) Prefill and
-    cascade steps run eagerly in the engine, so they are timed eagerly."""
+def replayed(fn) -> tuple:
+    """(a function, how it is timed): fn captured once in a CUDA graph and the graph's replay, "graph"; or fn itself,
+    "eager", where the capture fails (said on stdout: GPU minutes are few, and a row timed eagerly beats a stage lost).
+    A replay is the GPU's time for fn without the host's (one launch call however many kernels fn runs), as the engine
+    runs its decode steps. A decode kernel of a few microseconds is launched by Python work that may take longer than
+    the kernel; timed eagerly, the GPU may wait for the host inside the timed window. (The first H100 run's batch-1
+    decode rows took ~50 us at 2k and at 8k keys alike, where the engine's profile had 7 us per layer at 512: the host,
+    most likely, though do_bench's L2 flush before each call gives the host a head start, so part may be the GPU's;
+    the graph rows beside the eager ones tell.) Prefill and cascade steps run eagerly in the engine: timed eagerly."""
     fn()  # compiles, and makes what a first call makes (the decode merge's counters, kept on the metadata)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # a warm-up on a side stream, as torch asks before a capture
         fn()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
     try:
         with torch.cuda.graph(graph):
             fn()
-    except RuntimeError as error:  # (GPU minutes are few: a row timed eagerly, said so, beats a stage lost)
+    except RuntimeError as error:
+        torch.cuda.set_stream(stream)  # (a capture that fails to end may leave its own stream current)
         print(f"CUDA-graph capture failed, timed eagerly instead: {str(error)[:200]}", flush=True)
-        return fn
-    return graph.replay
+        return fn, "eager"
+    return graph.replay, "graph"
 
 
-def bench_case(batch, ctx, query_len, block_size):
-    """(our ms, SDPA ms, max |ours - SDPA|, our eager ms, SDPA's eager ms) for one batch; both see the same numbers.
-    Decode is timed as CUDA-graph replays (`replayed`), and eagerly beside; prefill eagerly."""
+def bench_case(batch, ctx, query_len, block_size) -> dict:
+    """Our time and SDPA's for one batch (both see the same numbers), their max |difference|, and for decode both
+    eager times beside: decode is timed as CUDA-graph replays (`replayed`), prefill eagerly."""
     q, k, v, k_cache, v_cache, meta = make_case(batch, ctx, query_len, block_size)
     scale = HEAD_DIM**-0.5
     q_rows = q.transpose(1, 2).reshape(-1, NUM_HEADS, HEAD_DIM)  # [B * q_len, heads, D]: a sequence's rows together
@@ -94,9 +97,12 @@ def bench_case(batch, ctx, query_len, block_size):
         return F.scaled_dot_product_attention(q, k, v, is_causal=query_len > 1, scale=scale, enable_gqa=True)
 
     diff = (ours().view(batch, query_len, NUM_HEADS, HEAD_DIM).transpose(1, 2) - sdpa()).abs().max().item()
-    eager = do_bench(ours), do_bench(sdpa)  # do_bench warms up, flushes L2 before each call, and synchronizes
-    graphed = (do_bench(replayed(ours)), do_bench(replayed(sdpa))) if query_len == 1 else eager
-    return *graphed, diff, *eager
+    eager = {"ours_eager_ms": do_bench(ours), "sdpa_eager_ms": do_bench(sdpa)}  # (do_bench flushes L2 before each)
+    if query_len > 1:
+        return {"ours_ms": eager["ours_eager_ms"], "sdpa_ms": eager["sdpa_eager_ms"], "timing": "eager", "diff": diff}
+    (ours_replay, ours_timing), (sdpa_replay, sdpa_timing) = replayed(ours), replayed(sdpa)
+    timing = "graph" if ours_timing == sdpa_timing == "graph" else f"ours {ours_timing}, sdpa {sdpa_timing}"
+    return {"ours_ms": do_bench(ours_replay), "sdpa_ms": do_bench(sdpa_replay), "timing": timing, "diff": diff} | eager
 
 
 def bench_cascade_case(batch, shared, own, block_size):
@@ -193,7 +199,8 @@ def run_attention_bench(print_fn=print, block_size=16) -> list[dict]:
         if COPIES_IN_MEMORY * kv_bytes > torch.cuda.mem_get_info()[0]:
             print_fn(f"{kind} B={batch} ctx={ctx}: skipped, needs {COPIES_IN_MEMORY * kv_bytes / 2**30:.0f} GiB")
             continue
-        ours_ms, sdpa_ms, diff, ours_eager_ms, sdpa_eager_ms = bench_case(batch, ctx, query_len, block_size)
+        case = bench_case(batch, ctx, query_len, block_size)
+        ours_ms, sdpa_ms, diff = case["ours_ms"], case["sdpa_ms"], case["diff"]
         if kind == "decode":
             unit, work = "TB/s", kv_bytes / 1e12  # each K/V byte read once
         else:
@@ -211,9 +218,8 @@ def run_attention_bench(print_fn=print, block_size=16) -> list[dict]:
                 "ratio": round(ours / sdpa, 3),
                 "ours_ms": round(ours_ms, 4),
                 "sdpa_ms": round(sdpa_ms, 4),
-                "timing": "graph" if kind == "decode" else "eager",  # decode: CUDA-graph replays (`replayed`)
-                "ours_eager_ms": round(ours_eager_ms, 4),
-                "sdpa_eager_ms": round(sdpa_eager_ms, 4),
+                "timing": case["timing"],  # decode: CUDA-graph replays (`replayed`), eager beside; prefill eager
+                **{name: round(case[name], 4) for name in ("ours_eager_ms", "sdpa_eager_ms") if name in case},
                 "max_abs_diff": diff,
             }
         )

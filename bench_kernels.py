@@ -91,11 +91,11 @@ def paged_batch(query_lens, context_lens, dtype=torch.bfloat16, kv_dtype=None):
 
 
 def milliseconds(fn, graph: bool = False) -> float:
-    """fn's time: Triton's do_bench on a GPU (CUDA events, the cache flushed between runs), with graph of fn captured
-    once and replayed (bench_attention.replayed: what runs inside the engine's decode graphs, timed without the host's
-    launch work); one timed call on a CPU."""
+    """fn's time: Triton's do_bench on a GPU (CUDA events, the cache flushed between runs); with graph, fn captured
+    once and its replays timed (bench_attention.replayed: what runs inside the engine's decode graphs, without the
+    host's launch work; a capture that fails is timed eagerly and says so on stdout); one timed call on a CPU."""
     if ON_GPU:
-        return do_bench(replayed(fn) if graph else fn)
+        return do_bench(replayed(fn)[0] if graph else fn)
     start = time.perf_counter()
     fn()
     return 1000 * (time.perf_counter() - start)
@@ -215,7 +215,7 @@ def kernels(out_path: str) -> None:
         )
     # 3) a mixed step: 255 decodes at 1k beside one 512-token chunk, about the sum of its parts
     mixed = time_attention([512] + [1] * 255, [512] + [1024] * 255)
-    decodes = time_attention([1] * 255, [1024] * 255)
+    decodes = time_attention([1] * 255, [1024] * 255, graph=False)  # (eager, as the mixed step and the chunk are)
     chunk = time_attention([512], [512])
     report(
         what="mixed step",
@@ -328,8 +328,7 @@ def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, d
     """Times attention under each candidate setting (attention.py's constants patched, paged_attention as the engine
     calls it): the prefill's tiles, stages and warps on prefill_shape (sequences x tokens, causal; bf16 and an fp8
     cache), and decode's split count and keys per step (and at the standard workload's shapes, its warps). Each row
-    says whether it is today's setting;
-    the next session sets the rules from the fastest."""
+    says whether it is today's setting; the next session sets the rules from the fastest."""
     rows = []
 
     def add(row: dict) -> None:  # printed, and the file rewritten: a stage cut short by its timeout keeps its rows
@@ -364,13 +363,15 @@ def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, d
     today_keys, today_warps = A.DECODE_TILE_N[dtype.itemsize, dtype.itemsize], A.DECODE_NUM_WARPS
     for seqs, ctx in decode_shapes:
         chosen = real_splits(seqs, NUM_KV_HEADS, num_sms)
+        # the rule before 2026-11-29 (third session): the ceiling, a grid a little over one wave
+        ceiling = min(A.MAX_SPLITS, cdiv(A.PROGRAMS_PER_SM * num_sms, seqs * NUM_KV_HEADS))
         # (splits, keys per step, warps): every split count and step at today's warps; at the standard workload's
-        # shapes, the other warp counts at today's split count
-        candidates = [
-            (splits, keys, today_warps) for splits in sorted({chosen, *SPLIT_COUNTS}) for keys in DECODE_KEYS_PER_STEP
-        ]
+        # shapes, the other warp counts at today's and the old rule's split counts (fewer warps fit more programs)
+        split_counts = sorted({chosen, ceiling, *SPLIT_COUNTS})
+        candidates = [(splits, keys, today_warps) for splits in split_counts for keys in DECODE_KEYS_PER_STEP]
         if (seqs, ctx) in DECODE_WARPS_SHAPES:
-            candidates += [(chosen, k, w) for w in DECODE_WARPS if w != today_warps for k in DECODE_KEYS_PER_STEP]
+            others = [w for w in DECODE_WARPS if w != today_warps]
+            candidates += [(n, k, w) for w in others for n in sorted({chosen, ceiling}) for k in DECODE_KEYS_PER_STEP]
         for splits, keys, warps in candidates:
             tile = {**A.DECODE_TILE_N, (dtype.itemsize, dtype.itemsize): keys}
             with patched(A, decode_splits=lambda *args, n=splits: n, DECODE_TILE_N=tile, DECODE_NUM_WARPS=warps):

@@ -139,7 +139,39 @@ def test_bench_kernels_sweep_times_each_setting_and_restores_today(bench_kernels
     monkeypatch.setattr(bench_kernels, "PREFILL_CONFIGS", ())
     warps_rows = bench_kernels.sweep(str(tmp_path / "warps.json"), (1, 20), ((1, 40),), torch.float32)
     assert sorted(r["warps"] for r in warps_rows) == sorted([A.DECODE_NUM_WARPS] * len(decode) + [2])
-    assert set(launched) == {2, A.DECODE_NUM_WARPS} and A.DECODE_NUM_WARPS == 4
+    assert launched == [r["warps"] for r in warps_rows] and A.DECODE_NUM_WARPS == 4  # (one launch a row on a CPU)
+    assert sum(r["today"] for r in warps_rows) == 1
+
+
+def test_decode_and_weight_reads_are_timed_as_graph_replays(bench_kernels, monkeypatch):
+    """On a GPU, what the engine runs inside its decode graphs (decode-only attention, the few-row weight reads) is
+    timed as replays of a captured graph, and what it runs eagerly (prefill, mixed steps) eagerly: with do_bench and
+    the capture stood in for, each call says which it asked for."""
+    pytest.importorskip("nanoserve.ext.gemv")
+    asked = []
+
+    def stand_in_replayed(fn):
+        asked.append("graph")
+        return fn, "graph"
+
+    monkeypatch.setattr(bench_kernels, "ON_GPU", True)
+
+    def stand_in_do_bench(fn) -> float:
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(bench_kernels, "do_bench", stand_in_do_bench)
+    monkeypatch.setattr(bench_kernels, "replayed", stand_in_replayed)
+
+    def asks(call) -> list[str]:
+        asked.clear()
+        call()
+        return list(asked)
+
+    assert asks(lambda: bench_kernels.time_attention([1, 1], [33, 17], dtype=torch.float32)) == ["graph"]
+    assert asks(lambda: bench_kernels.time_attention([1, 1], [33, 17], graph=False, dtype=torch.float32)) == []
+    assert asks(lambda: bench_kernels.time_attention([5, 1], [33, 17], dtype=torch.float32)) == []
+    assert asks(lambda: bench_kernels.time_gemv(2, 40, 600)) == ["graph", "graph"]  # cuBLAS's and the GEMV's
 
 
 def test_a_setting_that_cannot_run_is_a_nan_row(bench_kernels, monkeypatch):
