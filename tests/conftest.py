@@ -375,8 +375,8 @@ class FakeEngine:
 
 # ---- CUDA graphs on a CPU -------------------------------------------------------------------------------------------
 class RerunGraph:
-    """Stands in for a captured CUDA graph on a CPU (as in tests/test_engine.py): replay() reruns the decode forward
-    on the graphs' static buffers, which is what replaying the real graph computes, and counts it on the graphs."""
+    """Stands in for a captured CUDA graph on a CPU: replay() reruns the decode forward on the graphs' static buffers,
+    which is what replaying the real graph computes, and counts it on the graphs (graphs.replays, set by the test)."""
 
     def __init__(self, graphs: object = None, size: int = 0) -> None:
         self.graphs, self.size = graphs, size

@@ -5,7 +5,7 @@ from functools import partial
 
 import pytest
 import torch
-from conftest import hf_greedy, random_prompts
+from conftest import RerunGraph, graphs_on_a_cpu, hf_greedy, random_prompts
 
 import nanoserve
 from nanoserve import SamplingParams
@@ -230,31 +230,11 @@ def test_gpu_start_up_steps_run_before_the_cache_exists(llama, monkeypatch):
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 24)
 
 
-class RerunGraph:
-    """Stands in for a captured CUDA graph on CPU: replay() reruns the decode forward on the static input buffers,
-    which is what replaying the real graph computes."""
-
-    replays = 0
-
-    def __init__(self, graphs=None, size=0):
-        self.graphs, self.size = graphs, size
-
-    def pool(self):
-        return None
-
-    def replay(self):
-        RerunGraph.replays += 1
-        self.graphs.forward(self.size)
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU stand-in; test_gpu.py replays real graphs")
 def test_decode_through_graph_buffers_matches_transformers(llama, monkeypatch):
     """Guards against the CUDA-graph path's own bugs (stale or unpadded static inputs, the decode grid sized
     for max_model_len) on a CPU: 'capture' runs eagerly, and replay reruns the forward on the static buffers."""
-    import contextlib
-
     from nanoserve import attention
-    from nanoserve.cuda_graphs import DecodeGraphs
 
     path, hf = llama
     splits_seen = set()  # the decode grid's splits in the replays: one split (no reduce) and several, both
@@ -265,22 +245,19 @@ def test_decode_through_graph_buffers_matches_transformers(llama, monkeypatch):
         return decode_splits(*args)
 
     monkeypatch.setattr(attention, "decode_splits", recording_splits)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", RerunGraph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    captured = graphs_on_a_cpu(monkeypatch)
     llm = nanoserve.LLM(
         path, device="cpu", kernels="triton", dtype="float32", max_model_len=128, num_kvcache_blocks=64, max_num_seqs=8
     )
-    r = llm.runner
-    r.graphs = DecodeGraphs(r.model, r.kv_caches, 8, r.max_blocks_per_seq)
-    r.graphs.capture()
-    assert sorted(r.graphs.graphs) == [1, 2, 4, 8]
-    r.graphs.graphs = {size: RerunGraph(r.graphs, size) for size in r.graphs.graphs}
+    graphs = llm.runner.graphs
+    assert captured == [graphs] and sorted(graphs.graphs) == [1, 2, 4, 8]
+    graphs.graphs = {size: RerunGraph(graphs, size) for size in graphs.graphs}
+    graphs.replays = 0
     prompts = random_prompts([5, 12, 30, 7, 21])  # 5 sequences: the graph of 8, three rows padded...
     lengths = [10, 3, 7, 5, 9]  # ...then 4, 3, 2 and 1 rows as they finish: graphs of 4, 2 and 1
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert RerunGraph.replays >= 9
+    assert graphs.replays >= 9
     # with 2 KV heads and the interpreter's 4 SMs, the graph of 8 gets one split and the smaller ones several
     assert 1 in splits_seen and max(splits_seen) > 1
     assert [o.outputs[0].token_ids for o in outs] == [

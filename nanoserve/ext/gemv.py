@@ -105,12 +105,12 @@ def start(llm: "LLM") -> None:
                 fuse_norms_into_projections(layer)
     if runner.device.type == "cuda":  # every build the kernel needs, now, not in a step (the LM head runs eagerly):
         # 1, some and MAX_ROWS rows (Triton compiles apart for an int equal to 1, or divisible by 16); with the norm
-        # in the load (takes_normed_rows), 1 and some
+        # in the load (at most NORM_MAX_ROWS rows), 1 and some
         for module, rows in product(wrapped, (1, 2, MAX_ROWS)):
             module(module.weight.new_zeros(rows, module.in_features * (2 if module.silu_and_mul else 1)))
-            if module.takes_normed_rows and rows <= NORM_MAX_ROWS:
-                zeros = module.weight.new_zeros(rows, module.in_features)
-                module(NormedRows(zeros, zeros, torch.empty_like(zeros), zeros[0], 1e-6))
+        for module, rows in product(fed_by_norms(model), (1, 2)):
+            zeros = module.weight.new_zeros(rows, module.in_features)
+            module(NormedRows(zeros, zeros, torch.empty_like(zeros), zeros[0], 1e-6))
     if runner.graphs is not None:  # the old graphs (and their pool) go first
         runner.graphs = None
         torch.cuda.empty_cache()
@@ -137,8 +137,12 @@ def fuse_norms_into_projections(layer: nn.Module) -> None:
     kernel, as before)."""
     layer.input_layernorm = NormIntoProjection(layer.input_layernorm)
     layer.post_attention_layernorm = NormIntoProjection(layer.post_attention_layernorm)
-    layer.self_attn.qkv_proj.takes_normed_rows = True
-    layer.mlp.gate_up_proj.takes_normed_rows = True
+
+
+def fed_by_norms(model: nn.Module) -> list[nn.Module]:
+    """The projections that take a NormedRows: q|k|v and gate|up of each layer whose norms moved into them."""
+    layers = [layer for layer in model.model.layers if isinstance(layer.input_layernorm, NormIntoProjection)]
+    return [proj for layer in layers for proj in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)]
 
 
 @dataclass
@@ -209,9 +213,6 @@ class FewRowLinear(nn.Module):
         # a down projection's: the kernel table's SiLU-and-mul, which its input [gate | up] still needs
         # (fuse_silu_into_down); None: the input is the projection's own
         self.silu_and_mul: Callable | None = None
-        # q|k|v's and gate|up's, when their norms move in (fuse_norms_into_projections): start's warm-up compiles
-        # the GEMV's norm builds for these
-        self.takes_normed_rows = False
         if isinstance(base, MergedLinear):
             self.shard_sizes = base.shard_sizes  # the model splits q|k|v by these
 

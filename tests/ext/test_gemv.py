@@ -225,8 +225,10 @@ def test_engine_outputs_are_unchanged_and_the_gemv_runs(tiny_model, monkeypatch,
     assert got == plain == [hf_greedy(hf, p, 8) for p in prompts]
     assert all(rows_seen.values()), "a wrapped projection never took the GEMV"
     assert max(max(rows) for rows in rows_seen.values()) <= gemv.MAX_ROWS
+    fed = {id(module) for module in gemv.fed_by_norms(llm.runner.model)}  # each layer's q|k|v and gate|up
+    assert len(fed) == 2 * len(llm.runner.model.model.layers)
     for module in wrapped:  # the 3 sequences' decode steps: the norms in q|k|v's and gate|up's loads, only there
-        assert bool(normed_rows_seen[id(module)]) == module.takes_normed_rows
+        assert bool(normed_rows_seen[id(module)]) == (id(module) in fed)
         assert max(normed_rows_seen[id(module)], default=0) <= gemv.NORM_MAX_ROWS
     assert llm.stats()["kv_blocks_used"] == 0
 
@@ -268,7 +270,8 @@ def test_norms_stay_apart_in_rows_wider_than_the_gemv_takes(tiny_model, monkeypa
     for layer in llm.runner.model.model.layers:
         assert llm.runner.model.args.hidden_size > 32 and layer.kernels.silu_and_mul is gemv.gate_and_up
         assert not isinstance(layer.input_layernorm, gemv.NormIntoProjection)
-        assert not layer.self_attn.qkv_proj.takes_normed_rows
+        assert not isinstance(layer.post_attention_layernorm, gemv.NormIntoProjection)
+    assert not gemv.fed_by_norms(llm.runner.model)
 
 
 def test_lora_wraps_the_wrapped_projections(tiny_model, tmp_path):
