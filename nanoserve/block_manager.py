@@ -107,20 +107,19 @@ class BlockManager:
             # one entry and one name
             block.prefix_id = next(self._prefix_ids) if owner is block else owner.prefix_id
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | tuple = ()) -> bool:
         """Give seq the blocks it needs to hold num_new_tokens more tokens, after taking cached_blocks (a prefix
         hit, only for a sequence with nothing computed yet). False, changing nothing, if the pool is short."""
-        cached_blocks = cached_blocks or []
         # (the cached blocks hold exactly their tokens, so the new tokens' blocks come on top, counted as for a
         # sequence with nothing computed)
         num_new_blocks = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        num_revived = sum(self.blocks[b].ref_count == 0 for b in cached_blocks)
         # the next token goes into a partial block that a fork shares: copy it first
         copy_on_write = seq.num_computed_tokens % self.block_size and self.blocks[seq.block_table[-1]].ref_count > 1
-        if num_new_blocks + num_revived + copy_on_write > self.num_free_blocks:
-            return False
         if not (num_new_blocks > 0 or cached_blocks or copy_on_write):
             return True  # most decode steps: the token fits in the sequence's last block (nothing to do, quickly)
+        num_revived = sum(self.blocks[b].ref_count == 0 for b in cached_blocks)
+        if num_new_blocks + num_revived + copy_on_write > self.num_free_blocks:
+            return False
         hit_tokens = len(cached_blocks) * self.block_size
         if seq.num_cached_tokens is None:  # first admission; a preempted sequence's recompute is not a query
             seq.num_cached_tokens = hit_tokens

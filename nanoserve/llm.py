@@ -277,13 +277,17 @@ class LLM:
 
     def _read_back(self, in_flight: "InFlightStep") -> list[RequestOutput]:
         """Finish a launched step: wait for its tokens, hand them to their sequences, apply the stop rules, and forget
-        the requests that finished. Returns the outputs of the requests that changed, each once, in order: every
-        streaming one, and the others once they have finished."""
+        the requests that finished. Returns the outputs of the requests that changed, each once, in the order they
+        changed: every streaming one, and the others once they have finished."""
         sampled = self.receive_tokens(in_flight)
         now = time.time()
-        stopped = set()  # the requests a sequence of which stopped: only they may have finished
+        # the requests to look at, once each, in the order they changed: every streaming one, and those a sequence of
+        # which stopped (only they may have finished); most steps of a batch job have few
+        changed = {}
         for seq, tokens, logprobs in sampled:
             request = seq.request
+            if request.stream:
+                changed[request] = None
             # one token, or a speculative run's kept drafts and the token after them: each meets the stop rules in turn
             for token, token_logprobs in zip(tokens, logprobs, strict=True):
                 self.scheduler.resolve(seq, token, token_logprobs)
@@ -291,13 +295,13 @@ class LLM:
                 reason = self.stop_checker.check(seq, incremental=request.stream)
                 if reason is not None:
                     self.scheduler.finish_sequence(seq, reason)  # (it drops the tokens after this one)
-                    stopped.add(request)
+                    changed[request] = None
                     break
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
         outputs = []
-        for request in dict.fromkeys(seq.request for seq, _, _ in sampled):  # the requests that changed, once, in order
-            finished = request in stopped and request.finished  # (n > 1: all its samples)
+        for request in changed:
+            finished = request.finished  # (n > 1: all its samples)
             if finished:
                 request.metrics.finished_time = now
                 del self.requests[request.request_id]

@@ -97,9 +97,10 @@ class Scheduler:
         # 1) the running sequences, oldest first (a copy: preemption removes from the list)
         for seq in list(self.running):
             if seq.num_draft_tokens:  # draft tokens ride whole, or as many as the budget and max_model_len leave
-                seq.drop_drafts(max(0, min(self._budget(step), self.max_model_len - seq.num_known_tokens) - 1))
+                budget = min(self.max_num_batched_tokens - step.num_tokens, self.max_model_len - seq.num_known_tokens)
+                seq.drop_drafts(max(0, budget - 1))
             # (a running sequence has at least one uncomputed token: none only when the budget is spent)
-            num_new = min(seq.num_uncomputed_tokens, self._budget(step))
+            num_new = min(seq.num_uncomputed_tokens, self.max_num_batched_tokens - step.num_tokens)  # the budget left
             # skip one preempted just now, or at its length limit with the last token pending (it ends when read)
             if seq.status != SequenceStatus.RUNNING or not num_new or reached_length_limit(seq, self.max_model_len):
                 continue
@@ -107,13 +108,18 @@ class Scheduler:
                 self._plan(step, seq, min(num_new, seq.num_uncomputed_tokens))  # (less: drafts dropped for room)
         # 2) the budget left admits waiting sequences, in queue order until one does not fit; none after a
         #    preemption, which would only make the pool thrash
-        while not step.preempted and self.waiting and len(self.running) < self.max_num_seqs and self._budget(step):
+        while (
+            not step.preempted
+            and self.waiting
+            and len(self.running) < self.max_num_seqs
+            and step.num_tokens < self.max_num_batched_tokens
+        ):
             seq = self.waiting[0]
             # a preempted sequence waits for its tokens' values; an extension's rule may hold the queue too
             if seq.num_pending or not self.may_admit(seq):
                 break
             cached = bm.find_cached_prefix(seq)  # none if it asked for prompt_logprobs
-            num_new = min(seq.num_tokens - len(cached) * bm.block_size, self._budget(step))
+            num_new = min(seq.num_tokens - len(cached) * bm.block_size, self.max_num_batched_tokens - step.num_tokens)
             if not bm.allocate(seq, num_new, cached):
                 break
             self.running.append(self.waiting.popleft())
@@ -124,17 +130,17 @@ class Scheduler:
         bm.block_copies = []
         return step
 
-    def _budget(self, step: Step) -> int:
-        """The step's token budget not yet planned."""
-        return self.max_num_batched_tokens - step.num_tokens
-
     def _plan(self, step: Step, seq: Sequence, num_new: int) -> None:
         """Add seq's next num_new tokens to the step, and book them."""
+        start = seq.num_computed_tokens
         picks_next_token = num_new == seq.num_uncomputed_tokens  # the chunk reaches the sequence's end
-        step.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new, picks_next_token))
+        step.scheduled.append(ScheduledSeq(seq, start, num_new, picks_next_token))
         step.num_tokens += num_new
         seq.num_computed_tokens += num_new  # booked: counted as computed from now on
-        self.block_manager.cache_full_blocks(seq)  # the full blocks it completes are findable at once
+        # the full blocks it completes are findable at once; a chunk of pending tokens only (an overlapped decode's)
+        # completes none that way: a block is findable once its last token's value is known too (resolve)
+        if seq.num_known_tokens > start:
+            self.block_manager.cache_full_blocks(seq)
         if picks_next_token:
             seq.append_pending()  # its value arrives when this step is read back
 

@@ -111,6 +111,8 @@ def prompt_logprob_positions(scheduled: ScheduledSeq) -> range:
 
 def slots_of(block_table: array.array, start: int, end: int, block_size: int) -> list[int]:
     """The cache slots of positions [start, end): block by block (a range per block), not token by token."""
+    if end - start == 1:  # a decode's one slot (the commonest call): no loop
+        return [block_table[start // block_size] * block_size + start % block_size]
     slots = []
     for block_start in range(start - start % block_size, end, block_size):  # the first position of each block
         # within one block, slot = position + offset (the block's first slot less its first position)
