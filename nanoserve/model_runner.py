@@ -113,9 +113,11 @@ class InFlightStep:
     copy to the host is queued behind the step's kernels, so launching the next step need not wait for it. So is the
     copy of its prompt logprobs, if a sequence asked for them: Samples whose tokens are the actual prompt tokens."""
 
-    def __init__(self, step: Step, samples: Samples | None, prompt_samples: Samples | None, on_gpu: bool) -> None:
+    def __init__(
+        self, step: Step, rows: list, samples: Samples | None, prompt_samples: Samples | None, on_gpu: bool
+    ) -> None:
         self.step = step
-        self.rows = step.sampled_rows()  # (sequence, its length with the row's token) per row of samples
+        self.rows = rows  # step.sampled_rows(): (sequence, its length with the row's token) per row of samples
         self.row_of = {seq.seq_id: row for row, (seq, _) in enumerate(self.rows)}  # seq -> row of its last sample
         self.device_tokens = samples.tokens if samples is not None else None
         self.host_samples = copy_to_host_async(samples)
@@ -292,6 +294,7 @@ class ModelRunner:
         for hook in self.step_hooks:
             hook(step)
         header, flat = upload(lists, self.device)
+        rows = step.sampled_rows()  # (sequence, its length with the row's token) per row of samples
         try:
             self.peers.send_step(header, flat)  # tensor parallel: every rank runs the step; rank 0 samples
             previous_tokens = previous.device_tokens if previous is not None else None
@@ -300,7 +303,7 @@ class ModelRunner:
             logits, prompt_samples = self.execute(header, flat, previous_tokens, prompt_top_n)
             samples = None  # a step of prompt chunks only samples nothing
             if logits is not None:
-                seqs, lengths = zip(*step.sampled_rows(), strict=True)  # a sequence per row: drafts have rows too
+                seqs, lengths = zip(*rows, strict=True)  # a sequence per row: drafts have rows too
                 step_processors = [work for p in processors if (work := p.prepare(list(seqs))) is not None]
                 samples = self.sampler(
                     logits,
@@ -310,7 +313,7 @@ class ModelRunner:
                     step_processors,
                 )
                 self.peers.send_tokens(samples.tokens)  # the other ranks' next decode inputs
-            return InFlightStep(step, samples, prompt_samples, on_gpu=self.on_gpu)
+            return InFlightStep(step, rows, samples, prompt_samples, on_gpu=self.on_gpu)
         except BaseException as error:  # Ctrl-C too: the other ranks may be waiting inside the step
             self.peers.failed(error)  # raises (ext/tp: naming the rank at fault)
 

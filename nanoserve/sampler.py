@@ -164,7 +164,7 @@ class Sampler:
         """The seed of one row's noise. An unseeded request gets a fresh one. A seeded request's seed is mixed with
         its sequence length: the same draw whatever the batch around it, and new noise at every step."""
         if params.seed is None:
-            return self.fresh_seeds.randrange(SEED_RANGE)
+            return self.fresh_seeds.getrandbits(63)  # in [0, SEED_RANGE); a quarter of randrange's time, per row
         return (params.seed * SEED_MIX + length) % SEED_RANGE
 
     def __call__(
@@ -196,10 +196,10 @@ class Sampler:
         if filtered:
             rows = to_device(filtered, torch.long, logits.device)
             logits[rows] = drop_filtered(logits[rows].float(), [params[r] for r in filtered]).to(logits.dtype)
-        # 4) the draw
-        seeds = list(map(self.noise_seed, params, lengths))
-        temperatures = [sampling_temperature(p.temperature) for p in params]
-        tokens = self.gumbel_argmax(logits, temperatures, seeds)
+        # 4) the draw: each row's temperature and noise seed
+        tokens = self.gumbel_argmax(
+            logits, [sampling_temperature(p.temperature) for p in params], list(map(self.noise_seed, params, lengths))
+        )
         for processor in processors:
             processor.sampled(tokens)
         # top-N: the most any row asked for (0: empty rows)

@@ -321,7 +321,7 @@ def test_noise_is_fresh_per_step_and_row(backend):
 def test_row_seeds_mix_the_request_seed_with_the_length():
     """Guards against the seed formula drifting (a seeded request would draw other tokens than before) and unseeded
     rows sharing a fresh seed: a seeded row's noise seed is (seed * SEED_MIX + length) mod SEED_RANGE, an unseeded
-    row's the next draw of the sampler's own random.Random, in row order."""
+    row's the next draw of the sampler's own random.Random (63 random bits: [0, SEED_RANGE)), in row order."""
     seen = []
 
     def record(logits, temperatures, seeds):
@@ -333,8 +333,9 @@ def test_row_seeds_mix_the_request_seed_with_the_length():
     fresh = random.Random(0)
     params = [SamplingParams(seed=7), SamplingParams(), SamplingParams(seed=2**70), SamplingParams()]
     sampler(torch.zeros(4, 8, device=DEVICE), params, [11, 12, 13, 14], [NONE] * 4)
-    want = [(7 * SEED_MIX + 11) % SEED_RANGE, fresh.randrange(SEED_RANGE), (2**70 * SEED_MIX + 13) % SEED_RANGE]
-    assert seen == [[*want, fresh.randrange(SEED_RANGE)]]
+    want = [(7 * SEED_MIX + 11) % SEED_RANGE, fresh.getrandbits(63), (2**70 * SEED_MIX + 13) % SEED_RANGE]
+    assert seen == [[*want, fresh.getrandbits(63)]]
+    assert SEED_RANGE == 2**63  # the fresh draws cover exactly the seeds' range
 
 
 # ---- logprobs --------------------------------------------------------------------------------------------------
