@@ -358,6 +358,12 @@ class FakeEngine:
             assert block.key is None or PENDING not in block.key[1], f"block {block.block_id} keyed on PENDING"
         for seq in sched.waiting:
             assert len(seq.block_table) == 0 and seq.num_computed_tokens == 0
+        for seq in sched.running if bm.enable_prefix_caching else []:  # every full block with its K/V booked and its
+            # tokens known is findable (keyed when booked, or when its last token's value is read back)
+            done = min(seq.num_computed_tokens, seq.num_known_tokens) // bm.block_size
+            assert all(bm.blocks[b].key is not None for b in seq.block_table[:done]), (
+                f"seq {seq.seq_id}: a block unkeyed"
+            )
 
     def run(self, max_steps: int = 20_000) -> int:
         """Step until every request has finished; returns the number of steps."""
