@@ -171,6 +171,45 @@ def time_norm_into_gemv(rows: int, out_features: int, in_features: int) -> dict:
     }
 
 
+def time_rotation_in_gemv(
+    rows: int, num_heads: int = NUM_HEADS, num_kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM, width: int = 1024
+) -> dict:
+    """q|k|v's GEMV then the QK-norm + RoPE + K/V store kernel, against the GEMV that does the rotation and the store
+    in its last program (ext/gemv_fusions.py's Rotation; Qwen3-0.6B's shapes by default): the launch the fusion saves,
+    less the rows done one after another in one program. Rows past ROTATE_MAX_ROWS are timed too (the limit lifted for
+    the call), to show where the crossover lies."""
+    from nanoserve.ext import gemv as G
+    from nanoserve.ext.gemv_fusions import Rotation
+    from nanoserve.fused_ops import qk_norm_rope_store_kv
+
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    out_features = (num_heads + 2 * num_kv_heads) * head_dim
+    weight = torch.randn(out_features, width, device=DEVICE).to(dtype) / width**0.5
+    x = torch.randn(rows, width, device=DEVICE).to(dtype)
+    split_k, programs = G.plan(out_features, width, A._num_sms(torch.device(DEVICE)))
+    workspace = G.Workspace([(split_k, programs)], torch.device(DEVICE))
+    angles = torch.rand(4096, head_dim // 2, device=DEVICE)
+    caches = [torch.zeros(64, BLOCK, num_kv_heads, head_dim, device=DEVICE, dtype=dtype) for _ in range(2)]
+    norms = [torch.ones(head_dim, device=DEVICE, dtype=dtype) for _ in range(2)]
+    positions = torch.arange(rows, device=DEVICE, dtype=torch.int32) + 500
+    slots = torch.arange(rows, device=DEVICE, dtype=torch.int32) * 7
+    rotation = Rotation(positions, angles.cos(), angles.sin(), *caches, slots, *norms, 1e-6)
+
+    def apart() -> None:
+        q, k, v = rotation.heads(G.gemv(x, weight, None, split_k, workspace))
+        qk_norm_rope_store_kv(q, k, v, *rotation)
+
+    with patched(G, ROTATE_MAX_ROWS=max(rows, G.ROTATE_MAX_ROWS)):
+        separate = milliseconds(apart, graph=True)
+        fused = milliseconds(lambda: G.gemv(x, weight, None, split_k, workspace, False, rotation), graph=True)
+    shape = {"rows": rows, "out": out_features, "in": width, "split_k": split_k}
+    return shape | {
+        "separate_ms": round(separate, 4),
+        "fused_ms": round(fused, 4),
+        "fused_over_apart": round(fused / separate, 2),
+    }
+
+
 def kernels(out_path: str) -> None:
     rows = []
 
@@ -261,6 +300,8 @@ def kernels(out_path: str) -> None:
             report(what=f"weight read, {name}", **time_gemv(num_rows, out_features, in_features))
             if name in ("q|k|v", "gate|up"):  # the projections whose add + RMSNorm moves into their input load
                 report(what=f"add + norm into {name}", **time_norm_into_gemv(num_rows, out_features, in_features))
+    for num_rows in (1, 2, 4):  # the QK-norm + RoPE + K/V store into q|k|v's epilogue (at most 2 rows in the engine)
+        report(what="rotation into q|k|v", **time_rotation_in_gemv(num_rows))
     with open(out_path, "w") as f:
         json.dump(rows, f, indent=1)
 

@@ -85,12 +85,16 @@ def test_bench_kernels_attention_on_tiny_shapes(bench_kernels):
 
 def test_bench_kernels_times_the_weight_reads(bench_kernels):
     """time_gemv times cuBLAS's matmul and ext/gemv.py's GEMV on one projection, with the split the engine plans;
-    time_norm_into_gemv the add + RMSNorm kernel then the GEMV, and the GEMV that forms the norm as it loads."""
+    time_norm_into_gemv the add + RMSNorm kernel then the GEMV, and the GEMV that forms the norm as it loads;
+    time_rotation_in_gemv q|k|v's GEMV then the rotation kernel, and the GEMV that rotates in its last program (3
+    rows: past ROTATE_MAX_ROWS, the limit lifted for the call)."""
     pytest.importorskip("nanoserve.ext.gemv")
     row = bench_kernels.time_gemv(3, 40, 600)
     assert row["split_k"] > 1 and row["cublas_ms"] > 0 and row["gemv_ms"] > 0 and "gemv_TBps" in row
     row = bench_kernels.time_norm_into_gemv(2, 40, 600)  # and the add + RMSNorm apart, then moved into its load
     assert row["split_k"] > 1 and row["fused_ms"] > 0 and row["separate_ms"] > 0 and "fused_over_apart" in row
+    row = bench_kernels.time_rotation_in_gemv(3, 2, 1, 16, 600)  # q|k|v, then its rotation apart or in its epilogue
+    assert row["split_k"] > 1 and row["fused_ms"] > 0 and row["separate_ms"] > 0 and row["rows"] == 3
 
 
 def test_bench_kernels_sweep_times_each_setting_and_restores_today(bench_kernels, monkeypatch, tmp_path):

@@ -17,24 +17,18 @@ How the kernel below does it, for y [rows, out] = x [rows, in] @ W [out, in]^T (
      at GPU scope: the partials a program stored before it are visible to the program that reads them after it (a
      barrier first, so all of the program's threads have stored; the reads bypass L1, which may hold the workspace's
      lines from an earlier launch);
-  3. an elementwise op can ride in the input load: the layer's SiLU-and-mul moves into its down projection, which reads
-     gate and up and forms silu(gate) * up as it loads x (`fuse_silu_into_down`; one launch fewer per layer). Not under
-     LoRA, whose down adapter reads the SiLU's output itself;
-  4. so can the residual add and RMSNorm before q|k|v and before gate|up (`fuse_norms_into_projections`; two launches
-     fewer per layer): the layer's norm hands on a NormedRows (its two inputs, nothing computed), and the projection's
-     programs each first read the whole rows of x + residual (4 KiB a row at Qwen3-0.6B's width, from L2) for their
-     mean square, then form RMSNorm(x + residual) * weight as they load each tile; program (0, 0) also writes
-     x + residual, the next residual stream, into a fresh tensor (the other programs are still reading the old one).
-     Every program redoing the mean square reads, per row, a quarter to an eighth of the bytes of its weight slice
-     again (from L2, not memory): cheap beside a ~1.6 us launch for a row or a few, not for 16, so only steps of at
-     most NORM_MAX_ROWS rows do it. Not under LoRA either (its adapters read the normed input).
+  3. what the layer does next to the few rows can ride along (ext/gemv_fusions.py, this extension's second half): the
+     SiLU-and-mul in the down projection's input load, the residual add + RMSNorm in q|k|v's and gate|up's, and
+     Qwen3's QK-norm + RoPE with the K/V store in q|k|v's epilogue (the ROTATE variant: the grid's last tile to be
+     written does every row's heads). One launch fewer per layer each. Not under LoRA, whose adapters read what
+     they no longer produce.
 More rows than MAX_ROWS (prefill, big batches) go to the base projection's torch matmul (cuBLAS), as before.
 
 Why a Triton kernel rather than a better cuBLAS (or cuBLASLt) configuration: cuBLASLt can be told a split-K factor and
 a reduction scheme, but only through its C API's algorithm preferences; torch picks the algorithm per call by its own
 heuristics and gives Python no handle on either (its preferred_blas_library switches the library, not the algorithm),
-so reaching them would need compiled code, which nanoserve does not ship. And a library call cannot do 3 and 4 above,
-which save a launch each, nor promise a fixed order of the split sums (cuBLAS's split-K reductions may use atomics).
+so reaching them would need compiled code, which nanoserve does not ship. And a library call cannot do 3 above, which
+saves launches, nor promise a fixed order of the split sums (cuBLAS's split-K reductions may use atomics).
 
 The engine's start wraps every decoder projection (q|k|v, o, gate|up, down) and the LM head in a FewRowLinear and
 captures the decode graphs again over them (the first capture saw cuBLAS). One workspace and one set of counters serve
@@ -43,7 +37,6 @@ every projection: kernels on one stream never overlap. On kernels="torch" the wr
 joins its ranks' results after its matmul, which the wrapper would skip); LoRA wraps the wrapped projections."""
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from itertools import product
 from typing import TYPE_CHECKING
 
@@ -51,11 +44,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nanoserve.attention import _num_sms
+from nanoserve.attention import PAD_SLOT, _num_sms
 from nanoserve.checks import InvalidField, check_flag
 from nanoserve.config import EngineConfig
 from nanoserve.cuda_graphs import DecodeGraphs
-from nanoserve.fused_ops import add_rms_norm_ref, silu_and_mul_ref
+from nanoserve.ext.gemv_fusions import (
+    ROTATE_MAX_ROWS,
+    NormedRows,
+    Rotation,
+    fed_by_norms,
+    fuse_into_layers,
+    normed_input_ref,
+    rotate_and_store_ref,
+)
+from nanoserve.fused_ops import _norm_rope_heads, silu_and_mul_ref
 from nanoserve.layers import MergedLinear
 from nanoserve.triton_shim import tl, triton
 
@@ -64,11 +66,6 @@ if TYPE_CHECKING:
 
 FIELD = "small_batch_gemv"
 MAX_ROWS = 16  # rows that take the GEMV: the smallest tile tl.dot takes, and where cuBLAS's GEMMs stop being GEMVs
-NORM_MAX_ROWS = 4  # rows whose add + RMSNorm the GEMV forms in its load (more: the norm's own kernel; see 4 above)
-# the widest rows whose mean square the GEMV takes: its loop over a row's tiles is unrolled to keep their loads in
-# flight together, and the registers grow with the width (sm_90, bf16, triton 3.6: 90 at 1,024, 134 at 4,096, 214 at
-# 8,192, where only 2 programs fit an SM): wider rows are left to the norm's own kernel until a GPU run says otherwise
-NORM_MAX_WIDTH = 4096
 BLOCK_N = 32  # output features per program
 BLOCK_K = 128  # inner elements per loaded tile: a [32, 128] bf16 tile is 8 KiB, 64 bytes per thread of 4 warps
 PROGRAMS_PER_SM = 2  # split-K until the grid has about this many programs per SM
@@ -99,10 +96,7 @@ def start(llm: "LLM") -> None:
         wrapped.append(FewRowLinear(getattr(parent, name), split_k, workspace, use_kernel))
         setattr(parent, name, wrapped[-1])
     if "lora" not in llm.config.extensions:  # (LoRA's adapters read SiLU-and-mul's output and the normed input)
-        for layer in model.model.layers:
-            fuse_silu_into_down(layer)
-            if model.args.hidden_size <= NORM_MAX_WIDTH:
-                fuse_norms_into_projections(layer)
+        fuse_into_layers(model)  # ext/gemv_fusions.py
     if runner.device.type == "cuda":  # every build the kernel needs, now, not in a step (the LM head runs eagerly):
         # 1, some and MAX_ROWS rows (Triton compiles apart for an int equal to 1, or divisible by 16); with the norm
         # in the load (at most NORM_MAX_ROWS rows), 1 and some
@@ -116,67 +110,6 @@ def start(llm: "LLM") -> None:
         torch.cuda.empty_cache()
         runner.graphs = DecodeGraphs(model, runner.kv_caches, llm.config.max_num_seqs, runner.max_blocks_per_seq)
         runner.graphs.capture()
-
-
-def fuse_silu_into_down(layer: nn.Module) -> None:
-    """The layer's SiLU-and-mul moves into its down projection's input load: the layer's kernel table hands the MLP's
-    gate|up on whole (`gate_and_up`), and the down projection's wrapper applies SiLU-and-mul to it, inside the GEMV's
-    load for few rows (one launch fewer per layer), or with the table's own kernel before cuBLAS for more."""
-    layer.mlp.down_proj.silu_and_mul = layer.kernels.silu_and_mul
-    layer.kernels = replace(layer.kernels, silu_and_mul=gate_and_up)
-
-
-def gate_and_up(x: Tensor) -> Tensor:
-    """The kernel table's SiLU-and-mul in a layer whose down projection applies it: gate|up, unchanged."""
-    return x
-
-
-def fuse_norms_into_projections(layer: nn.Module) -> None:
-    """The layer's two add + RMSNorms move into the projections that read their outputs: input_layernorm's into q|k|v,
-    post_attention_layernorm's into gate|up (for at most NORM_MAX_ROWS rows; with more, each norm runs its own
-    kernel, as before)."""
-    layer.input_layernorm = NormIntoProjection(layer.input_layernorm)
-    layer.post_attention_layernorm = NormIntoProjection(layer.post_attention_layernorm)
-
-
-def fed_by_norms(model: nn.Module) -> list[nn.Module]:
-    """The projections that take a NormedRows: q|k|v and gate|up of each layer whose norms moved into them."""
-    layers = [layer for layer in model.model.layers if isinstance(layer.input_layernorm, NormIntoProjection)]
-    return [proj for layer in layers for proj in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)]
-
-
-@dataclass
-class NormedRows:
-    """A norm's output not yet computed, handed to the projection that reads it: the input is RMSNorm(x + residual) *
-    weight, and x + residual (the next residual stream) goes into `stream`, written by the projection's GEMV."""
-
-    x: Tensor  # [rows, hidden]: the previous sublayer's output
-    residual: Tensor  # [rows, hidden]: the stream before it (read, never written)
-    stream: Tensor  # [rows, hidden]: the stream after it, written by the projection
-    weight: Tensor  # [hidden]: the norm's
-    eps: float
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-
-class NormIntoProjection(nn.Module):
-    """A decoder layer's add + RMSNorm (model.RMSNorm: forward(x, residual) -> (normed, stream)) that, for at most
-    NORM_MAX_ROWS rows, computes nothing: it returns a NormedRows for the next projection's GEMV, and the fresh stream
-    tensor the GEMV writes (the model carries it to the next norm, which runs after that GEMV).
-    What this asks of the layer (model.DecoderLayer.forward, Attention.forward): the normed output goes to one
-    projection and nowhere else, and the stream is read only after that projection has run. Both hold in the core's
-    layer; a change there that reads the norm's output or the stream elsewhere must drop this fusion."""
-
-    def __init__(self, norm: nn.Module) -> None:
-        super().__init__()
-        self.norm = norm
-
-    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor | NormedRows, Tensor]:
-        if len(x) > NORM_MAX_ROWS:
-            return self.norm(x, residual)
-        stream = torch.empty_like(residual)
-        return NormedRows(x, residual, stream, self.norm.weight, self.norm.eps), stream
 
 
 def plan(out_features: int, in_features: int, num_sms: int) -> tuple[int, int]:
@@ -197,7 +130,8 @@ class Workspace:
     def __init__(self, plans: list[tuple[int, int]], device: torch.device) -> None:
         split = [(s, p) for s, p in plans if s > 1] or [(1, 1)]
         self.partials = torch.empty(max(p * BLOCK_N * MAX_ROWS for _, p in split), dtype=torch.float32, device=device)
-        self.counters = torch.zeros(max(p // s for s, p in split), dtype=torch.int32, device=device)
+        # a counter per tile of the projection with the most tiles, and one after them (a rotation's tiles written)
+        self.counters = torch.zeros(max(p // s for s, p in plans) + 1, dtype=torch.int32, device=device)
 
 
 class FewRowLinear(nn.Module):
@@ -228,11 +162,11 @@ class FewRowLinear(nn.Module):
     def out_features(self) -> int:
         return self.base.out_features
 
-    def forward(self, x: Tensor | NormedRows) -> Tensor:
+    def forward(self, x: Tensor | NormedRows, rotation: Rotation | None = None) -> Tensor:
         silu = self.silu_and_mul is not None
         if len(x) > MAX_ROWS:
             return self.base(self.silu_and_mul(x) if silu else x)
-        return self.gemv(x, self.base.weight, self.base.bias, self.split_k, self.workspace, silu)
+        return self.gemv(x, self.base.weight, self.base.bias, self.split_k, self.workspace, silu, rotation)
 
 
 def gemv_ref(
@@ -242,16 +176,18 @@ def gemv_ref(
     split_k: int,
     workspace: Workspace,
     silu_input: bool = False,
+    rotation: Rotation | None = None,
 ) -> Tensor:
     """The kernel's PyTorch reference: torch's own x @ weight^T (+ bias), in x's dtype (split_k and the workspace
     only shape the kernel's work, never its result); with silu_input, x is [gate | up] and the input is SiLU-and-mul
-    of it, and from NormedRows the input is its add + RMSNorm, the stream written (fused_ops' references). No fp32
-    copy of the weight: the LM head's would be 0.6 GB."""
-    if isinstance(x, NormedRows):
-        normed, stream = add_rms_norm_ref(x.x, x.residual, x.weight, x.eps)
-        x.stream.copy_(stream)
-        x = normed
-    return F.linear(silu_and_mul_ref(x) if silu_input else x, weight, bias)
+    of it; from NormedRows the input is its add + RMSNorm, the stream written; with a rotation, the output's q heads
+    are normed and rotated and its K and V stored (the references of fused_ops and ext/gemv_fusions.py). No fp32 copy
+    of the weight: the LM head's would be 0.6 GB."""
+    x = normed_input_ref(x) if isinstance(x, NormedRows) else x
+    y = F.linear(silu_and_mul_ref(x) if silu_input else x, weight, bias)
+    if rotation is not None:
+        rotate_and_store_ref(y, rotation)
+    return y
 
 
 def gemv(
@@ -261,10 +197,13 @@ def gemv(
     split_k: int,
     workspace: Workspace,
     silu_input: bool = False,
+    rotation: Rotation | None = None,
 ) -> Tensor:
     """x [rows <= MAX_ROWS, in] @ weight [out, in]^T (+ bias [out]) -> [rows, out] in x's dtype, by _gemv_kernel; with
     silu_input, x is [rows, 2 in] = [gate | up] and the input is silu(gate) * up, made as the kernel loads it; from
-    NormedRows the input is RMSNorm(x + residual) * weight, and x + residual is written into its stream."""
+    NormedRows the input is RMSNorm(x + residual) * weight, and x + residual is written into its stream; with a
+    rotation (at most ROTATE_MAX_ROWS rows), the output is q|k|v, whose q and k heads the kernel's last program norms
+    and rotates in place, and whose K and V it stores into the caches (ext/gemv_fusions.py)."""
     normed = x if isinstance(x, NormedRows) else None
     x = x if normed is None else normed.x
     rows = len(x)
@@ -275,6 +214,7 @@ def gemv(
         streams = (normed.residual, normed.stream)
         assert all(t.shape == x.shape and t.stride(1) == 1 for t in streams), "residual, stream: x's shape, dense rows"
         assert normed.weight.shape == (in_features,) and normed.weight.is_contiguous() and not silu_input
+    assert rotation is None or rows <= ROTATE_MAX_ROWS, "a rotation's rows are done one by one: a few at most"
     y = x.new_empty(rows, out_features)
     # each split's share of the inner dimension, in whole tiles, so the splits never overlap
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), BLOCK_K) * BLOCK_K
@@ -293,10 +233,13 @@ def gemv(
         x.stride(0),
         weight.stride(0),
         y.stride(0),
+        *(_rotation_args(rotation, y) if rotation is not None else (y,) * 6 + (None, None, 0.0) + (0,) * 5),
         HAS_BIAS=bias is not None,
         SILU_INPUT=silu_input,
         NORM_INPUT=normed is not None,
         NORM_TILES=triton.cdiv(in_features, BLOCK_K) if normed is not None else 1,  # (1: one build without)
+        **_rotation_sizes(rotation, y),
+        PAD=PAD_SLOT,
         SPLIT_K=split_k,
         K_PER_SPLIT=k_per_split,
         BLOCK_M=MAX_ROWS,
@@ -306,6 +249,25 @@ def gemv(
         num_stages=NUM_STAGES,
     )
     return y
+
+
+def _rotation_args(rotation: Rotation, y: Tensor) -> tuple:
+    """What the kernel takes of a Rotation: its fields, the caches' block, slot and head strides, the head counts."""
+    q, k, _ = rotation.heads(y)
+    return (*rotation, *rotation.k_cache.stride()[:3], q.shape[1], k.shape[1])
+
+
+def _rotation_sizes(rotation: Rotation | None, y: Tensor) -> dict[str, int]:
+    """The rotation's compile-time sizes: half a head, the q and k head counts padded to powers of two, the cache's
+    block size (without a rotation, 1s: one build)."""
+    q, k, _ = rotation.heads(y) if rotation is not None else (y[:, None, :2],) * 3
+    return {
+        "ROTATE": rotation is not None,
+        "HALF": q.shape[2] // 2,
+        "Q_HEADS_PAD": triton.next_power_of_2(q.shape[1]),
+        "K_HEADS_PAD": triton.next_power_of_2(k.shape[1]),
+        "CACHE_BLOCK": rotation.k_cache.shape[1] if rotation is not None else 1,
+    }
 
 
 def _norm_args(normed: NormedRows) -> tuple:
@@ -334,10 +296,30 @@ def _gemv_kernel(
     stride_x,
     stride_w,
     stride_y,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    qk_eps,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    num_q_heads,
+    num_kv_heads,
     HAS_BIAS: tl.constexpr,
     SILU_INPUT: tl.constexpr,
     NORM_INPUT: tl.constexpr,
     NORM_TILES: tl.constexpr,
+    ROTATE: tl.constexpr,
+    HALF: tl.constexpr,
+    Q_HEADS_PAD: tl.constexpr,
+    K_HEADS_PAD: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    PAD: tl.constexpr,
     SPLIT_K: tl.constexpr,
     K_PER_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -372,6 +354,7 @@ def _gemv_kernel(
         w = tl.load(w_rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision="ieee")  # (fp32 weights: no TF32 rounding)
     out_mask = (m[:, None] < rows) & (n[None, :] < N)
+    wrote = True  # this program wrote its tile's output
     if SPLIT_K == 1:
         _write_rows(acc, bias_ptr, y_ptr, stride_y, m, n, N, out_mask, HAS_BIAS)
     else:
@@ -380,13 +363,38 @@ def _gemv_kernel(
         tl.store(partials, acc, mask=out_mask)
         tl.debug_barrier()  # every thread of the program has stored before the counter says so
         arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:  # the tile's last program: every split's partials are in
+        wrote = arrived == SPLIT_K - 1
+        if wrote:  # the tile's last program: every split's partials are in
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(SPLIT_K):  # in split order, whichever program came last
                 part = partials_ptr + (s * BLOCK_M + m[:, None]) * N + n[None, :]
                 total += tl.load(part, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.store(counters_ptr + tile, 0)  # ready for the next launch (a graph replays this one)
             _write_rows(total, bias_ptr, y_ptr, stride_y, m, n, N, out_mask, HAS_BIAS)
+    if ROTATE:  # y is q|k|v: the grid's last tile to be written rotates every row's heads, stores its K and V
+        if wrote:
+            done = counters_ptr + tl.num_programs(0)  # (after the tiles' own counters)
+            tl.debug_barrier()  # every thread of the program has stored its tile before the counter says so
+            if tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+                tl.store(done, 0)
+                for r in range(rows):  # as fused_ops._qk_norm_rope_store_kernel does for token r, on y's row r
+                    cos_row = tl.load(positions_ptr + r) * HALF + tl.arange(0, HALF)[None, :]
+                    cos, sin = tl.load(cos_ptr + cos_row), tl.load(sin_ptr + cos_row)
+                    q_at = y_ptr + r * stride_y
+                    k_at = q_at + num_q_heads * 2 * HALF
+                    _norm_rope_heads(q_at, 2 * HALF, num_q_heads, q_norm_ptr, cos, sin, qk_eps, Q_HEADS_PAD, HALF)
+                    k1, k2 = _norm_rope_heads(
+                        k_at, 2 * HALF, num_kv_heads, k_norm_ptr, cos, sin, qk_eps, K_HEADS_PAD, HALF
+                    )
+                    slot = tl.load(slot_mapping_ptr + r).to(tl.int64)
+                    h, d = tl.arange(0, K_HEADS_PAD)[:, None], tl.arange(0, HALF)[None, :]
+                    mask = h < tl.where(slot == PAD, 0, num_kv_heads)  # a padded row stores no head
+                    dst = (slot // CACHE_BLOCK) * stride_cb + (slot % CACHE_BLOCK) * stride_cs + h * stride_ch + d
+                    v = k_at + (num_kv_heads + h) * 2 * HALF + d  # each V head's first half
+                    tl.store(k_cache_ptr + dst, k1, mask=mask)
+                    tl.store(k_cache_ptr + dst + HALF, k2, mask=mask)
+                    tl.store(v_cache_ptr + dst, tl.load(v, mask=mask), mask=mask)
+                    tl.store(v_cache_ptr + dst + HALF, tl.load(v + HALF, mask=mask), mask=mask)
 
 
 @triton.jit

@@ -26,6 +26,7 @@ from conftest import (
 )
 
 gemv = extension_or_skip("gemv")
+fusions = extension_or_skip("gemv_fusions")
 
 from nanoserve import LLM, SamplingParams  # noqa: E402
 from nanoserve.config import EngineConfig  # noqa: E402
@@ -75,7 +76,7 @@ def draw_normed_rows(x, dtype):
         residual[0] = -x[0]
     stream = torch.full((rows + 2, width + 7), float("nan"), device=DEVICE, dtype=dtype)[1 : rows + 1, 2 : width + 2]
     norm_weight = (torch.rand(width, device=DEVICE) + 0.5).to(dtype)
-    return gemv.NormedRows(x, residual, stream, norm_weight, random.choice([1e-6, 1e-5]))
+    return fusions.NormedRows(x, residual, stream, norm_weight, random.choice([1e-6, 1e-5]))
 
 
 def written_outside(stream):
@@ -87,7 +88,7 @@ def written_outside(stream):
 def kernel_input(x, silu_input):
     """What the kernel multiplies by the weight, by the PyTorch references (rounded to the dtype, as the kernel rounds
     it), and the stream a NormedRows must leave (None for other inputs)."""
-    if isinstance(x, gemv.NormedRows):
+    if isinstance(x, fusions.NormedRows):
         return add_rms_norm_ref(x.x, x.residual, x.weight, x.eps)
     return (silu_and_mul_ref(x) if silu_input else x), None
 
@@ -134,13 +135,77 @@ def test_the_normed_input_is_rounded_as_the_norm_kernel_rounds_it():
     product exact, each output one input element), the GEMV gives add_rms_norm_ref's normed rows, all but a few
     elements exactly (the fp32 mean square's summing order may move one by an ulp; rounding once instead of twice
     moves about a quarter of them)."""
-    width, rows = random.choice([128, 256, 384]), random.randint(1, gemv.NORM_MAX_ROWS)
+    width, rows = random.choice([128, 256, 384]), random.randint(1, fusions.NORM_MAX_ROWS)
     normed = draw_normed_rows(torch.randn(rows, width, device=DEVICE).to(torch.float16), torch.float16)
     workspace = gemv.Workspace([(2, 2 * width // gemv.BLOCK_N)], torch.device(DEVICE))
     got = gemv.gemv(normed, torch.eye(width, device=DEVICE).half(), None, 2, workspace)
     want, _ = add_rms_norm_ref(normed.x, normed.residual, normed.weight, normed.eps)
     assert (got != want).float().mean() < 0.02
     torch.testing.assert_close(got, want, atol=0, rtol=2**-10)
+
+
+def draw_rotation(rows, num_q_heads, num_kv_heads, head_dim, dtype, qk_norm):
+    """A Rotation for q|k|v's GEMV and a copy of it with caches of its own: positions anywhere in a 64-row RoPE table
+    (a table of random angles: any mix-up of rows shows), distinct cache slots in 4 blocks of 8 (the last row's a padded
+    one, PAD_SLOT, half the time), caches of random values (a store to a wrong slot, head or half shows), and Qwen3's
+    QK-norm weights or none."""
+    angles = torch.rand(64, head_dim // 2, device=DEVICE) * 6.3
+    caches = [torch.randn(4, 8, num_kv_heads, head_dim, device=DEVICE).to(dtype) for _ in range(2)]
+    slots = torch.randperm(32, device=DEVICE)[:rows].int()
+    if rows > 1 and random.random() < 0.5:
+        slots[-1] = -1  # attention.PAD_SLOT
+    norms = ()
+    if qk_norm:
+        norms = tuple((torch.rand(head_dim, device=DEVICE) + 0.5).to(dtype) for _ in range(2)) + (1e-6,)
+    positions = torch.randint(0, 64, (rows,), device=DEVICE).int()
+    rotation = fusions.Rotation(positions, angles.cos(), angles.sin(), *caches, slots, *norms)
+    return rotation, rotation._replace(k_cache=caches[0].clone(), v_cache=caches[1].clone())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16_ON_GPU])
+def test_rotation_in_the_epilogue_equals_the_reference(dtype):
+    """Guards against the QK-norm + RoPE + K/V store in q|k|v's GEMV (the last tile's program) going wrong: a head, a
+    half or a row missed, rotated before the tiles were all written, the norm's weight or eps dropped, a K/V row stored
+    in the wrong slot (or a padded row's stored), V rotated, the grid's counter left non-zero: q|k|v projections of 1 or
+    2 rows with drawn head counts, head sizes, splits and inputs (plain or a NormedRows), with and without QK-norm and a
+    bias, twice each through one workspace, against gemv_ref with the same rotation (fused_ops' references): the q
+    heads and both caches, every element."""
+    tolerance = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+    for _ in range(6):
+        rows = random.randint(1, fusions.ROTATE_MAX_ROWS)
+        num_kv_heads, group, head_dim = random.choice([1, 2, 3]), random.choice([1, 2]), random.choice([16, 32])
+        out_features = (num_kv_heads * (group + 2)) * head_dim
+        in_features, split_k = random.randint(16, 300), random.choice([1, 2, 4])
+        x = torch.randn(rows, in_features, device=DEVICE).to(dtype)
+        x = draw_normed_rows(x, dtype) if random.random() < 0.5 else x
+        weight = (torch.randn(out_features, in_features, device=DEVICE) / in_features**0.5).to(dtype)
+        bias = torch.randn(out_features, device=DEVICE).to(dtype) if random.random() < 0.5 else None
+        rotation, ref_rotation = draw_rotation(
+            rows, num_kv_heads * group, num_kv_heads, head_dim, dtype, random.random() < 0.7
+        )
+        tiles = -(-out_features // gemv.BLOCK_N)
+        workspace = gemv.Workspace([(split_k, tiles * split_k)], torch.device(DEVICE))
+        shape = (
+            rows,
+            num_kv_heads,
+            group,
+            head_dim,
+            in_features,
+            split_k,
+            bias is not None,
+            rotation.q_weight is not None,
+        )
+        for _ in range(2):  # the second launch finds the counters as the first left them
+            got = gemv.gemv(x, weight, bias, split_k, workspace, False, rotation)
+            want = gemv.gemv_ref(x, weight, bias, split_k, workspace, False, ref_rotation)
+            q_size = num_kv_heads * group * head_dim
+            check = {"q": (got[:, :q_size], want[:, :q_size]), "k cache": (rotation.k_cache, ref_rotation.k_cache)}
+            check["v cache"] = (rotation.v_cache, ref_rotation.v_cache)
+            for name, (a, b) in check.items():
+                torch.testing.assert_close(
+                    a, b, atol=tolerance, rtol=tolerance, msg=lambda m, name=name, shape=shape: f"{shape} {name}: {m}"
+                )
+            assert not workspace.counters.any(), f"{shape}: a counter left non-zero"
 
 
 def test_the_plan_splits_until_the_grid_fills_the_gpu():
@@ -189,47 +254,59 @@ def test_engine_outputs_are_unchanged_and_the_gemv_runs(tiny_model, monkeypatch,
     prefill of more than MAX_ROWS rows sent to it, projections of different tile counts sharing one workspace and one
     set of counters, SiLU-and-mul applied twice or never once it moves into the down projection): greedy tokens with
     the GEMV, every projection split 2 ways, equal those without it and transformers', for Qwen2 (q|k|v with a bias);
-    the norms moved into q|k|v and gate|up (a residual stream lost or written in part would change the tokens);
-    every wrapped projection ran it in a few-row step, and never on more than MAX_ROWS rows."""
+    the norms moved into q|k|v and gate|up (a residual stream lost or written in part would change the tokens), and
+    the rotation and K/V store into q|k|v once 1-2 sequences are left (the three stop after 8, 3 and 5 tokens: a
+    K/V row lost, or q rotated twice or never, would change the tokens); every wrapped projection ran it in a few-row
+    step, and never on more than MAX_ROWS rows."""
     monkeypatch.setattr(gemv, "plan", forced_splits(2))
     path, hf = tiny_model("qwen2")
     prompts = random_prompts([21, 5, 9])
+    lengths = [8, 3, 5]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     # on a GPU the kernels run there (not in the interpreter): with the decode graphs, then eagerly, so that every
     # call passes the counter below
     engine = ENGINE | {"kernels": kernels, "device": DEVICE if kernels == "triton" else "cpu", "dtype": "float32"}
-    plain = [o.outputs[0].token_ids for o in LLM(path, **engine).generate(prompts, GREEDY, use_tqdm=False)]
+    plain = [o.outputs[0].token_ids for o in LLM(path, **engine).generate(prompts, params, use_tqdm=False)]
     if engine["device"] == "cuda":  # and with the decode graphs captured again over the GEMV
-        graphed = LLM(path, **engine, small_batch_gemv=True).generate(prompts, GREEDY, use_tqdm=False)
+        graphed = LLM(path, **engine, small_batch_gemv=True).generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in graphed] == plain
     llm = LLM(path, **engine, small_batch_gemv=True, enforce_eager=True)
     wrapped = [m for m in llm.runner.model.modules() if isinstance(m, gemv.FewRowLinear)]
     assert len(wrapped) == 4 * len(llm.runner.model.model.layers) + 1 and {m.split_k for m in wrapped} == {2}
     for layer in llm.runner.model.model.layers:  # SiLU-and-mul moved into each down projection's load, the norms
-        # into q|k|v's and gate|up's
-        assert layer.mlp.down_proj.silu_and_mul is not None and layer.kernels.silu_and_mul is gemv.gate_and_up
-        assert isinstance(layer.input_layernorm, gemv.NormIntoProjection)
-        assert isinstance(layer.post_attention_layernorm, gemv.NormIntoProjection)
+        # into q|k|v's and gate|up's, the rotation into q|k|v's epilogue
+        assert layer.mlp.down_proj.silu_and_mul is not None and layer.kernels.silu_and_mul is fusions.gate_and_up
+        assert isinstance(layer.input_layernorm, fusions.NormIntoProjection)
+        assert isinstance(layer.post_attention_layernorm, fusions.NormIntoProjection)
+        assert isinstance(layer.self_attn, fusions.RotatingAttention)
     rows_seen = {id(m): [] for m in wrapped}
     normed_rows_seen = {id(m): [] for m in wrapped}
+    rotated_rows_seen = {id(m): [] for m in wrapped}
     for module in wrapped:
         real = module.gemv
 
         def counting(x, *args, module=module, real=real):
             rows_seen[id(module)].append(len(x))
-            if isinstance(x, gemv.NormedRows):
+            if isinstance(x, fusions.NormedRows):
                 normed_rows_seen[id(module)].append(len(x))
+            if args[-1] is not None:  # a Rotation
+                rotated_rows_seen[id(module)].append(len(x))
             return real(x, *args)
 
         monkeypatch.setattr(module, "gemv", counting)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    assert got == plain == [hf_greedy(hf, p, 8) for p in prompts]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == plain == [hf_greedy(hf, p, n) for p, n in zip(prompts, lengths, strict=True)]
     assert all(rows_seen.values()), "a wrapped projection never took the GEMV"
     assert max(max(rows) for rows in rows_seen.values()) <= gemv.MAX_ROWS
-    fed = {id(module) for module in gemv.fed_by_norms(llm.runner.model)}  # each layer's q|k|v and gate|up
+    fed = {id(module) for module in fusions.fed_by_norms(llm.runner.model)}  # each layer's q|k|v and gate|up
     assert len(fed) == 2 * len(llm.runner.model.model.layers)
-    for module in wrapped:  # the 3 sequences' decode steps: the norms in q|k|v's and gate|up's loads, only there
+    qkv = {id(layer.self_attn.qkv_proj) for layer in llm.runner.model.model.layers}
+    for module in wrapped:  # the 3 sequences' decode steps: the norms in q|k|v's and gate|up's loads, only there; the
+        # rotation in q|k|v's epilogue at 1-2 rows, only there
         assert bool(normed_rows_seen[id(module)]) == (id(module) in fed)
-        assert max(normed_rows_seen[id(module)], default=0) <= gemv.NORM_MAX_ROWS
+        assert max(normed_rows_seen[id(module)], default=0) <= fusions.NORM_MAX_ROWS
+        assert bool(rotated_rows_seen[id(module)]) == (id(module) in qkv)
+        assert max(rotated_rows_seen[id(module)], default=0) <= fusions.ROTATE_MAX_ROWS
     assert llm.stats()["kv_blocks_used"] == 0
 
 
@@ -239,11 +316,12 @@ def test_decode_graphs_are_captured_again_over_the_gemv(tiny_model, monkeypatch)
     (the engine's start must capture new ones over them), and counters or partials left over from one replay (or one
     graph size) spoiling the next. 'Capture' runs the forward eagerly and each replay reruns it on the static buffers,
     with the Triton kernels in the interpreter and every projection split 2 ways: 5 sequences (a graph of 8, then
-    smaller ones as they finish) give the eager engine's tokens without the GEMV, and the counters end at zero."""
+    smaller ones as they finish, the last 8 steps one sequence alone: the rotation in q|k|v's epilogue, with Qwen3's
+    QK-norm) give the eager engine's tokens without the GEMV, and the counters end at zero."""
     monkeypatch.setattr(gemv, "plan", forced_splits(2))
     path, _ = tiny_model("qwen3")
     prompts = random_prompts([7, 19, 11, 24, 5])
-    lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 8, 5, 8, 6)]
+    lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 8, 5, 16, 6)]
     engine = ENGINE | {"kernels": "triton", "dtype": "float32", "max_num_seqs": 8}
     eager = [o.outputs[0].token_ids for o in LLM(path, **engine).generate(prompts, lengths, use_tqdm=False)]
     captured = graphs_on_a_cpu(monkeypatch)
@@ -265,13 +343,13 @@ def test_norms_stay_apart_in_rows_wider_than_the_gemv_takes(tiny_model, monkeypa
     with the width): with NORM_MAX_WIDTH below the model's width, the norms stay the layer's own; SiLU-and-mul still
     moves."""
     path, _ = tiny_model("qwen3")
-    monkeypatch.setattr(gemv, "NORM_MAX_WIDTH", 32)
+    monkeypatch.setattr(fusions, "NORM_MAX_WIDTH", 32)
     llm = LLM(path, **ENGINE, small_batch_gemv=True, enforce_eager=True)
     for layer in llm.runner.model.model.layers:
-        assert llm.runner.model.args.hidden_size > 32 and layer.kernels.silu_and_mul is gemv.gate_and_up
-        assert not isinstance(layer.input_layernorm, gemv.NormIntoProjection)
-        assert not isinstance(layer.post_attention_layernorm, gemv.NormIntoProjection)
-    assert not gemv.fed_by_norms(llm.runner.model)
+        assert llm.runner.model.args.hidden_size > 32 and layer.kernels.silu_and_mul is fusions.gate_and_up
+        assert not isinstance(layer.input_layernorm, fusions.NormIntoProjection)
+        assert not isinstance(layer.post_attention_layernorm, fusions.NormIntoProjection)
+    assert not fusions.fed_by_norms(llm.runner.model)
 
 
 def test_lora_wraps_the_wrapped_projections(tiny_model, tmp_path):
@@ -307,8 +385,8 @@ def test_lora_wraps_the_wrapped_projections(tiny_model, tmp_path):
     assert both == lora_only != base
     for layer in llm.runner.model.model.layers:  # LoRA's adapters read SiLU-and-mul's output and the normed
         # input: neither fused
-        assert layer.kernels.silu_and_mul is not gemv.gate_and_up
-        assert not isinstance(layer.input_layernorm, gemv.NormIntoProjection)
+        assert layer.kernels.silu_and_mul is not fusions.gate_and_up
+        assert not isinstance(layer.input_layernorm, fusions.NormIntoProjection)
 
 
 def test_bad_settings_are_refused_by_name():
@@ -317,31 +395,40 @@ def test_bad_settings_are_refused_by_name():
 
 
 def test_kernel_compiles_for_h100_without_spills():
-    """Guards against a kernel that only Triton's interpreter accepts, and against the split-K handshake losing its
-    memory order: in bf16 and fp32, with one split, with four (and a bias), with four and SiLU-and-mul in its input
-    load, and with four and an add + RMSNorm of the widest rows it takes (NORM_MAX_WIDTH) there, the kernel
-    compiles for an H100 (sm_90) without spills, its weight tiles loaded ahead by 16-byte asynchronous copies (the
-    software pipeline); with splits, a barrier lies between the partials' stores and the counter's add, which is
-    acquire-release at GPU scope, and the partials are read past L1."""
+    """Guards against a kernel that only Triton's interpreter accepts, and against the handshakes losing their memory
+    order: in bf16 and fp32, with one split, with four (and a bias), with four and SiLU-and-mul in its input load, with
+    four and an add + RMSNorm of the widest rows it takes (NORM_MAX_WIDTH) there, and with the rotation of Qwen3-0.6B's
+    q|k|v heads (16 and 8 of 128; one split with a bias, and four with the norm of its 1,024-wide rows: in fp32 the
+    norm of 4,096-wide rows and the rotation together spill on triton 3.9), the kernel compiles for an H100
+    (sm_90) without spills, its weight tiles loaded ahead by 16-byte asynchronous copies (the software pipeline); with
+    splits or a rotation, a barrier lies between the stores and the first counter's add, which is acquire-release at
+    GPU scope; with splits, the partials are read past L1."""
     script = """
-from nanoserve.ext import gemv as G
+from nanoserve.ext import gemv as G, gemv_fusions as FU
 for dtype in ("*bf16", "*fp32"):
-    for split_k, bias, silu, norm in ((1, False, False, False), (4, True, False, False), (4, False, True, False),
-                                      (4, False, False, True)):
-        names = ("x_ptr", "w_ptr", "bias_ptr", "y_ptr", "residual_ptr", "stream_ptr", "norm_w_ptr")
-        types = {name: dtype for name in names} | {"partials_ptr": "*fp32", "counters_ptr": "*i32", "eps": "fp32"}
-        constants = {"HAS_BIAS": bias, "SILU_INPUT": silu, "NORM_INPUT": norm,
-                     "NORM_TILES": G.NORM_MAX_WIDTH // G.BLOCK_K, "SPLIT_K": split_k, "K_PER_SPLIT": 512,
-                     "BLOCK_M": G.MAX_ROWS, "BLOCK_N": G.BLOCK_N, "BLOCK_K": G.BLOCK_K}
+    for split_k, bias, silu, norm, rotate in ((1, False, False, False, False), (4, True, False, False, False),
+                                              (4, False, True, False, False), (4, False, False, True, False),
+                                              (1, True, False, False, True), (4, False, False, True, True)):
+        names = ("x_ptr", "w_ptr", "bias_ptr", "y_ptr", "residual_ptr", "stream_ptr", "norm_w_ptr", "k_cache_ptr",
+                 "v_cache_ptr") + (("q_norm_ptr", "k_norm_ptr") if rotate else ())
+        types = {name: dtype for name in names} | {"partials_ptr": "*fp32", "counters_ptr": "*i32", "eps": "fp32",
+                 "positions_ptr": "*i32", "slot_mapping_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                 "qk_eps": "fp32"}
+        heads = {"HALF": 64, "Q_HEADS_PAD": 16, "K_HEADS_PAD": 8, "CACHE_BLOCK": 16} if rotate else {"HALF": 1,
+                 "Q_HEADS_PAD": 1, "K_HEADS_PAD": 1, "CACHE_BLOCK": 1, "q_norm_ptr": None, "k_norm_ptr": None}
+        width = 1024 if rotate else FU.NORM_MAX_WIDTH
+        constants = {"HAS_BIAS": bias, "SILU_INPUT": silu, "NORM_INPUT": norm, "ROTATE": rotate, "PAD": -1,
+                     "NORM_TILES": width // G.BLOCK_K, "SPLIT_K": split_k, "K_PER_SPLIT": 512,
+                     "BLOCK_M": G.MAX_ROWS, "BLOCK_N": G.BLOCK_N, "BLOCK_K": G.BLOCK_K} | heads
         look_for = ("atom.global.gpu.acq_rel.add", "ld.global.cg")
         built = sm90_build.build(G._gemv_kernel, types, constants, G.NUM_WARPS, look_for, aligned=("N", "K"))
-        print(json.dumps(built | {"split_k": split_k}))
+        print(json.dumps(built | {"split_k": split_k, "rotate": rotate}))
 """
     builds = sm90_builds(script)
-    assert len(builds) == 8, builds
+    assert len(builds) == 12, builds
     for b in builds:
         assert b["spill_bytes"] == 0 and 16 in b["async_copy_bytes"], b
-        if b["split_k"] > 1:
-            assert all(b["found"].values()) and b["barrier_before_atomic"], b
-        else:  # one split writes its output itself: no handshake
-            assert not any(b["found"].values()) and b["barrier_before_atomic"] is None, b
+        handshake = b["split_k"] > 1 or b["rotate"]
+        assert b["found"]["atom.global.gpu.acq_rel.add"] == handshake, b
+        assert b["barrier_before_atomic"] == (True if handshake else None), b
+        assert b["found"]["ld.global.cg"] == (b["split_k"] > 1), b
