@@ -179,6 +179,7 @@ def time_rotation_in_gemv(
     less the rows done one after another in one program. Rows past ROTATE_MAX_ROWS are timed too (the limit lifted for
     the call), to show where the crossover lies."""
     from nanoserve.ext import gemv as G
+    from nanoserve.ext import gemv_fusions as fusions
     from nanoserve.ext.gemv_fusions import Rotation
     from nanoserve.fused_ops import qk_norm_rope_store_kv
 
@@ -199,7 +200,7 @@ def time_rotation_in_gemv(
         q, k, v = rotation.heads(G.gemv(x, weight, None, split_k, workspace))
         qk_norm_rope_store_kv(q, k, v, *rotation)
 
-    with patched(G, ROTATE_MAX_ROWS=max(rows, G.ROTATE_MAX_ROWS)):
+    with patched(fusions, ROTATE_MAX_ROWS=max(rows, fusions.ROTATE_MAX_ROWS)):
         separate = milliseconds(apart, graph=True)
         fused = milliseconds(lambda: G.gemv(x, weight, None, split_k, workspace, False, rotation), graph=True)
     shape = {"rows": rows, "out": out_features, "in": width, "split_k": split_k}

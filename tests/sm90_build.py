@@ -71,6 +71,7 @@ def build(
         "shared_bytes": kernel.metadata.shared,
         "async_copy_bytes": sorted({int(n, 16) for n in async_copies}),
         "found": {text: text in ptx for text in look_for},
+        "acq_rel_atomics": ptx.count("atom.global.gpu.acq_rel"),  # how many, in the PTX's text
         # a split handshake's order: every global store before the first atomic is followed by a CTA barrier, so all
         # of the program's threads have stored before one of them arrives (None: no atomic)
         "barrier_before_atomic": stores_fenced(ptx),
@@ -78,12 +79,12 @@ def build(
 
 
 def stores_fenced(ptx: str) -> bool | None:
-    """Whether a bar.sync lies between the last global store before the PTX's first global atomic and that atomic."""
-    atomic = ptx.find("atom.global")
-    if atomic < 0:
+    """Whether, before every global atomic of the PTX, a bar.sync lies between the last global store before it and
+    the atomic (None: no atomic)."""
+    atomics = [m.start() for m in re.finditer(r"atom\.global", ptx)]
+    if not atomics:
         return None
-    before = ptx[:atomic]
-    return before.rfind("bar.sync") > before.rfind("st.global")
+    return all(ptx[:at].rfind("bar.sync") > ptx[:at].rfind("st.global") for at in atomics)
 
 
 def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str | None = None):

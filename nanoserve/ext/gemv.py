@@ -15,8 +15,8 @@ How the kernel below does it, for y [rows, out] = x [rows, in] @ W [out, in]^T (
      split order, adds the bias, writes y and sets the counter back to 0 for the next launch. The sum's order never
      depends on which program came last, so the result is deterministic. The counter's atomic add is acquire-release
      at GPU scope: the partials a program stored before it are visible to the program that reads them after it (a
-     barrier first, so all of the program's threads have stored; the reads bypass L1, which may hold the workspace's
-     lines from an earlier launch);
+     barrier first, so all of the program's threads have stored; the reads bypass L1 too, `.cg`, which the acquire
+     makes unnecessary: a second guard, kept);
   3. what the layer does next to the few rows can ride along (ext/gemv_fusions.py, this extension's second half): the
      SiLU-and-mul in the down projection's input load, the residual add + RMSNorm in q|k|v's and gate|up's, and
      Qwen3's QK-norm + RoPE with the K/V store in q|k|v's epilogue (the ROTATE variant: the grid's last tile to be
@@ -48,14 +48,15 @@ from nanoserve.attention import PAD_SLOT, _num_sms
 from nanoserve.checks import InvalidField, check_flag
 from nanoserve.config import EngineConfig
 from nanoserve.cuda_graphs import DecodeGraphs
+from nanoserve.ext import gemv_fusions
 from nanoserve.ext.gemv_fusions import (
-    ROTATE_MAX_ROWS,
     NormedRows,
     Rotation,
     fed_by_norms,
     fuse_into_layers,
     normed_input_ref,
     rotate_and_store_ref,
+    warm_up_rotation,
 )
 from nanoserve.fused_ops import _norm_rope_heads, silu_and_mul_ref
 from nanoserve.layers import MergedLinear
@@ -105,6 +106,7 @@ def start(llm: "LLM") -> None:
         for module, rows in product(fed_by_norms(model), (1, 2)):
             zeros = module.weight.new_zeros(rows, module.in_features)
             module(NormedRows(zeros, zeros, torch.empty_like(zeros), zeros[0], 1e-6))
+        warm_up_rotation(model, runner.kv_caches[0])  # and with the rotation in q|k|v's epilogue
     if runner.graphs is not None:  # the old graphs (and their pool) go first
         runner.graphs = None
         torch.cuda.empty_cache()
@@ -123,14 +125,14 @@ def plan(out_features: int, in_features: int, num_sms: int) -> tuple[int, int]:
 
 
 class Workspace:
-    """The split-K partial sums ([SPLIT_K, MAX_ROWS, out] fp32, as one flat buffer) and per-tile arrival counters
-    (int32, zero between launches) that every wrapped projection shares, sized for the largest that splits (an
-    unsplit one, the LM head's 4,748 tiles, uses neither). plans: each projection's (SPLIT_K, programs)."""
+    """The split-K partial sums ([SPLIT_K, MAX_ROWS, out] fp32, as one flat buffer), sized for the largest projection
+    that splits, and the arrival counters (int32, zero between launches): one per tile of the projection with the most
+    tiles, and one after a projection's tiles for a rotation's count of tiles written (ext/gemv_fusions.py). Every
+    wrapped projection shares them. plans: each projection's (SPLIT_K, programs)."""
 
     def __init__(self, plans: list[tuple[int, int]], device: torch.device) -> None:
         split = [(s, p) for s, p in plans if s > 1] or [(1, 1)]
         self.partials = torch.empty(max(p * BLOCK_N * MAX_ROWS for _, p in split), dtype=torch.float32, device=device)
-        # a counter per tile of the projection with the most tiles, and one after them (a rotation's tiles written)
         self.counters = torch.zeros(max(p // s for s, p in plans) + 1, dtype=torch.int32, device=device)
 
 
@@ -214,7 +216,7 @@ def gemv(
         streams = (normed.residual, normed.stream)
         assert all(t.shape == x.shape and t.stride(1) == 1 for t in streams), "residual, stream: x's shape, dense rows"
         assert normed.weight.shape == (in_features,) and normed.weight.is_contiguous() and not silu_input
-    assert rotation is None or rows <= ROTATE_MAX_ROWS, "a rotation's rows are done one by one: a few at most"
+    assert rotation is None or rows <= gemv_fusions.ROTATE_MAX_ROWS, "a rotation's rows are done one by one: a few"
     y = x.new_empty(rows, out_features)
     # each split's share of the inner dimension, in whole tiles, so the splits never overlap
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), BLOCK_K) * BLOCK_K

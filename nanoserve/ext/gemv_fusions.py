@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from nanoserve.attention import AttentionMetadata
+from nanoserve.attention import PAD_SLOT, AttentionMetadata
 from nanoserve.fused_ops import add_rms_norm_ref, qk_norm_rope_store_kv_ref
 from nanoserve.model import Attention, KVCache, Rotary
 
@@ -157,8 +157,30 @@ class RotatingAttention(Attention):
     ) -> Tensor:
         if len(x) > ROTATE_MAX_ROWS:
             return super().forward(x, positions, rotary, kv_cache, meta)
-        norms = (self.q_norm.weight, self.k_norm.weight, self.k_norm.eps) if self.q_norm is not None else ()
-        rotation = Rotation(positions, rotary.cos, rotary.sin, *kv_cache, meta.slot_mapping, *norms)
+        rotation = self.rotation(positions, rotary, kv_cache, meta.slot_mapping)
         q, _, _ = rotation.heads(self.qkv_proj(x, rotation))
         o = self.kernels.paged_attention(q, *kv_cache, meta, self.scale)  # from here as the core's forward
         return self.o_proj(o.flatten(1))
+
+    def rotation(self, positions: Tensor, rotary: Rotary, kv_cache: KVCache, slot_mapping: Tensor) -> Rotation:
+        """This layer's Rotation of the given rows: the RoPE tables, its caches, its QK-norm (Qwen3's) if it has one."""
+        norms = (self.q_norm.weight, self.k_norm.weight, self.k_norm.eps) if self.q_norm is not None else ()
+        return Rotation(positions, rotary.cos, rotary.sin, *kv_cache, slot_mapping, *norms)
+
+
+def warm_up_rotation(model: nn.Module, kv_cache: KVCache) -> None:
+    """The rotation's GEMV builds, compiled now rather than in a step (the decode graphs' capture would compile them,
+    but an eager engine would in its first step of 1-2 rows): the first layer's q|k|v at 1 and 2 rows (Triton builds
+    an int equal to 1 apart), with the input it takes there (a NormedRows where its norm moved into it), every row's
+    slot PAD_SLOT: nothing is stored."""
+    layer = model.model.layers[0]
+    if not isinstance(layer.self_attn, RotatingAttention):
+        return
+    for rows in (1, 2):
+        zeros = layer.self_attn.qkv_proj.weight.new_zeros(rows, model.args.hidden_size)
+        x = zeros
+        if isinstance(layer.input_layernorm, NormIntoProjection):
+            x = NormedRows(zeros, zeros, torch.empty_like(zeros), zeros[0], 1e-6)
+        positions = torch.zeros(rows, dtype=torch.int32, device=zeros.device)
+        slots = torch.full_like(positions, PAD_SLOT)
+        layer.self_attn.qkv_proj(x, layer.self_attn.rotation(positions, model.rotary, kv_cache, slots))

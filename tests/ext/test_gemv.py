@@ -169,7 +169,8 @@ def test_rotation_in_the_epilogue_equals_the_reference(dtype):
     in the wrong slot (or a padded row's stored), V rotated, the grid's counter left non-zero: q|k|v projections of 1 or
     2 rows with drawn head counts, head sizes, splits and inputs (plain or a NormedRows), with and without QK-norm and a
     bias, twice each through one workspace, against gemv_ref with the same rotation (fused_ops' references): the q
-    heads and both caches, every element."""
+    heads and both caches, every element. (The interpreter runs the programs in grid order, so a wrong choice of the
+    last program shows only where it picks an earlier one; the GPU run of this test is the check of the arrival.)"""
     tolerance = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
     for _ in range(6):
         rows = random.randint(1, fusions.ROTATE_MAX_ROWS)
@@ -206,6 +207,29 @@ def test_rotation_in_the_epilogue_equals_the_reference(dtype):
                     a, b, atol=tolerance, rtol=tolerance, msg=lambda m, name=name, shape=shape: f"{shape} {name}: {m}"
                 )
             assert not workspace.counters.any(), f"{shape}: a counter left non-zero"
+
+
+def test_the_rotation_builds_are_warmed_up_without_storing(tiny_model, monkeypatch):
+    """Guards against the warm-up that compiles the rotation's builds at start on a GPU (so that an eager engine
+    compiles none in a step) writing into the KV cache or leaving a counter set, or not running them: on the first
+    layer's q|k|v at 1 and 2 rows, with the input it takes (a NormedRows) and Qwen3's QK-norm, the caches unchanged and
+    the counters zero after."""
+    path, _ = tiny_model("qwen3")
+    llm = LLM(path, **ENGINE, kernels="triton", small_batch_gemv=True, enforce_eager=True)
+    model, kv_cache = llm.runner.model, llm.runner.kv_caches[0]
+    for cache in kv_cache:
+        cache.copy_(torch.randn_like(cache))
+    before = [cache.clone() for cache in kv_cache]
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    seen = []
+    real = qkv.gemv
+    monkeypatch.setattr(
+        qkv, "gemv", lambda x, *args: seen.append((len(x), type(x).__name__, args[-1] is not None)) or real(x, *args)
+    )
+    fusions.warm_up_rotation(model, kv_cache)
+    assert seen == [(1, "NormedRows", True), (2, "NormedRows", True)]
+    assert all(torch.equal(a, b) for a, b in zip(kv_cache, before, strict=True))
+    assert not qkv.workspace.counters.any()
 
 
 def test_the_plan_splits_until_the_grid_fills_the_gpu():
@@ -387,6 +411,7 @@ def test_lora_wraps_the_wrapped_projections(tiny_model, tmp_path):
         # input: neither fused
         assert layer.kernels.silu_and_mul is not fusions.gate_and_up
         assert not isinstance(layer.input_layernorm, fusions.NormIntoProjection)
+        assert not isinstance(layer.self_attn, fusions.RotatingAttention)
 
 
 def test_bad_settings_are_refused_by_name():
@@ -401,8 +426,8 @@ def test_kernel_compiles_for_h100_without_spills():
     q|k|v heads (16 and 8 of 128; one split with a bias, and four with the norm of its 1,024-wide rows: in fp32 the
     norm of 4,096-wide rows and the rotation together spill on triton 3.9), the kernel compiles for an H100
     (sm_90) without spills, its weight tiles loaded ahead by 16-byte asynchronous copies (the software pipeline); with
-    splits or a rotation, a barrier lies between the stores and the first counter's add, which is acquire-release at
-    GPU scope; with splits, the partials are read past L1."""
+    splits or a rotation, a barrier lies between the stores and each counter's add (a tile's, the grid's), each
+    acquire-release at GPU scope; with splits, the partials are read past L1."""
     script = """
 from nanoserve.ext import gemv as G, gemv_fusions as FU
 for dtype in ("*bf16", "*fp32"):
@@ -429,6 +454,6 @@ for dtype in ("*bf16", "*fp32"):
     for b in builds:
         assert b["spill_bytes"] == 0 and 16 in b["async_copy_bytes"], b
         handshake = b["split_k"] > 1 or b["rotate"]
-        assert b["found"]["atom.global.gpu.acq_rel.add"] == handshake, b
-        assert b["barrier_before_atomic"] == (True if handshake else None), b
+        assert b["acq_rel_atomics"] == (b["split_k"] > 1) + b["rotate"], b  # a tile's arrival, the grid's
+        assert b["barrier_before_atomic"] == (True if handshake else None), b  # before each of them
         assert b["found"]["ld.global.cg"] == (b["split_k"] > 1), b
