@@ -52,11 +52,10 @@ from nanoserve.ext import gemv_fusions
 from nanoserve.ext.gemv_fusions import (
     NormedRows,
     Rotation,
-    fed_by_norms,
     fuse_into_layers,
     normed_input_ref,
     rotate_and_store_ref,
-    warm_up_rotation,
+    warm_up_fusions,
 )
 from nanoserve.fused_ops import _norm_rope_heads, silu_and_mul_ref
 from nanoserve.layers import MergedLinear
@@ -99,14 +98,10 @@ def start(llm: "LLM") -> None:
     if "lora" not in llm.config.extensions:  # (LoRA's adapters read SiLU-and-mul's output and the normed input)
         fuse_into_layers(model)  # ext/gemv_fusions.py
     if runner.device.type == "cuda":  # every build the kernel needs, now, not in a step (the LM head runs eagerly):
-        # 1, some and MAX_ROWS rows (Triton compiles apart for an int equal to 1, or divisible by 16); with the norm
-        # in the load (at most NORM_MAX_ROWS rows), 1 and some
+        # 1, some and MAX_ROWS rows (Triton compiles apart for an int equal to 1, or divisible by 16)
         for module, rows in product(wrapped, (1, 2, MAX_ROWS)):
             module(module.weight.new_zeros(rows, module.in_features * (2 if module.silu_and_mul else 1)))
-        for module, rows in product(fed_by_norms(model), (1, 2)):
-            zeros = module.weight.new_zeros(rows, module.in_features)
-            module(NormedRows(zeros, zeros, torch.empty_like(zeros), zeros[0], 1e-6))
-        warm_up_rotation(model, runner.kv_caches[0])  # and with the rotation in q|k|v's epilogue
+        warm_up_fusions(model, runner.kv_caches[0])  # and the builds of ext/gemv_fusions.py's fusions
     if runner.graphs is not None:  # the old graphs (and their pool) go first
         runner.graphs = None
         torch.cuda.empty_cache()
@@ -218,6 +213,7 @@ def gemv(
         assert normed.weight.shape == (in_features,) and normed.weight.is_contiguous() and not silu_input
     assert rotation is None or rows <= gemv_fusions.ROTATE_MAX_ROWS, "a rotation's rows are done one by one: a few"
     y = x.new_empty(rows, out_features)
+    rotation_args, rotation_sizes = _rotation_launch(rotation, y)
     # each split's share of the inner dimension, in whole tiles, so the splits never overlap
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), BLOCK_K) * BLOCK_K
     grid = (triton.cdiv(out_features, BLOCK_N), split_k)
@@ -235,12 +231,12 @@ def gemv(
         x.stride(0),
         weight.stride(0),
         y.stride(0),
-        *(_rotation_args(rotation, y) if rotation is not None else (y,) * 6 + (None, None, 0.0) + (0,) * 5),
+        *rotation_args,
         HAS_BIAS=bias is not None,
         SILU_INPUT=silu_input,
         NORM_INPUT=normed is not None,
         NORM_TILES=triton.cdiv(in_features, BLOCK_K) if normed is not None else 1,  # (1: one build without)
-        **_rotation_sizes(rotation, y),
+        **rotation_sizes,
         PAD=PAD_SLOT,
         SPLIT_K=split_k,
         K_PER_SPLIT=k_per_split,
@@ -253,23 +249,17 @@ def gemv(
     return y
 
 
-def _rotation_args(rotation: Rotation, y: Tensor) -> tuple:
-    """What the kernel takes of a Rotation: its fields, the caches' block, slot and head strides, the head counts."""
+def _rotation_launch(rotation: Rotation | None, y: Tensor) -> tuple[tuple, dict]:
+    """What the kernel takes of a Rotation: its fields, the caches' block, slot and head strides and the head counts;
+    and its compile-time sizes: half a head, the head counts padded to powers of two, the cache's block size. Without
+    one: placeholders, never read, and 1s (one build)."""
+    if rotation is None:
+        sizes = {"ROTATE": False, "HALF": 1, "Q_HEADS_PAD": 1, "K_HEADS_PAD": 1, "CACHE_BLOCK": 1}
+        return (y,) * 6 + (None, None, 0.0) + (0,) * 5, sizes
     q, k, _ = rotation.heads(y)
-    return (*rotation, *rotation.k_cache.stride()[:3], q.shape[1], k.shape[1])
-
-
-def _rotation_sizes(rotation: Rotation | None, y: Tensor) -> dict[str, int]:
-    """The rotation's compile-time sizes: half a head, the q and k head counts padded to powers of two, the cache's
-    block size (without a rotation, 1s: one build)."""
-    q, k, _ = rotation.heads(y) if rotation is not None else (y[:, None, :2],) * 3
-    return {
-        "ROTATE": rotation is not None,
-        "HALF": q.shape[2] // 2,
-        "Q_HEADS_PAD": triton.next_power_of_2(q.shape[1]),
-        "K_HEADS_PAD": triton.next_power_of_2(k.shape[1]),
-        "CACHE_BLOCK": rotation.k_cache.shape[1] if rotation is not None else 1,
-    }
+    sizes = {"ROTATE": True, "HALF": q.shape[2] // 2, "CACHE_BLOCK": rotation.k_cache.shape[1]}
+    sizes |= {"Q_HEADS_PAD": triton.next_power_of_2(q.shape[1]), "K_HEADS_PAD": triton.next_power_of_2(k.shape[1])}
+    return (*rotation, *rotation.k_cache.stride()[:3], q.shape[1], k.shape[1]), sizes
 
 
 def _norm_args(normed: NormedRows) -> tuple:

@@ -168,19 +168,23 @@ class RotatingAttention(Attention):
         return Rotation(positions, rotary.cos, rotary.sin, *kv_cache, slot_mapping, *norms)
 
 
-def warm_up_rotation(model: nn.Module, kv_cache: KVCache) -> None:
-    """The rotation's GEMV builds, compiled now rather than in a step (the decode graphs' capture would compile them,
-    but an eager engine would in its first step of 1-2 rows): the first layer's q|k|v at 1 and 2 rows (Triton builds
-    an int equal to 1 apart), with the input it takes there (a NormedRows where its norm moved into it), every row's
-    slot PAD_SLOT: nothing is stored."""
+def warm_up_fusions(model: nn.Module, kv_cache: KVCache) -> None:
+    """The fusions' GEMV builds, compiled now rather than in a step (the decode graphs' capture would compile most,
+    but an eager engine would in its first steps of a few rows), at 1 and 2 rows (Triton builds an int equal to 1
+    apart): q|k|v and gate|up with the norm in their load, and the first layer's q|k|v with the rotation too (with the
+    input it takes there; every row's slot PAD_SLOT: nothing is stored)."""
     layer = model.model.layers[0]
-    if not isinstance(layer.self_attn, RotatingAttention):
-        return
     for rows in (1, 2):
-        zeros = layer.self_attn.qkv_proj.weight.new_zeros(rows, model.args.hidden_size)
-        x = zeros
-        if isinstance(layer.input_layernorm, NormIntoProjection):
-            x = NormedRows(zeros, zeros, torch.empty_like(zeros), zeros[0], 1e-6)
-        positions = torch.zeros(rows, dtype=torch.int32, device=zeros.device)
-        slots = torch.full_like(positions, PAD_SLOT)
-        layer.self_attn.qkv_proj(x, layer.self_attn.rotation(positions, model.rotary, kv_cache, slots))
+        for proj in fed_by_norms(model):
+            proj(zero_rows(proj, rows, normed=True))
+        if isinstance(layer.self_attn, RotatingAttention):
+            proj = layer.self_attn.qkv_proj
+            positions = torch.zeros(rows, dtype=torch.int32, device=proj.weight.device)
+            rotation = layer.self_attn.rotation(positions, model.rotary, kv_cache, torch.full_like(positions, PAD_SLOT))
+            proj(zero_rows(proj, rows, normed=isinstance(layer.input_layernorm, NormIntoProjection)), rotation)
+
+
+def zero_rows(proj: nn.Module, rows: int, normed: bool) -> Tensor | NormedRows:
+    """rows rows of zeros for a projection's input, as a NormedRows (its norm moved into it) or plain."""
+    zeros = proj.weight.new_zeros(rows, proj.in_features)
+    return NormedRows(zeros, zeros, torch.empty_like(zeros), zeros[0], 1e-6) if normed else zeros
