@@ -402,7 +402,7 @@ def test_the_reference_attends_in_runs_whose_padding_is_bounded(monkeypatch):
     beside a crowd of one-token sequences) asked for 8 GiB on a GPU. Sequences go in runs whose padded queries x keys
     stay under REFERENCE_RUN_SIZE (a longer sequence alone), and the result is the same as one run's and the
     kernels'."""
-    query_lens = [1] * 20 + [120] + [1] * 30 + [randint(2, 40)]
+    query_lens = [1] * 20 + [120] + [1] * 30 + [randint(20, 40)]  # 31 x 20 x 90 keys: the last opens a run
     context_lens = [randint(1, 60) for _ in range(20)] + [120] + [randint(1, 200) for _ in range(30)] + [90]
     q, k_cache, v_cache, meta = make_batch(
         query_lens, context_lens, **heads(2), head_dim=32, block_size=16, dtype=torch.float32
