@@ -211,6 +211,46 @@ def time_rotation_in_gemv(
     }
 
 
+def time_chained_gemvs(rows: int, projections=QWEN3_PROJECTIONS[:4], layers: int = 28) -> dict:
+    """Qwen3-0.6B's four decoder projections at `rows` rows, q|k|v -> o -> gate|up -> down (SiLU-and-mul in its
+    load), each fed the one before's output, for `layers` layers back to back in one CUDA graph: a decode step's weight
+    reads at batch 1 without its attention. Each launch a programmatic dependent of the one before (ext/gemv.py's 4.:
+    the next kernel placed and its first weight lines fetched while this one ends) against plain launches, in the
+    same minute. Where the device has no dependent launch (a CPU; before sm_90) only the plain chain is timed."""
+    from nanoserve.ext import gemv as G
+
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    num_sms = A._num_sms(torch.device(DEVICE))
+    plans = [G.plan(out_features, in_features, num_sms) for _, out_features, in_features in projections]
+    workspace = G.Workspace(plans, torch.device(DEVICE))
+    weights = [
+        [torch.randn(out, inner, device=DEVICE).to(dtype) / inner**0.5 for _, out, inner in projections]
+        for _ in range(layers)
+    ]
+    first = torch.randn(rows, projections[0][2], device=DEVICE).to(dtype)
+
+    def chain() -> None:
+        x = first
+        for layer in weights:
+            for (name, _, inner), weight, (split_k, _) in zip(projections, layer, plans, strict=True):
+                silu = name == "down"  # its input is [gate | up]: gate|up's whole output
+                x = G.gemv(x[:, : inner * (2 if silu else 1)], weight, None, split_k, workspace, silu)
+
+    can_depend = workspace.dependent_launch
+    workspace.dependent_launch = False
+    plain = milliseconds(chain, graph=True)
+    workspace.dependent_launch = can_depend
+    dependent = milliseconds(chain, graph=True) if can_depend else None
+    gigabytes = sum(w.numel() * w.element_size() for layer in weights for w in layer) / 1e9
+    launches = layers * len(projections)
+    row = {"rows": rows, "layers": layers, "launches": launches, "plain_ms": round(plain, 4)}
+    row |= {"plain_TBps": round(gigabytes / plain, 2), "dependent_ms": dependent and round(dependent, 4)}
+    if dependent:
+        row |= {"dependent_TBps": round(gigabytes / dependent, 2), "dependent_over_plain": round(dependent / plain, 3)}
+        row |= {"saved_us_per_launch": round(1000 * (plain - dependent) / launches, 2)}
+    return row
+
+
 def kernels(out_path: str) -> None:
     rows = []
 
@@ -303,6 +343,8 @@ def kernels(out_path: str) -> None:
                 report(what=f"add + norm into {name}", **time_norm_into_gemv(num_rows, out_features, in_features))
     for num_rows in (1, 2, 4):  # the QK-norm + RoPE + K/V store into q|k|v's epilogue (at most 2 rows in the engine)
         report(what="rotation into q|k|v", **time_rotation_in_gemv(num_rows))
+    for num_rows in (1, 4):  # a layer's four weight reads chained, launched as programmatic dependents or plainly
+        report(what="weight reads chained, 28 layers", **time_chained_gemvs(num_rows))
     with open(out_path, "w") as f:
         json.dump(rows, f, indent=1)
 

@@ -75,7 +75,20 @@ def build(
         # a split handshake's order: every global store before the first atomic is followed by a CTA barrier, so all
         # of the program's threads have stored before one of them arrives (None: no atomic)
         "barrier_before_atomic": stores_fenced(ptx),
+        # a programmatic dependent's order: nothing in global memory read or written before its griddepcontrol.wait
+        # (a prefetch is neither; None: no wait)
+        "waits_before_memory": waits_first(ptx),
     }
+
+
+def waits_first(ptx: str) -> bool | None:
+    """Whether the PTX's first griddepcontrol.wait comes before its first global load, store, atomic or
+    asynchronous copy (None: no wait)."""
+    wait = ptx.find("griddepcontrol.wait")
+    if wait < 0:
+        return None
+    first = re.search(r"(ld|st|atom|red)\.global|cp\.async", ptx)
+    return first is None or wait < first.start()
 
 
 def stores_fenced(ptx: str) -> bool | None:

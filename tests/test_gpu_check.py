@@ -87,7 +87,8 @@ def test_bench_kernels_times_the_weight_reads(bench_kernels):
     """time_gemv times cuBLAS's matmul and ext/gemv.py's GEMV on one projection, with the split the engine plans;
     time_norm_into_gemv the add + RMSNorm kernel then the GEMV, and the GEMV that forms the norm as it loads;
     time_rotation_in_gemv q|k|v's GEMV then the rotation kernel, and the GEMV that rotates in its last program (3
-    rows: past ROTATE_MAX_ROWS, the limit lifted for the call)."""
+    rows: past ROTATE_MAX_ROWS, the limit lifted for the call); time_chained_gemvs a layer's projections back to
+    back, launched plainly and (on a GPU that has it) as programmatic dependents."""
     pytest.importorskip("nanoserve.ext.gemv")
     row = bench_kernels.time_gemv(3, 40, 600)
     assert row["split_k"] > 1 and row["cublas_ms"] > 0 and row["gemv_ms"] > 0 and "gemv_TBps" in row
@@ -95,6 +96,10 @@ def test_bench_kernels_times_the_weight_reads(bench_kernels):
     assert row["split_k"] > 1 and row["fused_ms"] > 0 and row["separate_ms"] > 0 and "fused_over_apart" in row
     row = bench_kernels.time_rotation_in_gemv(3, 2, 1, 16, 600)  # q|k|v, then its rotation apart or in its epilogue
     assert row["split_k"] > 1 and row["fused_ms"] > 0 and row["separate_ms"] > 0 and row["rows"] == 3
+    # a layer's four projections chained over two layers (each fed the last's output), plain launches only on a CPU
+    tiny = (("q|k|v", 96, 40), ("o", 40, 48), ("gate|up", 64, 40), ("down", 40, 32))
+    row = bench_kernels.time_chained_gemvs(2, tiny, layers=2)
+    assert row["launches"] == 8 and row["plain_ms"] > 0 and row["dependent_ms"] is None
 
 
 def test_bench_kernels_sweep_times_each_setting_and_restores_today(bench_kernels, monkeypatch, tmp_path):

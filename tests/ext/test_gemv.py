@@ -450,8 +450,10 @@ for dtype in ("*bf16", "*fp32"):
         width = 1024 if rotate else FU.NORM_MAX_WIDTH
         constants = {"HAS_BIAS": bias, "SILU_INPUT": silu, "NORM_INPUT": norm, "ROTATE": rotate, "PAD": -1,
                      "NORM_TILES": width // G.BLOCK_K, "SPLIT_K": split_k, "K_PER_SPLIT": 512,
-                     "BLOCK_M": G.MAX_ROWS, "BLOCK_N": G.BLOCK_N, "BLOCK_K": G.BLOCK_K} | heads
-        look_for = ("atom.global.gpu.acq_rel.add", "ld.global.cg")
+                     "BLOCK_M": G.MAX_ROWS, "BLOCK_N": G.BLOCK_N, "BLOCK_K": G.BLOCK_K, "DEPENDENT": True,
+                     "PREFETCH_LINES": G.PREFETCH_LINES} | heads
+        look_for = ("atom.global.gpu.acq_rel.add", "ld.global.cg", "griddepcontrol.launch_dependents",
+                    "prefetch.global.L2")
         built = sm90_build.build(G._gemv_kernel, types, constants, G.NUM_WARPS, look_for, aligned=("N", "K"))
         print(json.dumps(built | {"split_k": split_k, "rotate": rotate}))
 """
@@ -463,3 +465,39 @@ for dtype in ("*bf16", "*fp32"):
         assert b["acq_rel_atomics"] == (b["split_k"] > 1) + b["rotate"], b  # a tile's arrival, the grid's
         assert b["barrier_before_atomic"] == (True if handshake else None), b  # before each of them
         assert b["found"]["ld.global.cg"] == (b["split_k"] > 1), b
+        # a programmatic dependent: it lets the next kernel start, prefetches, and touches nothing before its wait
+        assert b["found"]["griddepcontrol.launch_dependents"] and b["found"]["prefetch.global.L2"], b
+        assert b["waits_before_memory"] is True, b
+
+
+@pytest.mark.parametrize("chosen", [True, False])
+def test_a_dependent_launch_always_comes_with_its_wait(monkeypatch, chosen):
+    """Guards against a programmatic dependent launch whose kernel does not wait (it would read x before the kernel
+    that writes it has finished), and against one asked for where the GPU has none: the launch's launch_pdl and the
+    kernel's DEPENDENT (its griddepcontrol.wait, built and ordered in test_kernel_compiles_for_h100_without_spills)
+    are both the workspace's choice, made once: CUDA devices of sm_90 and later, never a CPU, never with
+    DEPENDENT_LAUNCH off."""
+    capability = {"capability": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability["capability"])
+    assert gemv.dependent_launch(torch.device("cuda"))
+    assert not gemv.dependent_launch(torch.device("cpu"))
+    capability["capability"] = (8, 0)
+    assert not gemv.dependent_launch(torch.device("cuda"))
+    capability["capability"] = (10, 0)
+    assert gemv.dependent_launch(torch.device("cuda"))
+    monkeypatch.setattr(gemv, "DEPENDENT_LAUNCH", False)
+    assert not gemv.dependent_launch(torch.device("cuda"))
+    launches = []
+
+    class Recorder:  # stands in for _gemv_kernel[grid](...)
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    workspace = gemv.Workspace([(2, 8)], torch.device("cpu"))
+    assert workspace.dependent_launch is False
+    workspace.dependent_launch = chosen
+    monkeypatch.setattr(gemv, "_gemv_kernel", Recorder())
+    weight = torch.randn(64, 256)
+    gemv.gemv(torch.randn(2, 256), weight, None, 2, workspace)
+    (kwargs,) = launches
+    assert kwargs["DEPENDENT"] is chosen and kwargs["launch_pdl"] is chosen
