@@ -433,7 +433,9 @@ def test_kernel_compiles_for_h100_without_spills():
     norm of 4,096-wide rows and the rotation together spill on triton 3.9), the kernel compiles for an H100
     (sm_90) without spills, its weight tiles loaded ahead by 16-byte asynchronous copies (the software pipeline); with
     splits or a rotation, a barrier lies between the stores and each counter's add (a tile's, the grid's), each
-    acquire-release at GPU scope; with splits, the partials are read past L1."""
+    acquire-release at GPU scope; with splits, the partials are read past L1; launched as a programmatic dependent
+    (sm_90's only launch), each program lets the next kernel start and prefetches its weight's first lines, and
+    reads or writes nothing in global memory before its griddepcontrol.wait."""
     script = """
 from nanoserve.ext import gemv as G, gemv_fusions as FU
 for dtype in ("*bf16", "*fp32"):
