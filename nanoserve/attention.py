@@ -239,6 +239,7 @@ def _decode_split_kernel(
     ONE_SPLIT: tl.constexpr,
     MERGE: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     # program (seq, kv_head, split): the GROUP query heads sharing kv_head (rows of one tl.dot, so each K/V byte
     # is read once) attend to the split-th of num_splits equal runs of whole key tiles of sequence seq's context,
@@ -247,6 +248,13 @@ def _decode_split_kernel(
     # split's output is the answer: it goes straight to out; the part pointers are not used. Otherwise each split
     # writes its partial output and log-sum-exp, and with MERGE the last split of (seq, kv_head) to finish merges
     # them into out (without, the caller merges: ext/cascade.py).
+    # DEPENDENT: launched as a programmatic dependent of the kernel before it (sm_90; ext/gemv.py asks for it, whose
+    # weight reads surround attention at batch 1): let the next kernel's programs be placed now, so that they
+    # prefetch their weights while this one runs, then wait until the kernel before has finished (its K/V stored),
+    # before any load
+    if DEPENDENT:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_row = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:  # several queries: the prefill kernel's
@@ -313,10 +321,13 @@ def _decode_split_kernel(
                     tl.store(out_at, merged[None, :].to(out_ptr.dtype.element_ty))
 
 
-def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+def paged_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float, dependent: bool = False
+) -> Tensor:
     """q: [num_tokens, num_heads, head_dim] -> out, same shape: causal attention over each sequence's cached keys.
     The sequences with several queries (prefill chunks) go through the prefill kernel, those with one (decodes)
-    through the split-KV kernel: in a mixed step both launch, each skipping the other's sequences."""
+    through the split-KV kernel: in a mixed step both launch, each skipping the other's sequences. dependent (sm_90
+    and later only): the split kernel launches as a programmatic dependent (ext/gemv.py's 4.)."""
     out = torch.empty_like(q)
     _, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = len(meta.context_lens), k_cache.shape[2]
@@ -373,7 +384,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
         ONE_SPLIT=num_splits == 1,
         MERGE=True,
         MAX_SPLITS=MAX_SPLITS,
+        DEPENDENT=dependent,
         num_warps=DECODE_NUM_WARPS,
+        launch_pdl=dependent,
     )
     return out
 

@@ -235,21 +235,6 @@ def rope_ref(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-def qk_norm_rope_ref(
-    q: Tensor,
-    k: Tensor,
-    positions: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    q_weight: Tensor | None = None,
-    k_weight: Tensor | None = None,
-    eps: float = 0.0,
-) -> tuple[Tensor, Tensor]:
-    if q_weight is not None:
-        q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
-    return rope_ref(q, positions, cos, sin), rope_ref(k, positions, cos, sin)
-
-
 def qk_norm_rope_store_kv_ref(
     q: Tensor,
     k: Tensor,
@@ -264,10 +249,14 @@ def qk_norm_rope_store_kv_ref(
     k_weight: Tensor | None = None,
     eps: float = 0.0,
 ) -> Tensor:
-    """qk_norm_rope_store_kv in PyTorch: the rotation (qk_norm_rope_ref), then the store (attention.store_kv_ref)."""
-    q, k = qk_norm_rope_ref(q, k, positions, cos, sin, q_weight, k_weight, eps)
+    """qk_norm_rope_store_kv in PyTorch: q and k normed over each head (Qwen3's QK-norm, with weights) and rotated (k in
+    place, as the kernel leaves it), then the store (attention.store_kv_ref). Returns the rotated q."""
+    normed_k = k
+    if q_weight is not None:
+        q, normed_k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
+    k.copy_(rope_ref(normed_k, positions, cos, sin))
     store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
-    return q
+    return rope_ref(q, positions, cos, sin)
 
 
 def silu_and_mul(x: Tensor) -> Tensor:

@@ -134,7 +134,9 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
             },
             A.prefill_num_warps(tile_m, q_torch),
         )
-    for one_split in (False, True):  # partials merged by the last split, or (a batch that fills the GPU) the output
+    # partials merged by the last split, or (a batch that fills the GPU) the output; and the split variant launched as
+    # a programmatic dependent (ext/gemv.py's engines on sm_90)
+    for one_split, dependent in ((False, False), (True, False), (False, True)):
         parts = (
             {"part_out_ptr": dtype, "part_lse_ptr": dtype}
             if one_split
@@ -152,10 +154,11 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
                 "ONE_SPLIT": one_split,
                 "MERGE": True,
                 "MAX_SPLITS": A.MAX_SPLITS,
+                "DEPENDENT": dependent,
             },
             A.DECODE_NUM_WARPS,
-            look_for=("atom.global.gpu.acq_rel.add", "ld.global.cg"),
-        ) | {"one_split": one_split}
+            look_for=("atom.global.gpu.acq_rel.add", "ld.global.cg", "griddepcontrol.launch_dependents"),
+        ) | {"one_split": one_split, "dependent": dependent}
     if kv_dtype != dtype:
         return  # the layer kernels never see the cache
     # the fused layer kernels, at Qwen3-0.6B's widths (hidden 1024, intermediate 3072) and 8x as wide

@@ -491,6 +491,28 @@ def test_decode_kernels_have_one_variant_for_every_batch(monkeypatch):
     }
 
 
+@pytest.mark.parametrize("dependent", [False, True])
+def test_a_dependent_decode_launch_comes_with_its_wait(monkeypatch, dependent):
+    """Guards against the split kernel launched as a programmatic dependent without the wait that its DEPENDENT build
+    compiles in (it could read K/V that the kernel before has not finished storing), or built with the wait and
+    launched plainly: paged_attention's `dependent` reaches both the launch's launch_pdl and the kernel's DEPENDENT,
+    and is off by default (ext/gemv.py turns it on; the build's order is checked in tests/test_sm90_build.py)."""
+    launches = []
+
+    class Recorder:  # stands in for _decode_split_kernel[grid](...)
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    monkeypatch.setattr(attention, "_decode_split_kernel", Recorder())
+    q, k_cache, v_cache, meta = make_batch([1, 1], [30, 7], **heads(2), head_dim=32, block_size=16, dtype=torch.float32)
+    paged_attention(q, k_cache, v_cache, meta, 0.125, dependent=dependent)
+    paged_attention(q, k_cache, v_cache, meta, 0.125)
+    assert [(kwargs["DEPENDENT"], kwargs["launch_pdl"]) for kwargs in launches] == [
+        (dependent, dependent),
+        (False,) * 2,
+    ]
+
+
 def test_decode_any_context_in_a_long_pool():
     """One grid serves contexts from 1 key to 40k (each sequence cuts its own context into the grid's splits),
     in a pool sized for them: a split length from max_model_len, or splits that lose the tail, would show here."""

@@ -154,7 +154,7 @@ def test_qk_norm_rope_store_kv_on_qkv_views(dtype, head_dim, num_heads, num_kv_h
     ref_cache = cache.clone()
     q, k, v = split(qkv.clone())
     ref_q = fused_ops.qk_norm_rope_store_kv_ref(q, k, v, positions, rotary.cos, rotary.sin, *ref_cache, slots, *weights)
-    ref_k = fused_ops.qk_norm_rope_ref(*split(qkv.clone())[:2], positions, rotary.cos, rotary.sin, *weights)[1]
+    ref_k = k  # rotated in place by the reference too
 
     fused = qkv.clone()
     q, k, v = split(fused)
@@ -231,8 +231,9 @@ ROPE_CONFIGS = {
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rope_refs_match_transformers(rope, qk_norm):
     """model.Rotary's cos/sin tables equal transformers' LlamaRotaryEmbedding (default and Llama 3 scaling), and
-    rope_ref / qk_norm_rope_ref on them equal Qwen3's per-head q_norm/k_norm followed by apply_rotary_pos_emb
-    (fp32, where transformers rounds nothing in between)."""
+    qk_norm_rope_store_kv_ref's rotation on them (q returned, k in place; every slot PAD_SLOT, nothing stored) equals
+    Qwen3's per-head q_norm/k_norm followed by apply_rotary_pos_emb, or that alone without the norm (fp32, where
+    transformers rounds nothing in between)."""
     head_dim, num_heads, num_kv_heads, max_pos = 32, 6, 2, 512
     cfg_class = Qwen3Config if qk_norm else LlamaConfig
     cfg = cfg_class(
@@ -261,7 +262,11 @@ def test_rope_refs_match_transformers(rope, qk_norm):
     q, k = torch.randn(tokens, num_heads, head_dim), torch.randn(tokens, num_kv_heads, head_dim)
     weights = (torch.randn(head_dim), torch.randn(head_dim), EPS) if qk_norm else ()
     cos, sin = hf_cos[:, : head_dim // 2].contiguous(), hf_sin[:, : head_dim // 2].contiguous()  # the same tables
-    got_q, got_k = fused_ops.qk_norm_rope_ref(q, k, positions, cos, sin, *weights)
+    got_k = k.clone()
+    no_slots = torch.full((tokens,), attention.PAD_SLOT, dtype=torch.int32)
+    cache = torch.zeros(1, 1, num_kv_heads, head_dim)
+    got_q = fused_ops.qk_norm_rope_store_kv_ref(q, got_k, got_k, positions, cos, sin, cache, cache, no_slots, *weights)
+    assert not cache.any()
     want_q, want_k = q, k
     if qk_norm:
         q_norm, k_norm = Qwen3RMSNorm(head_dim, eps=EPS), Qwen3RMSNorm(head_dim, eps=EPS)

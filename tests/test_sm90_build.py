@@ -71,7 +71,12 @@ def test_every_kernel_compiles_for_h100(builds, shape):
     """Guards against a kernel that only the interpreter accepts, or one whose variants stopped building."""
     kernels = [r["kernel"] for r in builds[shape]]
     assert kernels.count("_prefill_kernel") == len(prefill_tile_sizes(model_dtype(shape)))  # every query tile
-    assert kernels.count("_decode_split_kernel") == 2  # split and merged by the last split, and one split
+    assert kernels.count("_decode_split_kernel") == 3  # split and merged by the last split, one split, and the first
+    # as a programmatic dependent (ext/gemv.py's engines): it lets the next kernel start, and waits before any access
+    for r in builds[shape]:
+        if r["kernel"] == "_decode_split_kernel":
+            assert r["found"]["griddepcontrol.launch_dependents"] == r["dependent"], r
+            assert r["waits_before_memory"] is (True if r["dependent"] else None), r
     assert has_fp8_cache(shape) or LAYER_KERNELS <= set(kernels)
     assert kernels.count("_qk_norm_rope_store_kernel") == 2  # with the QK norm, and RoPE alone; each stores K/V
 
@@ -93,12 +98,13 @@ def test_hot_kernels_do_not_spill_and_prefill_uses_wgmma(builds, shape):
         # head_dim 16 are too short to say
         if hot and r["head_dim"] >= 64:
             assert 16 in r["async_copy_bytes"] and set(r["async_copy_bytes"]) <= copy_sizes, r
-    for decode in (r for r in builds[shape] if r["kernel"] == "_decode_split_kernel"):  # both variants
+    for decode in (r for r in builds[shape] if r["kernel"] == "_decode_split_kernel"):  # every variant
         assert PROGRAMS_PER_SM * DECODE_NUM_WARPS * 32 * decode["registers"] <= H100_REGISTERS_PER_SM, decode
         assert PROGRAMS_PER_SM * decode["shared_bytes"] <= H100_SHARED_BYTES_PER_SM, decode
         # the merge's handshake: a barrier after the partials' stores, then an acquire-release add at GPU scope, the
         # partials read past L1; none of it in one split
+        handshake = [decode["found"][text] for text in ("atom.global.gpu.acq_rel.add", "ld.global.cg")]
         if decode["one_split"]:
-            assert not any(decode["found"].values()) and decode["barrier_before_atomic"] is None, decode
+            assert not any(handshake) and decode["barrier_before_atomic"] is None, decode
         else:
-            assert all(decode["found"].values()) and decode["barrier_before_atomic"], decode
+            assert all(handshake) and decode["barrier_before_atomic"], decode

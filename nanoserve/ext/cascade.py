@@ -250,6 +250,7 @@ def cascade_attention(
         ONE_SPLIT=False,
         MERGE=False,  # the partials stay for the shared-prefix kernel to merge
         MAX_SPLITS=MAX_SPLITS,
+        DEPENDENT=False,  # a plain launch
         num_warps=DECODE_NUM_WARPS,
     )
     # 2) the shared keys, once per TILE_M rows of (sequence, query head), merged with the partials into out

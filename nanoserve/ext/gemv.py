@@ -29,8 +29,11 @@ How the kernel below does it, for y [rows, out] = x [rows, in] @ W [out, in]^T (
      rows, the one input that no earlier kernel writes, and then wait (griddepcontrol.wait) until the kernel before
      has finished and its writes are visible. Nothing is read or written before that wait but the prefetch. What it
      saves at each projection that follows another: the launch, and the first DRAM round trip (the software
-     pipeline's first tiles come from L2), about 1-2 us of a 3-6 us kernel at batch 1. Kernels that do not say so
-     (the core's attention, torch's) start their dependents at their end, as a plain launch would: correct, no gain.
+     pipeline's first tiles come from L2), about 1-2 us of a 3-6 us kernel at batch 1. The layer's attention, between
+     q|k|v's GEMV and o's, is asked to launch the same way (the core's paged_attention(..., dependent=True): its
+     decode kernel lets go first and waits before its first load), so o's programs prefetch their weight while
+     attention runs. Kernels that do not say so (torch's, the core's others) start their dependents at their end, as
+     a plain launch would: correct, no gain.
 More rows than MAX_ROWS (prefill, big batches) go to the base projection's torch matmul (cuBLAS), as before.
 
 Why a Triton kernel rather than a better cuBLAS (or cuBLASLt) configuration: cuBLASLt can be told a split-K factor and
@@ -46,6 +49,8 @@ every projection: kernels on one stream never overlap. On kernels="torch" the wr
 joins its ranks' results after its matmul, which the wrapper would skip); LoRA wraps the wrapped projections."""
 
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 from itertools import product
 from typing import TYPE_CHECKING
 
@@ -53,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nanoserve.attention import PAD_SLOT, _num_sms
+from nanoserve.attention import PAD_SLOT, _num_sms, paged_attention
 from nanoserve.checks import InvalidField, check_flag
 from nanoserve.config import EngineConfig
 from nanoserve.cuda_graphs import DecodeGraphs
@@ -62,8 +67,10 @@ from nanoserve.ext.gemv_fusions import (
     NormedRows,
     Rotation,
     fuse_into_layers,
+    norm_args,
     normed_input_ref,
     rotate_and_store_ref,
+    rotation_launch,
     warm_up_fusions,
 )
 from nanoserve.fused_ops import _norm_rope_heads, silu_and_mul_ref
@@ -108,6 +115,9 @@ def start(llm: "LLM") -> None:
         setattr(parent, name, wrapped[-1])
     if "lora" not in llm.config.extensions:  # (LoRA's adapters read SiLU-and-mul's output and the normed input)
         fuse_into_layers(model)  # ext/gemv_fusions.py
+    for layer in model.model.layers:  # attention, between q|k|v's GEMV and o's, a dependent too (4. above)
+        if workspace.dependent_launch and layer.kernels.paged_attention is paged_attention:  # (not cascade's)
+            layer.kernels = replace(layer.kernels, paged_attention=partial(paged_attention, dependent=True))
     if runner.device.type == "cuda":  # every build the kernel needs, now, not in a step (the LM head runs eagerly):
         # 1, some and MAX_ROWS rows (Triton compiles apart for an int equal to 1, or divisible by 16)
         for module, rows in product(wrapped, (1, 2, MAX_ROWS)):
@@ -230,7 +240,7 @@ def gemv(
         assert normed.weight.shape == (in_features,) and normed.weight.is_contiguous() and not silu_input
     assert rotation is None or rows <= gemv_fusions.ROTATE_MAX_ROWS, "a rotation's rows are done one by one: a few"
     y = x.new_empty(rows, out_features)
-    rotation_args, rotation_sizes = _rotation_launch(rotation, y)
+    rotation_args, rotation_sizes = rotation_launch(rotation, y)
     # each split's share of the inner dimension, in whole tiles, so the splits never overlap
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), BLOCK_K) * BLOCK_K
     grid = (triton.cdiv(out_features, BLOCK_N), split_k)
@@ -241,7 +251,7 @@ def gemv(
         y,
         workspace.partials,
         workspace.counters,
-        *(_norm_args(normed) if normed is not None else (x, x, 0, 0, x, 0.0)),  # (never read without a norm)
+        *(norm_args(normed) if normed is not None else (x, x, 0, 0, x, 0.0)),  # (never read without a norm)
         rows,
         out_features,
         in_features,
@@ -267,25 +277,6 @@ def gemv(
         launch_pdl=workspace.dependent_launch,
     )
     return y
-
-
-def _rotation_launch(rotation: Rotation | None, y: Tensor) -> tuple[tuple, dict]:
-    """What the kernel takes of a Rotation: its fields, the caches' block, slot and head strides and the head counts;
-    and its compile-time sizes: half a head, the head counts padded to powers of two, the cache's block size. Without
-    one: placeholders, never read, and 1s (one build)."""
-    if rotation is None:
-        sizes = {"ROTATE": False, "HALF": 1, "Q_HEADS_PAD": 1, "K_HEADS_PAD": 1, "CACHE_BLOCK": 1}
-        return (y,) * 6 + (None, None, 0.0) + (0,) * 5, sizes
-    q, k, _ = rotation.heads(y)
-    sizes = {"ROTATE": True, "HALF": q.shape[2] // 2, "CACHE_BLOCK": rotation.k_cache.shape[1]}
-    sizes |= {"Q_HEADS_PAD": triton.next_power_of_2(q.shape[1]), "K_HEADS_PAD": triton.next_power_of_2(k.shape[1])}
-    return (*rotation, *rotation.k_cache.stride()[:3], q.shape[1], k.shape[1]), sizes
-
-
-def _norm_args(normed: NormedRows) -> tuple:
-    """What the kernel takes of a NormedRows: the residual and stream and their row strides, the weight, eps."""
-    residual, stream = normed.residual, normed.stream
-    return residual, stream, residual.stride(0), stream.stride(0), normed.weight, normed.eps
 
 
 @triton.jit

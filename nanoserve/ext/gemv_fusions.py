@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from nanoserve.attention import PAD_SLOT, AttentionMetadata
 from nanoserve.fused_ops import add_rms_norm_ref, qk_norm_rope_store_kv_ref
 from nanoserve.model import Attention, KVCache, Rotary
+from nanoserve.triton_shim import triton
 
 NORM_MAX_ROWS = 4  # rows whose add + RMSNorm the GEMV forms in its load (more: the norm's own kernel; see 2 above)
 # the widest rows whose mean square the GEMV takes: its loop over a row's tiles is unrolled to keep their loads in
@@ -146,6 +147,25 @@ def rotate_and_store_ref(y: Tensor, rotation: Rotation) -> None:
     """The rotation in PyTorch, on q|k|v's output y: its q heads normed and rotated in place, K and V stored."""
     q, k, v = rotation.heads(y)
     q.copy_(qk_norm_rope_store_kv_ref(q, k, v, *rotation))
+
+
+def rotation_launch(rotation: Rotation | None, y: Tensor) -> tuple[tuple, dict]:
+    """What ext/gemv.py's kernel takes of a Rotation: its fields, the caches' block, slot and head strides and the head
+    counts; and its compile-time sizes: half a head, the head counts padded to powers of two, the cache's block size.
+    Without one: placeholders, never read, and 1s (one build)."""
+    if rotation is None:
+        sizes = {"ROTATE": False, "HALF": 1, "Q_HEADS_PAD": 1, "K_HEADS_PAD": 1, "CACHE_BLOCK": 1}
+        return (y,) * 6 + (None, None, 0.0) + (0,) * 5, sizes
+    q, k, _ = rotation.heads(y)
+    sizes = {"ROTATE": True, "HALF": q.shape[2] // 2, "CACHE_BLOCK": rotation.k_cache.shape[1]}
+    sizes |= {"Q_HEADS_PAD": triton.next_power_of_2(q.shape[1]), "K_HEADS_PAD": triton.next_power_of_2(k.shape[1])}
+    return (*rotation, *rotation.k_cache.stride()[:3], q.shape[1], k.shape[1]), sizes
+
+
+def norm_args(normed: NormedRows) -> tuple:
+    """What ext/gemv.py's kernel takes of a NormedRows: the residual and stream, their row strides, the weight, eps."""
+    residual, stream = normed.residual, normed.stream
+    return residual, stream, residual.stride(0), stream.stride(0), normed.weight, normed.eps
 
 
 class RotatingAttention(Attention):

@@ -503,3 +503,22 @@ def test_a_dependent_launch_always_comes_with_its_wait(monkeypatch, chosen):
     gemv.gemv(torch.randn(2, 256), weight, None, 2, workspace)
     (kwargs,) = launches
     assert kwargs["DEPENDENT"] is chosen and kwargs["launch_pdl"] is chosen
+
+
+def test_attention_launches_as_a_dependent_between_the_weight_reads(tiny_model, monkeypatch):
+    """Guards against the attention between q|k|v's GEMV and o's staying a plain launch where the GEMV is a
+    programmatic dependent (o's programs could then not be placed, nor prefetch, while attention runs), and against
+    it asked for where the GEMV is not: with dependent launches, every layer's kernel table calls the core's
+    paged_attention with dependent=True; without, the core's own function, untouched. (No step runs: on a CPU the
+    interpreter cannot run griddepcontrol.)"""
+    from nanoserve import attention
+
+    path, _ = tiny_model("qwen3")
+    monkeypatch.setattr(gemv, "dependent_launch", lambda device: True)
+    llm = LLM(path, **ENGINE, kernels="triton", small_batch_gemv=True)
+    for layer in llm.runner.model.model.layers:
+        launch = layer.kernels.paged_attention
+        assert launch.func is attention.paged_attention and launch.keywords == {"dependent": True}
+    monkeypatch.setattr(gemv, "dependent_launch", lambda device: False)
+    plain = LLM(path, **ENGINE, kernels="triton", small_batch_gemv=True)
+    assert all(layer.kernels.paged_attention is attention.paged_attention for layer in plain.runner.model.model.layers)
