@@ -15,7 +15,8 @@ class Kernels:
     name: str
     add_rms_norm: Callable  # (x, residual, weight, eps) -> (RMSNorm(x + residual) * weight, x + residual)
     # (q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, q_weight, k_weight, eps) -> q: q and k normed
-    # (Qwen3) and rotated in place, then this step's K/V into their slots (cast: fp8 too)
+    # (Qwen3) and rotated, k in place (the kernel rotates q in place too and returns it; the reference returns a new
+    # q), then this step's K/V into their slots (cast: fp8 too)
     qk_norm_rope_store_kv: Callable
     silu_and_mul: Callable  # [rows, 2n] = [gate | up] -> silu(gate) * up, [rows, n]
     paged_attention: Callable  # (q, k_cache, v_cache, meta, scale) -> out: through the block tables

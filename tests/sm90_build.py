@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+from itertools import product
 
 assert not os.environ.get("TRITON_INTERPRET"), "compile for sm_90 needs the real kernels, not the interpreter"
 import torch  # noqa: E402
@@ -134,9 +135,9 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
             },
             A.prefill_num_warps(tile_m, q_torch),
         )
-    # partials merged by the last split, or (a batch that fills the GPU) the output; and the split variant launched as
-    # a programmatic dependent (ext/gemv.py's engines on sm_90)
-    for one_split, dependent in ((False, False), (True, False), (False, True)):
+    # partials merged by the last split, or (a batch that fills the GPU) the output; and both launched as programmatic
+    # dependents (ext/gemv.py's engines on sm_90)
+    for one_split, dependent in product((False, True), (False, True)):
         parts = (
             {"part_out_ptr": dtype, "part_lse_ptr": dtype}
             if one_split

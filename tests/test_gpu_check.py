@@ -99,7 +99,7 @@ def test_bench_kernels_times_the_weight_reads(bench_kernels):
     # a layer's four projections chained over two layers (each fed the last's output), plain launches only on a CPU
     tiny = (("q|k|v", 96, 40), ("o", 40, 48), ("gate|up", 64, 40), ("down", 40, 32))
     row = bench_kernels.time_chained_gemvs(2, tiny, layers=2)
-    assert row["launches"] == 8 and row["plain_ms"] > 0 and row["dependent_ms"] is None
+    assert row["launches"] == 8 and row["plain_ms"] > 0 and row["dependent_ms"] is None and row["plain_timed"] == "cpu"
 
 
 def test_bench_kernels_sweep_times_each_setting_and_restores_today(bench_kernels, monkeypatch, tmp_path):

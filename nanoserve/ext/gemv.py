@@ -115,9 +115,10 @@ def start(llm: "LLM") -> None:
         setattr(parent, name, wrapped[-1])
     if "lora" not in llm.config.extensions:  # (LoRA's adapters read SiLU-and-mul's output and the normed input)
         fuse_into_layers(model)  # ext/gemv_fusions.py
-    for layer in model.model.layers:  # attention, between q|k|v's GEMV and o's, a dependent too (4. above)
-        if workspace.dependent_launch and layer.kernels.paged_attention is paged_attention:  # (not cascade's)
-            layer.kernels = replace(layer.kernels, paged_attention=partial(paged_attention, dependent=True))
+    for attn in (layer.self_attn for layer in model.model.layers):  # attention, between q|k|v's GEMV and o's, a
+        # dependent too (4. above): in the kernel table of the attention module, which calls it
+        if workspace.dependent_launch and attn.kernels.paged_attention is paged_attention:
+            attn.kernels = replace(attn.kernels, paged_attention=partial(paged_attention, dependent=True))
     if runner.device.type == "cuda":  # every build the kernel needs, now, not in a step (the LM head runs eagerly):
         # 1, some and MAX_ROWS rows (Triton compiles apart for an int equal to 1, or divisible by 16)
         for module, rows in product(wrapped, (1, 2, MAX_ROWS)):
@@ -155,7 +156,8 @@ class Workspace:
 
 def dependent_launch(device: torch.device) -> bool:
     """Whether the kernel launches as a programmatic dependent on this device: CUDA's sm_90 (Hopper) and later."""
-    return DEPENDENT_LAUNCH and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    on_nvidia = device.type == "cuda" and torch.version.hip is None  # (ROCm's MI300 reports capability 9.4)
+    return DEPENDENT_LAUNCH and on_nvidia and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 class FewRowLinear(nn.Module):
@@ -341,8 +343,8 @@ def _gemv_kernel(
     if DEPENDENT:  # launched as a programmatic dependent (4. in the module's docstring)
         tl.extra.cuda.gdc_launch_dependents()
         line = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line (1,024 bits)
-        first = tl.minimum(split * K_PER_SPLIT + tl.arange(0, PREFETCH_LINES) * line, K - 1)
-        _prefetch_into_l2(w_ptr + tl.minimum(n, N - 1)[:, None].to(tl.int64) * stride_w + first[None, :])
+        lines = tl.minimum(split * K_PER_SPLIT + tl.arange(0, PREFETCH_LINES) * line, K - 1)  # (all in the weight)
+        _prefetch_into_l2(w_ptr + tl.minimum(n, N - 1)[:, None].to(tl.int64) * stride_w + lines[None, :])
         tl.extra.cuda.gdc_wait()  # the kernel before has finished: x, the workspace and y are safe to touch
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if NORM_INPUT:  # each row's 1 / RMS(x + residual); program (0, 0) writes the stream x + residual

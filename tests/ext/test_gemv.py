@@ -508,17 +508,33 @@ def test_a_dependent_launch_always_comes_with_its_wait(monkeypatch, chosen):
 def test_attention_launches_as_a_dependent_between_the_weight_reads(tiny_model, monkeypatch):
     """Guards against the attention between q|k|v's GEMV and o's staying a plain launch where the GEMV is a
     programmatic dependent (o's programs could then not be placed, nor prefetch, while attention runs), and against
-    it asked for where the GEMV is not: with dependent launches, every layer's kernel table calls the core's
-    paged_attention with dependent=True; without, the core's own function, untouched. (No step runs: on a CPU the
-    interpreter cannot run griddepcontrol.)"""
+    either asked for where the device has none: in a real generation every GEMV and every decode attention launch
+    asks for a dependent launch (launch_pdl and DEPENDENT both) exactly when the workspace does, and the tokens are
+    the same either way. The interpreter cannot run griddepcontrol, so each launch is recorded, then run plainly."""
     from nanoserve import attention
 
     path, _ = tiny_model("qwen3")
-    monkeypatch.setattr(gemv, "dependent_launch", lambda device: True)
-    llm = LLM(path, **ENGINE, kernels="triton", small_batch_gemv=True)
-    for layer in llm.runner.model.model.layers:
-        launch = layer.kernels.paged_attention
-        assert launch.func is attention.paged_attention and launch.keywords == {"dependent": True}
-    monkeypatch.setattr(gemv, "dependent_launch", lambda device: False)
-    plain = LLM(path, **ENGINE, kernels="triton", small_batch_gemv=True)
-    assert all(layer.kernels.paged_attention is attention.paged_attention for layer in plain.runner.model.model.layers)
+    asked = set()
+
+    class AsPlain:  # stands in for a kernel: records how it was launched, then launches the real one plainly
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                asked.add((self.name, kwargs["DEPENDENT"], kwargs["launch_pdl"]))
+                return self.kernel[grid](*args, **kwargs | {"DEPENDENT": False, "launch_pdl": False})
+
+            return launch
+
+    monkeypatch.setattr(gemv, "_gemv_kernel", AsPlain("gemv", gemv._gemv_kernel))
+    monkeypatch.setattr(attention, "_decode_split_kernel", AsPlain("attention", attention._decode_split_kernel))
+    prompts = random_prompts([9, 4])
+    tokens = {}
+    for dependent in (True, False):
+        monkeypatch.setattr(gemv, "dependent_launch", lambda device, dependent=dependent: dependent)
+        llm = LLM(path, **ENGINE, kernels="triton", small_batch_gemv=True)
+        asked.clear()
+        tokens[dependent] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert asked == {("gemv", dependent, dependent), ("attention", dependent, dependent)}
+    assert tokens[True] == tokens[False]
