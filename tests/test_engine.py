@@ -104,9 +104,9 @@ def test_stop_token_ids_eos_and_min_tokens(llama):
     prompt = random_prompts([12])
     free = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     stop_id = free[5]
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]), use_tqdm=False)[
-        0
-    ]
+    # the model's own EOS ignored: a random prompt's greedy tokens may hold it before the stop id
+    stop_only = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id], ignore_eos=True)
+    out = llm.generate(prompt, stop_only, use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].token_ids == free[: free.index(stop_id) + 1]
     llm.eos_token_ids = frozenset({stop_id})  # the same token as the model's EOS
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
@@ -179,7 +179,7 @@ def test_bad_requests_raise_before_work_and_engine_stays_usable(llama):
     ]:
         with pytest.raises(ValueError, match=field):
             llm.generate([good], bad_params, use_tqdm=False)
-    huge_seed = SamplingParams(temperature=1.0, max_tokens=4, seed=2**80)  # any int seed is fine
+    huge_seed = SamplingParams(temperature=1.0, max_tokens=4, seed=2**80, ignore_eos=True)  # any int seed is fine
     assert len(llm.generate([good], huge_seed, use_tqdm=False)[0].outputs[0].token_ids) == 4
     assert llm.stats()["kv_blocks_used"] == 0 and not llm.scheduler.has_unfinished()
     assert llm.generate([good], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, good, 24)

@@ -90,7 +90,7 @@ def test_the_default_model_beam_search_and_chat_without_their_extensions(tiny_mo
     refused("messages", llm.chat, [{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match="nanoserve.ext.beam_search"):  # vLLM's import place names it too
         from nanoserve.sampling_params import BeamSearchParams  # noqa: F401
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4 and llm.stats()["kv_blocks_used"] == 0
 
 
@@ -101,7 +101,8 @@ def test_vllm_names_without_their_extension_are_unknown(monkeypatch, tiny_model)
     llm = LLM(tiny_model("llama")[0], device="cpu", max_model_len=64, num_kvcache_blocks=16)
     prompt = random_prompts([5])[0]
     assert "vllm_names" in str(refused("prompt", llm.generate, {"prompt_token_ids": prompt}, use_tqdm=False))
-    assert len(llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+    out = llm.generate(prompt, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2
     assert "unknown" in refused("block_size", EngineConfig.from_kwargs, device="cpu", block_size=16).problem
     assert EngineConfig.from_kwargs(device="cpu", kvcache_block_size=32).kvcache_block_size == 32
 
@@ -114,7 +115,7 @@ def test_lora_without_its_extension_is_refused_by_name(tiny_model, monkeypatch):
     refused("enable_lora", LLM, device="cpu", enable_lora=True)
     llm = LLM(tiny_model("llama")[0], device="cpu", max_model_len=64, num_kvcache_blocks=16)
     prompt = random_prompts([5])[0]
-    params = SamplingParams(temperature=0, max_tokens=4)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     refused("lora_request", llm.generate, prompt, params, use_tqdm=False, lora_request=("an adapter", 1, "path"))
     out = llm.generate(prompt, params, use_tqdm=False, lora_request=None)[0]
     assert len(out.outputs[0].token_ids) == 4 and llm.stats()["kv_blocks_used"] == 0

@@ -101,7 +101,7 @@ def test_fp8_pool_holds_twice_the_tokens_of_bf16(tiny_model, monkeypatch):
     assert "x 1 bytes (float8_e4m3fn)" in fp8.runner.kv_account()
     assert "x 2 bytes (bfloat16)" in bf16.runner.kv_account()
     prompts = random_prompts([5, 30])
-    outs = fp8.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    outs = fp8.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
     assert fp8.stats()["kv_blocks_used"] == 0
 

@@ -47,13 +47,18 @@ def randint(low, high):
 
 
 def assert_close(out, ref, dtype, what):
-    """Within about a rounding step; in fp16 also bit-equal almost everywhere, which catches a kernel that
-    skips one of the roundings the reference does (that alone moves ~25% of elements by one step)."""
+    """Within about a rounding step; in fp16 also bit-equal almost everywhere (all but 2% of the elements, or
+    all but two in a small tensor), which catches a kernel that skips one of the roundings the reference does
+    (that alone moves ~25% of elements by one step). A few differ by chance: a QK-norm whose fp32 mean square
+    sums in another order may move a normed element by an ulp, and RoPE then carries it into both elements of
+    its rotated pair, over 2% of a tensor of under 100 elements (a small draw's k or cached K)."""
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= ATOL[dtype] * max(1.0, ref.float().abs().max().item()), f"{what}: max abs err {err:.3g}"
     if dtype == torch.float16:
-        equal = (out == ref).float().mean().item()
-        assert equal >= 0.98, f"{what}: only {equal:.1%} of elements bit-equal to the reference"
+        differ = int((out != ref).sum())
+        assert differ <= max(2, 0.02 * out.numel()), (
+            f"{what}: {differ} of {out.numel()} elements not bit-equal to the reference"
+        )
 
 
 def make_args(head_dim, num_heads, num_kv_heads, qk_norm):

@@ -55,7 +55,7 @@ def test_prompt_logprobs_match_transformers_across_chunks(tiny_model, family, ov
     params = [
         SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=3),
         SamplingParams(temperature=0, max_tokens=3),
-        SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1, logprobs=2),
         SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=5),
     ]
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -52,6 +52,60 @@ def hf_beams(hf, prompt, k, max_tokens, length_penalty, eos, early_stopping=Fals
     return beams
 
 
+TIE = 2e-6  # relative: transformers sums its beams' scores in fp32 (a dozen steps' sum of ~60 may be ~4e-7 of it off),
+# nanoserve in fp64, so two scores this close may come in either order
+
+
+def closest_decision(hf, prompt, k, max_tokens, length_penalty, eos) -> float:
+    """The smallest relative gap between two scores that transformers' rule compares in this search, run plainly (as
+    reference_beam_search below) on hf's logprobs summed in fp64: at each step the k-th and (k+1)-th candidates (the
+    last to finish or go on), the k-th and (k+1)-th that go on, neighbouring finished beams (their order, and which
+    are kept), and the best running beam against the worst finished one (the stopping test)."""
+    stop_ids = set() if eos is None else {eos}
+    gaps = []
+
+    def gap(a: float, b: float) -> None:
+        gaps.append(abs(a - b) / max(abs(a), abs(b), 1e-30))
+
+    beams, finished = [(0.0, list(prompt))], []
+    for length in range(1, max_tokens + 1):
+        with torch.no_grad():
+            rows = hf(torch.tensor([tokens for _, tokens in beams])).logits[:, -1].float().log_softmax(-1).tolist()
+        candidates = sorted(
+            (
+                (cum + lp, tokens + [t])
+                for (cum, tokens), row in zip(beams, rows, strict=True)
+                for t, lp in enumerate(row)
+            ),
+            key=lambda c: -c[0],
+        )
+        going_on = [c for c in candidates if c[1][-1] not in stop_ids]
+        gap(candidates[k - 1][0], candidates[k][0])
+        gap(going_on[k - 1][0], going_on[k][0])
+        for cum, tokens in candidates[:k]:
+            if tokens[-1] in stop_ids or length == max_tokens:
+                finished.append((cum / length**length_penalty, tokens))
+        finished.sort(key=lambda f: -f[0])
+        for (a, _), (b, _) in zip(finished, finished[1 : k + 1], strict=False):
+            gap(a, b)
+        finished, beams = finished[:k], going_on[:k]
+        if length < max_tokens and len(finished) == k:
+            gap(beams[0][0] / length**length_penalty, finished[-1][0])
+            if beams[0][0] / length**length_penalty <= finished[-1][0]:
+                break
+    return min(gaps)
+
+
+def assert_beams_match(ours, hf, prompt, k, max_tokens, length_penalty, eos):
+    """ours (each beam's tokens, best first) are transformers' beams, unless the search met a near-tie (closer than
+    TIE), which fp32 rounding may decide otherwise: on the tiny Qwen2, whose logits are flat, about one search in
+    20,000 (2 of 530 runs of test_beams_match_transformers failed before this rule)."""
+    theirs = hf_beams(hf, prompt, k, max_tokens, length_penalty, eos)
+    if ours != theirs:
+        closest = closest_decision(hf, prompt, k, max_tokens, length_penalty, eos)
+        assert closest < TIE, f"beams differ without a near-tie (closest {closest:.2g}): {ours} != {theirs}"
+
+
 def favourite_token(llm, prompt, k, max_tokens, length_penalty):
     """The token prompt's beams generate most often (EOS ignored): made the EOS, so that beams do end on it."""
     out = llm.beam_search([prompt], BeamSearchParams(k, max_tokens, ignore_eos=True, length_penalty=length_penalty))
@@ -68,7 +122,8 @@ def test_beams_match_transformers(tiny_model, family):
     length normalisation (which length), when the search stops, the order of the beams returned; and against forks
     that share the wrong blocks or a copy-on-write that copies the wrong one (wrong K/V changes the tokens). Eight
     prompts per case, with EOS ignored (the search runs to max_tokens) and with an EOS each prompt's beams like (they
-    end on it, and the search may stop early)."""
+    end on it, and the search may stop early); fresh prompts each run, so a search that meets a near-tie may differ
+    (assert_beams_match)."""
     path, hf = tiny_model(family)
     llm = LLM(path, max_model_len=256, num_kvcache_blocks=96, kvcache_block_size=16)
     prompts = random_prompts([3, 9, 14, 16, 17, 30, 33, 5])
@@ -77,12 +132,12 @@ def test_beams_match_transformers(tiny_model, family):
         params = BeamSearchParams(k, max_tokens, ignore_eos=True, length_penalty=length_penalty)
         outs = llm.beam_search(prompts, params)
         for prompt, out in zip(prompts, outs, strict=True):
-            assert [s.tokens for s in out.sequences] == hf_beams(hf, prompt, k, max_tokens, length_penalty, None)
+            assert_beams_match([s.tokens for s in out.sequences], hf, prompt, k, max_tokens, length_penalty, None)
         for prompt in prompts:
             eos = favourite_token(llm, prompt, k, max_tokens, length_penalty)
             llm.eos_token_ids = frozenset({eos})  # what the model's config would say
             out = llm.beam_search([prompt], BeamSearchParams(k, max_tokens, length_penalty=length_penalty))[0]
-            assert [s.tokens for s in out.sequences] == hf_beams(hf, prompt, k, max_tokens, length_penalty, eos)
+            assert_beams_match([s.tokens for s in out.sequences], hf, prompt, k, max_tokens, length_penalty, eos)
             assert [s.score for s in out.sequences] == sorted((s.score for s in out.sequences), reverse=True)
             reasons.update(s.finish_reason for s in out.sequences)
             for s in out.sequences:

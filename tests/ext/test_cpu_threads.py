@@ -41,7 +41,7 @@ def test_the_engine_takes_the_free_cores_unless_told(tiny_model, monkeypatch, to
     """Guards against the engine ignoring the measure (every core on a busy machine: 60 -> 1.4 tok/s), or the measure
     overriding threads=; and, with the extension deleted, against anything but torch's own count."""
     path, _ = tiny_model("llama")
-    greedy = SamplingParams(temperature=0, max_tokens=3)
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     monkeypatch.setattr(cpu_threads, "free_cores", lambda: 1)
     llm = LLM(path, **ENGINE)
     assert torch.get_num_threads() == 1

@@ -133,15 +133,16 @@ def test_the_normed_input_is_rounded_as_the_norm_kernel_rounds_it():
     """Guards against the fused add + RMSNorm rounding otherwise than the norm's own kernel (the normed value rounded to
     the dtype before the weight multiplies it, the sum in the dtype): through an identity projection in fp16 (every
     product exact, each output one input element), the GEMV gives add_rms_norm_ref's normed rows, all but a few
-    elements exactly (the fp32 mean square's summing order may move one by an ulp; rounding once instead of twice
-    moves about a quarter of them)."""
+    elements exactly (the fp32 mean square's summing order may move a normed value by an ulp, which the weight's
+    product, rounded again, can make two ulps of the output; rounding once instead of twice moves about a quarter of
+    them)."""
     width, rows = random.choice([128, 256, 384]), random.randint(1, fusions.NORM_MAX_ROWS)
     normed = draw_normed_rows(torch.randn(rows, width, device=DEVICE).to(torch.float16), torch.float16)
     workspace = gemv.Workspace([(2, 2 * width // gemv.BLOCK_N)], torch.device(DEVICE))
     got = gemv.gemv(normed, torch.eye(width, device=DEVICE).half(), None, 2, workspace)
     want, _ = add_rms_norm_ref(normed.x, normed.residual, normed.weight, normed.eps)
     assert (got != want).float().mean() < 0.02
-    torch.testing.assert_close(got, want, atol=0, rtol=2**-10)
+    torch.testing.assert_close(got, want, atol=0, rtol=2**-9)  # two ulps
 
 
 def draw_rotation(rows, num_q_heads, num_kv_heads, head_dim, dtype, qk_norm):
