@@ -25,6 +25,7 @@ FILE also writes them). Without a GPU the flags left out take CPU sizes, and a l
                                              # whose answers copy their input (repeat, correct, reformat a text)
     python bench.py --latency --speculative ngram       # one request, with and without n-gram drafts
     python bench.py --latency --gemv         # one request, the weights read by cuBLAS, then by ext/gemv.py's GEMV
+                                             # (on an H100 also without its dependent launches)
 """
 
 import argparse
@@ -740,7 +741,8 @@ def run_all(args, cpu_default):
             name = f"speculative decoding ({args.speculative})"
             return run_beside(args, model_dir, cpu_default, name, speculative=speculative_config(args))
         if args.gemv:
-            return run_beside(args, model_dir, cpu_default, "few-row GEMV", gemv=True)
+            rows = run_beside(args, model_dir, cpu_default, "few-row GEMV", gemv=True)
+            return rows + gemv_without_dependent_launch(args, model_dir, cpu_default, rows[-1])
         rows, workload = run_engine(args, model_dir, cpu_default)
         if args.compare:
             if torch.cuda.is_available():
@@ -769,6 +771,33 @@ def run_beside(args, model_dir, cpu_default, name, **option):
     other[0]["speedup"] = round(ratio, 2)
     print(f"{name} / without: {ratio:.2f}x {rate}")
     return plain + other
+
+
+def dependent_launch_here() -> bool:
+    """Whether this machine's GPU launches ext/gemv.py's kernels as programmatic dependents (its 4.: sm_90 on)."""
+    from nanoserve.ext import gemv
+
+    return torch.cuda.is_available() and gemv.dependent_launch(torch.device("cuda"))
+
+
+def gemv_without_dependent_launch(args, model_dir, cpu_default, gemv_row: dict) -> list[dict]:
+    """Where the GPU has programmatic dependent launch, the GEMV's run once more with it off (ext/gemv.py's
+    DEPENDENT_LAUNCH, for this engine only): what the dependent launches bring by themselves, as `dependent_speedup` on
+    the GEMV's row (whose decode rate over this run's). Nothing elsewhere."""
+    from nanoserve.ext import gemv
+
+    if not dependent_launch_here():
+        return []
+    saved, gemv.DEPENDENT_LAUNCH = gemv.DEPENDENT_LAUNCH, False
+    try:
+        rows, _ = run_engine(args, model_dir, cpu_default, gemv=True)
+    finally:
+        gemv.DEPENDENT_LAUNCH = saved
+    rate = "decode_tok_per_s" if args.latency else "tok_per_s"
+    rows[0]["gemv"] = "without dependent launch"
+    gemv_row["dependent_speedup"] = round(gemv_row[rate] / rows[0][rate], 3)
+    print(f"few-row GEMV, dependent launches / without: {gemv_row['dependent_speedup']:.3f}x {rate}")
+    return rows
 
 
 def peak_rss_mb() -> int:

@@ -129,7 +129,8 @@ for stage in $stages; do
       bench_rows latency --latency
       # speculative decoding at batch 1: the plain run and the n-gram one, in one process (BENCHMARKS.md's prediction)
       bench_rows latency-speculative --latency --speculative ngram
-      # the few-row GEMV (ext/gemv.py) at batch 1: cuBLAS's run, then the GEMV's, in one process (BENCHMARKS.md)
+      # the few-row GEMV (ext/gemv.py) at batch 1: cuBLAS's run, then the GEMV's, then (sm_90) the GEMV's without
+      # its dependent launches, in one process (BENCHMARKS.md)
       bench_rows latency-gemv --latency --gemv
       bench_rows prefix --prefix
       bench_rows kv-report --kv-report

@@ -246,6 +246,31 @@ def test_gemv_runs_beside_the_plain_run(tmp_path):
     assert fast["speedup"] == pytest.approx(fast["decode_tok_per_s"] / plain["decode_tok_per_s"], abs=0.01)
 
 
+@needs["nanoserve.ext.gemv"]
+def test_gemv_runs_again_without_dependent_launches_where_the_gpu_has_them(tmp_path, monkeypatch):
+    """Guards against the A/B of the GEMV's programmatic dependent launches reporting a run it did not make, or leaving
+    them off for what follows: where the GPU has them (stood in for here: the CPU's runs launch plainly either way),
+    a third run with DEPENDENT_LAUNCH off, marked so, the same tokens, its ratio on the GEMV's row, the switch on
+    again."""
+    from nanoserve.ext import gemv
+
+    switch = []
+    real_engine = bench.run_engine
+
+    def run_engine(*args, **kwargs):
+        switch.append(gemv.DEPENDENT_LAUNCH)
+        return real_engine(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "dependent_launch_here", lambda: True)
+    monkeypatch.setattr(bench, "run_engine", run_engine)
+    plain, fast, without = run_bench(tmp_path, *TINY, "--latency", "--gemv")
+    assert (plain["gemv"], fast["gemv"], without["gemv"]) == (False, True, "without dependent launch")
+    assert switch == [True, True, False] and gemv.DEPENDENT_LAUNCH
+    assert fast["output_tokens"] == without["output_tokens"] == 256
+    ratio = fast["decode_tok_per_s"] / without["decode_tok_per_s"]
+    assert fast["dependent_speedup"] == pytest.approx(ratio, abs=0.001)
+
+
 def test_attention_bench_times_the_fused_rotation_and_store():
     """bench_attention's rotate+store rows on a CPU (the interpreter, fp32, 3 tokens): the fused kernel and its
     reference timed on the same inputs, and the two agreeing on q and on the cache."""
