@@ -30,9 +30,10 @@ ON_GPU = DEVICE == "cuda"
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 KV_BYTES_PER_TOKEN_BF16 = 2 * NUM_KV_HEADS * HEAD_DIM * 2  # K and V of one token in bf16, one layer
 # the sweep's candidates (issue 33: prefill at least 0.75x SDPA, FP8 within 10% of bf16; long contexts at small batch
-# at least 0.9x SDPA). Prefill (query rows, keys per step, pipeline stages, warps): today's first, then the Triton
-# fused-attention tutorial's Hopper choice (128 x 128, 3 stages, 8 warps) and the neighbours of both (each row's
-# "today" says whether it is attention.py's own setting for the sweep's dtype)
+# at least 0.9x SDPA). Prefill (query rows, keys per step, pipeline stages, warps): the setting before 2026-11-29's
+# fifth session (an fp8 cache's today), then the Triton fused-attention tutorial's Hopper choice (128 x 128, 3 stages,
+# 8 warps; a 16-bit cache's today since that session) and the neighbours of both (each row's "today" says whether it
+# is attention.py's own setting for the sweep's dtype and cache)
 PREFILL_CONFIGS = (
     (128, 64, 3, 8),
     (128, 128, 3, 8),
@@ -399,10 +400,12 @@ def patched(module, **values):
 
 def prefill_settings(tile_m: int, tile_n: int, stages: int, warps: int, itemsize: int) -> dict:
     """attention.py's prefill constants that make paged_attention launch this configuration for queries of itemsize
-    bytes (8 warps: the wide-tile threshold at tile_m; 4: above it)."""
+    bytes (8 warps: the wide-tile threshold at tile_m; 4: above it; tile_n keys per step for wide tiles and others
+    alike)."""
     return {
         "PREFILL_TILE_M": {**A.PREFILL_TILE_M, itemsize: tile_m},
         "PREFILL_TILE_N": tile_n,
+        "PREFILL_WIDE_TILE_N": tile_n,
         "PREFILL_NUM_STAGES": stages,
         "PREFILL_WIDE_TILE_M": {**A.PREFILL_WIDE_TILE_M, itemsize: tile_m if warps == 8 else 2 * tile_m},
     }
@@ -433,10 +436,13 @@ def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, d
 
     num_seqs, tokens = prefill_shape
     today_tile_m = A.PREFILL_TILE_M[dtype.itemsize]
-    today_prefill = (today_tile_m, A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, A.prefill_num_warps(today_tile_m, dtype))
     kv_bytes_per_token = 2 * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize  # K and V, one layer
     flops = 4 * num_seqs * NUM_HEADS * HEAD_DIM * tokens * tokens / 2  # QK^T and PV over the causal half
+    today_warps = A.prefill_num_warps(today_tile_m, dtype)
     for kv_dtype in (None, torch.float8_e4m3fn):
+        wide = today_warps == 8 and (kv_dtype or dtype).itemsize == 2  # (attention.py's rule for 128 keys per step)
+        today_n = A.PREFILL_WIDE_TILE_N if wide else A.PREFILL_TILE_N
+        today_prefill = (today_tile_m, today_n, A.PREFILL_NUM_STAGES, today_warps)
         for tile_m, tile_n, stages, warps in PREFILL_CONFIGS:
             with patched(A, **prefill_settings(tile_m, tile_n, stages, warps, dtype.itemsize)):
                 ms = timed_or_nan([tokens] * num_seqs, [tokens] * num_seqs, dtype=dtype, kv_dtype=kv_dtype)

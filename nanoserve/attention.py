@@ -38,6 +38,10 @@ MIN_DOT_ROWS = 16  # tl.dot needs >= 16 rows: small query tiles and decode GQA g
 PREFILL_TILE_M = {2: 128, 4: 32}  # most query rows per prefill program, by the query's element size (16-bit: the
 # Triton fused-attention tutorial's H100 choice)
 PREFILL_TILE_N = 64  # keys per step of the prefill loop
+# ... of a wide tile's (8 warps) over a 16-bit cache: the tutorial's H100 choice again, half the loop's steps, each
+# twice the work for the same softmax bookkeeping (242 registers, one program per SM as at 64); at 128 keys a 4-warp
+# tile spills, and so does an fp8 cache's widened tile on triton 3.6
+PREFILL_WIDE_TILE_N = 128
 PREFILL_WIDE_TILE_M = {2: 128, 4: 16}  # prefill tiles of this many rows or more run on 8 warps (16-bit: 2 warpgroups)
 PREFILL_NUM_STAGES = 3  # K/V tiles in flight in the prefill loop's software pipeline (Triton's default, named for
 # bench_kernels.py's sweep)
@@ -351,14 +355,15 @@ def paged_attention(
         # query rows per program: short tiles when every query is short (small chunks), from MIN_DOT_ROWS up to the
         # query dtype's PREFILL_TILE_M
         tile_m = min(PREFILL_TILE_M[q.dtype.itemsize], max(MIN_DOT_ROWS, triton.next_power_of_2(meta.max_query_len)))
+        warps = prefill_num_warps(tile_m, q.dtype)
         _prefill_kernel[triton.cdiv(meta.max_query_len, tile_m), num_seqs, num_heads](
             *args,
             out,
             *out.stride()[:2],
             **shape,
             TILE_M=tile_m,
-            TILE_N=PREFILL_TILE_N,
-            num_warps=prefill_num_warps(tile_m, q.dtype),
+            TILE_N=PREFILL_WIDE_TILE_N if warps == 8 and k_cache.dtype.itemsize == 2 else PREFILL_TILE_N,
+            num_warps=warps,
             num_stages=PREFILL_NUM_STAGES,
         )
     # the decodes: the split kernel writes each split's partial output and log-sum-exp, and the last split of each

@@ -24,7 +24,7 @@ from nanoserve.attention import (
     MAX_SPLITS,
     PAD_SLOT,
     PREFILL_TILE_M,
-    PREFILL_TILE_N,
+    PREFILL_WIDE_TILE_N,
     PROGRAMS_PER_SM,
     AttentionMetadata,
     _num_sms,
@@ -532,7 +532,7 @@ def test_mixed_step_sends_decodes_to_the_split_kernel(group, dtype, monkeypatch)
     others through the prefill kernel, each skipping the other's rows: together they match the reference, and with
     either launch removed exactly its own rows stay unwritten (NaN from the poisoned allocator)."""
     decode_ctx = [randint(1, 200) for _ in range(4)]
-    query_lens = [1, randint(2, 40), 1, 1, randint(PREFILL_TILE_N, 150), 1]
+    query_lens = [1, randint(2, 40), 1, 1, randint(PREFILL_WIDE_TILE_N, 150), 1]
     context_lens = [decode_ctx[0], randint(40, 120), decode_ctx[1], decode_ctx[2], randint(150, 260), decode_ctx[3]]
     q, k_cache, v_cache, meta = make_batch(
         query_lens, context_lens, **heads(group), head_dim=32, block_size=16, dtype=dtype

@@ -108,15 +108,16 @@ def test_bench_kernels_sweep_times_each_setting_and_restores_today(bench_kernels
     and attention.py's constants as they were afterwards."""
     from nanoserve import attention as A
 
-    before = (A.PREFILL_TILE_M, A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, A.PREFILL_WIDE_TILE_M, A.DECODE_TILE_N)
+    names = ("PREFILL_TILE_M", "PREFILL_TILE_N", "PREFILL_WIDE_TILE_N", "PREFILL_NUM_STAGES", "PREFILL_WIDE_TILE_M")
+    before = [getattr(A, name) for name in (*names, "DECODE_TILE_N")]
     settings = bench_kernels.prefill_settings(64, 32, 2, 4, 4)
     with bench_kernels.patched(A, **settings):
-        assert (A.PREFILL_TILE_M[4], A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES) == (64, 32, 2)
+        assert (A.PREFILL_TILE_M[4], A.PREFILL_TILE_N, A.PREFILL_WIDE_TILE_N, A.PREFILL_NUM_STAGES) == (64, 32, 32, 2)
         assert A.prefill_num_warps(64, torch.float32) == 4
     with bench_kernels.patched(A, **bench_kernels.prefill_settings(16, 16, 3, 8, 4)):
         assert A.prefill_num_warps(16, torch.float32) == 8
-    assert (A.PREFILL_TILE_M, A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, A.PREFILL_WIDE_TILE_M, A.DECODE_TILE_N) == before
-    today_prefill = (A.PREFILL_TILE_M[4], A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, 8)  # fp32's today (32 rows: 8 warps)
+    assert [getattr(A, name) for name in (*names, "DECODE_TILE_N")] == before
+    today_prefill = (A.PREFILL_TILE_M[4], A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, 8)  # fp32's (32 rows: 8 warps)
     assert A.prefill_num_warps(A.PREFILL_TILE_M[4], torch.float32) == 8
     monkeypatch.setattr(bench_kernels, "PREFILL_CONFIGS", (today_prefill, (16, 16, 2, 4)))
     monkeypatch.setattr(bench_kernels, "SPLIT_COUNTS", (2,))
@@ -129,7 +130,7 @@ def test_bench_kernels_sweep_times_each_setting_and_restores_today(bench_kernels
     assert len(prefill) == 2 and len(decode) == len({2, chosen}) and len(rows) == 2 * 2 + len(decode)
     assert [r["today"] for r in prefill] == [True, False] and sum(r["today"] for r in decode) == 1
     assert all(r["ms"] > 0 for r in rows)
-    assert (A.PREFILL_TILE_M, A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, A.PREFILL_WIDE_TILE_M, A.DECODE_TILE_N) == before
+    assert [getattr(A, name) for name in (*names, "DECODE_TILE_N")] == before
     # at a shape named for it, the warps too: each candidate's warps reach the launcher, and today's come back
     launched = []
     real_kernel = A._decode_split_kernel
