@@ -96,7 +96,7 @@ def milliseconds(fn, graph: bool = False) -> float:
     once and its replays timed (bench_attention.replayed: what runs inside the engine's decode graphs, without the
     host's launch work; a capture that fails is timed eagerly and says so on stdout); one timed call on a CPU."""
     if ON_GPU:
-        return do_bench(replayed(fn)[0] if graph else fn)
+        return replayed_ms(fn)[0] if graph else do_bench(fn)
     start = time.perf_counter()
     fn()
     return 1000 * (time.perf_counter() - start)
@@ -108,7 +108,7 @@ def replayed_ms(fn) -> tuple[float, str]:
     if not ON_GPU:
         return milliseconds(fn), "cpu"
     replay, how = replayed(fn)
-    return do_bench(replay), how
+    return do_bench(replay), how  # (milliseconds' graph timing)
 
 
 def synchronize() -> None:
@@ -438,10 +438,8 @@ def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, d
     today_tile_m = A.PREFILL_TILE_M[dtype.itemsize]
     kv_bytes_per_token = 2 * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize  # K and V, one layer
     flops = 4 * num_seqs * NUM_HEADS * HEAD_DIM * tokens * tokens / 2  # QK^T and PV over the causal half
-    today_warps = A.prefill_num_warps(today_tile_m, dtype)
     for kv_dtype in (None, torch.float8_e4m3fn):
-        wide = today_warps == 8 and (kv_dtype or dtype).itemsize == 2  # (attention.py's rule for 128 keys per step)
-        today_n = A.PREFILL_WIDE_TILE_N if wide else A.PREFILL_TILE_N
+        today_warps, today_n = A.prefill_tile(today_tile_m, dtype.itemsize, (kv_dtype or dtype).itemsize)
         today_prefill = (today_tile_m, today_n, A.PREFILL_NUM_STAGES, today_warps)
         for tile_m, tile_n, stages, warps in PREFILL_CONFIGS:
             with patched(A, **prefill_settings(tile_m, tile_n, stages, warps, dtype.itemsize)):

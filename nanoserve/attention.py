@@ -355,14 +355,14 @@ def paged_attention(
         # query rows per program: short tiles when every query is short (small chunks), from MIN_DOT_ROWS up to the
         # query dtype's PREFILL_TILE_M
         tile_m = min(PREFILL_TILE_M[q.dtype.itemsize], max(MIN_DOT_ROWS, triton.next_power_of_2(meta.max_query_len)))
-        warps = prefill_num_warps(tile_m, q.dtype)
+        warps, tile_n = prefill_tile(tile_m, q.dtype.itemsize, k_cache.dtype.itemsize)
         _prefill_kernel[triton.cdiv(meta.max_query_len, tile_m), num_seqs, num_heads](
             *args,
             out,
             *out.stride()[:2],
             **shape,
             TILE_M=tile_m,
-            TILE_N=PREFILL_WIDE_TILE_N if warps == 8 and k_cache.dtype.itemsize == 2 else PREFILL_TILE_N,
+            TILE_N=tile_n,
             num_warps=warps,
             num_stages=PREFILL_NUM_STAGES,
         )
@@ -405,9 +405,13 @@ def prefill_tile_sizes(dtype: torch.dtype) -> list[int]:
     return sizes
 
 
-def prefill_num_warps(tile_m: int, dtype: torch.dtype) -> int:
-    """8 warps for wide tiles (16-bit: 2 warpgroups, each a 64-row wgmma on Hopper), else 4."""
-    return 8 if tile_m >= PREFILL_WIDE_TILE_M[dtype.itemsize] else 4
+def prefill_tile(tile_m: int, itemsize: int, kv_itemsize: int) -> tuple[int, int]:
+    """(warps, keys per step) of a prefill tile of tile_m query rows, for queries and a cache of these element sizes:
+    a wide tile runs on 8 warps (16-bit: 2 warpgroups, each a 64-row wgmma on Hopper), and over a 16-bit cache steps
+    PREFILL_WIDE_TILE_N keys; any other tile, 4 warps and PREFILL_TILE_N keys."""
+    if tile_m < PREFILL_WIDE_TILE_M[itemsize]:
+        return 4, PREFILL_TILE_N
+    return 8, PREFILL_WIDE_TILE_N if kv_itemsize == 2 else PREFILL_TILE_N
 
 
 def decode_group_pad(group: int) -> int:

@@ -132,15 +132,18 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)  # [num_tokens, q | k | v] (this rank's heads)
         # each [num_tokens, its heads, head_dim]: views into the one projection, which the kernel rotates in place
         q, k, v = (part.unflatten(-1, (-1, self.head_dim)) for part in qkv)
-        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.k_norm.eps) if self.q_norm is not None else ()
         # q and k rotated, and all of the step's K/V stored (into kv_cache: K cache, V cache), in one kernel, before
         # any is read: a sequence may read blocks another sequence computes in this same step (a shared prefix
         # admitted together)
         q = self.kernels.qk_norm_rope_store_kv(
-            q, k, v, positions, rotary.cos, rotary.sin, *kv_cache, meta.slot_mapping, *qk_norm
+            q, k, v, positions, rotary.cos, rotary.sin, *kv_cache, meta.slot_mapping, *self.qk_norm()
         )
         o = self.kernels.paged_attention(q, *kv_cache, meta, self.scale)
         return self.o_proj(o.flatten(1))
+
+    def qk_norm(self) -> tuple:
+        """The rotation kernels' last arguments: Qwen3's QK-norm weights and eps; none for a model without one."""
+        return (self.q_norm.weight, self.k_norm.weight, self.k_norm.eps) if self.q_norm is not None else ()
 
 
 class DecoderLayer(nn.Module):

@@ -96,11 +96,11 @@ class Scheduler:
         bm = self.block_manager
         # 1) the running sequences, oldest first (a copy: preemption removes from the list)
         for seq in list(self.running):
+            budget = self.max_num_batched_tokens - step.num_tokens  # the step's tokens not yet planned
             if seq.num_draft_tokens:  # draft tokens ride whole, or as many as the budget and max_model_len leave
-                budget = min(self.max_num_batched_tokens - step.num_tokens, self.max_model_len - seq.num_known_tokens)
-                seq.drop_drafts(max(0, budget - 1))
+                seq.drop_drafts(max(0, min(budget, self.max_model_len - seq.num_known_tokens) - 1))
             # (a running sequence has at least one uncomputed token: none only when the budget is spent)
-            num_new = min(seq.num_uncomputed_tokens, self.max_num_batched_tokens - step.num_tokens)  # the budget left
+            num_new = min(seq.num_uncomputed_tokens, budget)
             # skip one preempted just now, or at its length limit with the last token pending (it ends when read)
             if seq.status != SequenceStatus.RUNNING or not num_new or reached_length_limit(seq, self.max_model_len):
                 continue
@@ -108,18 +108,14 @@ class Scheduler:
                 self._plan(step, seq, min(num_new, seq.num_uncomputed_tokens))  # (less: drafts dropped for room)
         # 2) the budget left admits waiting sequences, in queue order until one does not fit; none after a
         #    preemption, which would only make the pool thrash
-        while (
-            not step.preempted
-            and self.waiting
-            and len(self.running) < self.max_num_seqs
-            and step.num_tokens < self.max_num_batched_tokens
-        ):
+        while not step.preempted and self.waiting and len(self.running) < self.max_num_seqs:
+            budget = self.max_num_batched_tokens - step.num_tokens
             seq = self.waiting[0]
             # a preempted sequence waits for its tokens' values; an extension's rule may hold the queue too
-            if seq.num_pending or not self.may_admit(seq):
+            if not budget or seq.num_pending or not self.may_admit(seq):
                 break
             cached = bm.find_cached_prefix(seq)  # none if it asked for prompt_logprobs
-            num_new = min(seq.num_tokens - len(cached) * bm.block_size, self.max_num_batched_tokens - step.num_tokens)
+            num_new = min(seq.num_tokens - len(cached) * bm.block_size, budget)
             if not bm.allocate(seq, num_new, cached):
                 break
             self.running.append(self.waiting.popleft())

@@ -123,8 +123,7 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
     yield build(F._qk_norm_rope_store_kernel, rope_types, no_norm, 4)
     meta = {"block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32", "context_lens_ptr": "*i32", "qk_scale": "fp32"}
     for tile_m in A.prefill_tile_sizes(q_torch):
-        # 128 keys per step for a wide tile (8 warps) over a 16-bit cache, as paged_attention launches it
-        wide = A.prefill_num_warps(tile_m, q_torch) == 8 and kv_torch.itemsize == 2
+        warps, tile_n = A.prefill_tile(tile_m, q_torch.itemsize, kv_torch.itemsize)  # as paged_attention launches it
         yield build(
             A._prefill_kernel,
             dict(q_ptr=dtype, out_ptr=dtype, **cache, **meta),
@@ -133,9 +132,9 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
                 "HEAD_DIM": head_dim,
                 "BLOCK_SIZE": block_size,
                 "TILE_M": tile_m,
-                "TILE_N": A.PREFILL_WIDE_TILE_N if wide else A.PREFILL_TILE_N,
+                "TILE_N": tile_n,
             },
-            A.prefill_num_warps(tile_m, q_torch),
+            warps,
         )
     # partials merged by the last split, or (a batch that fills the GPU) the output; and both launched as programmatic
     # dependents (ext/gemv.py's engines on sm_90)

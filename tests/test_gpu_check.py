@@ -113,12 +113,18 @@ def test_bench_kernels_sweep_times_each_setting_and_restores_today(bench_kernels
     settings = bench_kernels.prefill_settings(64, 32, 2, 4, 4)
     with bench_kernels.patched(A, **settings):
         assert (A.PREFILL_TILE_M[4], A.PREFILL_TILE_N, A.PREFILL_WIDE_TILE_N, A.PREFILL_NUM_STAGES) == (64, 32, 32, 2)
-        assert A.prefill_num_warps(64, torch.float32) == 4
+        assert A.prefill_tile(64, 4, 4) == (4, 32)
     with bench_kernels.patched(A, **bench_kernels.prefill_settings(16, 16, 3, 8, 4)):
-        assert A.prefill_num_warps(16, torch.float32) == 8
+        assert A.prefill_tile(16, 4, 4) == (8, 16)
     assert [getattr(A, name) for name in (*names, "DECODE_TILE_N")] == before
     today_prefill = (A.PREFILL_TILE_M[4], A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, 8)  # fp32's (32 rows: 8 warps)
-    assert A.prefill_num_warps(A.PREFILL_TILE_M[4], torch.float32) == 8
+    assert A.prefill_tile(A.PREFILL_TILE_M[4], 4, 4)[0] == 8
+    # 128 keys per step only for a wide tile over a 16-bit cache (4-warp tiles and an fp8 cache's spill at 128)
+    assert A.prefill_tile(128, 2, 2) == (8, A.PREFILL_WIDE_TILE_N) and A.prefill_tile(128, 2, 1) == (
+        8,
+        A.PREFILL_TILE_N,
+    )
+    assert A.prefill_tile(64, 2, 2) == (4, A.PREFILL_TILE_N)
     monkeypatch.setattr(bench_kernels, "PREFILL_CONFIGS", (today_prefill, (16, 16, 2, 4)))
     monkeypatch.setattr(bench_kernels, "SPLIT_COUNTS", (2,))
     monkeypatch.setattr(bench_kernels, "DECODE_KEYS_PER_STEP", (A.DECODE_TILE_N[4, 4],))

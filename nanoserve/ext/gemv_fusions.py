@@ -184,8 +184,7 @@ class RotatingAttention(Attention):
 
     def rotation(self, positions: Tensor, rotary: Rotary, kv_cache: KVCache, slot_mapping: Tensor) -> Rotation:
         """This layer's Rotation of the given rows: the RoPE tables, its caches, its QK-norm (Qwen3's) if it has one."""
-        norms = (self.q_norm.weight, self.k_norm.weight, self.k_norm.eps) if self.q_norm is not None else ()
-        return Rotation(positions, rotary.cos, rotary.sin, *kv_cache, slot_mapping, *norms)
+        return Rotation(positions, rotary.cos, rotary.sin, *kv_cache, slot_mapping, *self.qk_norm())
 
 
 def warm_up_fusions(model: nn.Module, kv_cache: KVCache) -> None:

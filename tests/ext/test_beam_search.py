@@ -57,42 +57,15 @@ TIE = 2e-6  # relative: transformers sums its beams' scores in fp32 (a dozen ste
 
 
 def closest_decision(hf, prompt, k, max_tokens, length_penalty, eos) -> float:
-    """The smallest relative gap between two scores that transformers' rule compares in this search, run plainly (as
-    reference_beam_search below) on hf's logprobs summed in fp64: at each step the k-th and (k+1)-th candidates (the
-    last to finish or go on), the k-th and (k+1)-th that go on, neighbouring finished beams (their order, and which
-    are kept), and the best running beam against the worst finished one (the stopping test)."""
-    stop_ids = set() if eos is None else {eos}
+    """The smallest relative gap between two scores that transformers' rule compares in this search, run plainly
+    (reference_beam_search) on hf's logprobs summed in fp64."""
     gaps = []
 
-    def gap(a: float, b: float) -> None:
-        gaps.append(abs(a - b) / max(abs(a), abs(b), 1e-30))
-
-    beams, finished = [(0.0, list(prompt))], []
-    for length in range(1, max_tokens + 1):
+    def hf_logprobs(tokens: list[int]) -> list[float]:
         with torch.no_grad():
-            rows = hf(torch.tensor([tokens for _, tokens in beams])).logits[:, -1].float().log_softmax(-1).tolist()
-        candidates = sorted(
-            (
-                (cum + lp, tokens + [t])
-                for (cum, tokens), row in zip(beams, rows, strict=True)
-                for t, lp in enumerate(row)
-            ),
-            key=lambda c: -c[0],
-        )
-        going_on = [c for c in candidates if c[1][-1] not in stop_ids]
-        gap(candidates[k - 1][0], candidates[k][0])
-        gap(going_on[k - 1][0], going_on[k][0])
-        for cum, tokens in candidates[:k]:
-            if tokens[-1] in stop_ids or length == max_tokens:
-                finished.append((cum / length**length_penalty, tokens))
-        finished.sort(key=lambda f: -f[0])
-        for (a, _), (b, _) in zip(finished, finished[1 : k + 1], strict=False):
-            gap(a, b)
-        finished, beams = finished[:k], going_on[:k]
-        if length < max_tokens and len(finished) == k:
-            gap(beams[0][0] / length**length_penalty, finished[-1][0])
-            if beams[0][0] / length**length_penalty <= finished[-1][0]:
-                break
+            return hf(torch.tensor([tokens])).logits[0, -1].float().log_softmax(-1).tolist()
+
+    reference_beam_search(prompt, k, max_tokens, length_penalty, set() if eos is None else {eos}, hf_logprobs, gaps)
     return min(gaps)
 
 
@@ -311,19 +284,36 @@ def test_bad_requests_raise_before_work_and_engine_stays_usable(tiny_model):
 
 
 # ---- the block bookkeeping, on the fake engine ----------------------------------------------------
-def reference_beam_search(prompt, k, max_tokens, length_penalty, stop_ids):
-    """transformers' rule written plainly over the fake model's whole distribution (all FAKE_VOCAB tokens)."""
+def reference_beam_search(prompt, k, max_tokens, length_penalty, stop_ids, logprobs=fake_logprobs, gaps=None):
+    """transformers' rule written plainly over a model's whole distribution (logprobs: a beam's tokens -> every
+    token's logprob; the fake model's, all FAKE_VOCAB tokens, by default). With gaps, the relative gap of every pair
+    of scores the rule compares is appended to it: at each step the k-th and (k+1)-th candidates (the last to finish
+    or go on), the k-th and (k+1)-th that go on, neighbouring finished beams (their order, and which are kept), and
+    the best running beam against the worst finished one (the stopping test)."""
+
+    def compared(a: float, b: float) -> None:
+        if gaps is not None:
+            gaps.append(abs(a - b) / max(abs(a), abs(b), 1e-30))
+
     beams, finished = [(0.0, list(prompt))], []
     for length in range(1, max_tokens + 1):
         candidates = sorted(
-            ((cum + lp, tokens + [t]) for cum, tokens in beams for t, lp in enumerate(fake_logprobs(tokens))),
+            ((cum + lp, tokens + [t]) for cum, tokens in beams for t, lp in enumerate(logprobs(tokens))),
             key=lambda c: -c[0],
         )
+        going_on = [c for c in candidates if c[1][-1] not in stop_ids]
+        for ranked in (candidates, going_on):
+            if len(ranked) > k:
+                compared(ranked[k - 1][0], ranked[k][0])
         for cum, tokens in candidates[:k]:
             if tokens[-1] in stop_ids or length == max_tokens:
                 finished.append((cum / length**length_penalty, tokens))
-        finished = sorted(finished, key=lambda f: -f[0])[:k]
-        beams = [c for c in candidates if c[1][-1] not in stop_ids][:k]
+        finished.sort(key=lambda f: -f[0])
+        for (a, _), (b, _) in zip(finished, finished[1 : k + 1], strict=False):
+            compared(a, b)
+        finished, beams = finished[:k], going_on[:k]
+        if len(finished) == k and length < max_tokens:
+            compared(beams[0][0] / length**length_penalty, finished[-1][0])
         if length == max_tokens or (len(finished) == k and beams[0][0] / length**length_penalty <= finished[-1][0]):
             return [tokens for _, tokens in finished]
 
