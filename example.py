@@ -177,7 +177,7 @@ def chat(llm: LLM, conversations: list[list[dict]], args: argparse.Namespace, ad
     per_question = adapters + [None] * (len(conversations) - len(adapters))
     tables = []  # the slot table after each step's hook (ext/lora.py's runs first)
     if adapters:
-        llm.runner.step_hooks.append(lambda step: tables.append(llm.lora.slot_table()))
+        llm.runner.step_hooks.append(lambda step: tables.append(llm.extensions["lora"].slot_table()))
     outputs = llm.chat(conversations, params, lora_request=per_question if adapters else None)
     seconds = time.perf_counter() - start
     if adapters:

@@ -6,9 +6,12 @@ the blocks its block table lists, in order, so physical blocks need not be conti
 holds each token's K; `store_kv_ref` here is the store's reference). Then two Triton jobs: a flash-attention kernel
 (FlashAttention-2, Dao 2023: query tiles, online softmax) serves the sequences with several queries (prefill chunks),
 causal and varlen; a split-KV kernel (Flash-Decoding, Dao et al. 2023) serves the sequences with one query (decodes),
-also inside a mixed step, by splitting each sequence's keys across programs and merging their partial softmaxes: the
-last of a (sequence, KV head)'s split programs to finish merges them, so no second kernel runs. Each kernel skips
-the other's sequences, so a mixed step is two launches over one metadata. Every key is read from the cache, so the
+also inside a mixed step, by splitting each sequence's keys across programs, then merging their partial softmaxes in a
+small reduce kernel (a batch that fills the GPU by itself gets one split, which writes the output: no reduce). Each
+kernel skips the other's sequences, so a mixed step is one prefill launch and the decode's one or two over one metadata.
+These are the textbook kernels, as the last GPU run measured them (2026-11-27); the batch-1 latency tricks that remove
+launches (the reduce merged into the last split to finish, programmatic dependent launch) are the extension
+ext/latency, off by default until a GPU run measures them. Every key is read from the cache, so the
 store runs before attention. The PyTorch references at the bottom are the oracle the kernels are tested against, and
 the CPU's fast path. Words: a "block" is a KV-cache page, a "tile" a kernel's compute tile.
 
@@ -37,23 +40,18 @@ MIN_DOT_ROWS = 16  # tl.dot needs >= 16 rows: small query tiles and decode GQA g
 # whose operand tiles sit in registers, and fp8 K/V tiles are widened in registers: both need smaller tiles.
 PREFILL_TILE_M = {2: 128, 4: 32}  # most query rows per prefill program, by the query's element size (16-bit: the
 # Triton fused-attention tutorial's H100 choice)
-PREFILL_TILE_N = 64  # keys per step of the prefill loop
-# ... of a wide tile's (8 warps) over a 16-bit cache: the tutorial's H100 choice again, half the loop's steps, each
-# twice the work for the same softmax bookkeeping (242 registers, one program per SM as at 64); at 128 keys a 4-warp
-# tile spills, and so does an fp8 cache's widened tile on triton 3.6
-PREFILL_WIDE_TILE_N = 128
+# keys per step of the prefill loop: 64, as the H100 measured it (2026-11-27); 128 for the wide tile is a prediction
+# (BENCHMARKS.md) that gpu_check.sh's sweep times beside it
+PREFILL_TILE_N = 64
 PREFILL_WIDE_TILE_M = {2: 128, 4: 16}  # prefill tiles of this many rows or more run on 8 warps (16-bit: 2 warpgroups)
 PREFILL_NUM_STAGES = 3  # K/V tiles in flight in the prefill loop's software pipeline (Triton's default, named for
 # bench_kernels.py's sweep)
 DECODE_TILE_N = {(2, 2): 64, (2, 1): 32, (4, 4): 16, (4, 1): 16}  # keys per step of a decode split, by the query's
 # and the cache's element sizes
 DECODE_NUM_WARPS = 4
-PROGRAMS_PER_SM = 4  # decode programs resident per SM at once (one wave): registers allow 4 on an H100 (107 each, 4
-# warps, triton 3.6; shared memory would allow 5); decode_splits fills one wave
+PROGRAMS_PER_SM = 4  # decode splits the keys until the grid has about this many programs per SM
 REFERENCE_RUN_SIZE = 1 << 24  # the PyTorch reference's padded queries x keys per SDPA call (reference_groups)
-MAX_SPLITS = 32  # the merge holds all partials of a head, [MAX_SPLITS, head_dim] fp32, in registers (64 pushed the
-# fp8-cache decode kernel to 143 registers on triton 3.6: 3 programs per SM, not 4; and at batch 1 the H100 measured
-# 64 splits slower than fewer, 2026-11-27)
+MAX_SPLITS = 64  # the reduce kernel holds all partials of a head, [MAX_SPLITS, head_dim] fp32, in registers
 CPU_NUM_SMS = 4  # SM count assumed under TRITON_INTERPRET: small, yet CPU tests still see several splits
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # powers of two; 256 would overflow the registers of a 128-row tile
 
@@ -68,10 +66,6 @@ class AttentionMetadata:
     block_tables: Tensor  # [num_seqs, max_blocks_per_seq] int32
     max_query_len: int  # a host-side bound, so launching a kernel never reads the GPU
     decode_only: bool  # every sequence has exactly one query token
-    # at least [num_seqs * num_kv_heads] int32 zeros, the decode merge's arrival counters (zero again after every
-    # launch), or None: the step's first layer makes them, for every layer. The CUDA graphs keep one tensor, so a
-    # replay allocates nothing
-    split_counters: Tensor | None = None
     # what the PyTorch reference derives from the above (gather_for_reference, per run of sequences): the same for
     # every layer, so paged_attention_ref computes it in the step's first layer and the others reuse it; no caller
     # passes it
@@ -87,7 +81,7 @@ class AttentionMetadata:
 
 
 @triton.jit
-def _attend_key_tiles(
+def attend_key_tiles(
     q,
     last_key,
     start,
@@ -191,7 +185,7 @@ def _prefill_kernel(
     kv_end = tl.minimum(ctx, first_q_pos + TILE_M)  # one past the tile's last query
     # then the diagonal, masked: the causal mask (a query sees the keys up to its own position) also hides keys
     # >= kv_end from real queries
-    _, row_sum, acc = _attend_key_tiles(
+    _, row_sum, acc = attend_key_tiles(
         q,
         q_pos[:, None],
         0,
@@ -234,32 +228,22 @@ def _decode_split_kernel(
     stride_oh,
     part_out_ptr,
     part_lse_ptr,
-    split_counters_ptr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
-    MERGE: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,
-    DEPENDENT: tl.constexpr,
 ):
     # program (seq, kv_head, split): the GROUP query heads sharing kv_head (rows of one tl.dot, so each K/V byte
     # is read once) attend to the split-th of num_splits equal runs of whole key tiles of sequence seq's context,
     # if seq has one query (a decode); its split length follows its own context, so a CUDA graph's fixed grid
-    # keeps every split busy whatever the context. With ONE_SPLIT (a batch that fills the GPU by itself) the one
-    # split's output is the answer: it goes straight to out; the part pointers are not used. Otherwise each split
-    # writes its partial output and log-sum-exp, and with MERGE the last split of (seq, kv_head) to finish merges
-    # them into out (without, the caller merges: ext/cascade.py).
-    # DEPENDENT: launched as a programmatic dependent of the kernel before it (sm_90; ext/gemv.py asks for it, whose
-    # weight reads surround attention at batch 1): let the next kernel's programs be placed now, so that they
-    # prefetch their weights while this one runs, then wait until the kernel before has finished (its K/V stored),
-    # before any load
-    if DEPENDENT:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # keeps every split busy whatever the context. Each split writes its partial output and log-sum-exp for the
+    # reduce kernel; with ONE_SPLIT (a batch that fills the GPU by itself) the one split's output is the answer and
+    # goes straight to out (the part pointers are not used, and no reduce runs).
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     q_row = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:  # several queries: the prefill kernel's
         return
@@ -271,10 +255,9 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + g  # [GROUP_PAD] query heads
     real_rows = g < GROUP  # [GROUP_PAD]: rows g >= GROUP are padding
     d = tl.arange(0, HEAD_DIM)[None, :]  # [1, HEAD_DIM]
-    q = tl.load(
-        q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + d, mask=real_rows[:, None], other=0.0
-    )  # [GROUP_PAD, HEAD_DIM]
-    row_max, row_sum, acc = _attend_key_tiles(
+    q_at = q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + d
+    q = tl.load(q_at, mask=real_rows[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
+    row_max, row_sum, acc = attend_key_tiles(
         q,
         end - 1,  # every row sees the split's keys
         start,
@@ -302,98 +285,139 @@ def _decode_split_kernel(
         row = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split  # [GROUP_PAD]
         tl.store(part_lse_ptr + row, lse, mask=real_rows)
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d, out, mask=real_rows[:, None])
-        if MERGE:
-            # Arrive on (seq, kv_head)'s counter; the split that arrives last merges every split's partials. The
-            # barrier first: all of this program's threads have stored. The add is acquire-release at GPU scope, so
-            # the partials other programs stored before their add are visible to the last one after its own.
-            tl.debug_barrier()
-            counter = split_counters_ptr + seq * tl.num_programs(1) + kv_head
-            num_splits = tl.num_programs(2)
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                tl.store(counter, 0)  # zero again for the next layer (a CUDA graph replays the same counters)
-                s = tl.arange(0, MAX_SPLITS)[:, None]  # [MAX_SPLITS, 1]; splits >= num_splits are padding
-                for h in range(kv_head * GROUP, kv_head * GROUP + GROUP):  # each query head: its partials weighted
-                    # by their splits' shares of the softmax mass, 2^(lse_s - max lse), summed in split order
-                    # (whichever split merges); read past L1 (".cg"), which may hold an earlier launch's lines
-                    part_row = (seq * tl.num_programs(1) * GROUP + h) * num_splits + s
-                    lses = tl.load(part_lse_ptr + part_row, s < num_splits, float("-inf"), cache_modifier=".cg")
-                    # (the max floored, so that a context of no keys, every lse -inf, weighs 0 and merges to 0)
-                    w = tl.exp2(lses - tl.maximum(tl.max(lses, 0), -1e30))  # [MAX_SPLITS, 1]: 0 for an empty split
-                    part = tl.load(part_out_ptr + part_row * HEAD_DIM + d, s < num_splits, 0.0, cache_modifier=".cg")
-                    merged = tl.sum(w * part, 0) / tl.maximum(tl.sum(w, 0), 1e-30)  # [HEAD_DIM]
-                    out_at = out_ptr + q_row * stride_ot + h * stride_oh + d
-                    tl.store(out_at, merged[None, :].to(out_ptr.dtype.element_ty))
 
 
-def paged_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float, dependent: bool = False
-) -> Tensor:
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    query_start_loc_ptr,
+    stride_ph,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+):
+    # program (seq, head): merge one query head's partial outputs, each weighted by its split's share of the softmax
+    # mass, 2^(lse_s - max lse), if seq is a decode (the split kernel wrote nothing for the others). The number of
+    # splits arrives as part_out's head stride (num_splits * HEAD_DIM): Triton compiles a variant per integer argument
+    # that is 1 or a multiple of 16, and a count would be either, or neither; this stride is always a multiple of 16,
+    # so one variant serves every batch size (warm-up compiles it, and an eager run never waits for one).
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
+        return
+    num_splits = stride_ph // HEAD_DIM
+    s = tl.arange(0, MAX_SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    row = (seq * tl.num_programs(1) + head) * num_splits + s  # [MAX_SPLITS]
+    real_splits = s < num_splits  # [MAX_SPLITS]: the others are padding
+    lse = tl.load(part_lse_ptr + row, mask=real_splits, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # a context of 0 keys: every split is empty
+    w = tl.exp2(lse - lse_max)  # [MAX_SPLITS], 0 for empty splits
+    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=real_splits[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM]; 0 for a context of 0 keys
+    tl.store(out_ptr + q_row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def kernel_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> tuple:
+    """What every attention kernel takes first: the query, the caches, the step's batch, the score scale (the
+    kernels' softmax runs on exp2), then the strides of q, of the caches (block, slot, head: head_dim is contiguous)
+    and of the block tables."""
+    batch = (meta.block_tables, meta.query_start_loc, meta.context_lens)
+    strides = (*q.stride()[:2], *k_cache.stride()[:3], meta.block_tables.stride(0))
+    return (q, k_cache, v_cache, *batch, scale * LOG2E, *strides)
+
+
+def model_shape(q: Tensor, k_cache: Tensor) -> dict[str, int]:
+    """The model's shape as the kernels' compile-time constants: query heads per KV head, head_dim, block size."""
+    group = q.shape[1] // k_cache.shape[2]
+    return {"GROUP": group, "HEAD_DIM": q.shape[2], "BLOCK_SIZE": k_cache.shape[1]}
+
+
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
     """q: [num_tokens, num_heads, head_dim] -> out, same shape: causal attention over each sequence's cached keys.
     The sequences with several queries (prefill chunks) go through the prefill kernel, those with one (decodes)
-    through the split-KV kernel: in a mixed step both launch, each skipping the other's sequences. dependent (sm_90
-    and later only): the split kernel launches as a programmatic dependent (ext/gemv.py's 4.)."""
+    through the split-KV kernel and its reduce: in a mixed step both launch, each skipping the other's sequences."""
     out = torch.empty_like(q)
-    _, num_heads, head_dim = q.shape
-    num_seqs, num_kv_heads = len(meta.context_lens), k_cache.shape[2]
-    # what both attention kernels take first: the query, the caches, the step's batch, the score scale (the kernels'
-    # softmax runs on exp2), then the strides of q, of the caches (block, slot, head: head_dim is contiguous) and of
-    # the block tables; and the model's shape, as constexprs
-    args = (
-        q,
-        k_cache,
-        v_cache,
-        meta.block_tables,
-        meta.query_start_loc,
-        meta.context_lens,
-        scale * LOG2E,
-        *q.stride()[:2],
-        *k_cache.stride()[:3],
-        meta.block_tables.stride(0),
-    )
-    shape = {"GROUP": num_heads // num_kv_heads, "HEAD_DIM": head_dim, "BLOCK_SIZE": k_cache.shape[1]}
     if not meta.decode_only:
-        # query rows per program: short tiles when every query is short (small chunks), from MIN_DOT_ROWS up to the
-        # query dtype's PREFILL_TILE_M
-        tile_m = min(PREFILL_TILE_M[q.dtype.itemsize], max(MIN_DOT_ROWS, triton.next_power_of_2(meta.max_query_len)))
-        warps, tile_n = prefill_tile(tile_m, q.dtype.itemsize, k_cache.dtype.itemsize)
-        _prefill_kernel[triton.cdiv(meta.max_query_len, tile_m), num_seqs, num_heads](
-            *args,
-            out,
-            *out.stride()[:2],
-            **shape,
-            TILE_M=tile_m,
-            TILE_N=tile_n,
-            num_warps=warps,
-            num_stages=PREFILL_NUM_STAGES,
-        )
-    # the decodes: the split kernel writes each split's partial output and log-sum-exp, and the last split of each
-    # (sequence, KV head) merges them into out; with one split (a batch that fills the GPU), the split kernel writes
-    # out itself. It launches in every step, even one without decodes (it skips every sequence), so warm-up's prefill
-    # steps compile it: its one-sequence steps the split variant, its biggest step the one-split variant if any batch
-    # can have one split.
-    num_splits = decode_splits(num_seqs, num_kv_heads, _num_sms(q.device))
-    part_out = out.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32) if num_splits > 1 else out
-    part_lse = part_out.new_empty(part_out.shape[:3]) if num_splits > 1 else out  # (one split: unused)
-    if meta.split_counters is None:  # (the graphs keep their own) made once per step, in its first layer, for all
-        meta.split_counters = meta.context_lens.new_zeros(num_seqs * num_kv_heads)
-    _decode_split_kernel[num_seqs, num_kv_heads, num_splits](
-        *args,
-        out,
-        *out.stride()[:2],
+        prefill(q, k_cache, v_cache, meta, scale, out)
+    # the decodes: with one split (a batch that fills the GPU), the split kernel writes out itself; otherwise each
+    # split writes its partial output and log-sum-exp and the reduce merges them into out. They launch in every step,
+    # even one without decodes (they skip every sequence), so warm-up's prefill steps compile them.
+    num_seqs = len(meta.context_lens)
+    num_splits = decode_splits(num_seqs, k_cache.shape[2], num_sms(q.device))
+    if num_splits == 1:
+        decode_split(q, k_cache, v_cache, meta, scale, num_splits, out)
+        return out
+    part_out, part_lse = decode_split(q, k_cache, v_cache, meta, scale, num_splits)
+    _decode_reduce_kernel[num_seqs, q.shape[1]](
         part_out,
         part_lse,
-        meta.split_counters,
+        out,
+        meta.query_start_loc,
+        part_out.stride(1),
+        *out.stride()[:2],
+        HEAD_DIM=q.shape[2],
+        MAX_SPLITS=MAX_SPLITS,  # one variant for any number of splits
+    )
+    return out
+
+
+def prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float, out: Tensor) -> None:
+    """The prefill kernel over the step's sequences with several queries, into their rows of out. Query rows per
+    program: short tiles when every query is short (small chunks), from MIN_DOT_ROWS up to PREFILL_TILE_M."""
+    longest = triton.next_power_of_2(meta.max_query_len)
+    tile_m = min(PREFILL_TILE_M[q.dtype.itemsize], max(MIN_DOT_ROWS, longest))
+    grid = (triton.cdiv(meta.max_query_len, tile_m), len(meta.context_lens), q.shape[1])
+    _prefill_kernel[grid](
+        *kernel_args(q, k_cache, v_cache, meta, scale),
+        out,
+        *out.stride()[:2],
+        **model_shape(q, k_cache),
+        TILE_M=tile_m,
+        TILE_N=PREFILL_TILE_N,
+        num_warps=prefill_num_warps(tile_m, q.dtype.itemsize),
+        num_stages=PREFILL_NUM_STAGES,
+    )
+
+
+def decode_split(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    num_splits: int,
+    out: Tensor | None = None,
+) -> tuple[Tensor, Tensor] | None:
+    """The split-KV kernel over the step's decodes, each sequence's keys cut into num_splits runs. Given out (one
+    split only), the split writes its rows of out and this returns None. Without, it returns the splits' partials,
+    (part_out [num_seqs, num_heads, num_splits, head_dim], part_lse [num_seqs, num_heads, num_splits]) in fp32, for a
+    merge: the reduce kernel's, or an extension's (ext/cascade.py merges them with its shared prefix's)."""
+    num_seqs, num_kv_heads = len(meta.context_lens), k_cache.shape[2]
+    partials = None
+    if out is None:
+        part_out = q.new_empty(num_seqs, q.shape[1], num_splits, q.shape[2], dtype=torch.float32)
+        partials = (part_out, part_out.new_empty(part_out.shape[:3]))
+        out = part_out  # (never written: the split writes partials)
+    shape = model_shape(q, k_cache)
+    _decode_split_kernel[num_seqs, num_kv_heads, num_splits](
+        *kernel_args(q, k_cache, v_cache, meta, scale),
+        out,
+        *out.stride()[:2],
+        *(partials or (out, out)),  # (one split: the part pointers are never read)
         **shape,
         GROUP_PAD=decode_group_pad(shape["GROUP"]),
         TILE_N=DECODE_TILE_N[q.dtype.itemsize, k_cache.dtype.itemsize],
-        ONE_SPLIT=num_splits == 1,
-        MERGE=True,
-        MAX_SPLITS=MAX_SPLITS,
-        DEPENDENT=dependent,
+        ONE_SPLIT=partials is None,
         num_warps=DECODE_NUM_WARPS,
-        launch_pdl=dependent,
     )
-    return out
+    return partials
 
 
 def prefill_tile_sizes(dtype: torch.dtype) -> list[int]:
@@ -405,13 +429,12 @@ def prefill_tile_sizes(dtype: torch.dtype) -> list[int]:
     return sizes
 
 
-def prefill_tile(tile_m: int, itemsize: int, kv_itemsize: int) -> tuple[int, int]:
-    """(warps, keys per step) of a prefill tile of tile_m query rows, for queries and a cache of these element sizes:
-    a wide tile runs on 8 warps (16-bit: 2 warpgroups, each a 64-row wgmma on Hopper), and over a 16-bit cache steps
-    PREFILL_WIDE_TILE_N keys; any other tile, 4 warps and PREFILL_TILE_N keys."""
-    if tile_m < PREFILL_WIDE_TILE_M[itemsize]:
-        return 4, PREFILL_TILE_N
-    return 8, PREFILL_WIDE_TILE_N if kv_itemsize == 2 else PREFILL_TILE_N
+def prefill_num_warps(tile_m: int, itemsize: int) -> int:
+    """Warps of a prefill tile of tile_m query rows: 8 for a wide tile (16-bit: 2 warpgroups, each a 64-row wgmma on
+    Hopper), else 4."""
+    if tile_m >= PREFILL_WIDE_TILE_M[itemsize]:
+        return 8
+    return 4
 
 
 def decode_group_pad(group: int) -> int:
@@ -423,16 +446,15 @@ def decode_group_pad(group: int) -> int:
 def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """How many splits the decode grid cuts each sequence's keys into, from the batch alone, so a CUDA graph (one
     per batch size) can hold it. Unsplit, the grid has num_seqs * num_kv_heads programs: a small batch would leave
-    most SMs idle, so the keys are split as finely as one wave allows, PROGRAMS_PER_SM programs per SM all running at
-    once (at most MAX_SPLITS). Not one split more: a grid a little over one wave (9 splits at batch 8 on an H100, 576
-    programs for 528 places) ends with a tail of programs streaming alone, at a fraction of the bandwidth. The kernel
+    most SMs idle, so the keys are split until about PROGRAMS_PER_SM programs per SM (at most MAX_SPLITS). The kernel
     then cuts each sequence's own context into that many runs of whole tiles (not whole blocks: keys find their
     block one by one), so a short context is split as finely as a long one, down to one tile per split."""
-    return max(1, min(MAX_SPLITS, PROGRAMS_PER_SM * num_sms // (num_seqs * num_kv_heads)))
+    return min(MAX_SPLITS, triton.cdiv(PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads))
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """The device's streaming multiprocessors (CPU_NUM_SMS under Triton's interpreter): what the decode grid fills."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return CPU_NUM_SMS

@@ -74,8 +74,9 @@ class EngineConfig(Settings):
     lora_config: object = None
     # a decode step's shared leading blocks (a common system prompt) read once for all its sequences (ext/cascade.py)
     cascade_attention: bool = False
-    # the weights of a step of at most 16 rows read by a split-K GEMV kernel instead of cuBLAS (ext/gemv.py)
-    small_batch_gemv: bool = False
+    # batch 1's launch-latency kernels (ext/latency): the weights of a step of few rows read by a split-K GEMV, the
+    # decode's reduce merged into its last split, programmatic dependent launches. Off until a GPU run measures them
+    latency_kernels: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":

@@ -27,8 +27,6 @@ class DecodeGraphs:
         self.slot_mapping.fill_(PAD_SLOT)  # the captures write no KV
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, **ints)
         self.query_start_loc = torch.arange(max_num_seqs + 1, **ints)  # one query per sequence
-        # the decode merge's arrival counters, one per (sequence, KV head), zero between launches (attention.py)
-        self.split_counters = torch.zeros(max_num_seqs * kv_caches[0][0].shape[2], **ints)
         # each graph's output [size, hidden_size]: the tensor its capture made (in the shared pool), which every replay
         # of that graph rewrites in place, so no copy into a static output buffer; valid until the next replay
         self.hidden = {}
@@ -45,7 +43,6 @@ class DecodeGraphs:
             block_tables=self.block_tables[:size],
             max_query_len=1,
             decode_only=True,
-            split_counters=self.split_counters,
         )
         self.hidden[size] = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
 

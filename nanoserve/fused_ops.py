@@ -24,9 +24,7 @@ RMS_NORM_MAX_WARPS = 16  # reached at 4k columns; wider rows give each thread mo
 def _add_rms_norm_kernel(x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, stride_r, n, eps, BLOCK: tl.constexpr):
     # program r: row r's residual stream becomes x + residual (written back in place), then is normalised into row r
     # of out (contiguous: made by the launcher). A product or sum of two model-dtype numbers is computed as torch
-    # does, rounded once to the model dtype (Triton keeps fp16 arithmetic in fp16); statistics are fp32. ext/gemv.py
-    # repeats this rounding where it moves the add + norm into a projection's load (_add_and_inv_rms and its caller):
-    # keep the two in step.
+    # does, rounded once to the model dtype (Triton keeps fp16 arithmetic in fp16); statistics are fp32.
     row, cols = tl.program_id(0), tl.arange(0, BLOCK)
     mask = cols < n
     stream_ptrs = residual_ptr + row * stride_r + cols  # read, then overwritten with the sum

@@ -105,8 +105,12 @@ class LLM:
         self.num_steps = 0
         self.computed_tokens = 0
         self.generated_tokens = 0
-        for name in config.extensions:  # the extensions its options use (trace, ...): each starts with the engine
-            ext.load(name, name).start(self)
+        # the extensions its options use (trace, lora, ...), each started with the engine: name -> what its start()
+        # returned, the extension's state for this engine (ext/lora: the adapters; ext/cascade.py: the cascade)
+        self.extensions: dict[str, object] = {}
+        for name in config.extensions:
+            self.extensions[name] = ext.load(name, name).start(self)
+        runner.capture_graphs()  # over the modules the extensions wired in
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(
@@ -211,48 +215,64 @@ class LLM:
         return self.run_step(self.config.overlap and not needs_tokens, self._read_back)
 
     def run_step(self, overlap: bool, read_back: Callable[["InFlightStep"], list]) -> list:
-        """One step's phases, each step finished by read_back; returns what read_back returns. The step driver: step()
-        finishes the requests' steps with _read_back (their outputs); a driver of its own, such as beam search
-        (ext/beam_search.py), runs its steps here without overlap, finishing them with receive_tokens (the sequences
-        that got tokens, to resolve: its beams belong to no request)."""
+        """One step, overlapped or plain, each step finished by read_back; returns what read_back returns. The step
+        driver: step() finishes the requests' steps with _read_back (their outputs); a driver of its own, such as beam
+        search (ext/beam_search.py), runs its steps here without overlap, finishing them with receive_tokens (the
+        sequences that got tokens, to resolve: its beams belong to no request)."""
         started = time.perf_counter()
         try:
-            finished = []
-            if not overlap and self.in_flight is not None:  # 0) finish step n first: the plain loop from here
-                finished = read_back(self.in_flight)
-                self.in_flight = None
-            # (speculative decoding: draft tokens for the running sequences, which step n+1 verifies)
-            if self.proposer is not None:
-                self.proposer.propose(self)
-            # 1) schedule step n+1
-            step = self.scheduler.schedule()
-            self.num_steps += bool(step.scheduled)
-            self.computed_tokens += step.num_tokens
-            self._record_first_scheduled(step)
-            # 2) launch it: the GPU queues it behind step n, whose samples it takes as inputs on the device
-            launched = None
-            if step.scheduled:
-                processors = list(self.logits_processors.values())
-                launched = self.runner.launch(step, self.in_flight, processors)
-            if self.trace is not None:
-                self.trace.begin(step)
-            # 3) finish a step: read its tokens back, apply the stop rules
             if overlap:
-                # overlapped: finish step n, launched by the previous call; step n+1 runs on the GPU meanwhile
-                to_read_back = self.in_flight
-                self.in_flight = launched
+                finished = self._overlapped_step(read_back)
             else:
-                # the plain loop: finish the step just launched
-                to_read_back = launched
-            if to_read_back is None and launched is None and self.scheduler.has_unfinished():
-                raise RuntimeError("the scheduler found nothing to run")  # a bug, never a state
-            finished += read_back(to_read_back) if to_read_back is not None else []
+                finished = self._plain_step(read_back)
         except BaseException:  # a failed or interrupted step: blocks it planned were findable before their K/V existed
             self._forget_failed_step()
             raise
         if self.trace is not None:
             self.trace.end(started)
         return finished
+
+    def _plain_step(self, read_back: Callable[["InFlightStep"], list]) -> list:
+        """The plain loop: 1) schedule a step, 2) launch it, 3) wait for it and finish it. A step the overlapped loop
+        left in flight is finished first."""
+        finished = []
+        if self.in_flight is not None:
+            finished = read_back(self.in_flight)
+            self.in_flight = None
+        launched = self._schedule_and_launch()
+        if launched is not None:
+            finished += read_back(launched)
+        return finished
+
+    def _overlapped_step(self, read_back: Callable[["InFlightStep"], list]) -> list:
+        """The overlapped loop: 1) schedule step n+1 and 2) launch it behind step n, then 3) finish step n while step
+        n+1 runs on the GPU."""
+        launched = self._schedule_and_launch()
+        previous = self.in_flight
+        self.in_flight = launched
+        if previous is None:
+            return []
+        return read_back(previous)
+
+    def _schedule_and_launch(self) -> "InFlightStep | None":
+        """Phases 1 and 2: plan the next step (the scheduler books it: lengths are known even where values are
+        pending), then queue it on the device behind the step in flight, whose samples are its decode inputs there.
+        None if there was nothing to run."""
+        if self.proposer is not None:  # speculative decoding: draft tokens for the running sequences, to verify
+            self.proposer.propose(self)
+        step = self.scheduler.schedule()
+        self.num_steps += bool(step.scheduled)
+        self.computed_tokens += step.num_tokens
+        self._record_first_scheduled(step)
+        launched = None
+        if step.scheduled:
+            processors = list(self.logits_processors.values())
+            launched = self.runner.launch(step, self.in_flight, processors)
+        elif self.in_flight is None and self.scheduler.has_unfinished():
+            raise RuntimeError("the scheduler found nothing to run")  # a bug, never a state
+        if self.trace is not None:
+            self.trace.begin(step)
+        return launched
 
     def _record_first_scheduled(self, step: Step) -> None:
         """vLLM's first_scheduled_time and time_in_queue of the requests this step starts: a request starts when its

@@ -9,7 +9,8 @@ PyTorch references. The layers that hold the weights come from a Layers object (
 built too: whole in one process, or sharded across several (ext/tp)."""
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -146,19 +147,26 @@ class Attention(nn.Module):
         return (self.q_norm.weight, self.k_norm.weight, self.k_norm.eps) if self.q_norm is not None else ()
 
 
-class DecoderLayer(nn.Module):
+class MLP(nn.Module):
+    """The gated MLP, down(silu(gate) * up), with gate|up fused into one projection. Its submodules' names
+    (mlp.gate_up_proj, mlp.down_proj) find the checkpoint's weights."""
+
     def __init__(self, args: ModelArgs, kernels: Kernels, layers: Layers) -> None:
         super().__init__()
         self.kernels = kernels
+        self.gate_up_proj = layers.merged(args.hidden_size, [args.intermediate_size] * 2, False)
+        self.down_proj = layers.linear(args.intermediate_size, args.hidden_size, False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 x intermediate]: gate | up
+        return self.down_proj(self.kernels.silu_and_mul(gate_up))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, kernels: Kernels, layers: Layers) -> None:
+        super().__init__()
         self.self_attn = Attention(args, kernels, layers)
-        # the MLP, down(silu(gate) * up), with gate|up fused: only a ModuleDict of its projections (the names
-        # mlp.gate_up_proj and mlp.down_proj find the checkpoint's weights), run in forward below
-        self.mlp = nn.ModuleDict(
-            {
-                "gate_up_proj": layers.merged(args.hidden_size, [args.intermediate_size] * 2, False),
-                "down_proj": layers.linear(args.intermediate_size, args.hidden_size, False),
-            }
-        )
+        self.mlp = MLP(args, kernels, layers)
         self.input_layernorm = RMSNorm(args, kernels)
         self.post_attention_layernorm = RMSNorm(args, kernels)
 
@@ -180,8 +188,11 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_layernorm(x, residual)  # residual = x + residual (the h above); h = norm of it
         attn_out = self.self_attn(h, positions, rotary, kv_cache, meta)
         h, residual = self.post_attention_layernorm(attn_out, residual)  # residual += attn(...); h = norm of it
-        mlp_out = self.mlp.down_proj(self.kernels.silu_and_mul(self.mlp.gate_up_proj(h)))  # down(silu(gate) * up)
-        return mlp_out, residual
+        return self.mlp(h), residual
+
+
+# a decoder layer's projections, as (its submodule, the projection's name there)
+PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
 
 class CausalLM(nn.Module):
@@ -193,6 +204,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.args = args
         layers = layers or Layers()
+        self.kernels = kernels  # the table every layer calls (replace_kernels changes it everywhere at once)
         self.layout = layers  # how the weights are held; its whole_vocab joins the LM head's output
         self.model = nn.ModuleDict(
             {
@@ -220,3 +232,26 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] in the model dtype, the whole vocabulary on every rank."""
         return self.layout.whole_vocab(self.lm_head(hidden))
+
+    # ---- two extension points, for an extension's start(), before the decode graphs are captured -------------------
+    def wrap_projections(self, wrap: Callable[[int | None, str, nn.Module], nn.Module]) -> None:
+        """Replace each projection by wrap(layer index, name, projection): every decoder layer's (PROJECTIONS), then
+        the LM head's (index None, name "lm_head"). wrap returns the module to use instead (its own wrapper around the
+        projection it is given, which keeps the parameters and their checkpoint names), or the projection itself to
+        leave it alone. Extensions that wrap (ext/latency: a weight read for few rows; ext/lora: each row's adapter)
+        call this in their start(), which runs before the engine captures its decode graphs."""
+        for index, layer in enumerate(self.model.layers):
+            for part, name in PROJECTIONS:
+                owner = getattr(layer, part)
+                owner.register_module(name, wrap(index, name, getattr(owner, name)))
+        self.lm_head = wrap(None, "lm_head", self.lm_head)
+
+    def replace_kernels(self, **changes: Callable) -> None:
+        """Use a kernel table with `changes` (Kernels' fields by name) in every module of the model, from now on: an
+        extension's kernel in place of the core's (ext/cascade.py: paged attention; ext/latency: its own decode
+        attention, and SiLU-and-mul moved into the down projection). In an extension's start(), before the decode
+        graphs are captured."""
+        self.kernels = replace(self.kernels, **changes)
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP, RMSNorm)):
+                module.kernels = self.kernels

@@ -12,6 +12,7 @@ and the pool is as many blocks of `block_size` tokens as the memory left after w
 element is the model's dtype, or 1 byte with kv_cache_dtype="fp8": twice bf16's tokens in the same memory."""
 
 import logging
+from collections.abc import Callable
 from typing import NoReturn
 
 import torch
@@ -166,9 +167,11 @@ class ModelRunner:
         self.args = args
         self.on_gpu = config.device == "cuda"
         self.peers = Peers()  # alone until start-up's steps (warm_up) have run: every rank runs its own
-        # extensions' callables, each called with every step before it runs (start-up's too: none is added before the
-        # engine starts), to fill inputs of their own that the model reads (ext/lora.py: which rows use which adapter)
-        self.step_hooks = []
+        # The extension point of steps: callables an extension's start() adds, each called with every step before it
+        # runs, to fill inputs of its own that the model reads (ext/lora: which rows use which adapter). One that
+        # returns True asks for this step to run eagerly, not as a graph replay (ext/cascade.py: a decode step whose
+        # sequences share blocks attends them in a way the graphs were not captured with)
+        self.step_hooks: list[Callable[[Step], bool | None]] = []
         self.device = torch.device(f"cuda:{peers.local_rank}" if self.on_gpu else "cpu")
         # CPU threads: threads=, or the cores other processes leave free (ext/cpu_threads.py; without it, torch's count)
         cpu_threads = None if self.on_gpu else find("cpu_threads")
@@ -192,12 +195,17 @@ class ModelRunner:
         self.num_kvcache_blocks = peers.fewest_blocks(config.num_kvcache_blocks or self.blocks_from_memory())
         self.make_kv_cache(self.num_kvcache_blocks)
         logger.info(self.kv_account())
-        # 3) the decode graphs, captured over that cache
-        self.graphs = None
-        if not config.enforce_eager:
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, self.max_blocks_per_seq)
-            self.graphs.capture()
+        # 3) the decode graphs: captured by capture_graphs, once the extensions have wired their modules in
+        self.graphs: DecodeGraphs | None = None
         self.peers = peers  # set last: every rank runs start-up's steps (warm_up) on its own
+
+    def capture_graphs(self) -> None:
+        """Record the decode graphs over the model as it now is (unless enforce_eager): the engine calls this once,
+        after its extensions' start() has wrapped projections or replaced kernels (model.py's two extension points),
+        so the graphs replay what the eager forward runs."""
+        if not self.config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, self.max_blocks_per_seq)
+            self.graphs.capture()
 
     def close(self) -> None:
         self.peers.close()
@@ -291,8 +299,7 @@ class ModelRunner:
         as for warm_up's steps); processors: the engine's logits processors (LLM.logits_processors), each asked for its
         rows of this step (none for warm_up's)."""
         lists = self.prepare(step, previous)
-        for hook in self.step_hooks:
-            hook(step)
+        eager = [hook(step) for hook in self.step_hooks]  # every hook runs; one that says True makes the step eager
         header, flat = upload(lists, self.device)
         rows = step.sampled_rows()  # (sequence, its length with the row's token) per row of samples
         try:
@@ -300,7 +307,7 @@ class ModelRunner:
             previous_tokens = previous.device_tokens if previous is not None else None
             # the most top logprobs a prompt row asks for; ordinary steps skip the look
             prompt_top_n = max(s.seq.params.prompt_logprobs or 0 for s in step.scheduled) if lists.prompt_rows else 0
-            logits, prompt_samples = self.execute(header, flat, previous_tokens, prompt_top_n)
+            logits, prompt_samples = self.execute(header, flat, previous_tokens, prompt_top_n, any(eager))
             samples = None  # a step of prompt chunks only samples nothing
             if logits is not None:
                 seqs, lengths = zip(*rows, strict=True)  # a sequence per row: drafts have rows too
@@ -318,16 +325,22 @@ class ModelRunner:
             self.peers.failed(error)  # raises (ext/tp: naming the rank at fault)
 
     def execute(
-        self, header: StepHeader, flat: Tensor, previous_tokens: Tensor | None, prompt_top_n: int = 0
+        self,
+        header: StepHeader,
+        flat: Tensor,
+        previous_tokens: Tensor | None,
+        prompt_top_n: int = 0,
+        eager: bool = False,
     ) -> tuple[Tensor | None, Samples | None]:
-        """Every rank: a step's forward pass (a graph replay if decode-only), its sampling rows' logits and its prompt
-        rows' logprobs with the top prompt_top_n (each None if the step has no such rows; a worker's are dropped)."""
+        """Every rank: a step's forward pass (a graph replay if decode-only, unless a step hook asked for eager), its
+        sampling rows' logits and its prompt rows' logprobs with the top prompt_top_n (each None if the step has no
+        such rows; a worker's are dropped)."""
         views, meta = step_inputs(header, flat, previous_tokens)  # StepLists of int32 views on the device
         if len(views.block_copies):  # copy-on-write: a fork's shared partial block, before the step writes into it
             source, destination = views.block_copies.view(-1, 2).T  # int32 indices index as int64 ones do
             cache = self.kv_cache.view(torch.uint8)  # as bytes: any KV dtype, fp8 included; [K or V, layer, block, ...]
             cache[:, :, destination] = cache[:, :, source]
-        if meta.decode_only and self.graphs is not None:
+        if meta.decode_only and self.graphs is not None and not eager:
             hidden = self.graphs.run(views.input_ids, views.positions, meta)
         else:
             hidden = self.model(views.input_ids, views.positions, self.kv_caches, meta)

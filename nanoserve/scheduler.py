@@ -15,6 +15,7 @@ in when the step is read back. Later steps may be planned before that: the GPU r
 the scheduler needs."""
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanoserve.block_manager import BlockManager
@@ -64,9 +65,11 @@ class Scheduler:
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)  # in admission order: the last one is preempted first
     num_preemptions: int = 0
-    # the extension point of admission: may this waiting sequence join the running ones now? The queue waits while its
-    # first sequence may not, as when the pool is short (ext/lora.py: at most max_loras adapters run at once)
-    may_admit: object = lambda seq: True
+    # The extension point of admission: rules an extension's start() adds, each asked rule(seq, running) whether the
+    # waiting sequence seq may join the running ones now (running: read it, never change it). The queue waits while
+    # a rule says no to its first sequence, as it does when the pool is short (ext/lora: at most max_loras adapters
+    # run at once)
+    admission_rules: list[Callable[[Sequence, list[Sequence]], bool]] = field(default_factory=list)
 
     def check_fits(self, seq: Sequence, num_beams: int = 1) -> None:
         """Refuse a request that could not fit in the whole pool even alone: it would never finish. Beam search's beams
@@ -125,6 +128,17 @@ class Scheduler:
         step.block_copies = bm.block_copies  # copy-on-write: made on the device before the step runs
         bm.block_copies = []
         return step
+
+    def may_admit(self, seq: Sequence) -> bool:
+        """Whether every admission rule lets seq join the running sequences now."""
+        return all(rule(seq, self.running) for rule in self.admission_rules)
+
+    def fork(self, seq: Sequence) -> Sequence:
+        """A copy of a running sequence that shares all its blocks (BlockManager.fork) and runs from the next step
+        on: the extension point of a driver that branches sequences (ext/beam_search.py's beams)."""
+        child = self.block_manager.fork(seq)
+        self.running.append(child)
+        return child
 
     def _plan(self, step: Step, seq: Sequence, num_new: int) -> None:
         """Add seq's next num_new tokens to the step, and book them."""

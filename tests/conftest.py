@@ -231,6 +231,9 @@ class FakeRunner:
         self.admissions: list[tuple] = []  # (seq, cached tokens, hit blocks) of each admission
         self.copies: list[list[int]] = []  # per launched step: its copy-on-write (source, destination) pairs, flat
 
+    def capture_graphs(self) -> None:
+        """A fake model has no decode graphs to capture."""
+
     def device_tokens_of(self, s, previous) -> list[int]:
         from nanoserve.sequence import PENDING
 

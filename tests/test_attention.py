@@ -24,11 +24,11 @@ from nanoserve.attention import (
     MAX_SPLITS,
     PAD_SLOT,
     PREFILL_TILE_M,
-    PREFILL_WIDE_TILE_N,
+    PREFILL_TILE_N,
     PROGRAMS_PER_SM,
     AttentionMetadata,
-    _num_sms,
     decode_splits,
+    num_sms,
     paged_attention,
     paged_attention_ref,
     store_kv_ref,
@@ -290,12 +290,12 @@ def test_decode(dtype, group, head_dim, block_size):
 def test_decode_batch_that_needs_no_split():
     """A batch that fills the device unsplit takes the single-split path (a size-1 merge) correctly."""
     num_kv_heads = 2
-    num_seqs = PROGRAMS_PER_SM * _num_sms(torch.device(DEVICE)) // num_kv_heads
+    num_seqs = PROGRAMS_PER_SM * num_sms(torch.device(DEVICE)) // num_kv_heads
     context_lens = [randint(1, 150) for _ in range(num_seqs)]
     q, k_cache, v_cache, meta = make_batch(
         [1] * num_seqs, context_lens, **heads(2, num_kv_heads), head_dim=64, block_size=16, dtype=torch.float32
     )
-    assert decode_splits(num_seqs, num_kv_heads, _num_sms(q.device)) == 1
+    assert decode_splits(num_seqs, num_kv_heads, num_sms(q.device)) == 1
     out = paged_attention(q, k_cache, v_cache, meta, 0.125)
     assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 0.125), ATOL[torch.float32], "decode")
 
@@ -307,7 +307,7 @@ def test_decode_graph_sized_grid():
     q, k_cache, v_cache, meta = make_batch(
         [1] * 4, context_lens, **heads(3, 1), head_dim=64, block_size=16, dtype=torch.float32
     )
-    num_splits = decode_splits(4, 1, _num_sms(q.device))
+    num_splits = decode_splits(4, 1, num_sms(q.device))
     assert 1 < num_splits and context_lens[2] < num_splits * DECODE_TILE_N[4, 4]  # short contexts: empty splits
     out = paged_attention(q, k_cache, v_cache, meta, 0.125)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
@@ -315,19 +315,19 @@ def test_decode_graph_sized_grid():
 
 
 @pytest.mark.parametrize("num_seqs", [1, 2, 8, 9, 33, 64, 65, 256])
-def test_decode_splits_fill_one_wave_of_an_h100(num_seqs):
-    """The split count comes from the batch alone (a CUDA graph's grid), stays within MAX_SPLITS, and is the largest
-    whose grid fits one wave of an H100 (PROGRAMS_PER_SM programs on each of 132 SMs): never over it unless one split
-    is (8 sequences of 8 KV heads: 8 splits, 512 programs, not 9 and 576), never a split fewer than fits."""
+def test_decode_splits_fill_the_gpu(num_seqs):
+    """The split count comes from the batch alone (a CUDA graph's grid), stays within MAX_SPLITS, and is the fewest
+    that give an H100 (132 SMs) about PROGRAMS_PER_SM programs per SM: one split fewer would leave SMs short of
+    programs, and a batch that fills them unsplit gets one split (the rule the H100 measured on 2026-11-27)."""
     num_kv_heads, h100_sms = 8, 132
     wave = PROGRAMS_PER_SM * h100_sms
     num_splits = decode_splits(num_seqs, num_kv_heads, h100_sms)
     assert 1 <= num_splits <= MAX_SPLITS
     programs = num_seqs * num_kv_heads * num_splits
-    assert programs <= wave or num_splits == 1
-    assert num_splits == MAX_SPLITS or programs + num_seqs * num_kv_heads > wave  # one more split would not fit
-    if num_seqs == 8:
-        assert num_splits == 8
+    assert programs >= wave or num_splits == MAX_SPLITS
+    assert num_splits == 1 or programs - num_seqs * num_kv_heads < wave  # one split fewer would not fill it
+    if num_seqs * num_kv_heads >= wave:
+        assert num_splits == 1
 
 
 def triton_variant_key(arg):
@@ -348,34 +348,30 @@ class NotLaunched:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_a_batch_that_fills_the_gpu_runs_one_split_and_no_merge(dtype):
+def test_a_batch_that_fills_the_gpu_runs_one_split_and_no_reduce(dtype, monkeypatch):
     """Guards against the one-split path (a batch big enough that each (sequence, KV head) program alone fills the
-    GPU: the split kernel writes the output itself) writing a wrong or unnormalized output, another row's output, or
-    arriving on the merge's counters for nothing: decodes alone and beside prefill chunks equal the reference, and
-    counters set to a value the merge would change stay as they were."""
-    num_sms = _num_sms(torch.device(DEVICE))
-    num_seqs = -(-PROGRAMS_PER_SM * num_sms // 2) + 2  # 2 KV heads: one split
-    assert decode_splits(num_seqs, 2, num_sms) == 1
+    GPU: the split kernel writes the output itself) writing a wrong or unnormalized output or another row's, or still
+    launching the reduce kernel (the H100 measured it at 9.6% of a batch-256 step with nothing to merge): decodes
+    alone and beside prefill chunks equal the reference with the reduce kernel removed."""
+    num_sms_here = num_sms(torch.device(DEVICE))
+    num_seqs = -(-PROGRAMS_PER_SM * num_sms_here // 2) + 2  # 2 KV heads: one split
+    assert decode_splits(num_seqs, 2, num_sms_here) == 1
+    monkeypatch.setattr(attention, "_decode_reduce_kernel", NotLaunched())
     for query_lens in ([1] * num_seqs, [randint(2, 30)] + [1] * (num_seqs - 2) + [randint(2, 30)]):
         context_lens = [max(q, randint(1, 300)) for q in query_lens]
         q, k_cache, v_cache, meta = make_batch(
             query_lens, context_lens, **heads(2), head_dim=32, block_size=16, dtype=dtype
         )
-        meta.split_counters = torch.full((num_seqs * 2,), 5, dtype=torch.int32, device=DEVICE)
         out = paged_attention(q, k_cache, v_cache, meta, 32**-0.5)
         assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 32**-0.5), ATOL[dtype], "one split")
-        assert (meta.split_counters == 5).all(), "the one-split path arrived on the merge's counters"
 
 
 @pytest.mark.parametrize("group", [1, 2, 8])
-def test_the_last_split_merges_and_leaves_the_counters_at_zero(group):
-    """Guards against the in-kernel merge (the last of a (sequence, KV head)'s split programs to arrive merges every
-    split's partials) merging too early or twice, weighting a split wrongly, missing a query head of the group, or
-    leaving its counter non-zero, which would break the next layer's launch (a CUDA graph replays the same counters):
-    one counters tensor through three launches, as three layers use it, each equal to the reference and the same
-    every time (the merge sums in split order, whichever split arrives last); contexts of 0 keys (a graph's padded
-    rows) give 0. Triton's interpreter runs the programs one at a time, in one order, so only a GPU run of this test
-    sees splits arrive at once (gpu_check.sh's tests stage); the sm_90 build checks the handshake's memory order."""
+def test_the_reduce_merges_every_split_the_same_way_each_time(group):
+    """Guards against the reduce kernel weighting a split wrongly, missing a query head of the group, or reading a
+    padded split (MAX_SPLITS is the kernel's tile, not the count): several splits, three launches over the same inputs
+    each equal to the reference and bitwise equal to each other (the merge sums in split order), and a context of 0
+    keys (a graph's padded row) gives 0, not NaN."""
     num_seqs = randint(1, 3)
     context_lens = [randint(1, 400) for _ in range(num_seqs)] + [0]
     q, k_cache, v_cache, meta = make_batch(
@@ -387,14 +383,12 @@ def test_the_last_split_merges_and_leaves_the_counters_at_zero(group):
         dtype=torch.float32,
     )
     meta.context_lens[-1] = 0
-    assert decode_splits(num_seqs + 1, 2, _num_sms(torch.device(DEVICE))) > 1
-    meta.split_counters = torch.zeros((num_seqs + 1) * 2, dtype=torch.int32, device=DEVICE)
+    assert decode_splits(num_seqs + 1, 2, num_sms(torch.device(DEVICE))) > 1
     expected = paged_attention_ref(q, k_cache, v_cache, meta, 32**-0.5)
     outs = [paged_attention(q, k_cache, v_cache, meta, 32**-0.5) for _ in range(3)]
     for out in outs:
-        assert_close(out, expected, ATOL[torch.float32], "merged in the kernel")
+        assert_close(out, expected, ATOL[torch.float32], "merged by the reduce")
         assert torch.equal(out, outs[0]) and not out[-1].any()
-    assert not meta.split_counters.any(), "a counter left non-zero"
 
 
 def test_the_reference_attends_in_runs_whose_padding_is_bounded(monkeypatch):
@@ -454,10 +448,10 @@ def test_the_torch_backend_warms_up_on_a_gpu_within_its_memory(tmp_path):
 def test_decode_kernels_have_one_variant_for_every_batch(monkeypatch):
     """Guards against decode kernels compiled in the middle of an eager run (0.5-1 s each on a GPU): warm-up runs
     prefill steps only, which launch the decode kernels too, so every decode step, whatever its batch size and
-    number of splits or its mix of prefills, must present one variant key to Triton per kind of grid: several splits
-    (partials, merged by the last split) and, for a batch that fills the GPU, one split (the split kernel writing the
-    output itself). The batch sizes come from this device's SM count: from 1 sequence (the most
-    splits) to one that fills every SM by itself (one split: 2 x SMs sequences of 2 KV heads, 132 SMs on an H100)."""
+    number of splits or its mix of prefills, must present one variant key to Triton per kind of launch: the split
+    kernel writing partials, the reduce merging them, and, for a batch that fills the GPU, the split kernel writing the
+    output itself. The batch sizes come from this device's SM count: from 1 sequence (the most splits) to one that
+    fills every SM by itself (one split: 2 x SMs sequences of 2 KV heads, 132 SMs on an H100)."""
     keys = {}
 
     class Recorder:  # stands in for a kernel: kernel[grid](*args, **constexprs) records the variant's key
@@ -472,8 +466,9 @@ def test_decode_kernels_have_one_variant_for_every_batch(monkeypatch):
             return launch
 
     monkeypatch.setattr(attention, "_decode_split_kernel", Recorder("_decode_split_kernel"))
-    num_sms = _num_sms(torch.device(DEVICE))
-    one_split_batch = -(-PROGRAMS_PER_SM * num_sms // 2)  # sequences of 2 KV heads that fill every SM's programs
+    monkeypatch.setattr(attention, "_decode_reduce_kernel", Recorder("_decode_reduce_kernel"))
+    num_sms_here = num_sms(torch.device(DEVICE))
+    one_split_batch = -(-PROGRAMS_PER_SM * num_sms_here // 2)  # sequences of 2 KV heads that fill every SM's programs
     splits = set()
     for num_seqs in (1, 2, 3, 5, one_split_batch // 2, one_split_batch, one_split_batch + 3):
         for query_lens in ([1] * num_seqs, [randint(2, 20)] + [1] * (num_seqs - 1)):
@@ -483,34 +478,13 @@ def test_decode_kernels_have_one_variant_for_every_batch(monkeypatch):
             )
             monkeypatch.setattr(attention, "_prefill_kernel", NotLaunched())
             paged_attention(q, k_cache, v_cache, meta, 0.125)
-        splits.add(decode_splits(num_seqs, 2, num_sms))
+        splits.add(decode_splits(num_seqs, 2, num_sms_here))
     assert 1 in splits and len(splits) >= 4, splits
     assert {kind: len(variants) for kind, variants in keys.items()} == {
         ("_decode_split_kernel", False): 1,
         ("_decode_split_kernel", True): 1,
+        ("_decode_reduce_kernel", None): 1,
     }
-
-
-@pytest.mark.parametrize("dependent", [False, True])
-def test_a_dependent_decode_launch_comes_with_its_wait(monkeypatch, dependent):
-    """Guards against the split kernel launched as a programmatic dependent without the wait that its DEPENDENT build
-    compiles in (it could read K/V that the kernel before has not finished storing), or built with the wait and
-    launched plainly: paged_attention's `dependent` reaches both the launch's launch_pdl and the kernel's DEPENDENT,
-    and is off by default (ext/gemv.py turns it on; the build's order is checked in tests/test_sm90_build.py)."""
-    launches = []
-
-    class Recorder:  # stands in for _decode_split_kernel[grid](...)
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(kwargs)
-
-    monkeypatch.setattr(attention, "_decode_split_kernel", Recorder())
-    q, k_cache, v_cache, meta = make_batch([1, 1], [30, 7], **heads(2), head_dim=32, block_size=16, dtype=torch.float32)
-    paged_attention(q, k_cache, v_cache, meta, 0.125, dependent=dependent)
-    paged_attention(q, k_cache, v_cache, meta, 0.125)
-    assert [(kwargs["DEPENDENT"], kwargs["launch_pdl"]) for kwargs in launches] == [
-        (dependent, dependent),
-        (False,) * 2,
-    ]
 
 
 def test_decode_any_context_in_a_long_pool():
@@ -532,7 +506,7 @@ def test_mixed_step_sends_decodes_to_the_split_kernel(group, dtype, monkeypatch)
     others through the prefill kernel, each skipping the other's rows: together they match the reference, and with
     either launch removed exactly its own rows stay unwritten (NaN from the poisoned allocator)."""
     decode_ctx = [randint(1, 200) for _ in range(4)]
-    query_lens = [1, randint(2, 40), 1, 1, randint(PREFILL_WIDE_TILE_N, 150), 1]
+    query_lens = [1, randint(2, 40), 1, 1, randint(2 * PREFILL_TILE_N, 150), 1]
     context_lens = [decode_ctx[0], randint(40, 120), decode_ctx[1], decode_ctx[2], randint(150, 260), decode_ctx[3]]
     q, k_cache, v_cache, meta = make_batch(
         query_lens, context_lens, **heads(group), head_dim=32, block_size=16, dtype=dtype
@@ -540,7 +514,7 @@ def test_mixed_step_sends_decodes_to_the_split_kernel(group, dtype, monkeypatch)
     out = paged_attention(q, k_cache, v_cache, meta, 32**-0.5)
     assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 32**-0.5), ATOL[dtype], "mixed step")
     decode_row = torch.tensor([n == 1 for n in query_lens for _ in range(n)], device=DEVICE)
-    decode_kernels, prefill_kernels = ("_decode_split_kernel",), ("_prefill_kernel",)
+    decode_kernels, prefill_kernels = ("_decode_split_kernel", "_decode_reduce_kernel"), ("_prefill_kernel",)
     for kernels, unwritten in ((decode_kernels, decode_row), (prefill_kernels, ~decode_row)):
         with monkeypatch.context() as patch:
             for kernel in kernels:

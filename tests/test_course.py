@@ -187,7 +187,9 @@ def test_loras_one_batch_several_adapters_and_the_slot_table(llama, prompts, tmp
     llm = LLM(llama, num_kvcache_blocks=64, lora_config={"max_loras": 4})
     adapters = example_module().random_adapters(llm, 3)
     tables = []
-    llm.runner.step_hooks.append(lambda step: tables.append(llm.lora.slot_table()))  # after ext/lora's own hook
+    llm.runner.step_hooks.append(
+        lambda step: tables.append(llm.extensions["lora"].slot_table())
+    )  # after ext/lora's own hook
     outs = llm.generate(batch, GREEDY, use_tqdm=False, lora_request=[*adapters, None])
     first = len(batch[0])
     rows = [(0, first), (first, first + len(batch[1])), (first + len(batch[1]), sum(map(len, batch[:3])))]

@@ -27,7 +27,7 @@ ASKING = {
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
     "lora_config": {"max_loras": 2},
     "cascade_attention": True,
-    "small_batch_gemv": True,
+    "latency_kernels": True,
 }
 
 
@@ -72,7 +72,7 @@ def test_values_that_ask_for_nothing_need_no_extension(monkeypatch):
         trace=None,
         lora_config=None,
         cascade_attention=False,
-        small_batch_gemv=False,
+        latency_kernels=False,
     )
     assert config.extensions == () and EngineConfig(device="cpu").extensions == ()
     assert not asks_for_nothing(True, 1.0) and not asks_for_nothing(False, 0.0) and not asks_for_nothing([], None)

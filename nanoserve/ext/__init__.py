@@ -45,7 +45,7 @@ ENGINE_OPTIONS = {
     "tensor_parallel_size": ("tp", 1),
     "trace": ("plots", None),
     "speculative_config": ("speculative", None),
-    "small_batch_gemv": ("gemv", False),  # before lora: LoRA wraps the projections the GEMV wrapped
+    "latency_kernels": ("latency", False),  # before lora: LoRA wraps the projections the GEMV wrapped
     "lora_config": ("lora", None),
     "cascade_attention": ("cascade", False),  # last: it wraps the decode graphs that lora may capture again
 }

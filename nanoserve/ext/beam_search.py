@@ -163,8 +163,7 @@ def search(llm: "LLM", first: Sequence, params: BeamSearchParams, stop_ids: froz
             parents = beams
             beams = []
             for cum, parent, token in running:
-                seq = llm.block_manager.fork(parent)
-                scheduler.running.append(seq)  # a running sequence from the next step on
+                seq = scheduler.fork(parent)  # a running sequence from the next step on
                 seq.token_ids[-1] = token
                 beams.append((cum, seq))
             for _, seq in parents:

@@ -6,46 +6,45 @@ times per layer and step. Cascade attention (vLLM V1's name) reads them once for
 The idea is the log-sum-exp rule the split-KV decode kernel already uses to merge its splits. Attention over keys
 [0, n) equals a merge of attention over [0, p) and over [p, n), each part reported as its output and its log-sum-exp:
 out = (2^lse_a out_a + 2^lse_b out_b) / (2^lse_a + 2^lse_b). So one step of decode attention becomes:
-  1. each sequence's own part, the keys after the shared blocks: the core's split kernel (attention.py), run on block
-     tables and context lengths that start after the shared blocks, writing its splits' partial outputs and
-     log-sum-exps (never its one-split shortcut: the merge needs them);
+  1. each sequence's own part, the keys after the shared blocks: the core's split kernel (attention.decode_split), run
+     on block tables and context lengths that start after the shared blocks, writing its splits' partial outputs and
+     log-sum-exps (even with one split: the merge needs them);
   2. the shared part: _shared_prefix_kernel below. One program takes TILE_M rows of (sequence, query head) of one KV
      head, queries of different sequences side by side as the rows of one matrix (which plain decode never has: it has
-     one query per sequence), attends them to the shared keys with the core's key-tile loop (`_attend_key_tiles`), and
-     folds in the sequence's partials from step 1 by the rule above, writing the answer.
+     one query per sequence), attends them to the shared keys with the core's key-tile loop
+     (`attention.attend_key_tiles`), and folds in the sequence's partials from step 1 by the rule above, writing the
+     answer.
 Step 2 reads the shared keys once per TILE_M rows instead of once per sequence.
 
 When: the runner calls this extension's step hook before every step. It looks at a decode-only step's block tables
 (the longest run of leading block ids common to every sequence, limited to blocks wholly before each sequence's
 newest token, which this step writes) and takes the cascade when it saves enough reads to pay for its extra launch:
 (sequences - 1) x shared tokens >= MIN_SAVED_KEY_READS. Otherwise, and for any step with a prefill chunk, the model's
-attention runs the core's plain path, unchanged. A cascaded step runs eagerly: the decode CUDA graphs were captured
-over the plain path (a step that reads 2k shared keys per sequence spends far longer on the GPU than launching its
-kernels takes). On kernels="torch" the cascade runs as its PyTorch reference, cascade_attention_ref, which the tests
-check the kernel against, and both against the plain path."""
+attention runs the core's plain path, unchanged. A cascaded step runs eagerly (the step hook says so): the decode CUDA
+graphs were captured over the plain path (a step that reads 2k shared keys per sequence spends far longer on the GPU
+than launching its kernels takes). The shared run is cut to a multiple of INTS_PER_16_BYTES blocks, so each
+sequence's own block table (a view starting after it) stays 16-byte aligned, as every block table the kernels see
+is: Triton compiles a variant per alignment, and an unaligned view would compile one in the middle of a run. On
+kernels="torch" the cascade runs as its PyTorch reference, cascade_attention_ref, which the tests check the kernel
+against, and both against the plain path."""
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from nanoserve import attention
 from nanoserve.attention import (
-    DECODE_NUM_WARPS,
-    DECODE_TILE_N,
     LOG2E,
-    MAX_SPLITS,
     AttentionMetadata,
-    _attend_key_tiles,
-    _decode_split_kernel,
-    decode_group_pad,
+    attend_key_tiles,
+    decode_split,
     decode_splits,
+    num_sms,
 )
 from nanoserve.checks import InvalidField, check_flag
 from nanoserve.config import EngineConfig
-from nanoserve.model import Attention
 from nanoserve.scheduler import Step
+from nanoserve.step_inputs import INTS_PER_16_BYTES
 from nanoserve.triton_shim import tl, triton
 
 if TYPE_CHECKING:
@@ -67,10 +66,10 @@ def check_config(config: EngineConfig) -> None:
         raise InvalidField(FIELD, "nanoserve runs cascade attention with tensor_parallel_size=1 only")
 
 
-def start(llm: "LLM") -> None:
-    """The engine starts with cascade attention on: every attention layer's paged attention goes through it, and its
-    step hook joins the runner's."""
-    llm.cascade = Cascade(llm)
+def start(llm: "LLM") -> "Cascade":
+    """The engine starts with cascade attention on: the model's paged attention goes through it, and its step hook
+    joins the runner's. Returns the cascade (llm.extensions["cascade"])."""
+    return Cascade(llm)
 
 
 class Cascade:
@@ -82,36 +81,31 @@ class Cascade:
         self.enabled = True  # False: every step takes the plain path (bench.py --prefix compares the two)
         self.shared_blocks = 0  # this step's: the leading blocks all its decode sequences share; 0: the plain path
         self.suffix: tuple[AttentionMetadata, AttentionMetadata] | None = None  # (a step's metadata, its own parts')
-        layers = [module for module in runner.model.modules() if isinstance(module, Attention)]
-        kernels = layers[0].kernels  # the backend the model was built with (kernels.py): Triton's or the references
+        kernels = runner.model.kernels  # the backend the model was built with (kernels.py): Triton's or the references
         self.use_kernel = kernels.name == "triton"
         self.plain = kernels.paged_attention
-        for layer in layers:  # each attention layer's kernel table, with this paged attention
-            layer.kernels = replace(kernels, paged_attention=self.paged_attention)
+        runner.model.replace_kernels(paged_attention=self.paged_attention)
         runner.step_hooks.append(self.before_step)
-        if runner.graphs is not None:  # a cascaded step runs eagerly; the others replay the graphs as before
-            # (the model and its caches in the closure, not the runner: the runner holds the graphs, and a reference
-            # cycle would keep a dropped engine alive, its heap being frozen: llm.py)
-            replay, model, kv_caches = runner.graphs.run, runner.model, runner.kv_caches
-            runner.graphs.run = lambda ids, positions, meta: (
-                model(ids, positions, kv_caches, meta) if self.shared_blocks else replay(ids, positions, meta)
-            )
 
-    def before_step(self, step: Step) -> None:
+    def before_step(self, step: Step) -> bool:
         """The runner's step hook: how many leading blocks this step's sequences all share, if it is decode-only and
-        the cascade pays; else 0."""
+        the cascade pays; else 0. Returns whether the step cascades, and so must run eagerly."""
         seqs = [s.seq for s in step.scheduled]
         self.shared_blocks = 0
         if not self.enabled or len(seqs) < 2 or any(s.num_new_tokens != 1 for s in step.scheduled):
-            return
+            return False
         tables = [seq.block_table for seq in seqs]
         # the lists' common prefix is that of the smallest and the largest (compared in C, not element by element)
-        first, last = min(tables), max(tables)
-        shared = next((i for i, (a, b) in enumerate(zip(first, last, strict=False)) if a != b), min(map(len, tables)))
+        first = min(tables)
+        last = max(tables)
+        pairs = enumerate(zip(first, last, strict=False))
+        shared = next((i for i, (a, b) in pairs if a != b), min(map(len, tables)))
         # only blocks wholly before every sequence's newest token (its K/V is written by this step)
         shared = min(shared, min((seq.num_computed_tokens - 1) // self.block_size for seq in seqs))
+        shared -= shared % INTS_PER_16_BYTES  # the own tables' views stay 16-byte aligned (the module's docstring)
         if (len(seqs) - 1) * shared * self.block_size >= MIN_SAVED_KEY_READS:
             self.shared_blocks = shared
+        return self.shared_blocks > 0
 
     def paged_attention(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
@@ -121,7 +115,10 @@ class Cascade:
             return self.plain(q, k_cache, v_cache, meta, scale)
         if self.suffix is None or self.suffix[0] is not meta:  # made once per step, in its first layer
             self.suffix = (meta, suffix_metadata(meta, self.shared_blocks, k_cache.shape[1]))
-        cascade = cascade_attention if self.use_kernel else cascade_attention_ref
+        if self.use_kernel:
+            cascade = cascade_attention
+        else:
+            cascade = cascade_attention_ref
         return cascade(q, k_cache, v_cache, meta, self.suffix[1], self.shared_blocks, scale)
 
 
@@ -173,7 +170,7 @@ def _shared_prefix_kernel(
     head = tl.program_id(0) * GROUP + r % GROUP
     d = tl.arange(0, HEAD_DIM)[None, :]  # [1, HEAD_DIM]
     q = tl.load(q_ptr + seq[:, None] * stride_qt + head[:, None] * stride_qh + d, mask=real_rows[:, None], other=0.0)
-    row_max, row_sum, acc = _attend_key_tiles(
+    row_max, row_sum, acc = attend_key_tiles(
         q,
         shared_len - 1,  # every row sees every shared key
         0,
@@ -222,37 +219,9 @@ def cascade_attention(
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    # 1) each sequence's own keys: the core's split kernel, its partials kept (never ONE_SPLIT, never merged)
-    num_splits = decode_splits(num_seqs, num_kv_heads, attention._num_sms(q.device))
-    part_out = q.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32)
-    part_lse = part_out.new_empty(part_out.shape[:3])
-    _decode_split_kernel[num_seqs, num_kv_heads, num_splits](
-        q,
-        k_cache,
-        v_cache,
-        suffix.block_tables,
-        suffix.query_start_loc,
-        suffix.context_lens,
-        scale * LOG2E,
-        *q.stride()[:2],
-        *k_cache.stride()[:3],
-        suffix.block_tables.stride(0),
-        out,
-        *out.stride()[:2],
-        part_out,
-        part_lse,
-        part_lse,  # (the merge's counters: unused, MERGE off)
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        GROUP_PAD=decode_group_pad(group),
-        TILE_N=DECODE_TILE_N[q.dtype.itemsize, k_cache.dtype.itemsize],
-        ONE_SPLIT=False,
-        MERGE=False,  # the partials stay for the shared-prefix kernel to merge
-        MAX_SPLITS=MAX_SPLITS,
-        DEPENDENT=False,  # a plain launch
-        num_warps=DECODE_NUM_WARPS,
-    )
+    # 1) each sequence's own keys: the core's split kernel, its partials kept (never merged there)
+    num_splits = decode_splits(num_seqs, num_kv_heads, num_sms(q.device))
+    part_out, part_lse = decode_split(q, k_cache, v_cache, suffix, scale, num_splits)
     # 2) the shared keys, once per TILE_M rows of (sequence, query head), merged with the partials into out
     tile_m = SHARED_TILE_M[q.dtype.itemsize]
     _shared_prefix_kernel[num_kv_heads, triton.cdiv(num_seqs * group, tile_m)](

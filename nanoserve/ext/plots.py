@@ -48,9 +48,11 @@ def check_config(config: EngineConfig) -> None:
         raise InvalidField("trace", f"cannot write {config.trace!r}: {error.strerror or error}") from None
 
 
-def start(llm: "LLM") -> None:
-    """The engine starts with trace=PATH: its trace writer, which it tells when each step begins and ends."""
+def start(llm: "LLM") -> "StepTrace":
+    """The engine starts with trace=PATH: its trace writer (LLM.trace), which it tells when each step begins and
+    ends."""
     llm.trace = StepTrace(llm.config.trace, llm)
+    return llm.trace
 
 
 class StepTrace:

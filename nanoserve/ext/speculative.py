@@ -104,9 +104,11 @@ def check_config(config: EngineConfig) -> None:
         raise InvalidField(FIELD, "nanoserve does not speculate with tensor_parallel_size > 1 yet")
 
 
-def start(llm: "LLM") -> None:
-    """The engine starts with speculative_config: its proposer, which LLM.run_step asks for drafts before each step."""
+def start(llm: "LLM") -> "Proposer":
+    """The engine starts with speculative_config: its proposer (LLM.proposer), which the engine asks for drafts before
+    each step is planned."""
     llm.proposer = Proposer(llm, llm.config.speculative_config)
+    return llm.proposer
 
 
 def ngram_drafts(tokens: list[int], k: int, longest: int, shortest: int) -> list[int]:

@@ -108,7 +108,7 @@ def test_engine_outputs_are_unchanged(tiny_model, monkeypatch, kernels):
     plain = [o.outputs[0].token_ids for o in LLM(path, **engine).generate(prompts, params, use_tqdm=False)]
     llm = LLM(path, **engine, cascade_attention=True)
     cascaded = []
-    state = llm.cascade
+    state = llm.extensions["cascade"]
 
     def counting(q, *args):
         cascaded.append(bool(state.shared_blocks and args[2].decode_only))

@@ -419,7 +419,7 @@ def test_more_adapters_than_slots_queue_and_finish(slots_engine, requests):
     for scheduled in steps:  # no step held more adapters than slots
         assert len({adapter for adapter, *_ in scheduled} - {None}) <= 2
     assert llm.stats()["kv_blocks_used"] == 0 and not llm.scheduler.running and not llm.scheduler.waiting
-    assert len(llm.lora.host) <= 2 and len(llm.lora.slot_of) == 2
+    assert len(llm.extensions["lora"].host) <= 2 and len(llm.extensions["lora"].slot_of) == 2
 
 
 # ---- settings and bad input -----------------------------------------------------------------------------------------
@@ -432,7 +432,7 @@ def test_vllm_names_and_lora_config(tiny_model):
     assert vllm_style.config.lora_config == LoRAConfig(**sizes)
     for given_config in (LoRAConfig(max_loras=2), {"max_loras": 2}, '{"max_loras": 2}'):
         llm = LLM(path, device="cpu", max_model_len=64, num_kvcache_blocks=8, lora_config=given_config)
-        assert llm.config.lora_config == LoRAConfig(2, 16, 2) and len(llm.lora.layers) == 4 * 2
+        assert llm.config.lora_config == LoRAConfig(2, 16, 2) and len(llm.extensions["lora"].layers) == 4 * 2
 
 
 def write_adapter(folder: Path, config: dict, tensors: dict) -> str:

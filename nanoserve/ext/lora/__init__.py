@@ -17,11 +17,11 @@ Adapters are PEFT's folders (adapter_config.json, adapter_model.safetensors) tha
     static buffers that every adapted projection reads: the kernels' segments. A CUDA graph reads the same buffers, so
     a replay sees the current step's rows; a padded row is in no segment and gets nothing;
   - scheduler: a waiting sequence is admitted only if its adapter runs already or fewer than max_loras do
-    (Scheduler.may_admit), so no step needs more slots than there are: more adapters in flight queue;
+    (Scheduler.admission_rules), so no step needs more slots than there are: more adapters in flight queue;
   - prefix cache: a sequence's adapter (its LoRARequest) is its cache salt (Sequence.cache_salt), so a block computed
     under one adapter is never found by a request under another or under none; preemption and recompute keep it.
-The engine's start wraps the model's projections and captures the decode graphs again over them (the first capture,
-in ModelRunner.__init__, saw none: its graphs go first, and their memory pool with them). The slots are allocated after
+The engine's start wraps the model's projections (CausalLM.wrap_projections), before the engine captures its decode
+graphs over them. The slots are allocated after
 the KV pool was sized, beyond gpu_memory_utilization: max_loras x max_lora_rank x (in + out features of each of q, k, v,
 o, gate, up and down) elements per layer (Qwen3-0.6B, 8 slots of rank 16: 161 MB in bf16). Tensor parallelism is refused
 (tensor_parallel_size must be 1): the adapters are not sharded as the base weights are."""
@@ -41,7 +41,6 @@ from torch import Tensor, nn
 
 from nanoserve.checks import LISTS, InvalidField, check_numbers, shown
 from nanoserve.config import EngineConfig
-from nanoserve.cuda_graphs import DecodeGraphs
 from nanoserve.ext.lora.kernels import sgmv, sgmv_ref
 from nanoserve.scheduler import Step
 from nanoserve.sequence import Sequence
@@ -118,21 +117,27 @@ def check_config(config: EngineConfig) -> None:
     config.lora_config = value
 
 
-def start(llm: "LLM") -> None:
-    """The engine starts with LoRA on: its adapters (llm.lora) wrap the model's projections, capture the decode graphs
-    again, and join the runner's step hooks and the scheduler's admission."""
-    llm.lora = Adapters(llm)
+def start(llm: "LLM") -> "Adapters":
+    """The engine starts with LoRA on: its adapters wrap the model's projections and join the runner's step hooks and
+    the scheduler's admission rules. Returns them (llm.extensions["lora"])."""
+    return Adapters(llm)
+
+
+def adapters_of(llm: "LLM") -> "Adapters":
+    """The engine's adapters, where LoRA is on; else an InvalidField naming lora_request."""
+    if "lora" not in llm.extensions:
+        raise InvalidField("lora_request", "needs LoRA on: LLM(..., enable_lora=True), or lora_config")
+    return llm.extensions["lora"]
 
 
 def check_adapter(llm: "LLM", adapter: object) -> None:
     """One request's adapter: None, or a LoRARequest that this engine (with LoRA on) loads, checking it."""
     if adapter is None:
         return
-    if "lora" not in llm.config.extensions:
-        raise InvalidField("lora_request", "needs LoRA on: LLM(..., enable_lora=True), or lora_config")
+    adapters = adapters_of(llm)
     if not isinstance(adapter, LoRARequest):
         raise InvalidField("lora_request", f"{shown(adapter)} is not a LoRARequest (or None)")
-    llm.lora.on_host(adapter)
+    adapters.on_host(adapter)
 
 
 def attach_adapters(llm: "LLM", requests: list, lora_request: object) -> None:
@@ -251,38 +256,33 @@ class Adapters:
     def __init__(self, llm: "LLM") -> None:
         config = self.config = llm.config.lora_config
         runner = llm.runner
-        self.running = llm.scheduler.running  # the scheduler's list, which may_admit reads
         # the step's segments, [slot_starts | rows_by_slot], filled with one copy per step
         parts = [config.max_loras + 1, llm.config.max_num_batched_tokens]
         self.step_inputs = torch.zeros(sum(parts), dtype=torch.int32, device=runner.device)
         starts, rows = self.step_inputs.split(parts)
+        self.segments = (rows, starts)
         self.scales = torch.zeros(config.max_loras, device=runner.device)  # each slot's
         # 1) each adapted projection of each layer wrapped: (layer, projection) -> its LoRALinear
-        kernel = sgmv if llm.config.kernels == "triton" else sgmv_ref
-        self.layers = {}
-        for i, layer in enumerate(runner.model.model.layers):
-            for module, name in PROJECTIONS:
-                parent = getattr(layer, module)
-                self.layers[i, name] = LoRALinear(getattr(parent, name), (rows, starts, self.scales), config, kernel)
-                setattr(parent, name, self.layers[i, name])
-        # 2) the decode graphs captured again, over the wrapped projections; the old ones and their pool go first
-        if runner.graphs is not None:
-            runner.graphs = None
-            torch.cuda.empty_cache()
-            runner.graphs = DecodeGraphs(
-                runner.model, runner.kv_caches, llm.config.max_num_seqs, runner.max_blocks_per_seq
-            )
-            runner.graphs.capture()
-        # 3) the adapters on the host, and in slots: adapter -> its slot, where a free slot is its own number's (an int,
+        self.kernel = sgmv if llm.config.kernels == "triton" else sgmv_ref
+        self.layers: dict[tuple[int, str], LoRALinear] = {}
+        runner.model.wrap_projections(self.wrap)
+        # 2) the adapters on the host, and in slots: adapter -> its slot, where a free slot is its own number's (an int,
         # never an adapter a step needs), so the free slots come first when one is taken; and each slot's rows last step
         self.host: OrderedDict[LoRARequest, Adapter] = OrderedDict()
         self.slot_of: OrderedDict[LoRARequest | int, int] = OrderedDict(
             (slot, slot) for slot in range(config.max_loras)
         )
         self.last_rows: list[list[int]] = [[] for _ in range(config.max_loras)]
-        # 4) the extension points, each called once per step
+        # 3) the extension points, each called once per step
         runner.step_hooks.append(self.before_step)
-        llm.scheduler.may_admit = self.may_admit
+        llm.scheduler.admission_rules.append(self.may_admit)
+
+    def wrap(self, layer: int | None, name: str, projection: nn.Module) -> nn.Module:
+        """CausalLM.wrap_projections' callback: a decoder layer's projection gets its LoRALinear; the LM head none."""
+        if layer is None:
+            return projection
+        self.layers[layer, name] = LoRALinear(projection, (*self.segments, self.scales), self.config, self.kernel)
+        return self.layers[layer, name]
 
     def on_host(self, request: LoRARequest) -> Adapter:
         """The request's adapter, loaded (and checked) if it is not on the host; beyond max_cpu_loras, the least
@@ -294,10 +294,10 @@ class Adapters:
         self.host.move_to_end(request)
         return self.host[request]
 
-    def may_admit(self, seq: Sequence) -> bool:
+    def may_admit(self, seq: Sequence, running_seqs: list[Sequence]) -> bool:
         """The scheduler's admission rule: seq may run if its adapter runs already or fewer than max_loras do, so a step
         never needs more adapters than there are slots (vLLM's scheduler keeps the same bound)."""
-        running = {s.cache_salt for s in self.running} - {None}  # a sequence's salt is its adapter (or None)
+        running = {s.cache_salt for s in running_seqs} - {None}  # a sequence's salt is its adapter (or None)
         return seq.cache_salt in running | {None} or len(running) < self.config.max_loras
 
     def before_step(self, step: Step) -> None:

@@ -207,6 +207,7 @@ def run_worker(config: EngineConfig, model_dir: str) -> None:
         threading.Thread(target=beat, args=(tp.rank,), daemon=True).start()
         host_group = join_groups(tp, connect_to_store(), config.device)
         runner = ModelRunner(config, model_dir, *load_hf_config(model_dir, config), RankPeers(tp, config.device))
+        runner.capture_graphs()  # as rank 0's engine captures its own, after its extensions start (none with tp)
         set_step_deadline()
         previous_tokens = None  # the last step's samples, broadcast by rank 0: the next step's PENDING inputs
         message = torch.empty(WAKE_LEN, dtype=torch.int64)
