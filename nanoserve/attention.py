@@ -46,8 +46,13 @@ PREFILL_TILE_N = 64
 PREFILL_WIDE_TILE_M = {2: 128, 4: 16}  # prefill tiles of this many rows or more run on 8 warps (16-bit: 2 warpgroups)
 PREFILL_NUM_STAGES = 3  # K/V tiles in flight in the prefill loop's software pipeline (Triton's default, named for
 # bench_kernels.py's sweep)
-DECODE_TILE_N = {(2, 2): 64, (2, 1): 32, (4, 4): 16, (4, 1): 16}  # keys per step of a decode split, by the query's
-# and the cache's element sizes
+# keys per step of a decode split, by the query's and the cache's element sizes
+DECODE_TILE_N = {
+    (2, 2): 64,
+    (2, 1): 32,
+    (4, 4): 16,
+    (4, 1): 16,
+}
 DECODE_NUM_WARPS = 4
 PROGRAMS_PER_SM = 4  # decode splits the keys until the grid has about this many programs per SM
 REFERENCE_RUN_SIZE = 1 << 24  # the PyTorch reference's padded queries x keys per SDPA call (reference_groups)
@@ -112,6 +117,7 @@ def attend_key_tiles(
     row_max = tl.full([q.shape[0]], float("-inf"), tl.float32)  # [M]
     row_sum = tl.zeros_like(row_max)  # [M]
     acc = tl.zeros(q.shape, tl.float32)  # [M, HEAD_DIM]
+    dims = tl.arange(0, q.shape[1])  # [HEAD_DIM]
     for MASKED in tl.static_range(2):  # unrolled: the unmasked pass (MASKED = 0), then the masked one (1)
         lo = start
         hi = unmasked_end
@@ -122,7 +128,7 @@ def attend_key_tiles(
             pos = n + tl.arange(0, TILE_N)  # [TILE_N] key positions
             # [TILE_N, HEAD_DIM] offsets of the keys: their blocks' (from the block table), their slots', the head's
             block_at = block_table_ptr + pos // BLOCK_SIZE
-            slot_offs = (pos % BLOCK_SIZE)[:, None] * stride_cs + head_offset + tl.arange(0, q.shape[1])[None, :]
+            slot_offs = (pos % BLOCK_SIZE)[:, None] * stride_cs + head_offset + dims[None, :]
             if MASKED:
                 valid = pos < end
                 block = tl.load(block_at, mask=valid, other=0).to(tl.int64)
@@ -135,15 +141,16 @@ def attend_key_tiles(
                 k = tl.load(k_cache_ptr + offs)
                 v = tl.load(v_cache_ptr + offs)
             # [M, TILE_N] scores in log2 units; fp32 dots in IEEE fp32, not tf32
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
+            s *= qk_scale
             if MASKED:
                 s = tl.where(pos[None, :] <= last_key, s, float("-inf"))  # last_key: [M, 1] or a scalar
             new_max = tl.maximum(row_max, tl.max(s, 1))
             alpha = tl.exp2(row_max - new_max)  # rescales what was summed under the old max
             p = tl.exp2(s - new_max[:, None])  # [M, N] this tile's weights under the new max
             row_sum = row_sum * alpha + tl.sum(p, 1)
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
-            acc = acc * alpha[:, None] + pv
+            acc *= alpha[:, None]
+            acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
             row_max = new_max
     return row_max, row_sum, acc
 
@@ -173,7 +180,9 @@ def _prefill_kernel(
     TILE_N: tl.constexpr,
 ):
     # program (tile, seq, head): queries [tile * TILE_M, (tile + 1) * TILE_M) of sequence seq, query head head
-    tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if tile * TILE_M >= q_len or q_len == 1:  # shorter than the grid's longest query, or a decode: the decode kernel's
@@ -184,7 +193,8 @@ def _prefill_kernel(
     real_rows = (rows < q_len)[:, None]  # [TILE_M, 1]: rows past the sequence's last query are padding
     d = tl.arange(0, HEAD_DIM)[None, :]  # [1, HEAD_DIM]
     tokens = (q_start + rows)[:, None]  # [TILE_M, 1] the queries' rows of q and out
-    q = tl.load(q_ptr + tokens * stride_qt + head * stride_qh + d, mask=real_rows, other=0.0)  # [TILE_M, HEAD_DIM]
+    q_at = q_ptr + tokens * stride_qt + head * stride_qh + d
+    q = tl.load(q_at, mask=real_rows, other=0.0)  # [TILE_M, HEAD_DIM]
     # Keys up to the tile's first query are seen by all its rows: whole tiles of them need no mask. Keys after
     # its last query are seen by none: stop there (skips the tiles above the diagonal).
     first_q_pos = ctx - q_len + tile * TILE_M  # the position of the tile's first query
@@ -283,15 +293,17 @@ def _decode_split_kernel(
     # an empty split (row_max = -inf, row_sum = 0) reports lse = -inf, i.e. weight 0, and a zero output, not 0/0
     row_sum = tl.where(row_sum > 0, row_sum, 1.0)
     out = acc / row_sum[:, None]  # [GROUP_PAD, HEAD_DIM]
+    real_head_rows = real_rows[:, None]  # [GROUP_PAD, 1]
     if ONE_SPLIT:  # the whole context was this split's: out is the answer
         out_at = out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + d
-        tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=real_rows[:, None])
+        tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=real_head_rows)
     else:
         lse = row_max + tl.log2(row_sum)  # [GROUP_PAD] log2-sum-exp2 of this split's scores
         # partials are contiguous: part_lse [num_seqs, num_heads, num_splits], part_out [..., HEAD_DIM]
-        row = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split  # [GROUP_PAD]
+        head_row = seq * tl.num_programs(1) * GROUP + heads  # [GROUP_PAD]: rows of [num_seqs x num_heads]
+        row = head_row * tl.num_programs(2) + split
         tl.store(part_lse_ptr + row, lse, mask=real_rows)
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d, out, mask=real_rows[:, None])
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d, out, mask=real_head_rows)
 
 
 @triton.jit
@@ -324,20 +336,28 @@ def _decode_reduce_kernel(
     lse = tl.load(part_lse_ptr + row, mask=real_splits, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # a context of 0 keys: every split is empty
-    w = tl.exp2(lse - lse_max)  # [MAX_SPLITS], 0 for empty splits
-    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=real_splits[:, None], other=0.0)
-    total = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM]; 0 for a context of 0 keys
-    tl.store(out_ptr + q_row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    w = tl.exp2(lse - lse_max)[:, None]  # [MAX_SPLITS, 1], 0 for empty splits
+    part_at = part_out_ptr + row[:, None] * HEAD_DIM + d[None, :]
+    part = tl.load(part_at, mask=real_splits[:, None], other=0.0)  # [MAX_SPLITS, HEAD_DIM]
+    total = tl.maximum(tl.sum(w, 0), 1e-30)  # [1]; a context of 0 keys: 0 / tiny = 0
+    out = tl.sum(w * part, 0) / total  # [HEAD_DIM]
+    out_at = out_ptr + q_row * stride_ot + head * stride_oh + d
+    tl.store(out_at, out.to(out_ptr.dtype.element_ty))
 
 
-def kernel_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> tuple:
+def kernel_args(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> tuple:
     """What every attention kernel takes first: the query, the caches, the step's batch, the score scale (the
     kernels' softmax runs on exp2), then the strides of q, of the caches (block, slot, head: head_dim is contiguous)
     and of the block tables."""
     batch = (meta.block_tables, meta.query_start_loc, meta.context_lens)
-    strides = (*q.stride()[:2], *k_cache.stride()[:3], meta.block_tables.stride(0))
-    return (q, k_cache, v_cache, *batch, scale * LOG2E, *strides)
+    strides = (*q.stride()[:2], *k_cache.stride()[:3])  # (token, head), (block, slot, head)
+    return (q, k_cache, v_cache, *batch, scale * LOG2E, *strides, meta.block_tables.stride(0))
 
 
 def model_shape(q: Tensor, k_cache: Tensor) -> dict[str, int]:
@@ -346,7 +366,13 @@ def model_shape(q: Tensor, k_cache: Tensor) -> dict[str, int]:
     return {"GROUP": group, "HEAD_DIM": q.shape[2], "BLOCK_SIZE": k_cache.shape[1]}
 
 
-def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> Tensor:
     """q: [num_tokens, num_heads, head_dim] -> out, same shape: causal attention over each sequence's cached keys.
     The sequences with several queries (prefill chunks) go through the prefill kernel, those with one (decodes)
     through the split-KV kernel and its reduce: in a mixed step both launch, each skipping the other's sequences."""
@@ -375,12 +401,20 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     return out
 
 
-def prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float, out: Tensor) -> None:
+def prefill(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: Tensor,
+) -> None:
     """The prefill kernel over the step's sequences with several queries, into their rows of out. Query rows per
     program: short tiles when every query is short (small chunks), from MIN_DOT_ROWS up to PREFILL_TILE_M."""
     longest = triton.next_power_of_2(meta.max_query_len)
     tile_m = min(PREFILL_TILE_M[q.dtype.itemsize], max(MIN_DOT_ROWS, longest))
-    grid = (triton.cdiv(meta.max_query_len, tile_m), len(meta.context_lens), q.shape[1])
+    num_tiles = triton.cdiv(meta.max_query_len, tile_m)
+    grid = (num_tiles, len(meta.context_lens), q.shape[1])
     _prefill_kernel[grid](
         *kernel_args(q, k_cache, v_cache, meta, scale),
         out,
@@ -406,14 +440,15 @@ def decode_split(
     split only), the split writes its rows of out and this returns None. Without, it returns the splits' partials,
     (part_out [num_seqs, num_heads, num_splits, head_dim], part_lse [num_seqs, num_heads, num_splits]) in fp32, for a
     merge: the reduce kernel's, or an extension's (ext/cascade.py merges them with its shared prefix's)."""
-    num_seqs, num_kv_heads = len(meta.context_lens), k_cache.shape[2]
+    num_seqs = len(meta.context_lens)
+    num_tokens, num_heads, head_dim = q.shape
     partials = None
     if out is None:
-        part_out = q.new_empty(num_seqs, q.shape[1], num_splits, q.shape[2], dtype=torch.float32)
+        part_out = q.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32)
         partials = (part_out, part_out.new_empty(part_out.shape[:3]))
         out = part_out  # (never written: the split writes partials)
     shape = model_shape(q, k_cache)
-    _decode_split_kernel[num_seqs, num_kv_heads, num_splits](
+    _decode_split_kernel[num_seqs, k_cache.shape[2], num_splits](  # (sequence, KV head, split)
         *kernel_args(q, k_cache, v_cache, meta, scale),
         out,
         *out.stride()[:2],
@@ -467,11 +502,18 @@ def num_sms(device: torch.device) -> int:
     return CPU_NUM_SMS
 
 
-def store_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+def store_kv_ref(
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+) -> None:
     """k, v: [num_tokens, num_kv_heads, head_dim]; writes each token's K/V into its slot."""
     keep = slot_mapping != PAD_SLOT
+    slots = slot_mapping[keep]
     for new, cache in ((k, k_cache), (v, v_cache)):
-        cache.flatten(0, 1)[slot_mapping[keep]] = new[keep].to(cache.dtype)  # fp8: saturating, to nearest
+        cache.flatten(0, 1)[slots] = new[keep].to(cache.dtype)  # fp8: saturating, to nearest
 
 
 def reference_groups(meta: AttentionMetadata) -> list[slice]:
@@ -480,14 +522,21 @@ def reference_groups(meta: AttentionMetadata) -> list[slice]:
     longer than that runs alone). Its memory then follows what the step attends, not its number of sequences times
     its longest prompt (warm-up's step of 8,192 prompt tokens beside 250 one-token sequences asked for 8 GiB as one
     run on a GPU). The lengths are read on the host: a sync on a GPU, where the reference is for checking."""
-    runs, start, longest_q, longest_k = [], 0, 0, 0
-    lengths = zip(meta.query_start_loc.diff().tolist(), meta.context_lens.tolist(), strict=True)
-    for i, (q_len, k_len) in enumerate(lengths):
-        longest_q, longest_k = max(longest_q, q_len), max(longest_k, k_len)
+    q_lens = meta.query_start_loc.diff().tolist()
+    k_lens = meta.context_lens.tolist()
+    runs = []
+    start = 0  # the current run's first sequence, and its longest query and context so far
+    longest_q = 0
+    longest_k = 0
+    for i in range(len(k_lens)):
+        longest_q = max(longest_q, q_lens[i])
+        longest_k = max(longest_k, k_lens[i])
         if i > start and (i + 1 - start) * longest_q * longest_k > REFERENCE_RUN_SIZE:  # sequence i starts a run
             runs.append(slice(start, i))
-            start, longest_q, longest_k = i, q_len, k_len
-    return [*runs, slice(start, len(meta.context_lens))]
+            start = i
+            longest_q = q_lens[i]
+            longest_k = k_lens[i]
+    return [*runs, slice(start, len(k_lens))]
 
 
 def gather_for_reference(meta: AttentionMetadata, run: slice, block_size: int) -> tuple[Tensor, ...]:
@@ -502,7 +551,8 @@ def gather_for_reference(meta: AttentionMetadata, run: slice, block_size: int) -
       real_queries  [seqs, max_q] bool: not padding
     The mask is causal only: a real query sits inside its context, so the keys it sees do too; padding keys are
     seen by padding queries alone, whose rows are dropped."""
-    context_lens, starts = meta.context_lens[run], meta.query_start_loc[run.start : run.stop + 1]
+    context_lens = meta.context_lens[run]  # [seqs]
+    starts = meta.query_start_loc[run.start : run.stop + 1]  # [seqs + 1]
     q_lens = starts.diff()[:, None]  # [seqs, 1]
     device = context_lens.device
     key_pos = torch.arange(context_lens.max().item(), device=device)  # [max_k]
@@ -510,13 +560,20 @@ def gather_for_reference(meta: AttentionMetadata, run: slice, block_size: int) -
     pos = torch.where(key_pos < context_lens[:, None], key_pos, 0)  # [seqs, max_k]
     blocks = meta.block_tables[run].gather(1, pos // block_size)  # [seqs, max_k]
     q_idx = torch.arange(q_lens.max().item(), device=device)  # [max_q]
-    query_rows = (starts[:-1, None] + q_idx).clamp(max=len(meta.slot_mapping) - 1)  # [seqs, max_q]; padding: last
+    last_row = len(meta.slot_mapping) - 1
+    query_rows = (starts[:-1, None] + q_idx).clamp(max=last_row)  # [seqs, max_q]; padding reads the last row
     q_pos = context_lens[:, None] - q_lens + q_idx  # [seqs, max_q] positions of the queries
     visible = key_pos <= q_pos[:, None, :, None]  # [seqs, 1, max_q, max_k]: causal
     return blocks, pos % block_size, visible, query_rows, q_idx < q_lens
 
 
-def paged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+def paged_attention_ref(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> Tensor:
     """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim], causal within each sequence:
     PyTorch's SDPA over each sequence's keys gathered from its blocks (gather_for_reference), in fp32, one run of
     sequences at a time (reference_groups)."""
@@ -527,9 +584,11 @@ def paged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Atten
     for blocks, offsets, visible, query_rows, real_queries in meta.reference_gather:
         # the keys and values by (block, offset), [seqs, num_kv_heads, max_k, head_dim], and the queries,
         # [seqs, num_heads, max_q, head_dim]: SDPA's layout, in fp32
-        k, v = (cache[blocks, offsets].float().transpose(1, 2) for cache in (k_cache, v_cache))
+        k = k_cache[blocks, offsets].float().transpose(1, 2)
+        v = v_cache[blocks, offsets].float().transpose(1, 2)
         queries = q[query_rows].float().transpose(1, 2)
         run_out = F.scaled_dot_product_attention(queries, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
         # [tokens of the run, num_heads, head_dim]: padded query rows dropped; an empty context's NaN as 0
-        out[query_rows[real_queries]] = run_out.transpose(1, 2)[real_queries].nan_to_num(0.0).to(q.dtype)
+        run_out = run_out.transpose(1, 2)[real_queries].nan_to_num(0.0)
+        out[query_rows[real_queries]] = run_out.to(q.dtype)
     return out
