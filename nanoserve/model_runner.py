@@ -50,30 +50,19 @@ PROFILE_SAMPLING = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, logprobs=1)  
 RowLogprobs = dict[int, float] | None  # one row's {token: logprob}; None for a row that asked for none
 
 
-def copy_to_host_async(samples: Samples | None) -> Samples | None:
-    """A host copy of a GPU's samples, queued behind the kernels that compute them: it waits for nothing (a
-    non_blocking copy from a GPU to the CPU lands in pinned memory that torch allocates for it). A CPU's tensors are
-    their own copy."""
-
-    def to_host(t: Tensor) -> Tensor:
-        return t.to("cpu", non_blocking=True)
-
-    if samples is None:
-        return None
-    tokens, logprobs = samples
-    if logprobs is not None:
-        logprobs = SampledLogprobs(*map(to_host, logprobs))
-    return Samples(to_host(tokens), logprobs)
-
-
 def logprob_dicts(samples: Samples, nums: list[int | None]) -> list[RowLogprobs]:
     """Host samples with logprobs as one {token: logprob} per row: the top nums[row], then the row's own token (its
     entry again if it is among them); None for a row that asked for none."""
-    columns = [samples.tokens, *samples.logprobs]  # tokens, chosen, top values, top ids: each one .tolist() call
-    return [
-        None if n is None else dict(zip(top_ids[:n], top_values[:n], strict=True)) | {token: chosen}
-        for n, token, chosen, top_values, top_ids in zip(nums, *map(Tensor.tolist, columns), strict=True)
-    ]
+    tokens = samples.tokens.tolist()  # each column in one .tolist() call, not element by element
+    chosen, top_values, top_ids = map(Tensor.tolist, samples.logprobs)
+    dicts = []
+    for row, n in enumerate(nums):
+        entry = None
+        if n is not None:
+            entry = dict(zip(top_ids[row][:n], top_values[row][:n], strict=True))
+            entry[tokens[row]] = chosen[row]
+        dicts.append(entry)
+    return dicts
 
 
 class Peers:
@@ -115,17 +104,29 @@ class InFlightStep:
     copy of its prompt logprobs, if a sequence asked for them: Samples whose tokens are the actual prompt tokens."""
 
     def __init__(
-        self, step: Step, rows: list, samples: Samples | None, prompt_samples: Samples | None, on_gpu: bool
+        self,
+        step: Step,
+        rows: list[tuple[Sequence, int]],
+        samples: Samples | None,
+        prompt_samples: Samples | None,
+        on_gpu: bool,
     ) -> None:
         self.step = step
         self.rows = rows  # step.sampled_rows(): (sequence, its length with the row's token) per row of samples
-        self.row_of = {seq.seq_id: row for row, (seq, _) in enumerate(self.rows)}  # seq -> row of its last sample
-        self.device_tokens = samples.tokens if samples is not None else None
-        self.host_samples = copy_to_host_async(samples)
-        self.host_prompt_samples = copy_to_host_async(prompt_samples)
-        # on a GPU, the event after which the host copies are complete (none to wait for on a step of prompt chunks)
-        copied = samples is not None or prompt_samples is not None
-        self.ready = torch.cuda.current_stream().record_event() if on_gpu and copied else None
+        self.row_of = {}  # seq_id -> the row of its last sample
+        for row, (seq, _) in enumerate(rows):
+            self.row_of[seq.seq_id] = row
+        self.device_tokens = None  # what the next step's decode inputs are read from (None: nothing sampled)
+        self.host_samples = None  # host copies, queued behind the step's kernels
+        self.host_prompt_samples = None
+        self.ready = None  # on a GPU, the event after which the host copies are complete
+        if samples is not None:
+            self.device_tokens = samples.tokens
+            self.host_samples = samples.to_host()
+        if prompt_samples is not None:
+            self.host_prompt_samples = prompt_samples.to_host()
+        if on_gpu and (samples is not None or prompt_samples is not None):
+            self.ready = torch.cuda.current_stream().record_event()
 
     def wait(self) -> tuple[list[int], list[RowLogprobs] | None, list[tuple]]:
         """The tokens (waiting for the GPU if needed); per row, {token: logprob} if any row asked for them: the chosen
@@ -172,11 +173,11 @@ class ModelRunner:
         # returns True asks for this step to run eagerly, not as a graph replay (ext/cascade.py: a decode step whose
         # sequences share blocks attends them in a way the graphs were not captured with)
         self.step_hooks: list[Callable[[Step], bool | None]] = []
-        self.device = torch.device(f"cuda:{peers.local_rank}" if self.on_gpu else "cpu")
-        # CPU threads: threads=, or the cores other processes leave free (ext/cpu_threads.py; without it, torch's count)
-        cpu_threads = None if self.on_gpu else find("cpu_threads")
-        if config.threads or cpu_threads:
-            torch.set_num_threads(config.threads or cpu_threads.threads_per_rank(peers.size))
+        if self.on_gpu:
+            self.device = torch.device("cuda", peers.local_rank)
+        else:
+            self.device = torch.device("cpu")
+            self.set_cpu_threads(peers.size)
         self.block_size = config.kvcache_block_size
         self.num_kv_heads = args.num_kv_heads // peers.size  # this rank's share
         # a block table long enough for max_model_len tokens, its width a multiple of BLOCK_TABLE_WIDTH_MULTIPLE
@@ -210,6 +211,15 @@ class ModelRunner:
     def close(self) -> None:
         self.peers.close()
 
+    def set_cpu_threads(self, num_ranks: int) -> None:
+        """torch's threads on a CPU: threads=, or the cores other processes leave free (ext/cpu_threads.py; without
+        it, torch's own count)."""
+        cpu_threads = find("cpu_threads")
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        elif cpu_threads is not None:
+            torch.set_num_threads(cpu_threads.threads_per_rank(num_ranks))
+
     # ---- the KV cache -----------------------------------------------------------------------------
     def kv_account(self) -> str:
         """One line: the per-token formula with this model's numbers, the pool's size, and what sized it."""
@@ -232,7 +242,8 @@ class ModelRunner:
         """kv_cache: [K or V, layer, block, slot, kv head (this rank's), head_dim], not zeroed: every slot is written
         before it is read, and on a CPU memory pages are only taken as the cache fills; kv_caches, what the model
         reads: per layer i, (kv_cache[0, i], kv_cache[1, i])."""
-        shape = (2, self.args.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.args.head_dim)
+        per_layer = (num_blocks, self.block_size, self.num_kv_heads, self.args.head_dim)
+        shape = (2, self.args.num_layers, *per_layer)
         self.kv_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = list(zip(*self.kv_cache, strict=True))
 
@@ -271,10 +282,11 @@ class ModelRunner:
         self.kv_cache.zero_()  # the scratch cache; the real one replaces it
         for tile in prefill_tile_sizes(self.dtype):
             self.launch(self._dummy_step([tile]))
-        config = self.config
-        budget = config.max_num_batched_tokens
-        seq_lens = [min(config.max_model_len, budget - i) for i in range(0, budget, config.max_model_len)]
-        self.launch(self._dummy_step(seq_lens + [1] * (config.max_num_seqs - len(seq_lens))))
+        budget = self.config.max_num_batched_tokens
+        longest = self.config.max_model_len
+        seq_lens = [min(longest, budget - start) for start in range(0, budget, longest)]
+        seq_lens += [1] * (self.config.max_num_seqs - len(seq_lens))
+        self.launch(self._dummy_step(seq_lens))
 
     def _dummy_step(self, seq_lens: list[int]) -> Step:
         """A step of whole prompts of token 0, each sampling its next token (PROFILE_SAMPLING), all in block 0."""
@@ -288,11 +300,17 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------------
     def prepare(self, step: Step, previous: InFlightStep | None) -> StepLists:
         """The step flattened into integer lists (step_inputs.py)."""
-        return flatten_step(step, self.block_size, previous.row_of if previous is not None else None)
+        previous_rows = None
+        if previous is not None:
+            previous_rows = previous.row_of
+        return flatten_step(step, self.block_size, previous_rows)
 
     @torch.inference_mode()
     def launch(
-        self, step: Step, previous: InFlightStep | None = None, processors: list[LogitsProcessor] = ()
+        self,
+        step: Step,
+        previous: InFlightStep | None = None,
+        processors: list[LogitsProcessor] = (),
     ) -> InFlightStep:
         """Queue one step on the device and return without waiting for it. `previous`, the step launched before
         and maybe not yet read back, holds the values of this step's PENDING decode inputs (None: no step before it,
@@ -302,27 +320,32 @@ class ModelRunner:
         eager = [hook(step) for hook in self.step_hooks]  # every hook runs; one that says True makes the step eager
         header, flat = upload(lists, self.device)
         rows = step.sampled_rows()  # (sequence, its length with the row's token) per row of samples
+        previous_tokens = None
+        if previous is not None:
+            previous_tokens = previous.device_tokens
+        prompt_top_n = 0  # the most top logprobs a prompt row asks for; ordinary steps skip the look
+        if lists.prompt_rows:
+            prompt_top_n = max(s.seq.params.prompt_logprobs or 0 for s in step.scheduled)
         try:
             self.peers.send_step(header, flat)  # tensor parallel: every rank runs the step; rank 0 samples
-            previous_tokens = previous.device_tokens if previous is not None else None
-            # the most top logprobs a prompt row asks for; ordinary steps skip the look
-            prompt_top_n = max(s.seq.params.prompt_logprobs or 0 for s in step.scheduled) if lists.prompt_rows else 0
             logits, prompt_samples = self.execute(header, flat, previous_tokens, prompt_top_n, any(eager))
             samples = None  # a step of prompt chunks only samples nothing
             if logits is not None:
-                seqs, lengths = zip(*rows, strict=True)  # a sequence per row: drafts have rows too
-                step_processors = [work for p in processors if (work := p.prepare(list(seqs))) is not None]
-                samples = self.sampler(
-                    logits,
-                    [seq.params for seq in seqs],
-                    list(lengths),
-                    list(map(banned_token_ids, seqs)),
-                    step_processors,
-                )
+                samples = self.sample(logits, rows, processors)
                 self.peers.send_tokens(samples.tokens)  # the other ranks' next decode inputs
             return InFlightStep(step, rows, samples, prompt_samples, on_gpu=self.on_gpu)
         except BaseException as error:  # Ctrl-C too: the other ranks may be waiting inside the step
             self.peers.failed(error)  # raises (ext/tp: naming the rank at fault)
+
+    def sample(self, logits: Tensor, rows: list[tuple[Sequence, int]], processors: list[LogitsProcessor]) -> Samples:
+        """The step's samples from its logits, one per row (a sequence per row: drafts have rows too), after the
+        logits processors' work on the rows they change."""
+        seqs = [seq for seq, _ in rows]
+        work = [processor.prepare(seqs) for processor in processors]
+        params = [seq.params for seq in seqs]
+        lengths = [length for _, length in rows]
+        banned = [banned_token_ids(seq) for seq in seqs]
+        return self.sampler(logits, params, lengths, banned, [w for w in work if w is not None])
 
     def execute(
         self,
@@ -346,8 +369,11 @@ class ModelRunner:
             hidden = self.model(views.input_ids, views.positions, self.kv_caches, meta)
         prompt_samples = None
         if len(views.prompt_rows):
-            prompt_samples = self.prompt_logprobs(hidden[views.prompt_rows], views.prompt_next_ids, prompt_top_n)
-        logits = self.model.compute_logits(hidden[views.sample_rows]) if len(views.sample_rows) else None
+            prompt_hidden = hidden[views.prompt_rows]
+            prompt_samples = self.prompt_logprobs(prompt_hidden, views.prompt_next_ids, prompt_top_n)
+        logits = None
+        if len(views.sample_rows):
+            logits = self.model.compute_logits(hidden[views.sample_rows])
         return logits, prompt_samples
 
     def prompt_logprobs(self, hidden: Tensor, next_ids: Tensor, top_n: int) -> Samples:
@@ -359,8 +385,9 @@ class ModelRunner:
         next_ids = next_ids.long()
         slice_rows = self.config.max_num_seqs
         pieces = []  # per slice: SampledLogprobs
-        for rows, ids in zip(hidden.split(slice_rows), next_ids.split(slice_rows), strict=True):
-            logprobs = self.model.compute_logits(rows).float().log_softmax(-1)  # [rows, vocab]
-            pieces.append(logprobs_of(logprobs, ids, top_n))
+        for start in range(0, len(hidden), slice_rows):
+            rows = slice(start, start + slice_rows)
+            logprobs = self.model.compute_logits(hidden[rows]).float().log_softmax(-1)  # [rows, vocab]
+            pieces.append(logprobs_of(logprobs, next_ids[rows], top_n))
         columns = zip(*pieces, strict=True)  # chosen, top values, top ids: each concatenated over the slices
         return Samples(next_ids, SampledLogprobs(*map(torch.cat, columns)))

@@ -50,6 +50,14 @@ class Samples(NamedTuple):
     tokens: Tensor  # [rows] int64
     logprobs: SampledLogprobs | None = None  # None when no row asked for logprobs
 
+    def to_host(self) -> "Samples":
+        """A host copy, queued behind the kernels that compute these: it waits for nothing (a non_blocking copy from a
+        GPU to the CPU lands in pinned memory that torch allocates for it). A CPU's tensors are their own copy."""
+        tokens = self.tokens.to("cpu", non_blocking=True)
+        if self.logprobs is None:
+            return Samples(tokens)
+        return Samples(tokens, SampledLogprobs(*(t.to("cpu", non_blocking=True) for t in self.logprobs)))
+
 
 class StepProcessor(Protocol):
     """A logits processor's work on one step's rows (LogitsProcessor.prepare makes it)."""
