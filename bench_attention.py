@@ -27,8 +27,8 @@ PREFILL_CASE = (8, 2048)  # (sequences, tokens each), causal, nothing cached
 # plain paged attention beside cascade attention (ext/cascade.py) and SDPA, in logical TB/s (every sequence's keys)
 CASCADE_CASES = [(256, 2048, 128), (64, 2048, 128), (16, 4096, 256)]
 COPIES_IN_MEMORY = 6  # K and V, each contiguous + paged + a transient copy while paging: skip what won't fit
-# the fused QK-norm + RoPE + K/V store (fused_ops.qk_norm_rope_store_kv) at a decode step's tokens: 1 (one request) and
-# 256 (the standard workload's batch), beside its PyTorch reference (the same work in separate torch kernels)
+# the fused QK-norm + RoPE + K/V store (ext/fused_kernels.py: qk_norm_rope_store_kv) at a decode step's tokens: 1
+# (one request) and 256 (the standard workload's batch), beside its PyTorch reference (separate torch kernels)
 FUSED_TOKENS = (1, 256)
 
 
@@ -154,7 +154,8 @@ def bench_fused_case(num_tokens: int, block_size: int, timer=None, device: str =
     slot of a 4k-token cache): its time beside its PyTorch reference's on the same inputs, and whether the two wrote
     the same cache and q. timer: fn -> ms (do_bench on a GPU). (On a CPU, tests run it in fp32: Triton's interpreter
     multiplies bf16 numbers wrongly.)"""
-    from nanoserve.fused_ops import qk_norm_rope_store_kv, qk_norm_rope_store_kv_ref
+    from nanoserve.ext.fused_kernels import qk_norm_rope_store_kv
+    from nanoserve.layer_ops import qk_norm_rope_store_kv_ref
 
     timer = timer or do_bench
     on = {"device": device, "dtype": dtype}

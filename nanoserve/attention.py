@@ -2,18 +2,18 @@
 
 The KV cache of one layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]; a sequence's tokens live in
 the blocks its block table lists, in order, so physical blocks need not be contiguous (PagedAttention, Kwon et al.
-2023). This step's K/V reach their slots first, stored by the kernel that rotates K (fused_ops.py: that program already
-holds each token's K; `store_kv_ref` here is the store's reference). Then two Triton jobs: a flash-attention kernel
-(FlashAttention-2, Dao 2023: query tiles, online softmax) serves the sequences with several queries (prefill chunks),
-causal and varlen; a split-KV kernel (Flash-Decoding, Dao et al. 2023) serves the sequences with one query (decodes),
-also inside a mixed step, by splitting each sequence's keys across programs, then merging their partial softmaxes in a
-small reduce kernel (a batch that fills the GPU by itself gets one split, which writes the output: no reduce). Each
-kernel skips the other's sequences, so a mixed step is one prefill launch and the decode's one or two over one metadata.
-These are the textbook kernels, as the last GPU run measured them (2026-11-27); the batch-1 latency tricks that remove
-launches (the reduce merged into the last split to finish, programmatic dependent launch) are the extension
-ext/latency, off by default until a GPU run measures them. Every key is read from the cache, so the
-store runs before attention. The PyTorch references at the bottom are the oracle the kernels are tested against, and
-the CPU's fast path. Words: a "block" is a KV-cache page, a "tile" a kernel's compute tile.
+2023). This step's K/V reach their slots first: stored by the layer's rotation (layer_ops.py, whose reference calls
+`store_kv_ref` here; with the fused kernels, the Triton program that rotates K stores it). Then two Triton jobs: a
+flash-attention kernel (FlashAttention-2, Dao 2023: query tiles, online softmax) serves the sequences with several
+queries (prefill chunks), causal and varlen; a split-KV kernel (Flash-Decoding, Dao et al. 2023) serves the sequences
+with one query (decodes), also inside a mixed step, by splitting each sequence's keys across programs, then merging
+their partial softmaxes in a small reduce kernel (a batch that fills the GPU by itself gets one split, which writes the
+output: no reduce). Each kernel skips the other's sequences, so a mixed step is one prefill launch and the decode's one
+or two over one metadata. These are the textbook kernels, as the last GPU run measured them (2026-11-27); the batch-1
+latency tricks that remove launches (the reduce merged into the last split to finish, programmatic dependent launch) are
+the extension ext/latency, off by default until a GPU run measures them. Every key is read from the cache, so the store
+runs before attention. The PyTorch references at the bottom are the oracle the kernels are tested against, and the CPU's
+fast path. Words: a "block" is a KV-cache page, a "tile" a kernel's compute tile.
 
 FP8 KV cache (kv_cache_dtype="fp8"): the caches are float8 e4m3 (1 byte per element, half of bf16's), written by a
 saturating round-to-nearest cast (on a GPU and in torch; Triton's CPU interpreter rounds roughly, so its tests feed

@@ -146,7 +146,9 @@ class EngineConfig(Settings):
         interpreted = os.environ.get("TRITON_INTERPRET", "").lower() in TRITON_INTERPRET_ON
         if self.kernels == "triton" and self.device == "cpu" and not interpreted:
             raise InvalidField("kernels", "'triton' on a CPU needs TRITON_INTERPRET=1 set before nanoserve is imported")
-        if self.device == "cpu" or self.kernels == "torch":  # CUDA graphs need a GPU and the sync-free Triton kernels
+        # CUDA graphs need a GPU and kernels that never wait for the host: the fused Triton kernels (the references'
+        # K/V store picks its rows on the host)
+        if self.device == "cpu" or self.kernels == "torch" or find("fused_kernels") is None:
             self.enforce_eager = True
         fp8 = self.kv_cache_dtype == "fp8"  # (torch has float8 types from 2.1; pyproject asks for 2.5+)
         if fp8 and self.device == "cuda" and self.kernels == "triton" and torch.cuda.get_device_capability() < (8, 9):

@@ -1,13 +1,15 @@
-"""The backend table: kernels are chosen once, when the model is built. Two backends have the same functions and
-meaning: the Triton kernels (GPU; CPU tests run them in Triton's interpreter) or their PyTorch references (any
-machine), each reference beside its kernel in attention.py, fused_ops.py and sampler.py. The model and the sampler
-never branch on the choice. The optional triton import itself lives in triton_shim.py, which the kernel files import;
-this table imports them, never the other way round."""
+"""The backend table: kernels are chosen once, when the model is built, and the model and the sampler never branch on
+the choice. The PyTorch backend ("torch") runs anywhere: the references in attention.py, layer_ops.py and sampler.py.
+The Triton backend ("triton": a GPU; CPU tests run it in Triton's interpreter) is the core's own paged attention
+(attention.py), and, where the extension ext/fused_kernels.py is installed (it is found by name, as the core finds any
+extension it consults unasked), one fused Triton kernel for each of the others. The optional triton import itself
+lives in triton_shim.py, which the kernel files import; this table imports them, never the other way round."""
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from nanoserve import attention, fused_ops, sampler
+from nanoserve import attention, layer_ops, sampler
+from nanoserve.ext import find
 
 
 @dataclass(frozen=True)
@@ -23,23 +25,22 @@ class Kernels:
     gumbel_argmax: Callable  # (logits, temperatures, seeds) -> tokens: a draw from softmax(logits / T)
 
 
+REFERENCES = Kernels(
+    "torch",
+    layer_ops.add_rms_norm_ref,
+    layer_ops.qk_norm_rope_store_kv_ref,
+    layer_ops.silu_and_mul_ref,
+    attention.paged_attention_ref,
+    sampler.gumbel_argmax_ref,
+)
+
+
 def get_kernels(name: str) -> Kernels:
-    """The Triton kernels for name "triton"; the PyTorch references for any other name. Each argument is the function
-    of the field with its name, in the fields' order."""
-    if name == "triton":
-        return Kernels(
-            "triton",
-            fused_ops.add_rms_norm,
-            fused_ops.qk_norm_rope_store_kv,
-            fused_ops.silu_and_mul,
-            attention.paged_attention,
-            sampler.gumbel_argmax,
-        )
-    return Kernels(
-        "torch",
-        fused_ops.add_rms_norm_ref,
-        fused_ops.qk_norm_rope_store_kv_ref,
-        fused_ops.silu_and_mul_ref,
-        attention.paged_attention_ref,
-        sampler.gumbel_argmax_ref,
-    )
+    """The Triton backend for name "triton", the PyTorch references for any other name."""
+    if name != "triton":
+        return REFERENCES
+    kernels = replace(REFERENCES, name="triton", paged_attention=attention.paged_attention)
+    fused = find("fused_kernels")
+    if fused is not None:
+        kernels = replace(kernels, **fused.kernels())
+    return kernels

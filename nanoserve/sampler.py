@@ -6,11 +6,10 @@ GPU: what a call returns, Samples (the tokens and, when asked for, their logprob
 step reads its inputs, and the model runner copies it back.
 
 Every row is drawn the same way: argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T) (the Gumbel-max
-trick), plain argmax when T = 0. Top-k, top-p and min-p only set the logits they drop to -inf first. The Triton kernel
-reads each row's logits once, split over many programs (each a chunk of the vocabulary: its best entry and value), and
-makes the noise in registers from a per-row seed, four uniforms per Philox call; a small second pass keeps each row's
-best chunk. Its PyTorch reference writes the noise out with a seeded generator per row: the backends draw different
-(equally valid) samples for a seed."""
+trick), plain argmax when T = 0. Top-k, top-p and min-p only set the logits they drop to -inf first. Here the draw is
+gumbel_argmax_ref, which writes the noise out with a seeded generator per row; with kernels="triton" the extension
+ext/fused_kernels.py draws in one Triton kernel that reads each row's logits once and makes the noise in registers
+(the two draw different, equally valid, samples for a seed)."""
 
 import random
 from collections.abc import Callable
@@ -20,13 +19,11 @@ import torch
 from torch import Tensor
 
 from nanoserve.sampling_params import MAX_TEMPERATURE, SEED_RANGE, SamplingParams
-from nanoserve.triton_shim import tl, triton
 
 if TYPE_CHECKING:  # for annotations only: the bookkeeping modules import no torch, this one imports theirs lazily
     from nanoserve.sequence import Sequence
 
 SEED_MIX = 1_000_003  # mixes a request's seed with its length, so each step draws fresh noise
-GUMBEL_TILE = 1024  # vocabulary entries per program of the sampling kernel: ~150 programs per row of a 152k vocabulary
 # A temperature T > 0 is used clamped into [MIN_TEMPERATURE, MAX_TEMPERATURE], so that logits / T stays finite and
 # never NaN (a huge T made -inf / inf = NaN, which argmax picks; a tiny one made every top logit +inf, a tie the noise
 # could not break). Below MIN_TEMPERATURE the draw is already the argmax unless two logits lie within ~1e-5 of each
@@ -85,52 +82,9 @@ class LogitsProcessor(Protocol):
         last token's value): while True, the engine does not overlap steps."""
 
 
-@triton.jit
-def _gumbel_argmax_kernel(
-    logits_ptr, stride, temperature_ptr, seed_ptr, chunk_best_ptr, chunk_id_ptr, vocab_size, TILE: tl.constexpr
-):
-    # program (row, chunk): the best entry of the row's columns [chunk * TILE, (chunk + 1) * TILE) by
-    # logits / T - log(E) with E ~ Exp(1) (the argmax over all chunks is a draw from softmax(logits / T)); by the
-    # plain logits when T = 0. The best value and its column go to chunk_best and chunk_id, [rows, chunks].
-    row, chunk = tl.program_id(0), tl.program_id(1)
-    temperature, seed = tl.load(temperature_ptr + row), tl.load(seed_ptr + row)
-    cols = chunk * TILE + tl.arange(0, TILE)
-    x = tl.load(logits_ptr + row * stride + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
-    if temperature > 0:
-        # one Philox call (counter c // 4) gives the uniforms of columns c .. c + 3: a column's noise depends only on
-        # (seed, column), never on the tile size
-        u0, u1, u2, u3 = tl.rand4x(seed, chunk * (TILE // 4) + tl.arange(0, TILE // 4))  # 4 x [TILE / 4] in [0, 1)
-        u = tl.interleave(tl.interleave(u0, u2), tl.interleave(u1, u3))  # [TILE]: u0[0], u1[0], u2[0], u3[0], u0[1]..
-        x = x / temperature - tl.log(-tl.log(u))  # -log(u) ~ Exp(1); -log of that is Gumbel noise
-    best, best_col = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)  # first of equal maxima
-    out = row * tl.num_programs(1) + chunk  # (row, chunk) in the [rows, chunks] outputs
-    tl.store(chunk_best_ptr + out, best)
-    tl.store(chunk_id_ptr + out, chunk * TILE + best_col)
-
-
 def sampling_temperature(temperature: float) -> float:
     """The temperature a row is drawn at: 0 (greedy) as it is, any other clamped into the finite range above."""
     return min(max(temperature, MIN_TEMPERATURE), MAX_TEMPERATURE) if temperature else 0.0
-
-
-def gumbel_argmax(logits: Tensor, temperatures: list[float], seeds: list[int]) -> Tensor:
-    """logits: [rows, vocab] -> [rows] int64 token ids, one draw per row from softmax(logits / T)."""
-    num_rows, vocab_size = logits.shape
-    # one program per (row, chunk of GUMBEL_TILE entries): the grid is the shape of the per-chunk results
-    chunk_best = logits.new_empty(num_rows, triton.cdiv(vocab_size, GUMBEL_TILE), dtype=torch.float32)
-    chunk_id = torch.empty_like(chunk_best, dtype=torch.int64)
-    _gumbel_argmax_kernel[chunk_best.shape](
-        logits,
-        logits.stride(0),
-        to_device(temperatures, torch.float32, logits.device),
-        to_device(seeds, torch.int64, logits.device),
-        chunk_best,
-        chunk_id,
-        vocab_size,
-        TILE=GUMBEL_TILE,  # and Triton's default of 4 warps
-    )
-    best_chunk = chunk_best.argmax(-1, keepdim=True)  # the second pass: the first of equal maxima, as in a chunk
-    return chunk_id.gather(-1, best_chunk)[:, 0]
 
 
 def gumbel_argmax_ref(logits: Tensor, temperatures: list[float], seeds: list[int]) -> Tensor:

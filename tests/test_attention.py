@@ -33,7 +33,7 @@ from nanoserve.attention import (
     paged_attention_ref,
     store_kv_ref,
 )
-from nanoserve.fused_ops import qk_norm_rope_store_kv
+from nanoserve.kernels import get_kernels
 from nanoserve.step_inputs import BLOCK_TABLE_WIDTH_MULTIPLE, round_up
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,11 +75,13 @@ def nan_for_new_buffers(monkeypatch):
 
 
 def store_kv(k, v, k_cache, v_cache, slots):
-    """The engine's K/V store, which rides in the kernel that rotates K (fused_ops.qk_norm_rope_store_kv): here with
-    an identity rotation (cos 1, sin 0, no norm), so K and V reach their slots exactly as given (q: a copy of k)."""
+    """The engine's K/V store, which rides in the layer's rotation (the Triton backend's qk_norm_rope_store_kv: the
+    fused kernel where ext/fused_kernels.py is installed): here with an identity rotation (cos 1, sin 0, no norm),
+    so K and V reach their slots exactly as given (q: a copy of k)."""
     cos = torch.ones(1, k.shape[-1] // 2, device=k.device)
     positions = torch.zeros(len(k), dtype=torch.int32, device=k.device)
-    qk_norm_rope_store_kv(k.clone(), k, v, positions, cos, torch.zeros_like(cos), k_cache, v_cache, slots)
+    rotate_and_store = get_kernels("triton").qk_norm_rope_store_kv
+    rotate_and_store(k.clone(), k, v, positions, cos, torch.zeros_like(cos), k_cache, v_cache, slots)
 
 
 def randint(low, high):

@@ -27,6 +27,9 @@ per step, never per token:
   sequence's blocks apart in the prefix cache (ext/lora.py: which rows use which adapter, at most max_loras adapters
   at once, blocks computed under one adapter never found under another). LLM.generate's (and chat's) lora_request asks
   ext/lora.py to attach each request's adapter (attach_adapters), checked before any request is queued.
+- Found by name, unasked (`find`): the fused Triton kernels whenever kernels="triton" (ext/fused_kernels.py, in
+  kernels.get_kernels; without it the Triton backend is the core's attention and the references, run eagerly), vLLM's
+  names (below), a CPU engine's threads (ext/cpu_threads.py).
 - Named entry points the core calls when its option is set: the default model (model=None, ext/default_model.py), the
   step trace (trace=PATH, ext/plots.py), tensor parallelism's runner (ext/tp), LLM.beam_search (ext/beam_search.py).
 - vLLM's names (ext/vllm_names.py): LLM(...) keywords go there first, if it is installed (`find`), where vLLM's are

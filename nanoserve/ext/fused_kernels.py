@@ -1,23 +1,45 @@
-"""A decoder layer's small elementwise work: residual add + RMSNorm, Qwen3's per-head QK-norm + RoPE with the K/V store
-into the cache, and SiLU(gate) * up. Each is one Triton kernel instead of 5 to 20 PyTorch kernels, with its PyTorch
-reference after it.
+"""An extension, found by name whenever kernels="triton" (kernels.py asks for it; the default on a GPU): kernel fusion.
+The core runs a decoder layer's small elementwise work and the sampler's draw as plain PyTorch (layer_ops.py,
+sampler.py: each a few PyTorch kernels); this file gives each of them one Triton kernel, same meaning:
+  - residual add + RMSNorm (the sum written back in place as the next residual stream);
+  - Qwen3's per-head QK-norm + RoPE, with this step's K/V stored into their cache slots by the same program (it
+    already holds each token's rotated K): how the K/V reach the cache before attention reads it;
+  - SiLU(gate) * up;
+  - the sampler's draw, argmax(logits / T + Gumbel noise): one pass over each row's logits, the noise made in
+    registers from the row's seed.
 
 Why it matters: a decode step moves little data per kernel, so each kernel costs its fixed few microseconds on the GPU
-even inside a CUDA graph; unfused, a Qwen3 layer launched about 70 kernels, fused it launches 11. Statistics are in
-fp32, and RMSNorm and SiLU round to the model dtype where transformers does. RoPE is computed in fp32 and rounded once,
-which is more accurate than transformers' bf16 products (they differ by one bf16 step in about a third of elements).
-Kernels match their references to within rounding (summation order, the GPU's fast square root), not bit for bit."""
+even inside a CUDA graph; unfused, a Qwen3 layer launched about 70 kernels, fused it launches 11 (the H100 run of
+2026-11-27 measured the fused path). The fused kernels are also what lets the decode step be captured in a CUDA graph:
+the references' K/V store picks its rows on the host, so without this extension the engine runs eagerly (config.py).
+
+Statistics are in fp32, and RMSNorm and SiLU round to the model dtype where transformers does. RoPE is computed in fp32
+and rounded once, which is more accurate than transformers' bf16 products (they differ by one bf16 step in about a
+third of elements). Kernels match their references (layer_ops.py, sampler.gumbel_argmax_ref) to within rounding
+(summation order, the GPU's fast square root), not bit for bit; the sampler's kernel draws different (equally valid)
+samples for a seed than its reference does, whose noise comes from a seeded generator per row."""
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from nanoserve.attention import PAD_SLOT, store_kv_ref
+from nanoserve.attention import PAD_SLOT
+from nanoserve.sampler import to_device
 from nanoserve.triton_shim import tl, triton
 
 SILU_BLOCK = 1024  # columns per program of the SiLU kernel
 RMS_NORM_ELEMENTS_PER_WARP = 256  # 8 a thread: one 16-byte bf16 load each
 RMS_NORM_MAX_WARPS = 16  # reached at 4k columns; wider rows give each thread more elements
+GUMBEL_TILE = 1024  # vocabulary entries per program of the sampling kernel: ~150 programs per row of a 152k vocabulary
+
+
+def kernels() -> dict:
+    """The kernel table's entries (kernels.Kernels' fields) this extension replaces, by name."""
+    return {
+        "add_rms_norm": add_rms_norm,
+        "qk_norm_rope_store_kv": qk_norm_rope_store_kv,
+        "silu_and_mul": silu_and_mul,
+        "gumbel_argmax": gumbel_argmax,
+    }
 
 
 @triton.jit
@@ -141,6 +163,29 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * n + cols, act * up, mask=mask)  # in the model dtype: one rounding, as torch's product
 
 
+@triton.jit
+def _gumbel_argmax_kernel(
+    logits_ptr, stride, temperature_ptr, seed_ptr, chunk_best_ptr, chunk_id_ptr, vocab_size, TILE: tl.constexpr
+):
+    # program (row, chunk): the best entry of the row's columns [chunk * TILE, (chunk + 1) * TILE) by
+    # logits / T - log(E) with E ~ Exp(1) (the argmax over all chunks is a draw from softmax(logits / T)); by the
+    # plain logits when T = 0. The best value and its column go to chunk_best and chunk_id, [rows, chunks].
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    temperature, seed = tl.load(temperature_ptr + row), tl.load(seed_ptr + row)
+    cols = chunk * TILE + tl.arange(0, TILE)
+    x = tl.load(logits_ptr + row * stride + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+    if temperature > 0:
+        # one Philox call (counter c // 4) gives the uniforms of columns c .. c + 3: a column's noise depends only on
+        # (seed, column), never on the tile size
+        u0, u1, u2, u3 = tl.rand4x(seed, chunk * (TILE // 4) + tl.arange(0, TILE // 4))  # 4 x [TILE / 4] in [0, 1)
+        u = tl.interleave(tl.interleave(u0, u2), tl.interleave(u1, u3))  # [TILE]: u0[0], u1[0], u2[0], u3[0], u0[1]..
+        x = x / temperature - tl.log(-tl.log(u))  # -log(u) ~ Exp(1); -log of that is Gumbel noise
+    best, best_col = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)  # first of equal maxima
+    out = row * tl.num_programs(1) + chunk  # (row, chunk) in the [rows, chunks] outputs
+    tl.store(chunk_best_ptr + out, best)
+    tl.store(chunk_id_ptr + out, chunk * TILE + best_col)
+
+
 def rms_norm_num_warps(block: int) -> int:
     """Warps for a row of `block` columns: RMS_NORM_ELEMENTS_PER_WARP each, from 1 up to RMS_NORM_MAX_WARPS."""
     return min(RMS_NORM_MAX_WARPS, max(1, block // RMS_NORM_ELEMENTS_PER_WARP))
@@ -165,16 +210,6 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
         num_warps=rms_norm_num_warps(block),
     )
     return out, residual
-
-
-def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    xf = x.float()  # the mean of squares in fp32, whatever the model dtype; rounded before the weight, as HF does
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    stream = x + residual  # the next residual stream
-    return rms_norm_ref(stream, weight, eps), stream
 
 
 def qk_norm_rope_store_kv(
@@ -226,37 +261,6 @@ def qk_norm_rope_store_kv(
     return q
 
 
-def rope_ref(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [tokens, heads, head_dim] in the rotate-half layout; cos, sin: [max_pos, head_dim / 2] fp32."""
-    cos, sin = cos[positions, None], sin[positions, None]  # [tokens, 1, head_dim / 2]: one row for all heads
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
-def qk_norm_rope_store_kv_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    positions: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    slot_mapping: Tensor,
-    q_weight: Tensor | None = None,
-    k_weight: Tensor | None = None,
-    eps: float = 0.0,
-) -> Tensor:
-    """qk_norm_rope_store_kv in PyTorch: q and k normed over each head (Qwen3's QK-norm, with weights) and rotated (k in
-    place, as the kernel leaves it), then the store (attention.store_kv_ref). Returns the rotated q."""
-    normed_k = k
-    if q_weight is not None:
-        q, normed_k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
-    k.copy_(rope_ref(normed_k, positions, cos, sin))
-    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
-    return rope_ref(q, positions, cos, sin)
-
-
 def silu_and_mul(x: Tensor) -> Tensor:
     """x: [rows, 2n] = [gate | up] -> silu(gate) * up, [rows, n]."""
     rows, n = x.shape[0], x.shape[1] // 2
@@ -266,6 +270,21 @@ def silu_and_mul(x: Tensor) -> Tensor:
     return out
 
 
-def silu_and_mul_ref(x: Tensor) -> Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+def gumbel_argmax(logits: Tensor, temperatures: list[float], seeds: list[int]) -> Tensor:
+    """logits: [rows, vocab] -> [rows] int64 token ids, one draw per row from softmax(logits / T)."""
+    num_rows, vocab_size = logits.shape
+    # one program per (row, chunk of GUMBEL_TILE entries): the grid is the shape of the per-chunk results
+    chunk_best = logits.new_empty(num_rows, triton.cdiv(vocab_size, GUMBEL_TILE), dtype=torch.float32)
+    chunk_id = torch.empty_like(chunk_best, dtype=torch.int64)
+    _gumbel_argmax_kernel[chunk_best.shape](
+        logits,
+        logits.stride(0),
+        to_device(temperatures, torch.float32, logits.device),
+        to_device(seeds, torch.int64, logits.device),
+        chunk_best,
+        chunk_id,
+        vocab_size,
+        TILE=GUMBEL_TILE,  # and Triton's default of 4 warps
+    )
+    best_chunk = chunk_best.argmax(-1, keepdim=True)  # the second pass: the first of equal maxima, as in a chunk
+    return chunk_id.gather(-1, best_chunk)[:, 0]
