@@ -13,11 +13,18 @@ from nanoserve.step_inputs import INTS_PER_16_BYTES, round_up
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, kv_caches: list[KVCache], max_num_seqs: int, max_blocks_per_seq: int) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[KVCache],
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         # the batch sizes that get a graph: 1, 2, 4, 8, then every 16, and max_num_seqs itself
-        self.sizes = [s for s in (1, 2, 4, 8, *range(16, max_num_seqs, 16)) if s < max_num_seqs] + [max_num_seqs]
+        smaller = (1, 2, 4, 8, *range(16, max_num_seqs, 16))
+        self.sizes = [size for size in smaller if size < max_num_seqs] + [max_num_seqs]
         # the static input buffers every graph reads, max_num_seqs rows each. The four per-row ones are the rows of
         # one tensor, so a step fills them with one copy (its row length a multiple of 4 int32s: each row 16-byte
         # aligned, as step_inputs keeps its views, so the kernels compile no second variant)
@@ -44,7 +51,8 @@ class DecodeGraphs:
             max_query_len=1,
             decode_only=True,
         )
-        self.hidden[size] = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
+        input_ids = self.input_ids[:size]
+        self.hidden[size] = self.model(input_ids, self.positions[:size], self.kv_caches, meta)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -63,7 +71,8 @@ class DecodeGraphs:
         up: the rows past num_seqs are padding."""
         num_seqs = len(input_ids)
         size = next(s for s in self.sizes if s >= num_seqs)
-        self.per_row[:, :num_seqs] = torch.stack([input_ids, positions, meta.slot_mapping, meta.context_lens])
+        rows = [input_ids, positions, meta.slot_mapping, meta.context_lens]
+        self.per_row[:, :num_seqs] = torch.stack(rows)
         self.slot_mapping[num_seqs:size] = PAD_SLOT  # padded rows write nothing...
         self.context_lens[num_seqs:size] = 0  # ...and read nothing
         self.block_tables[:num_seqs, : meta.block_tables.shape[1]] = meta.block_tables

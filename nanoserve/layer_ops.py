@@ -16,10 +16,16 @@ from nanoserve.attention import store_kv_ref
 
 def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = x.float()  # the mean of squares in fp32, whatever the model dtype; rounded before the weight, as HF does
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (xf * inv_rms).to(x.dtype)
 
 
-def add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm_ref(
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
     stream = x + residual  # the next residual stream
     return rms_norm_ref(stream, weight, eps), stream
 
@@ -28,7 +34,8 @@ def rope_ref(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [tokens, heads, head_dim] in the rotate-half layout; cos, sin: [max_pos, head_dim / 2] fp32."""
     cos, sin = cos[positions, None], sin[positions, None]  # [tokens, 1, head_dim / 2]: one row for all heads
     x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.to(x.dtype)
 
 
 def qk_norm_rope_store_kv_ref(

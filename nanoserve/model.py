@@ -23,6 +23,8 @@ from nanoserve.layers import Layers
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 KVCache = tuple[Tensor, Tensor]  # one layer's (K cache, V cache)
+# wrap_projections' callback: (layer index or None for the LM head, the projection's name, the projection) -> module
+ProjectionWrapper = Callable[[int | None, str, nn.Module], nn.Module]
 
 
 @dataclass
@@ -59,6 +61,9 @@ class ModelArgs:
         rope_type = rope["rope_type"]
         if rope_type not in ("default", "llama3"):
             raise InvalidField("model", f"rope_type {rope_type!r} is not supported (default, llama3)")
+        rope_scaling = None
+        if rope_type == "llama3":
+            rope_scaling = rope
         bias = getattr(cfg, "attention_bias", False)
         return cls(
             vocab_size=cfg.vocab_size,
@@ -71,7 +76,7 @@ class ModelArgs:
             rms_norm_eps=cfg.rms_norm_eps,
             max_position=cfg.max_position_embeddings,
             rope_theta=rope["rope_theta"],
-            rope_scaling=rope if rope_type == "llama3" else None,
+            rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.tie_word_embeddings,
             qk_norm=cfg.model_type == "qwen3",
             qkv_bias=cfg.model_type == "qwen2" or bias,  # Qwen2's config has no attention_bias: q, k, v only
@@ -82,8 +87,9 @@ class ModelArgs:
 class RMSNorm(nn.RMSNorm):
     """torch's RMSNorm module for its weight and eps, so that the checkpoint's name (input_layernorm.weight) finds
     the weight, with the residual stream's forward: it adds a sublayer's output into the stream, then RMS-normalises
-    the sum: forward(x, residual) -> (RMSNorm(x + residual) * weight, x + residual). One fused kernel does both (the
-    Triton one writes the sum into `residual` in place), so the stream is a tensor the model owns."""
+    the sum: forward(x, residual) -> (RMSNorm(x + residual) * weight, x + residual). The kernel table's add_rms_norm
+    does both (the fused Triton one, ext/fused_kernels.py, writes the sum into `residual` in place), so the stream is
+    a tensor the model owns."""
 
     def __init__(self, args: ModelArgs, kernels: Kernels) -> None:
         super().__init__(args.hidden_size, args.rms_norm_eps)  # every one normalises the residual stream
@@ -100,12 +106,15 @@ class Rotary(nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim)
+        exponents = torch.arange(0, args.head_dim, 2).float() / args.head_dim  # [head_dim / 2]
+        inv_freq = 1.0 / args.rope_theta**exponents
         if scaling := args.rope_scaling:  # Llama 3
-            low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+            low = scaling["low_freq_factor"]
+            high = scaling["high_freq_factor"]
             wavelen = 2 * math.pi / inv_freq
             # how many wavelengths fit the original context, mapped onto 0 (slowed) ... 1 (kept)
-            blend = ((scaling["original_max_position_embeddings"] / wavelen - low) / (high - low)).clamp(0, 1)
+            fits = scaling["original_max_position_embeddings"] / wavelen
+            blend = ((fits - low) / (high - low)).clamp(0, 1)
             inv_freq = (1 - blend) * inv_freq / scaling["factor"] + blend * inv_freq
         freqs = torch.outer(torch.arange(args.max_position).float(), inv_freq)  # [max_position, head_dim / 2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
@@ -122,29 +131,27 @@ class Attention(nn.Module):
         kv_size = args.num_kv_heads * args.head_dim
         self.qkv_proj = layers.merged(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias)
         self.o_proj = layers.linear(q_size, args.hidden_size, args.o_bias)
-        # Qwen3's per-head norms of q and k: never called, the fused qk_norm_rope_store_kv kernel reads their weight
-        # and eps
-        self.q_norm = nn.RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = nn.RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        # Qwen3's per-head norms of q and k: modules for their weights' checkpoint names, never called: the kernel
+        # table's qk_norm_rope_store_kv reads their weight and eps (qk_norm_args)
+        self.qk_norm_args = ()
+        if args.qk_norm:
+            self.q_norm = nn.RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.qk_norm_args = (self.q_norm.weight, self.k_norm.weight, args.rms_norm_eps)
 
     def forward(
         self, x: Tensor, positions: Tensor, rotary: Rotary, kv_cache: KVCache, meta: AttentionMetadata
     ) -> Tensor:
         qkv = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)  # [num_tokens, q | k | v] (this rank's heads)
         # each [num_tokens, its heads, head_dim]: views into the one projection, which the kernel rotates in place
-        q, k, v = (part.unflatten(-1, (-1, self.head_dim)) for part in qkv)
+        q, k, v = [part.unflatten(-1, (-1, self.head_dim)) for part in qkv]
         # q and k rotated, and all of the step's K/V stored (into kv_cache: K cache, V cache), in one kernel, before
         # any is read: a sequence may read blocks another sequence computes in this same step (a shared prefix
         # admitted together)
-        q = self.kernels.qk_norm_rope_store_kv(
-            q, k, v, positions, rotary.cos, rotary.sin, *kv_cache, meta.slot_mapping, *self.qk_norm()
-        )
+        rotation = (positions, rotary.cos, rotary.sin, *kv_cache, meta.slot_mapping, *self.qk_norm_args)
+        q = self.kernels.qk_norm_rope_store_kv(q, k, v, *rotation)
         o = self.kernels.paged_attention(q, *kv_cache, meta, self.scale)
         return self.o_proj(o.flatten(1))
-
-    def qk_norm(self) -> tuple:
-        """The rotation kernels' last arguments: Qwen3's QK-norm weights and eps; none for a model without one."""
-        return (self.q_norm.weight, self.k_norm.weight, self.k_norm.eps) if self.q_norm is not None else ()
 
 
 class MLP(nn.Module):
@@ -192,7 +199,12 @@ class DecoderLayer(nn.Module):
 
 
 # a decoder layer's projections, as (its submodule, the projection's name there)
-PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+PROJECTIONS = (
+    ("self_attn", "qkv_proj"),
+    ("self_attn", "o_proj"),
+    ("mlp", "gate_up_proj"),
+    ("mlp", "down_proj"),
+)
 
 
 class CausalLM(nn.Module):
@@ -209,7 +221,7 @@ class CausalLM(nn.Module):
         self.model = nn.ModuleDict(
             {
                 "embed_tokens": layers.embedding(args.vocab_size, args.hidden_size),
-                "layers": nn.ModuleList(DecoderLayer(args, kernels, layers) for _ in range(args.num_layers)),
+                "layers": nn.ModuleList([DecoderLayer(args, kernels, layers) for _ in range(args.num_layers)]),
                 "norm": RMSNorm(args, kernels),
             }
         )
@@ -234,7 +246,7 @@ class CausalLM(nn.Module):
         return self.layout.whole_vocab(self.lm_head(hidden))
 
     # ---- two extension points, for an extension's start(), before the decode graphs are captured -------------------
-    def wrap_projections(self, wrap: Callable[[int | None, str, nn.Module], nn.Module]) -> None:
+    def wrap_projections(self, wrap: "ProjectionWrapper") -> None:
         """Replace each projection by wrap(layer index, name, projection): every decoder layer's (PROJECTIONS), then
         the LM head's (index None, name "lm_head"). wrap returns the module to use instead (its own wrapper around the
         projection it is given, which keeps the parameters and their checkpoint names), or the projection itself to

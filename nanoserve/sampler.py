@@ -53,7 +53,8 @@ class Samples(NamedTuple):
         tokens = self.tokens.to("cpu", non_blocking=True)
         if self.logprobs is None:
             return Samples(tokens)
-        return Samples(tokens, SampledLogprobs(*(t.to("cpu", non_blocking=True) for t in self.logprobs)))
+        logprobs = [t.to("cpu", non_blocking=True) for t in self.logprobs]
+        return Samples(tokens, SampledLogprobs(*logprobs))
 
 
 class StepProcessor(Protocol):
@@ -84,7 +85,9 @@ class LogitsProcessor(Protocol):
 
 def sampling_temperature(temperature: float) -> float:
     """The temperature a row is drawn at: 0 (greedy) as it is, any other clamped into the finite range above."""
-    return min(max(temperature, MIN_TEMPERATURE), MAX_TEMPERATURE) if temperature else 0.0
+    if temperature == 0:
+        return 0.0
+    return min(max(temperature, MIN_TEMPERATURE), MAX_TEMPERATURE)
 
 
 def gumbel_argmax_ref(logits: Tensor, temperatures: list[float], seeds: list[int]) -> Tensor:
@@ -104,7 +107,8 @@ def gumbel_argmax_ref(logits: Tensor, temperatures: list[float], seeds: list[int
 
 def logprobs_of(logprobs: Tensor, tokens: Tensor, top_n: int) -> SampledLogprobs:
     """Per row of logprobs ([rows, vocab] fp32): the logprob of tokens[row], and the top_n logprobs with their ids."""
-    return SampledLogprobs(logprobs.gather(-1, tokens[:, None])[:, 0], *logprobs.topk(top_n))
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0]  # [rows]
+    return SampledLogprobs(chosen, *logprobs.topk(top_n))
 
 
 def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -143,8 +147,8 @@ class Sampler:
         asked for logprobs, their logprobs, all on the device. The phases, in vLLM's order: bans, processors (a
         grammar's mask, bias and penalties), filters (temperature, top-k, top-p, min-p), the draw."""
         asked = [p.logprobs for p in params if p.logprobs is not None]  # top-N logprobs per row that asked for some
-        # [rows, vocab], of the model's own distribution (vLLM's default): before the processors, filters and T
-        logprobs = logits.float().log_softmax(-1) if asked else None
+        if asked:  # [rows, vocab], of the model's own distribution (vLLM's default): before processors, filters, T
+            logprobs = logits.float().log_softmax(-1)
         # 1) bans: logits[row, id] = -inf for each id in banned[row], in one indexed write for the whole batch
         if any(banned):
             pairs = [(row, token) for row, ids in enumerate(banned) for token in ids]
@@ -157,15 +161,17 @@ class Sampler:
         filtered = [row for row, p in enumerate(params) if p.filtered]
         if filtered:
             rows = to_device(filtered, torch.long, logits.device)
-            logits[rows] = drop_filtered(logits[rows].float(), [params[r] for r in filtered]).to(logits.dtype)
+            kept = drop_filtered(logits[rows].float(), [params[r] for r in filtered])
+            logits[rows] = kept.to(logits.dtype)
         # 4) the draw: each row's temperature and noise seed
-        tokens = self.gumbel_argmax(
-            logits, [sampling_temperature(p.temperature) for p in params], list(map(self.noise_seed, params, lengths))
-        )
+        temperatures = [sampling_temperature(p.temperature) for p in params]
+        seeds = [self.noise_seed(p, length) for p, length in zip(params, lengths, strict=True)]
+        tokens = self.gumbel_argmax(logits, temperatures, seeds)
         for processor in processors:
             processor.sampled(tokens)
-        # top-N: the most any row asked for (0: empty rows)
-        return Samples(tokens, logprobs_of(logprobs, tokens, max(asked)) if asked else None)
+        if not asked:
+            return Samples(tokens)
+        return Samples(tokens, logprobs_of(logprobs, tokens, max(asked)))  # top-N: the most any row asked for
 
 
 def drop_filtered(logits: Tensor, params: list[SamplingParams]) -> Tensor:
@@ -174,11 +180,15 @@ def drop_filtered(logits: Tensor, params: list[SamplingParams]) -> Tensor:
     not change. logits: [rows, vocab] fp32."""
     vocab = logits.shape[-1]
     # per row (T, top-k, top-p, min-p), with greedy rows' T as 1 and top-k -1 as the whole vocabulary
-    rows = [
-        (sampling_temperature(p.temperature) or 1.0, p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p)
-        for p in params
-    ]
-    t, top_k, top_p, min_p = to_device(rows, torch.float32, logits.device).T[:, :, None]  # each a [rows, 1] column
+    rows = []
+    for p in params:
+        t = sampling_temperature(p.temperature) or 1.0
+        top_k = p.top_k
+        if top_k == -1:
+            top_k = vocab
+        rows.append((t, top_k, p.top_p, p.min_p))
+    columns = to_device(rows, torch.float32, logits.device).T[:, :, None]
+    t, top_k, top_p, min_p = columns  # each a [rows, 1] column
     # sorted by the raw logits: the order cannot depend on T (a huge T used to round every scaled logit to one value)
     sorted_raw, order = logits.sort(-1, descending=True)
     sorted_logits = sorted_raw / t
