@@ -149,9 +149,14 @@ class LLM:
             self.trace.close()
 
     def _make_request(
-        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, stream: bool
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str | None,
+        stream: bool,
     ) -> Request:
-        params = SamplingParams() if params is None else params
+        if params is None:
+            params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidField("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
         check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)  # now against the vocabulary
@@ -176,7 +181,10 @@ class LLM:
         # samples' sequences to the list)
         for name in params.extensions:
             ext.load(name, name).attach(self, seqs)
-        return Request(request_id, prompt if isinstance(prompt, str) else None, seqs, stream)
+        text = None  # the prompt's text, where it came as text
+        if isinstance(prompt, str):
+            text = prompt
+        return Request(request_id, text, seqs, stream)
 
     def _queue(self, request: Request) -> str:
         self.requests[request.request_id] = request
@@ -355,11 +363,15 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, LISTS):
             raise InvalidField("prompts", "expected a string, token ids, or a list of them")
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        params = sampling_params
+        if not isinstance(params, list):  # one for all
+            params = [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidField("sampling_params", f"{len(params)} given for {len(prompts)} prompts")
         check_flag("use_tqdm", use_tqdm)
-        requests = [self._make_request(p, sp, None, stream=False) for p, sp in zip(prompts, params, strict=True)]
+        requests = []
+        for prompt, prompt_params in zip(prompts, params, strict=True):
+            requests.append(self._make_request(prompt, prompt_params, None, stream=False))
         if lora_request is not None:  # each request's adapter, checked and loaded before any is queued
             ext.load("lora", "lora_request").attach_adapters(self, requests, lora_request)
         # 2) queue them all and step until each has finished
@@ -393,17 +405,23 @@ class LLM:
         ext/beam_search.py, with transformers' rule; a BeamSearchOutput per prompt). Needs an idle engine."""
         return ext.load("beam_search", "beam_search").beam_search(self, prompts, params)
 
-    def chat(self, messages: Conversation | list[Conversation], *args: object, **kwargs: object) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Conversation | list[Conversation],
+        *args: object,
+        **kwargs: object,
+    ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them, through the chat template (the
         extension ext/chat.py, which checks every message first and renders them as token ids); then generate's other
         arguments (sampling_params, use_tqdm, lora_request)."""
-        return self.generate(ext.load("chat", "messages").chat_prompts(self, messages), *args, **kwargs)
+        prompts = ext.load("chat", "messages").chat_prompts(self, messages)
+        return self.generate(prompts, *args, **kwargs)
 
     def stats(self) -> dict[str, int | float]:
         """The pool, the prefix cache, the queues and the running totals (an application that wants latencies reads
         each output's metrics: the server's /metrics does)."""
         bm = self.block_manager
-        return {
+        stats = {
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_free": bm.num_free_blocks,
@@ -418,8 +436,10 @@ class LLM:
             "steps": self.num_steps,
             "computed_tokens": self.computed_tokens,
             "generated_tokens": self.generated_tokens,
-            **(self.proposer.stats() if self.proposer is not None else {}),  # speculative decoding's drafts
         }
+        if self.proposer is not None:  # speculative decoding's drafts
+            stats |= self.proposer.stats()
+        return stats
 
 
 def is_one_prompt(prompts: object) -> bool:
