@@ -109,8 +109,10 @@ def fix_tokenizer(tokenizer: "PreTrainedTokenizerBase", reader: "GGUFReader") ->
     found = tokenizer.convert_ids_to_tokens(list(SPECIAL_TOKENS))
     if found != list(SPECIAL_TOKENS.values()):
         raise ValueError(f"unexpected special tokens {found} in {GGUF_FILE}; expected {SPECIAL_TOKENS}")
-    for role, token_id in SPECIAL_IDS.items():
-        setattr(tokenizer, f"{role}_token", SPECIAL_TOKENS[token_id])  # tokenizer.bos_token = "<|im_start|>", ...
+    tokenizer.bos_token = SPECIAL_TOKENS[SPECIAL_IDS["bos"]]  # "<|im_start|>"
+    tokenizer.eos_token = SPECIAL_TOKENS[SPECIAL_IDS["eos"]]  # "<|im_end|>"
+    tokenizer.pad_token = SPECIAL_TOKENS[SPECIAL_IDS["pad"]]
+    tokenizer.unk_token = SPECIAL_TOKENS[SPECIAL_IDS["unk"]]  # "<|endoftext|>"
     if not tokenizer.chat_template:  # keep the one transformers read, if it read one
         tokenizer.chat_template = reader.fields["tokenizer.chat_template"].contents()
     return tokenizer

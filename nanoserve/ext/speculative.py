@@ -60,13 +60,12 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise InvalidField(f"{FIELD}.method", f"{shown(self.method)} is not one of {', '.join(METHODS)}")
-        for key, low, high in (
-            ("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
-            ("disable_by_batch_size", 1, None),
-        ):
-            value = getattr(self, key)
-            if value is not None or key == "num_speculative_tokens":
-                setattr(self, key, check_number(f"{FIELD}.{key}", value, low, high or 2**31, integer=True))
+        drafts = self.num_speculative_tokens
+        drafts = check_number(f"{FIELD}.num_speculative_tokens", drafts, 1, MAX_SPECULATIVE_TOKENS, integer=True)
+        self.num_speculative_tokens = drafts
+        if self.disable_by_batch_size is not None:
+            batch = check_number(f"{FIELD}.disable_by_batch_size", self.disable_by_batch_size, 1, 2**31, integer=True)
+            self.disable_by_batch_size = batch
         if self.method == "ngram":
             self.prompt_lookup_max = check_number(f"{FIELD}.prompt_lookup_max", self.prompt_lookup_max, 1, 2**31, True)
             low = 1 if self.prompt_lookup_min is None else self.prompt_lookup_min
