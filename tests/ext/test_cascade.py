@@ -22,6 +22,7 @@ cascade = extension_or_skip("cascade")
 from nanoserve import LLM, SamplingParams  # noqa: E402
 from nanoserve.attention import paged_attention_ref  # noqa: E402
 from nanoserve.config import EngineConfig  # noqa: E402
+from nanoserve.step_inputs import INTS_PER_16_BYTES  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -93,14 +94,37 @@ def test_the_rule_takes_the_cascade_only_where_it_pays():
         assert hook.shared_blocks == expected, (tables, contexts, new_tokens)
 
 
+def test_each_sequences_own_block_table_stays_16_byte_aligned():
+    """Guards against a shared run of any block count: each sequence's own block table is a view that starts after
+    the shared blocks, and Triton compiles a kernel variant per pointer alignment, so a view that is not 16-byte
+    aligned (a shared run that is not a multiple of 4 int32 blocks) compiled one in the middle of a run. The rule
+    rounds the run down to a multiple of INTS_PER_16_BYTES blocks, and the views keep the step's alignment."""
+    from types import SimpleNamespace
+
+    hook = cascade.Cascade.__new__(cascade.Cascade)
+    hook.block_size, hook.enabled = 16, True
+    for extra in range(1, 2 * INTS_PER_16_BYTES):
+        num_shared = -(-cascade.MIN_SAVED_KEY_READS // 16) + extra  # pays, and not always a multiple of 4
+        tables = [list(range(100, 100 + num_shared)) + [1], list(range(100, 100 + num_shared)) + [2]]
+        seqs = [SimpleNamespace(block_table=t, num_computed_tokens=16 * num_shared + 5) for t in tables]
+        hook.before_step(SimpleNamespace(scheduled=[SimpleNamespace(seq=s, num_new_tokens=1) for s in seqs]))
+        assert hook.shared_blocks == num_shared - num_shared % INTS_PER_16_BYTES, (num_shared, hook.shared_blocks)
+    _, _, _, meta = shared_batch(3, 2 * INTS_PER_16_BYTES + 1, 2, 32, 16, torch.float32)
+    assert meta.block_tables.data_ptr() % 16 == 0 and meta.block_tables.stride(0) % INTS_PER_16_BYTES == 0
+    for shared_blocks in (INTS_PER_16_BYTES, 2 * INTS_PER_16_BYTES):
+        own = cascade.suffix_metadata(meta, shared_blocks, 16).block_tables
+        assert own.data_ptr() % 16 == 0, shared_blocks
+
+
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_engine_outputs_are_unchanged(tiny_model, monkeypatch, kernels):
     """Guards against the engine's use of it (the step hook, the layers' attention, the suffix metadata per step):
-    sequences behind a shared 50-token prompt (3 shared blocks of 16), greedy, give transformers' tokens with cascade
-    attention as without it, and the cascade did run (its threshold lowered so tiny steps take it)."""
+    sequences behind a shared 70-token prompt (4 shared blocks of 16: the rule shares whole runs of 4), greedy, give
+    transformers' tokens with cascade attention as without it, and the cascade did run (its threshold lowered so tiny
+    steps take it)."""
     monkeypatch.setattr(cascade, "MIN_SAVED_KEY_READS", 1)
     path, hf = tiny_model("qwen3")
-    system = random_prompts([50])[0]
+    system = random_prompts([70])[0]
     prompts = [system + tail for tail in random_prompts([3, 7, 5, 9])]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     device = TRITON_DEVICE if kernels == "triton" else "cpu"
@@ -114,9 +138,7 @@ def test_engine_outputs_are_unchanged(tiny_model, monkeypatch, kernels):
         cascaded.append(bool(state.shared_blocks and args[2].decode_only))
         return state.paged_attention(q, *args)
 
-    for module in llm.runner.model.modules():
-        if hasattr(module, "kernels") and hasattr(module, "qkv_proj"):
-            module.kernels = type(module.kernels)(**{**module.kernels.__dict__, "paged_attention": counting})
+    llm.runner.model.replace_kernels(paged_attention=counting)  # (the graphs were captured before: eager here)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == plain == [hf_greedy(hf, p, 8) for p in prompts]
     assert any(cascaded), "the cascade never ran"
