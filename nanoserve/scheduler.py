@@ -111,8 +111,9 @@ class Scheduler:
             # skip one preempted just now, or at its length limit with the last token pending (it ends when read)
             if seq.status != SequenceStatus.RUNNING or not num_new or reached_length_limit(seq, self.max_model_len):
                 continue
-            if self._make_room(seq, num_new, step):
-                self._plan(step, seq, min(num_new, seq.num_uncomputed_tokens))  # (less: drafts dropped for room)
+            num_new = self._make_room(seq, num_new, step)
+            if num_new:  # (none: seq itself was preempted)
+                self._plan(step, seq, num_new)
         # 2) the budget left admits waiting sequences, in queue order until one does not fit; none after a
         #    preemption, which would only make the pool thrash
         while not step.preempted and self.waiting and len(self.running) < self.max_num_seqs:
@@ -158,10 +159,11 @@ class Scheduler:
         if picks_next_token:
             seq.append_pending()  # its value arrives when this step is read back
 
-    def _make_room(self, seq: Sequence, num_new: int, step: Step) -> bool:
-        """Allocate seq's blocks, preempting the latest admitted sequences until they fit; False if seq itself went.
-        Preemption by recompute: the victim's KV is dropped and it waits at the front of the queue; readmitted, it
-        re-prefills its prompt + output so far."""
+    def _make_room(self, seq: Sequence, num_new: int, step: Step) -> int:
+        """Allocate blocks for seq's next num_new tokens, preempting the latest admitted sequences until they fit.
+        Returns how many tokens it made room for: num_new, less the draft tokens dropped first, or 0 if seq itself was
+        preempted. Preemption by recompute: the victim's KV is dropped and it waits at the front of the queue;
+        readmitted, it re-prefills its prompt + output so far."""
         while not self.block_manager.allocate(seq, num_new):
             if seq.num_draft_tokens:  # drafts are optional: dropped before anyone is preempted for their room
                 num_new -= seq.num_draft_tokens
@@ -175,8 +177,8 @@ class Scheduler:
             self.num_preemptions += 1
             step.preempted.append(victim)
             if victim is seq:
-                return False
-        return True
+                return 0
+        return num_new
 
     def update(
         self,
