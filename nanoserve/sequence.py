@@ -19,7 +19,7 @@ The life of a token: the one explanation of it (scheduler.py, step_inputs.py, st
    (llm.py's _overlapped_step; _plain_step reads each step back before planning the next). Step n+1's decode input is
    then step n's PENDING token: step_inputs.py marks those inputs (pending_at) and the runner fills them in on the
    device from step n's samples (InFlightStep.row_of). So a sequence holds at most two pending tokens (one in the plain
-   loop), and a preempted one waits until they are resolved before it is admitted again (is_queued).
+   loop), and one preempted meanwhile is not admitted again until they are resolved (Scheduler.schedule's phase 2).
 5) Drafts (speculative decoding, ext/speculative.py). Before a step is planned, a proposer may append draft tokens
    after the known ones (num_draft_tokens): guessed values, never cached. The scheduler plans them with the next token
    (or drops those the budget or the pool has no room for: drop_drafts), the step's PENDING token comes after them, and
