@@ -80,7 +80,8 @@ class BlockManager:
         would have none."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
-        hits, parent = [], seq.cache_salt  # a first block is keyed under the sequence's salt (None for most)
+        hits = []
+        parent = seq.cache_salt  # a first block is keyed under the sequence's salt (None for most)
         for i in range((seq.num_tokens - 1) // self.block_size):
             block_id = self.cached.get((parent, seq.block_tokens(i)))
             if block_id is None:
@@ -100,21 +101,31 @@ class BlockManager:
             first -= 1  # keyed blocks form a prefix of the table; find where it ends
         for i in range(first, num_full):
             block = self.blocks[seq.block_table[i]]
-            parent_prefix_id = self.blocks[seq.block_table[i - 1]].prefix_id if i else seq.cache_salt
-            block.key = (parent_prefix_id, seq.block_tokens(i))
+            parent = seq.cache_salt  # a first block is keyed under its sequence's salt...
+            if i:
+                parent = self.blocks[seq.block_table[i - 1]].prefix_id  # ...any other under its parent's prefix id
+            block.key = (parent, seq.block_tokens(i))
             owner = self.blocks[self.cached.setdefault(block.key, block.block_id)]  # the block the cache holds
-            # a new prefix gets a new name; the same prefix computed twice (two sequences admitted together) keeps
-            # one entry and one name
-            block.prefix_id = next(self._prefix_ids) if owner is block else owner.prefix_id
+            if owner is block:  # a new prefix gets a new name
+                block.prefix_id = next(self._prefix_ids)
+            else:  # the same prefix computed twice (two sequences admitted together): one entry, one name
+                block.prefix_id = owner.prefix_id
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | tuple = ()) -> bool:
+    def allocate(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        cached_blocks: list[int] | tuple = (),
+    ) -> bool:
         """Give seq the blocks it needs to hold num_new_tokens more tokens, after taking cached_blocks (a prefix
         hit, only for a sequence with nothing computed yet). False, changing nothing, if the pool is short."""
         # (the cached blocks hold exactly their tokens, so the new tokens' blocks come on top, counted as for a
         # sequence with nothing computed)
         num_new_blocks = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        # the next token goes into a partial block that a fork shares: copy it first
-        copy_on_write = seq.num_computed_tokens % self.block_size and self.blocks[seq.block_table[-1]].ref_count > 1
+        copy_on_write = (
+            seq.num_computed_tokens % self.block_size  # the next token goes into a partial block...
+            and self.blocks[seq.block_table[-1]].ref_count > 1  # ...that a fork shares: copy it first
+        )
         if not (num_new_blocks > 0 or cached_blocks or copy_on_write):
             return True  # most decode steps: the token fits in the sequence's last block (nothing to do, quickly)
         num_revived = sum(self.blocks[b].ref_count == 0 for b in cached_blocks)

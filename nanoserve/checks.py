@@ -55,17 +55,20 @@ def check_number(
     """value as a plain int (if integer) or float, when it is a finite real (an integer if asked; bool is neither) in
     [low, high], or (low, high] with above_low. An int or a Fraction is finite and compared exactly, never converted
     to a float before it is known to be in range."""
-    kind = numbers.Integral if integer else numbers.Real
-    is_kind = isinstance(value, kind) and not isinstance(value, bool)
-    if not is_kind or not (isinstance(value, numbers.Rational) or math.isfinite(value)):
-        wanted = "an integer" if integer else "a finite int or float"
-        raise InvalidField(field, f"{shown(value)} is not {wanted}")
     if integer:
+        if not is_integer(value):
+            raise InvalidField(field, f"{shown(value)} is not an integer")
         value = int(value)  # numpy's too: compared as a Python int, exactly
+    elif not is_finite_real(value):
+        raise InvalidField(field, f"{shown(value)} is not a finite int or float")
     if value < low or (above_low and value == low) or value > high:
-        opening = "(" if above_low else "["
+        opening = "["
+        if above_low:
+            opening = "("
         raise InvalidField(field, f"{shown(value)} is out of range {opening}{low}, {high}]")
-    return value if integer else float(value)  # an integer is a Python int already
+    if integer:
+        return value  # a Python int already
+    return float(value)
 
 
 def check_numbers(settings: object, limits: dict[str, dict]) -> None:
@@ -104,13 +107,28 @@ def is_integer(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_token_ids(field: str, ids: object, vocab_size: int | None = None) -> list[int]:
+def is_finite_real(value: object) -> bool:
+    """A real number of any type (numpy's, a Fraction; not a bool, nor a Decimal) that is finite: an int or a Fraction
+    is, and is never converted to a float to find out (10**400 would overflow)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    return isinstance(value, numbers.Rational) or math.isfinite(value)
+
+
+def check_token_ids(
+    field: str,
+    ids: object,
+    vocab_size: int | None = None,
+) -> list[int]:
     """A list of integer token ids (a numpy array or a dense tensor of them is fine; a sparse or meta tensor is
     refused by name; None is no ids), each in [0, vocab_size) where the vocabulary is known: returned as plain ints.
     SamplingParams, made before there is a model, checks only the types; the engine checks the range when the request
     comes (LLM._make_request)."""
     try:
-        ids = ids.tolist() if hasattr(ids, "tolist") else ids or []  # a numpy array or a tensor; None: no ids
+        if hasattr(ids, "tolist"):  # a numpy array or a tensor
+            ids = ids.tolist()
+        elif not ids:  # None: no ids
+            ids = []
     except Exception:  # a tensor whose values cannot be read (sparse, on the meta device): refused below, by name
         ids = None
     if not isinstance(ids, LISTS) or not all(map(is_integer, ids)):

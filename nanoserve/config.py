@@ -26,8 +26,9 @@ CHOICES = {
     "kv_cache_dtype": ("auto", "fp8"),
     "kvcache_block_size": (16, 32, 64, 128, 256),  # powers of two; a plain int by then (LIMITS)
 }
-GPU_STEP_TOKENS = 8192  # vLLM's default step budget with chunked prefill
-CPU_STEP_TOKENS = 512  # a CPU step of ~0.5-1 s with SmolLM2-135M on 2 cores (BENCHMARKS.md, 2026-11-24: TTFT, ITL)
+# the default step budget (max_num_batched_tokens) per device: on a GPU vLLM's with chunked prefill; on a CPU a step of
+# ~0.5-1 s with SmolLM2-135M on 2 cores (BENCHMARKS.md, 2026-11-24: TTFT, ITL)
+STEP_TOKENS = {"cuda": 8192, "cpu": 512}
 # check_numbers' limits for the number fields: integers up to MAX_INT where no high is given (threads' high, the
 # machine's cores, is added in __post_init__); None, the default of some, is chosen at startup
 LIMITS = {
@@ -48,8 +49,8 @@ class EngineConfig(Settings):
     model: str | None = None  # HF directory (a str or os.PathLike) or hub id; None is the embedded default model
     max_model_len: int = 4096  # longest sequence, prompt plus output
     max_num_seqs: int = 256  # sequences in one step
-    # tokens in one step, the budget that chunked prefill splits by; None: GPU_STEP_TOKENS on a GPU, CPU_STEP_TOKENS on
-    # a CPU, where a step of 8,192 prompt tokens takes tens of seconds and no stream advances meanwhile
+    # tokens in one step, the budget that chunked prefill splits by; None: the device's STEP_TOKENS (less on a CPU,
+    # where a step of 8,192 prompt tokens takes tens of seconds and no stream advances meanwhile)
     max_num_batched_tokens: int | None = None
     kvcache_block_size: int = 16  # tokens per KV block
     num_kvcache_blocks: int | None = None  # None: size the pool from memory
@@ -92,7 +93,8 @@ class EngineConfig(Settings):
         self._check_paths()
         # the numbers in their LIMITS (threads: at most the machine's cores) and the flags (bools: a string "no" would
         # be truthy), each stored as a plain int or float; the seed is checked as a request's seed is
-        check_numbers(self, LIMITS | {"threads": {"low": 1, "high": os.cpu_count() or 1}})
+        threads_limits = {"low": 1, "high": os.cpu_count() or 1}
+        check_numbers(self, LIMITS | {"threads": threads_limits})
         self.seed = SamplingParams(seed=self.seed).seed
         # dtype, device, kernels, kv_cache_dtype and the KV block size are among their CHOICES
         for name, allowed in CHOICES.items():
@@ -125,13 +127,15 @@ class EngineConfig(Settings):
         if self.device == "cuda" and not gpu_visible:
             raise InvalidField("device", "'cuda' but no GPU is visible to torch")
         if self.device == "auto":
-            self.device = "cuda" if gpu_visible else "cpu"
-        on_gpu = self.device == "cuda"
+            if gpu_visible:
+                self.device = "cuda"
+            else:
+                self.device = "cpu"
         # the defaults whose best value differs between a GPU and a CPU
         if self.overlap is None:
-            self.overlap = on_gpu
+            self.overlap = self.device == "cuda"
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = GPU_STEP_TOKENS if on_gpu else CPU_STEP_TOKENS
+            self.max_num_batched_tokens = STEP_TOKENS[self.device]
 
     def _resolve_kernels(self) -> None:
         """kernels 'triton' needs the triton package, and on a CPU its interpreter; 'auto' becomes triton on cuda
@@ -141,7 +145,10 @@ class EngineConfig(Settings):
         if self.kernels == "triton" and not HAVE_TRITON:
             raise InvalidField("kernels", "'triton' needs the triton package (Linux only); use kernels='torch'")
         if self.kernels == "auto":
-            self.kernels = "triton" if self.device == "cuda" and HAVE_TRITON else "torch"
+            if self.device == "cuda" and HAVE_TRITON:
+                self.kernels = "triton"
+            else:
+                self.kernels = "torch"
         # whether TRITON_INTERPRET asks Triton to run kernels in its CPU interpreter (read now, not at import)
         interpreted = os.environ.get("TRITON_INTERPRET", "").lower() in TRITON_INTERPRET_ON
         if self.kernels == "triton" and self.device == "cpu" and not interpreted:
@@ -150,13 +157,16 @@ class EngineConfig(Settings):
         # K/V store picks its rows on the host)
         if self.device == "cpu" or self.kernels == "torch" or find("fused_kernels") is None:
             self.enforce_eager = True
-        fp8 = self.kv_cache_dtype == "fp8"  # (torch has float8 types from 2.1; pyproject asks for 2.5+)
-        if fp8 and self.device == "cuda" and self.kernels == "triton" and torch.cuda.get_device_capability() < (8, 9):
+        # (torch has float8 types from 2.1; pyproject asks for 2.5+)
+        fp8_in_triton_on_gpu = self.kv_cache_dtype == "fp8" and self.kernels == "triton" and self.device == "cuda"
+        if fp8_in_triton_on_gpu and torch.cuda.get_device_capability() < (8, 9):
             raise InvalidField("kv_cache_dtype", "'fp8' needs an sm_89+ GPU for the Triton kernels: kernels='torch'")
 
     def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's element type: the model's, or float8 e4m3 for 'fp8'."""
-        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else model_dtype
+        if self.kv_cache_dtype == "fp8":
+            return torch.float8_e4m3fn
+        return model_dtype
 
     def torch_dtype(self, hf_config: "PretrainedConfig") -> torch.dtype:
         """The serving dtype: the one asked for; 'auto' is float32 on a CPU, and on a GPU float16 for a float16
@@ -166,4 +176,6 @@ class EngineConfig(Settings):
             return DTYPES[self.dtype]
         if self.device == "cpu":
             return torch.float32
-        return hf_config.dtype if hf_config.dtype == torch.float16 else torch.bfloat16  # bf16 stays bf16 too
+        if hf_config.dtype == torch.float16:
+            return torch.float16
+        return torch.bfloat16  # a bf16 checkpoint's too

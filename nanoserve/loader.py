@@ -49,7 +49,8 @@ def resolve_model_dir(model: str | os.PathLike | None) -> str:
     if os.path.isdir(model):
         return model
     # "org/name" and no such path here: a hub id (./org/name, /org/name and ~/org/name are paths, never fetched)
-    if model.count("/") != 1 or os.path.exists(model) or model.startswith((".", "/", "~")):
+    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    if not looks_like_hub_id or os.path.exists(model):
         raise InvalidField("model", f"no such model directory: {model!r}")
     return ext.load("hub", "model").download(model)
 
@@ -72,8 +73,13 @@ def eos_ids_of(
     sources.append(hf_config.eos_token_id)
     if all(source is None for source in sources) and tokenizer is not None:
         sources.append(tokenizer.eos_token_id)
-    # each source is None, one id, or a list of ids
-    return frozenset(eos_id for source in sources for eos_id in ([source] if isinstance(source, int) else source or []))
+    eos_ids = set()
+    for source in sources:  # None, one id, or a list of ids
+        if isinstance(source, int):
+            eos_ids.add(source)
+        elif source is not None:
+            eos_ids.update(source)
+    return frozenset(eos_ids)
 
 
 def read_safetensors(model_dir: str, shapes_only: bool = False) -> NamedTensors:
@@ -105,7 +111,8 @@ def load_weights(model: CausalLM, tensors: NamedTensors) -> None:
     for name, param in model.named_parameters(remove_duplicate=False):
         proj = name.split(".")[-2]  # model.layers.0.self_attn.qkv_proj.weight: qkv_proj
         if proj in FUSED:  # model.layers.0.self_attn.q_proj.weight fills shard 0 of its qkv_proj.weight, and so on
-            places |= {name.replace(proj, part): (param, (index,)) for index, part in enumerate(FUSED[proj])}
+            for index, part in enumerate(FUSED[proj]):
+                places[name.replace(proj, part)] = (param, (index,))
         else:  # any other parameter is one tensor of its own name, copied whole
             places[name] = (param, ())
     for hf_name, tensor in tensors:
@@ -134,7 +141,12 @@ def check_checkpoint(model_dir: str, args: ModelArgs) -> None:
 
 
 def build_model(
-    args: ModelArgs, model_dir: str, dtype: torch.dtype, device: torch.device, kernels: Kernels, layers: Layers
+    args: ModelArgs,
+    model_dir: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: Kernels,
+    layers: Layers,
 ) -> CausalLM:
     """The model on device in the serving dtype, its weights loaded from model_dir's safetensors, in eval mode; layers
     holds them (layers.py: whole, or one rank's shards)."""

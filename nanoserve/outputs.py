@@ -5,7 +5,7 @@ import time
 from copy import copy
 from dataclasses import dataclass, field
 
-from nanoserve.sequence import Sequence
+from nanoserve.sequence import Logprobs, Sequence
 from nanoserve.stopping import take_stream_delta
 
 
@@ -15,7 +15,7 @@ class CompletionOutput:
     text: str  # the text so far (final: special tokens and a matched stop string removed)
     token_ids: list[int]  # generated tokens, EOS or stop id included when that ended it
     finish_reason: str | None  # "stop" (EOS, stop id, stop string), "length", "abort"; None while running
-    logprobs: list[dict[int, float]] | None  # per token: {token_id: logprob}, the top-N and the chosen
+    logprobs: list[Logprobs] | None  # per token: {token_id: logprob}, the top-N and the chosen
     cumulative_logprob: float | None
     text_delta: str  # the text added since this request's previous output (all of it, the first time)
     token_ids_delta: list[int]
@@ -43,7 +43,7 @@ class RequestOutput:
     metrics: RequestMetrics
     # per prompt token, when asked for (prompt_logprobs=N): None for the first, then {token_id: logprob} of the
     # token and the top N at its position, as vLLM; one list for all n samples (they share the prompt)
-    prompt_logprobs: list[dict[int, float] | None] | None
+    prompt_logprobs: list[Logprobs | None] | None
 
 
 @dataclass(eq=False)  # a request is itself, never equal to another one
@@ -83,14 +83,18 @@ def take_completion(index: int, seq: Sequence) -> CompletionOutput:
     text_delta = take_stream_delta(seq)  # advances decoded.num_streamed (without streaming: all of it, at the end)
     token_ids_delta = token_ids[decoded.num_tokens_streamed :]
     decoded.num_tokens_streamed = len(token_ids)
-    wants_logprobs = seq.params.logprobs is not None
+    logprobs = None  # (only for a request that asked for them)
+    cumulative_logprob = None
+    if seq.params.logprobs is not None:
+        logprobs = list(seq.logprobs)
+        cumulative_logprob = seq.cumulative_logprob
     return CompletionOutput(  # in the fields' order
         index,
         decoded.text[: decoded.num_streamed],  # the text: once finished, all of decoded.final, streamed by now
         token_ids,
         seq.finish_reason,
-        list(seq.logprobs) if wants_logprobs else None,
-        seq.cumulative_logprob if wants_logprobs else None,
+        logprobs,
+        cumulative_logprob,
         text_delta,
         token_ids_delta,
     )

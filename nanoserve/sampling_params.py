@@ -73,8 +73,11 @@ class SamplingParams(Settings):
             raise InvalidField("top_k", "0 is out of range: -1 keeps all tokens, k >= 1 keeps k")
         if self.seed is not None:
             self.seed %= SEED_RANGE
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []  # one stop string, a list, or None
-        if not isinstance(stop, LISTS) or not all(isinstance(s, str) and s for s in stop):
+        stop = self.stop or []  # a list of stop strings, or None
+        if isinstance(self.stop, str):  # one stop string
+            stop = [self.stop]
+        non_empty_strings = isinstance(stop, LISTS) and all(isinstance(s, str) and s for s in stop)
+        if not non_empty_strings:
             raise InvalidField("stop", f"{shown(self.stop)} is not a non-empty string or a list of them")
         if stop and not self.detokenize:  # a stop string is found in the text, which detokenize=False never makes
             raise InvalidField("stop", "stop strings need detokenize=True: they are matched in the text")

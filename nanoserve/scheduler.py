@@ -8,11 +8,10 @@ recently admitted sequence is preempted: its blocks go back (still findable in t
 front of the queue to recompute its tokens later. Leftover budget admits waiting sequences, which first take whatever
 prefix of theirs is cached (unless they asked for prompt_logprobs, which need logits at every prompt position).
 
-Each sequence's share of a step is booked as it is planned: its tokens count as computed, the full blocks they complete
-become findable at once (a request admitted later in the same step takes them: each layer writes all of a step's K/V
-before any of it is read), and a sequence whose chunk reaches its end gets a PENDING token, whose value update() fills
-in when the step is read back. Later steps may be planned before that: the GPU runs steps in order, so lengths are all
-the scheduler needs."""
+Each sequence's share of a step is booked as it is planned (_plan), and a sequence whose chunk reaches its end gets a
+PENDING token, which update() and resolve() fill in when the step is read back; update() also keeps or rolls back draft
+tokens (keep_drafts). Why booking ahead is safe, and the rest of a token's life (the overlap, drafts): sequence.py's
+docstring, the one place that tells it."""
 
 from collections import deque
 from collections.abc import Callable
@@ -20,8 +19,13 @@ from dataclasses import dataclass, field
 
 from nanoserve.block_manager import BlockManager
 from nanoserve.sampling_params import InvalidField
-from nanoserve.sequence import PENDING, Sequence, SequenceStatus
+from nanoserve.sequence import PENDING, Logprobs, Sequence, SequenceStatus
 from nanoserve.stopping import reached_length_limit
+
+# an admission rule (Scheduler.admission_rules): may this waiting sequence join these running ones now?
+AdmissionRule = Callable[[Sequence, list[Sequence]], bool]
+# what a step read back gave one sequence (Scheduler.update): its new tokens, and their logprobs (or Nones)
+NewTokens = tuple[Sequence, list[int], list[Logprobs | None]]
 
 
 @dataclass
@@ -69,7 +73,7 @@ class Scheduler:
     # waiting sequence seq may join the running ones now (running: read it, never change it). The queue waits while
     # a rule says no to its first sequence, as it does when the pool is short (ext/lora: at most max_loras adapters
     # run at once)
-    admission_rules: list[Callable[[Sequence, list[Sequence]], bool]] = field(default_factory=list)
+    admission_rules: list[AdmissionRule] = field(default_factory=list)
 
     def check_fits(self, seq: Sequence, num_beams: int = 1) -> None:
         """Refuse a request that could not fit in the whole pool even alone: it would never finish. Beam search's beams
@@ -107,8 +111,9 @@ class Scheduler:
             # skip one preempted just now, or at its length limit with the last token pending (it ends when read)
             if seq.status != SequenceStatus.RUNNING or not num_new or reached_length_limit(seq, self.max_model_len):
                 continue
-            if self._make_room(seq, num_new, step):
-                self._plan(step, seq, min(num_new, seq.num_uncomputed_tokens))  # (less: drafts dropped for room)
+            num_new = self._make_room(seq, num_new, step)
+            if num_new:  # (none: seq itself was preempted)
+                self._plan(step, seq, num_new)
         # 2) the budget left admits waiting sequences, in queue order until one does not fit; none after a
         #    preemption, which would only make the pool thrash
         while not step.preempted and self.waiting and len(self.running) < self.max_num_seqs:
@@ -154,10 +159,11 @@ class Scheduler:
         if picks_next_token:
             seq.append_pending()  # its value arrives when this step is read back
 
-    def _make_room(self, seq: Sequence, num_new: int, step: Step) -> bool:
-        """Allocate seq's blocks, preempting the latest admitted sequences until they fit; False if seq itself went.
-        Preemption by recompute: the victim's KV is dropped and it waits at the front of the queue; readmitted, it
-        re-prefills its prompt + output so far."""
+    def _make_room(self, seq: Sequence, num_new: int, step: Step) -> int:
+        """Allocate blocks for seq's next num_new tokens, preempting the latest admitted sequences until they fit.
+        Returns how many tokens it made room for: num_new, less the draft tokens dropped first, or 0 if seq itself was
+        preempted. Preemption by recompute: the victim's KV is dropped and it waits at the front of the queue;
+        readmitted, it re-prefills its prompt + output so far."""
         while not self.block_manager.allocate(seq, num_new):
             if seq.num_draft_tokens:  # drafts are optional: dropped before anyone is preempted for their room
                 num_new -= seq.num_draft_tokens
@@ -171,41 +177,54 @@ class Scheduler:
             self.num_preemptions += 1
             step.preempted.append(victim)
             if victim is seq:
-                return False
-        return True
+                return 0
+        return num_new
 
-    def update(self, step: Step, tokens: list[int], logprobs: list | None) -> list[tuple[Sequence, list, list]]:
-        """A launched step's samples are back, one per row of step.sampled_rows(). Returns (sequence, its new tokens,
-        their logprobs or Nones) per sequence that got tokens (not those finished meanwhile), for the caller to fill
-        into its pending tokens one by one (resolve): one token, or a draft run's kept tokens (keep_drafts)."""
+    def update(
+        self,
+        step: Step,
+        tokens: list[int],
+        logprobs: list[Logprobs | None] | None,
+    ) -> list[NewTokens]:
+        """A launched step's samples are back, one per row of step.sampled_rows() (logprobs: None if no row asked
+        for them). Returns (sequence, its new tokens, their logprobs or Nones) per sequence that got tokens (not those
+        finished meanwhile), for the caller to fill into its pending tokens one by one (resolve): one token, or a draft
+        run's kept tokens and the sample after them (keep_drafts)."""
         logprobs = logprobs or [None] * len(tokens)
         got_tokens = []
-        end = 0  # of the sequence's rows
+        end = 0  # one past the previous sequence's rows
         for seq in step.sampling_seqs:
-            start, end = end, end + seq.num_draft_tokens + 1
+            start = end
+            end = start + seq.num_draft_tokens + 1  # a row per draft token, and one after the last
             if seq.is_finished:
                 continue
-            # (the common row, one token and no drafts, skips keep_drafts: this loop runs for every sequence per step)
-            kept = self.keep_drafts(seq, tokens[start:end]) if end - start > 1 else 0
-            got_tokens.append((seq, tokens[start : start + kept + 1], logprobs[start : start + kept + 1]))
+            kept = 0
+            if (
+                seq.num_draft_tokens
+            ):  # (not the common row, a single sample: this loop runs for every sequence per step)
+                kept = self.keep_drafts(seq, tokens[start:end])
+            got = slice(start, start + kept + 1)
+            got_tokens.append((seq, tokens[got], logprobs[got]))
         return got_tokens
 
     def keep_drafts(self, seq: Sequence, samples: list[int]) -> int:
-        """A sequence's draft tokens against its samples (one per draft, then one after the last): it keeps the drafts
-        up to the first its sample disagrees with, and that sample; returns how many drafts it kept. A kept draft is
-        what the model would have drawn there anyway (the rejection rule, for a proposal of one token), so the output
-        is exactly the one without drafts. The rest are rolled back: not computed, their blocks freed."""
-        drafts = seq.token_ids[len(seq.token_ids) - len(samples) : -1]  # (before the step's pending token)
-        kept = next((i for i, draft in enumerate(drafts) if draft != samples[i]), len(drafts))
-        if drafts:
-            seq.token_ids[-len(samples) :] = [PENDING] * (kept + 1)  # for the drafts and the step's pending token
-            seq.num_pending = kept + 1  # (a step with drafts is never overlapped: it was the only one pending)
-            seq.num_draft_tokens = 0
-            seq.num_computed_tokens -= len(drafts) - kept  # the rejected drafts' K/V is garbage: not computed
-            self.block_manager.free(seq, keep=self.block_manager.blocks_needed(seq.num_computed_tokens))
+        """A sequence's draft tokens (it has some) against its samples (one per draft, then one after the last): it
+        keeps the drafts up to the first its sample disagrees with, and that sample; returns how many drafts it kept.
+        A kept draft is what the model would have drawn there anyway (the rejection rule, for a proposal of one token),
+        so the output is exactly the one without drafts. The rest are rolled back: not computed, their blocks freed."""
+        drafts = seq.token_ids[-len(samples) : -1]  # (before the step's pending token)
+        kept = 0
+        while kept < len(drafts) and drafts[kept] == samples[kept]:
+            kept += 1
+        # the kept drafts and the step's token: pending, until the caller resolves them with the samples' values
+        seq.token_ids[-len(samples) :] = [PENDING] * (kept + 1)
+        seq.num_pending = kept + 1  # (a step with drafts is never overlapped: it was the only one pending)
+        seq.num_draft_tokens = 0
+        seq.num_computed_tokens -= len(drafts) - kept  # the rejected drafts' K/V is garbage: not computed
+        self.block_manager.free(seq, keep=self.block_manager.blocks_needed(seq.num_computed_tokens))
         return kept
 
-    def resolve(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+    def resolve(self, seq: Sequence, token: int, logprobs: Logprobs | None) -> None:
         """seq's oldest pending token has its value: fill it in, and make a block it completes findable."""
         seq.resolve_pending(token, logprobs)
         # a block completes only when its last token's value comes (a preempted sequence holds none: no-op)

@@ -2,10 +2,31 @@
 and the block table that says where that KV lives. Scheduler and block manager talk in Sequences; neither
 knows about tensors or models.
 
-The engine may launch step n+1 before reading step n's tokens back from the GPU, so a sequence's last token can
-be PENDING: sampled, counted in every length, but its value not yet on the host. With speculative decoding
-(ext/speculative.py), a sequence may also carry draft tokens after its last known one: proposed, computed by the next
-step beside a sample of the model's own at each, and kept only as far as those samples agree (Scheduler.update)."""
+The life of a token: the one explanation of it (scheduler.py, step_inputs.py, stopping.py and llm.py point here).
+1) Booked. The scheduler plans a step before it runs and books each sequence's share of it as it plans it: those
+   tokens count as computed (num_computed_tokens) from then on, and the full blocks they complete become findable in
+   the prefix cache at once. A request admitted later in the same step may take them: each layer writes all of a
+   step's K/V before it reads any. So the scheduler may plan the next step before this one has run: the device runs
+   steps in order, and lengths are all it needs.
+2) PENDING. A chunk that reaches the sequence's end makes the step sample the next token, so the scheduler appends a
+   PENDING token at once: counted in every length, its value still on the device.
+3) Resolved. When the step is read back, Scheduler.update hands each sequence its samples, and the engine fills in its
+   pending tokens one at a time, oldest first (Scheduler.resolve, resolve_pending), applying the stop rules
+   (stopping.py) after each. Rules on values (stop ids, stop strings) see only resolved tokens; length limits count the
+   pending ones too, so no step is planned past a limit. A block is findable only once its last token is resolved (no
+   prefix cache key holds PENDING). A sequence that stops drops the pending token after its last one (drop_pending).
+4) The overlap. With overlap on (a GPU's default), the engine plans and launches step n+1 before it reads step n back
+   (llm.py's _overlapped_step; _plain_step reads each step back before planning the next). Step n+1's decode input is
+   then step n's PENDING token: step_inputs.py marks those inputs (pending_at) and the runner fills them in on the
+   device from step n's samples (InFlightStep.row_of). So a sequence holds at most two pending tokens (one in the plain
+   loop), and one preempted meanwhile is not admitted again until they are resolved (Scheduler.schedule's phase 2).
+5) Drafts (speculative decoding, ext/speculative.py). Before a step is planned, a proposer may append draft tokens
+   after the known ones (num_draft_tokens): guessed values, never cached. The scheduler plans them with the next token
+   (or drops those the budget or the pool has no room for: drop_drafts), the step's PENDING token comes after them, and
+   the step samples at every draft's position as well as after the last. At read-back Scheduler.keep_drafts keeps the
+   drafts up to the first one its sample disagrees with, plus that sample; the rest are rolled back (no longer
+   computed, their blocks freed). The kept ones turn PENDING and are resolved like any sample. A step with drafts is
+   never overlapped: the proposer needs the tokens on the host."""
 
 import copy
 from array import array
@@ -16,6 +37,7 @@ from itertools import count
 from nanoserve.sampling_params import SamplingParams
 
 PENDING = -1  # a token id sampled on the GPU and not yet read back
+Logprobs = dict[int, float]  # {token_id: logprob}: the chosen token's and the top-N
 
 
 class SequenceStatus(Enum):
@@ -66,18 +88,20 @@ class Sequence:
         self.num_computed_tokens = 0
         # prompt tokens the prefix cache served; None until first admitted
         self.num_cached_tokens: int | None = None
-        # trailing PENDING tokens: at most two (steps n and n+1 in flight), or the tokens a verified draft run gave
+        # trailing PENDING tokens (the life of a token, above): at most two, or a verified draft run's kept tokens
         self.num_pending = 0
         # draft tokens after the known ones (before a step's PENDING one): values, but never known, so never cached
         self.num_draft_tokens = 0
         # "stop", "length" or "abort" once finished
         self.finish_reason: str | None = None
         # per generated token, when params.logprobs is set: {token_id: logprob}
-        self.logprobs: list[dict[int, float]] = []
+        self.logprobs: list[Logprobs] = []
         self.cumulative_logprob = 0.0
         # if params.prompt_logprobs is set: per prompt position, {token_id: logprob} of its token and the top-N,
         # filled in as the steps computing the prompt are read back (position 0, which nothing predicts, stays None)
-        self.prompt_logprobs = [None] * len(token_ids) if params.prompt_logprobs is not None else None
+        self.prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(token_ids)
         self.text = DecodedText()
         # the outputs.Request it samples for, set when the engine queues it (None: beam search's sequences, which
         # belong to no request)
@@ -136,7 +160,7 @@ class Sequence:
         self.token_ids.append(PENDING)
         self.num_pending += 1
 
-    def resolve_pending(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
+    def resolve_pending(self, token_id: int, logprobs: Logprobs | None = None) -> None:
         """The oldest pending token's value has arrived (steps are read back in launch order)."""
         self.token_ids[self.num_known_tokens] = token_id
         self.num_pending -= 1

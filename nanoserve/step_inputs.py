@@ -3,7 +3,9 @@ lists (StepLists: per token its id, position and cache slot; per sequence its qu
 table; the rows to sample; the inputs whose values are still on the device; the rows whose logits give prompt
 logprobs; the KV blocks to copy before the step runs, for beam search's copy-on-write), uploaded in one int32 buffer
 with one host-to-device copy, then cut back into the same StepLists fields as int32 tensor views of that buffer (with
-the AttentionMetadata built from them), which the model and attention read.
+the AttentionMetadata built from them), which the model and attention read. An input whose value is still on the
+device (a PENDING token, when steps overlap: the life of a token, in sequence.py's docstring) is filled in there, from
+the previous step's samples (pending_at, pending_rows).
 
 Why one buffer: in a decode step, converting Python ints one by one and issuing a copy per tensor is most of the host's
 work. The StepHeader (each list's length, and the longest query and context) is all a reader needs to cut the buffer
@@ -63,7 +65,11 @@ class StepHeader:
     max_query_len: int
 
 
-def flatten_step(step: Step, block_size: int, previous_rows: dict[int, int] | None) -> StepLists:
+def flatten_step(
+    step: Step,
+    block_size: int,
+    previous_rows: dict[int, int] | None,
+) -> StepLists:
     """Per token its id, position and cache slot; per sequence its query start, context length and block table
     (padded to the longest); the rows whose logits are sampled; the inputs whose values are still on the device
     (PENDING decode inputs) with the rows of the previous step's samples that hold them (previous_rows: seq_id ->
@@ -109,7 +115,12 @@ def prompt_logprob_positions(scheduled: ScheduledSeq) -> range:
     return range(scheduled.start + 1, min(end + 1, scheduled.seq.num_prompt_tokens))
 
 
-def slots_of(block_table: array.array, start: int, end: int, block_size: int) -> list[int]:
+def slots_of(
+    block_table: array.array,
+    start: int,
+    end: int,
+    block_size: int,
+) -> list[int]:
     """The cache slots of positions [start, end): block by block (a range per block), not token by token."""
     if end - start == 1:  # a decode's one slot (the commonest call): no loop
         return [block_table[start // block_size] * block_size + start % block_size]
@@ -146,7 +157,8 @@ def step_inputs(
     its PENDING decode inputs filled in there from the last step's tokens), and the step's attention metadata."""
     lengths = header.part_lengths
     padded = flat.split([round_up(n, INTS_PER_16_BYTES) for n in lengths])
-    views = StepLists(*(view[:n] for view, n in zip(padded, lengths, strict=True)))
+    unpadded = [view[:n] for view, n in zip(padded, lengths, strict=True)]  # each part less its alignment padding
+    views = StepLists(*unpadded)
     if len(views.pending_at):
         # int32 index tensors index as int64 ones do; the sampled tokens are int64, the inputs int32
         views.input_ids[views.pending_at] = previous_tokens[views.pending_rows].int()

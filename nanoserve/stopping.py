@@ -4,9 +4,9 @@ A sequence stops on its EOS or a stop id (the token is kept in token_ids, its te
 is cut where it starts), or at max_tokens or max_model_len ("length"). Before min_tokens tokens exist the sampler may
 not pick EOS or a stop id, and a stop string does not count.
 
-Pending tokens (sampled on the GPU, value not yet read back) follow one rule: length limits count every token, pending
-ones included, so the scheduler never plans a token past a limit; rules on values (stop ids, stop strings) see only
-tokens read back, one at a time, in order.
+Pending tokens (sampled on the GPU, value not yet read back: the life of a token, in sequence.py's docstring) follow
+one rule: length limits count every token, pending ones included, so the scheduler never plans a token past a limit;
+rules on values (stop ids, stop strings) see only tokens read back, one at a time, in order.
 
 Text is decoded incrementally: a few tokens before the new ones are decoded again, so a character whose UTF-8 bytes span
 several tokens appears whole, once its last byte arrives. A streamed delta never contains the start of what could still
@@ -34,7 +34,9 @@ def reached_length_limit(seq: Sequence, max_model_len: int) -> bool:
 
 def banned_token_ids(seq: Sequence) -> frozenset[int]:
     """Ids the sampler may not pick for seq's newest (pending) token: the first min_tokens tokens cannot stop."""
-    return seq.stop_token_ids if seq.num_completion_tokens <= seq.params.min_tokens else frozenset()
+    if seq.num_completion_tokens <= seq.params.min_tokens:
+        return seq.stop_token_ids
+    return frozenset()
 
 
 @dataclass
@@ -53,7 +55,10 @@ class StopChecker:
         if may_stop and newest in seq.stop_token_ids:
             # the stop id's own text is shown only with include_stop_str_in_output (EOS's is empty anyway where
             # skip_special_tokens leaves special tokens out)
-            self._decode(seq, num_out if params.include_stop_str_in_output else num_out - 1, final=True)
+            num_shown = num_out - 1
+            if params.include_stop_str_in_output:
+                num_shown = num_out
+            self._decode(seq, num_shown, final=True)
             return "stop"
         if incremental or params.stop:
             self._decode(seq, num_out, final=False)
@@ -91,12 +96,19 @@ def search_stop_strings(seq: Sequence, may_stop: bool) -> bool:
     counts later); the first occurrence found ends the text."""
     decoded = seq.text
     found = []
-    for stop in seq.params.stop if may_stop else []:
+    stops = seq.params.stop
+    if not may_stop:  # none counts yet; the text searched now is never searched again
+        stops = []
+    for stop in stops:
         # an occurrence ending in the new text starts at most len(stop) - 1 characters before it
         search_from = max(0, decoded.num_searched - len(stop) + 1)
         start = decoded.text.find(stop, search_from)
-        if start >= 0:  # the text ends where the stop string starts, or ends with include_stop_str_in_output
-            found.append(start + len(stop) if seq.params.include_stop_str_in_output else start)
+        if start < 0:
+            continue
+        if seq.params.include_stop_str_in_output:
+            found.append(start + len(stop))  # the text ends with the stop string
+        else:
+            found.append(start)  # the text ends where the stop string starts
     decoded.num_searched = len(decoded.text)
     decoded.stop_at = min(found, default=None)
     return decoded.stop_at is not None
@@ -105,7 +117,12 @@ def search_stop_strings(seq: Sequence, may_stop: bool) -> bool:
 def longest_stop_prefix_at_end(text: str, stops: list[str]) -> int:
     """The length of the longest tail of text that is the beginning of a stop string (shorter than it): those
     characters may still turn out to be a stop string, so they are held back from the stream."""
-    return max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+    longest = 0
+    for stop in stops:
+        for k in range(1, len(stop)):
+            if text.endswith(stop[:k]):
+                longest = max(longest, k)
+    return longest
 
 
 def take_stream_delta(seq: Sequence) -> str:

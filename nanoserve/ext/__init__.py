@@ -9,23 +9,25 @@ per step, never per token:
 - Options (EngineConfig.__post_init__, SamplingParams.__post_init__): an extension checks its own fields,
   `check_config(config)` or `check_params(params)`, raising InvalidField as the core's checks do.
 - Engines (LLM, when it starts): `start(llm)` once per engine whose options use the extension (the step trace's
-  writer; tensor parallelism's runner started before, with start_runner).
+  writer; tensor parallelism's runner started before, with start_runner); what it returns is the extension's state
+  for that engine, kept in LLM.extensions under its name.
 - Requests (LLM.add_request): `attach(llm, seqs)` once per request that uses the extension, after the core's checks;
   it checks what needs the model (token ids against the vocabulary) and makes its logits processor if it has none yet.
 - Logits processors (sampler.py's LogitsProcessor, in LLM.logits_processors): the runner asks each for its rows of
   every step, and the sampler applies them between the bans and the filters (ext/penalties.py, ext/structured.py).
-- The step driver (LLM.run_step and LLM.receive_tokens): a loop of its own over the engine's steps (ext/beam_search.py).
-- Kernel tables, projections and norms (each layer's `kernels`, a kernels.Kernels, and its projection and norm
-  modules), once, when the engine starts: an extension may give a layer a table with one entry replaced
-  (ext/cascade.py: paged attention; ext/gemv.py: SiLU-and-mul, moved into the down projection), or wrap its
-  projections and norms in modules of its own (ext/gemv.py: the add + RMSNorm moved into the next projection) and
-  capture the decode graphs again over them (ext/gemv.py, ext/lora).
+- The step driver (LLM.run_step and LLM.receive_tokens): a loop of its own over the engine's steps, which branches
+  sequences with Scheduler.fork (ext/beam_search.py).
+- Kernels and projections (model.py's CausalLM.replace_kernels and wrap_projections), in start(): an extension may
+  replace entries of the model's kernel table (ext/cascade.py: paged attention) or wrap its projections in modules
+  of its own (ext/lora: each row's adapter; ext/latency: a weight read for few rows). The engine captures the decode
+  graphs once, after every start() has run (ModelRunner.capture_graphs), so they replay what the eager forward runs.
 - Layers and peers (layers.Layers, model_runner.Peers): how the model's weights are held and which other processes run
   each step (ext/tp: tensor parallelism).
-- Steps, admission and the prefix cache (ModelRunner.step_hooks, Scheduler.may_admit, Sequence.cache_salt): a callable
-  the runner calls with every step before it runs, a rule that holds the waiting queue, and a salt that keeps a
-  sequence's blocks apart in the prefix cache (ext/lora.py: which rows use which adapter, at most max_loras adapters
-  at once, blocks computed under one adapter never found under another). LLM.generate's (and chat's) lora_request asks
+- Steps, admission and the prefix cache (ModelRunner.step_hooks, Scheduler.admission_rules, Sequence.cache_salt): a
+  callable the runner calls with every step before it runs (it may ask for the step to run eagerly, not as a graph
+  replay: ext/cascade.py), a rule that holds the waiting queue, and a salt that keeps a sequence's blocks apart in the
+  prefix cache (ext/lora: which rows use which adapter, at most max_loras adapters at once, blocks computed under
+  one adapter never found under another). LLM.generate's (and chat's) lora_request asks
   ext/lora.py to attach each request's adapter (attach_adapters), checked before any request is queued.
 - Found by name, unasked (`find`): the fused Triton kernels whenever kernels="triton" (ext/fused_kernels.py, in
   kernels.get_kernels; without it the Triton backend is the core's attention and the references, run eagerly), vLLM's
@@ -43,8 +45,10 @@ from types import ModuleType
 from nanoserve.checks import InvalidField
 
 # An option that belongs to an extension -> (the extension, the value of the option that asks for nothing, or a tuple
-# of such values). LLM(...)'s options (EngineConfig's fields):
-ENGINE_OPTIONS = {
+# of such values)
+Owners = dict[str, tuple[str, object]]
+# LLM(...)'s options (EngineConfig's fields):
+ENGINE_OPTIONS: Owners = {
     "tensor_parallel_size": ("tp", 1),
     "trace": ("plots", None),
     "speculative_config": ("speculative", None),
@@ -53,7 +57,7 @@ ENGINE_OPTIONS = {
     "cascade_attention": ("cascade", False),  # last: it wraps the decode graphs that lora may capture again
 }
 # SamplingParams' fields:
-REQUEST_FIELDS = {
+REQUEST_FIELDS: Owners = {
     "n": ("parallel_sampling", 1),  # first: the other extensions attach to every sample's sequence
     "logit_bias": ("penalties", (None, {})),
     "repetition_penalty": ("penalties", 1.0),
@@ -78,7 +82,7 @@ def asks_for_nothing(value: object, nothing: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == nothing
 
 
-def extensions_asked(settings: object, owners: dict[str, tuple[str, object]]) -> dict[str, str]:
+def extensions_asked(settings: object, owners: Owners) -> dict[str, str]:
     """{extension: the first of its options that asks for it} among settings' attributes named in owners (one of the
     tables above), in the table's order."""
     asked = {}
