@@ -160,8 +160,8 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise InvalidField("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
         check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)  # now against the vocabulary
-        for field in ("logprobs", "prompt_logprobs"):  # at most the whole vocabulary (None: not asked for)
-            check_number(field, getattr(params, field) or 0, 0, self.vocab_size, integer=True)
+        if params.logprobs is not None:  # at most the whole vocabulary
+            check_number("logprobs", params.logprobs, 0, self.vocab_size, integer=True)
         check_flag("stream", stream)
         if request_id is None:
             request_id = f"req-{next(self._request_ids)}"
@@ -338,12 +338,10 @@ class LLM:
         return outputs
 
     def receive_tokens(self, in_flight: "InFlightStep") -> list[tuple[Sequence, list, list]]:
-        """Wait for a launched step's samples, store the prompt logprobs it computed, and book its tokens
-        (Scheduler.update): (sequence, its new tokens, their logprobs) per sequence that got some, for the caller to
-        resolve one by one (the stop rules between them, in _read_back; none, in a driver of its own)."""
-        tokens, logprobs, prompt_logprobs = in_flight.wait()
-        for (seq, position), entry in prompt_logprobs:  # by position: a preempted sequence's recompute rewrites its own
-            seq.prompt_logprobs[position] = entry
+        """Wait for a launched step's samples and book its tokens (Scheduler.update): (sequence, its new tokens, their
+        logprobs) per sequence that got some, for the caller to resolve one by one (the stop rules between them, in
+        _read_back; none, in a driver of its own)."""
+        tokens, logprobs = in_flight.wait()
         return self.scheduler.update(in_flight.step, tokens, logprobs)
 
     # ---- offline batches --------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from nanoserve.kernels import get_kernels
 from nanoserve.layers import Layers
 from nanoserve.loader import build_model
 from nanoserve.model import ModelArgs
-from nanoserve.sampler import LogitsProcessor, SampledLogprobs, Sampler, Samples, logprobs_of
+from nanoserve.sampler import LogitsProcessor, Sampler, Samples
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import ScheduledSeq, Step
 from nanoserve.sequence import Sequence
@@ -37,7 +37,6 @@ from nanoserve.step_inputs import (
     StepHeader,
     StepLists,
     flatten_step,
-    prompt_logprob_positions,
     round_up,
     step_inputs,
     upload,
@@ -48,6 +47,7 @@ logger = logging.getLogger("nanoserve")
 CPU_KV_CACHE_BYTES = 1 << 30  # no GPU to profile: the KV pool gets 1 GiB of host memory (config.num_kvcache_blocks)
 PROFILE_SAMPLING = SamplingParams(top_k=50, top_p=0.9, min_p=0.05, logprobs=1)  # the sampler's costliest path
 RowLogprobs = dict[int, float] | None  # one row's {token: logprob}; None for a row that asked for none
+OutputHook = Callable[[Step, Tensor], Callable[[], None] | None]  # (step, hidden states) -> a finisher, or None
 
 
 def logprob_dicts(samples: Samples, nums: list[int | None]) -> list[RowLogprobs]:
@@ -100,15 +100,15 @@ class Peers:
 
 class InFlightStep:
     """A launched step. Its samples stay on the device (the next step reads its decode inputs there), and their
-    copy to the host is queued behind the step's kernels, so launching the next step need not wait for it. So is the
-    copy of its prompt logprobs, if a sequence asked for them: Samples whose tokens are the actual prompt tokens."""
+    copy to the host is queued behind the step's kernels, so launching the next step need not wait for it. So are the
+    copies the runner's output hooks queued (ext/prompt_logprobs.py): their finishers run once the copies are in."""
 
     def __init__(
         self,
         step: Step,
         rows: list[tuple[Sequence, int]],
         samples: Samples | None,
-        prompt_samples: Samples | None,
+        finishers: list[Callable[[], None]],
         on_gpu: bool,
     ) -> None:
         self.step = step
@@ -116,41 +116,30 @@ class InFlightStep:
         self.row_of = {}  # seq_id -> the row of its last sample
         for row, (seq, _) in enumerate(rows):
             self.row_of[seq.seq_id] = row
+        self.finishers = finishers
         self.device_tokens = None  # what the next step's decode inputs are read from (None: nothing sampled)
-        self.host_samples = None  # host copies, queued behind the step's kernels
-        self.host_prompt_samples = None
+        self.host_samples = None  # a host copy, queued behind the step's kernels
         self.ready = None  # on a GPU, the event after which the host copies are complete
         if samples is not None:
             self.device_tokens = samples.tokens
             self.host_samples = samples.to_host()
-        if prompt_samples is not None:
-            self.host_prompt_samples = prompt_samples.to_host()
-        if on_gpu and (samples is not None or prompt_samples is not None):
+        if on_gpu and (samples is not None or finishers):
             self.ready = torch.cuda.current_stream().record_event()
 
-    def wait(self) -> tuple[list[int], list[RowLogprobs] | None, list[tuple]]:
-        """The tokens (waiting for the GPU if needed); per row, {token: logprob} if any row asked for them: the chosen
-        token's and the top-N, N as that row asked; and ((sequence, prompt position), {token: logprob}) per prompt
-        position this step computed the logprobs of."""
+    def wait(self) -> tuple[list[int], list[RowLogprobs] | None]:
+        """The tokens (waiting for the GPU if needed), and per row, {token: logprob} if any row asked for them: the
+        chosen token's and the top-N, N as that row asked. The output hooks' finishers run first."""
         if self.ready is not None:
             self.ready.synchronize()
-        prompt_logprobs = []
-        if self.host_prompt_samples is not None:
-            positions = [  # of the sequences that asked for them
-                (s.seq, position)
-                for s in self.step.scheduled
-                if s.seq.params.prompt_logprobs is not None
-                for position in prompt_logprob_positions(s)
-            ]
-            entries = logprob_dicts(self.host_prompt_samples, [seq.params.prompt_logprobs for seq, _ in positions])
-            prompt_logprobs = list(zip(positions, entries, strict=True))
+        for finish in self.finishers:
+            finish()
         samples = self.host_samples
         if samples is None:
-            return [], None, prompt_logprobs
+            return [], None
         logprobs = None
         if samples.logprobs is not None:
             logprobs = logprob_dicts(samples, [seq.params.logprobs for seq, _ in self.rows])
-        return samples.tokens.tolist(), logprobs, prompt_logprobs
+        return samples.tokens.tolist(), logprobs
 
 
 class ModelRunner:
@@ -173,6 +162,12 @@ class ModelRunner:
         # returns True asks for this step to run eagerly, not as a graph replay (ext/cascade.py: a decode step whose
         # sequences share blocks attends them in a way the graphs were not captured with)
         self.step_hooks: list[Callable[[Step], bool | None]] = []
+        # The extension point of outputs: callables an extension adds, each called on rank 0 with every step and its
+        # hidden states [num_tokens, hidden_size] after the forward pass, to read what the sampler does not (their
+        # rows in the step's order: each scheduled sequence's tokens in turn). Each may return a finisher, which the
+        # engine calls when it reads the step back, once the host copies the hook queued are complete
+        # (ext/prompt_logprobs.py: the logprobs of prompt tokens)
+        self.output_hooks: list[OutputHook] = []
         if self.on_gpu:
             self.device = torch.device("cuda", peers.local_rank)
         else:
@@ -323,17 +318,16 @@ class ModelRunner:
         previous_tokens = None
         if previous is not None:
             previous_tokens = previous.device_tokens
-        prompt_top_n = 0  # the most top logprobs a prompt row asks for; ordinary steps skip the look
-        if lists.prompt_rows:
-            prompt_top_n = max(s.seq.params.prompt_logprobs or 0 for s in step.scheduled)
         try:
             self.peers.send_step(header, flat)  # tensor parallel: every rank runs the step; rank 0 samples
-            logits, prompt_samples = self.execute(header, flat, previous_tokens, prompt_top_n, any(eager))
+            hidden, logits = self.execute(header, flat, previous_tokens, any(eager))
+            finishers = [hook(step, hidden) for hook in self.output_hooks]
             samples = None  # a step of prompt chunks only samples nothing
             if logits is not None:
                 samples = self.sample(logits, rows, processors)
                 self.peers.send_tokens(samples.tokens)  # the other ranks' next decode inputs
-            return InFlightStep(step, rows, samples, prompt_samples, on_gpu=self.on_gpu)
+            finishers = [finish for finish in finishers if finish is not None]
+            return InFlightStep(step, rows, samples, finishers, on_gpu=self.on_gpu)
         except BaseException as error:  # Ctrl-C too: the other ranks may be waiting inside the step
             self.peers.failed(error)  # raises (ext/tp: naming the rank at fault)
 
@@ -352,12 +346,11 @@ class ModelRunner:
         header: StepHeader,
         flat: Tensor,
         previous_tokens: Tensor | None,
-        prompt_top_n: int = 0,
         eager: bool = False,
-    ) -> tuple[Tensor | None, Samples | None]:
-        """Every rank: a step's forward pass (a graph replay if decode-only, unless a step hook asked for eager), its
-        sampling rows' logits and its prompt rows' logprobs with the top prompt_top_n (each None if the step has no
-        such rows; a worker's are dropped)."""
+    ) -> tuple[Tensor, Tensor | None]:
+        """Every rank: a step's forward pass (a graph replay if decode-only, unless a step hook asked for eager): the
+        hidden states of its tokens, [num_tokens, hidden_size], and its sampling rows' logits (None if it has none; a
+        worker's are dropped)."""
         views, meta = step_inputs(header, flat, previous_tokens)  # StepLists of int32 views on the device
         if len(views.block_copies):  # copy-on-write: a fork's shared partial block, before the step writes into it
             source, destination = views.block_copies.view(-1, 2).T  # int32 indices index as int64 ones do
@@ -367,27 +360,7 @@ class ModelRunner:
             hidden = self.graphs.run(views.input_ids, views.positions, meta)
         else:
             hidden = self.model(views.input_ids, views.positions, self.kv_caches, meta)
-        prompt_samples = None
-        if len(views.prompt_rows):
-            prompt_hidden = hidden[views.prompt_rows]
-            prompt_samples = self.prompt_logprobs(prompt_hidden, views.prompt_next_ids, prompt_top_n)
         logits = None
         if len(views.sample_rows):
             logits = self.model.compute_logits(hidden[views.sample_rows])
-        return logits, prompt_samples
-
-    def prompt_logprobs(self, hidden: Tensor, next_ids: Tensor, top_n: int) -> Samples:
-        """Per prompt row (hidden: [prompt rows, hidden_size], their hidden states), the next prompt token (as the
-        row's "sample") with its logprob and the top_n, in fp32 from the log_softmax of the row's logits. A step may
-        hold thousands of prompt rows and the vocabulary 152k entries, so the logits are made in slices of
-        max_num_seqs rows, the most warm_up measured memory for (the sampler's rows): they never need memory the KV
-        cache has taken. Every rank makes them (each slice gathers the vocabulary across ranks)."""
-        next_ids = next_ids.long()
-        slice_rows = self.config.max_num_seqs
-        pieces = []  # per slice: SampledLogprobs
-        for start in range(0, len(hidden), slice_rows):
-            rows = slice(start, start + slice_rows)
-            logprobs = self.model.compute_logits(hidden[rows]).float().log_softmax(-1)  # [rows, vocab]
-            pieces.append(logprobs_of(logprobs, next_ids[rows], top_n))
-        columns = zip(*pieces, strict=True)  # chosen, top values, top ids: each concatenated over the slices
-        return Samples(next_ids, SampledLogprobs(*map(torch.cat, columns)))
+        return hidden, logits

@@ -97,11 +97,10 @@ class Sequence:
         # per generated token, when params.logprobs is set: {token_id: logprob}
         self.logprobs: list[Logprobs] = []
         self.cumulative_logprob = 0.0
-        # if params.prompt_logprobs is set: per prompt position, {token_id: logprob} of its token and the top-N,
-        # filled in as the steps computing the prompt are read back (position 0, which nothing predicts, stays None)
-        self.prompt_logprobs = None
-        if params.prompt_logprobs is not None:
-            self.prompt_logprobs = [None] * len(token_ids)
+        # if params.prompt_logprobs is set (ext/prompt_logprobs.py): per prompt position, {token_id: logprob} of its
+        # token and the top-N, filled in as the steps computing the prompt are read back (position 0, which nothing
+        # predicts, stays None)
+        self.prompt_logprobs: list[Logprobs | None] | None = None
         self.text = DecodedText()
         # the outputs.Request it samples for, set when the engine queues it (None: beam search's sequences, which
         # belong to no request)

@@ -1,8 +1,7 @@
 """A step as the device sees it. The scheduler's Step (sequences, with the positions each computes) becomes flat integer
 lists (StepLists: per token its id, position and cache slot; per sequence its query start, context length and block
-table; the rows to sample; the inputs whose values are still on the device; the rows whose logits give prompt
-logprobs; the KV blocks to copy before the step runs, for beam search's copy-on-write), uploaded in one int32 buffer
-with one host-to-device copy, then cut back into the same StepLists fields as int32 tensor views of that buffer (with
+table; the rows to sample; the inputs whose values are still on the device; the KV blocks to copy before the step runs,
+for beam search's copy-on-write), uploaded in one int32 buffer with one host-to-device copy, then cut back into the same StepLists fields as int32 tensor views of that buffer (with
 the AttentionMetadata built from them), which the model and attention read. An input whose value is still on the
 device (a PENDING token, when steps overlap: the life of a token, in sequence.py's docstring) is filled in there, from
 the previous step's samples (pending_at, pending_rows).
@@ -19,7 +18,7 @@ import torch
 from torch import Tensor
 
 from nanoserve.attention import AttentionMetadata
-from nanoserve.scheduler import ScheduledSeq, Step
+from nanoserve.scheduler import Step
 from nanoserve.sequence import PENDING
 
 # Triton compiles a kernel variant per alignment of its pointer and integer arguments (divisible by 16 or not):
@@ -48,9 +47,6 @@ class StepLists:
     sample_rows: list[int]  # [num_sampling]: token rows whose logits pick a next token
     pending_at: list[int]  # token rows whose input id is the previous step's sample...
     pending_rows: list[int]  # ...and the row of that sample in the previous step's output
-    # prompt_logprobs: token rows whose logits give a prompt token's logprob, and the id of that next prompt token
-    prompt_rows: list[int]  # [num_prompt_rows]
-    prompt_next_ids: list[int]  # [num_prompt_rows]
     block_copies: list[int]  # [2 * num_copies]: (source, destination) KV blocks to copy before the step runs
 
 
@@ -73,8 +69,7 @@ def flatten_step(
     """Per token its id, position and cache slot; per sequence its query start, context length and block table
     (padded to the longest); the rows whose logits are sampled; the inputs whose values are still on the device
     (PENDING decode inputs) with the rows of the previous step's samples that hold them (previous_rows: seq_id ->
-    row, the previous InFlightStep's row_of); and, for sequences that asked for
-    prompt_logprobs, the rows whose logits give them, with the prompt token each gives the logprob of."""
+    row, the previous InFlightStep's row_of)."""
     width = round_up(max(len(s.seq.block_table) for s in step.scheduled), BLOCK_TABLE_WIDTH_MULTIPLE)
     padding = array.array("i", bytes(4 * width))  # a block table row's zeros past its blocks
     lists = StepLists(*([] for _ in range(NUM_PARTS)))  # every part empty, but...
@@ -85,14 +80,9 @@ def flatten_step(
         seq = scheduled.seq
         start = scheduled.start
         end = start + scheduled.num_new_tokens
-        first_row = len(lists.input_ids)
         if seq.token_ids[start] == PENDING:  # a decode of the token the previous step sampled
-            lists.pending_at.append(first_row)
+            lists.pending_at.append(len(lists.input_ids))
             lists.pending_rows.append(previous_rows[seq.seq_id])
-        if seq.params.prompt_logprobs is not None:  # the rows before the prompt positions this chunk gives logprobs of
-            positions = prompt_logprob_positions(scheduled)
-            lists.prompt_rows += range(first_row, first_row + len(positions))
-            lists.prompt_next_ids += seq.token_ids[positions.start : positions.stop]
         lists.input_ids += seq.token_ids[start:end]
         rows_end = len(lists.input_ids)  # one past this sequence's last row
         lists.positions += range(start, end)
@@ -104,15 +94,6 @@ def flatten_step(
         if scheduled.picks_next_token:  # its last row; with draft tokens, each draft's row too
             lists.sample_rows += range(rows_end - 1 - seq.num_draft_tokens, rows_end)
     return lists
-
-
-def prompt_logprob_positions(scheduled: ScheduledSeq) -> range:
-    """The prompt positions whose logprobs a scheduled chunk gives (for a sequence that asked for them): the logits of
-    position p give the logprob of the token at p + 1, so a chunk [start, end) gives those of positions start + 1
-    through end (the next chunk's first token included), within the prompt (the last prompt position's logits pick
-    the first output token instead). Every prompt token but the first is covered once per pass over the prompt."""
-    end = scheduled.start + scheduled.num_new_tokens
-    return range(scheduled.start + 1, min(end + 1, scheduled.seq.num_prompt_tokens))
 
 
 def slots_of(

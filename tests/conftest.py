@@ -210,7 +210,7 @@ class FakeInFlight:
         self.row_of = {seq.seq_id: row for row, (seq, _) in enumerate(step.sampled_rows())}  # its last row
 
     def wait(self):
-        return list(self.device_tokens), self.logprobs, []
+        return list(self.device_tokens), self.logprobs
 
 
 class FakeRunner:

@@ -2,7 +2,7 @@
 (ids, positions, cache slots, query starts, context lengths, padded block tables, sampled rows, the decode inputs still
 on the device), then the one upload and its cut back into views, on drawn steps. The slots are computed block by block,
 with a shortcut for a decode's single position; the reference computes every slot alone. Drawn steps mix prompt
-chunks (some asking for prompt logprobs), decodes of a pending token and runs of draft tokens."""
+chunks, decodes of a pending token and runs of draft tokens."""
 
 import array
 
@@ -24,7 +24,7 @@ def slot_ref(block_table: array.array, position: int, block_size: int) -> int:
 @st.composite
 def drawn_steps(draw):
     """(a Step of 1-6 sequences, block size, previous_rows, the previous step's tokens): each sequence a chunk of a
-    prompt (some asking for prompt logprobs), a decode whose input is the previous step's pending sample, or a run of
+    prompt, a decode whose input is the previous step's pending sample, or a run of
     draft tokens after a known one (speculative decoding: a sample after each, the last draft's included); the step
     has copy-on-write block pairs or none."""
     block_size = draw(st.sampled_from([16, 32]))
@@ -32,7 +32,7 @@ def drawn_steps(draw):
     for _ in range(draw(st.integers(1, 6))):
         num_tokens = draw(st.integers(1, 4 * block_size + 3))
         kind = draw(st.sampled_from(["chunk", "decode", "drafts"] if num_tokens > 1 else ["chunk", "decode"]))
-        params = SamplingParams(prompt_logprobs=draw(st.sampled_from([None, 2])) if kind == "chunk" else None)
+        params = SamplingParams()
         seq = Sequence(draw(st.lists(st.integers(0, 999), min_size=num_tokens, max_size=num_tokens)), params, 1)
         num_blocks = -(-num_tokens // block_size)
         seq.block_table = array.array("i", draw(st.permutations(range(64)))[:num_blocks])  # distinct, in any order
@@ -54,9 +54,8 @@ def drawn_steps(draw):
 
 
 def flatten_ref(step: Step, block_size: int, previous_rows: dict, previous_tokens: torch.Tensor) -> dict:
-    """Every field of StepLists, one token at a time (the pending inputs already filled in from previous_tokens); the
-    logits of a prompt row give the logprob of the next prompt token, where there is one."""
-    names = ("input_ids", "positions", "slot_mapping", "context_lens", "sample_rows", "prompt_rows", "prompt_next_ids")
+    """Every field of StepLists, one token at a time (the pending inputs already filled in from previous_tokens)."""
+    names = ("input_ids", "positions", "slot_mapping", "context_lens", "sample_rows")
     ref = {name: [] for name in names}
     ref["query_start_loc"], rows = [0], []
     width = round_up(max(len(s.seq.block_table) for s in step.scheduled), BLOCK_TABLE_WIDTH_MULTIPLE)
@@ -64,9 +63,6 @@ def flatten_ref(step: Step, block_size: int, previous_rows: dict, previous_token
         seq = s.seq
         for position in range(s.start, s.start + s.num_new_tokens):
             token = seq.token_ids[position]
-            if seq.params.prompt_logprobs is not None and position + 1 < seq.num_prompt_tokens:
-                ref["prompt_rows"].append(len(ref["input_ids"]))
-                ref["prompt_next_ids"].append(seq.token_ids[position + 1])
             ref["input_ids"].append(int(previous_tokens[previous_rows[seq.seq_id]]) if token == PENDING else token)
             ref["positions"].append(position)
             ref["slot_mapping"].append(slot_ref(seq.block_table, position, block_size))
@@ -91,7 +87,6 @@ def test_step_lists_and_their_upload_match_a_token_by_token_reference(drawn):
     assert lists.query_start_loc == ref["query_start_loc"]
     assert lists.context_lens == ref["context_lens"]
     assert lists.sample_rows == ref["sample_rows"]
-    assert lists.prompt_rows == ref["prompt_rows"] and lists.prompt_next_ids == ref["prompt_next_ids"]
     assert lists.block_copies == step.block_copies
     # the pending inputs: their rows, and the rows of the previous step's samples that hold their values
     pending = [i for i, s in enumerate(step.scheduled) if s.seq.token_ids[s.start] == PENDING]
@@ -103,8 +98,7 @@ def test_step_lists_and_their_upload_match_a_token_by_token_reference(drawn):
     assert views.input_ids.tolist() == ref["input_ids"]
     assert views.slot_mapping.tolist() == ref["slot_mapping"]
     assert meta.block_tables.tolist() == ref["block_tables"]
-    assert views.sample_rows.tolist() == ref["sample_rows"] and views.prompt_rows.tolist() == ref["prompt_rows"]
-    assert views.prompt_next_ids.tolist() == ref["prompt_next_ids"] and views.block_copies.tolist() == step.block_copies
+    assert views.sample_rows.tolist() == ref["sample_rows"] and views.block_copies.tolist() == step.block_copies
     assert meta.max_query_len == max(s.num_new_tokens for s in step.scheduled)
     assert meta.decode_only == all(s.num_new_tokens == 1 for s in step.scheduled)
 

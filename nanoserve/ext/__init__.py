@@ -66,6 +66,7 @@ REQUEST_FIELDS: Owners = {
     "structured_outputs": ("structured", None),
     "allowed_token_ids": ("token_bans", None),
     "bad_words": ("token_bans", None),
+    "prompt_logprobs": ("prompt_logprobs", None),
 }
 
 

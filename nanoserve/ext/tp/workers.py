@@ -190,7 +190,7 @@ def worker_step(runner: ModelRunner, header: StepHeader, previous_tokens: Tensor
     with torch.inference_mode():
         flat = torch.empty(buffer_len(header), dtype=torch.int32, device=runner.device)
         dist.broadcast(flat, 0)
-        logits, _ = runner.execute(header, flat, previous_tokens)
+        _, logits = runner.execute(header, flat, previous_tokens)
         if logits is None:  # nothing sampled: the previous samples stay the ones to read from
             return previous_tokens
         tokens = logits.new_empty(len(logits), dtype=torch.int64)  # one per sampling row
