@@ -19,6 +19,7 @@ on the device before the step runs: `block_copies`, which the scheduler hands to
 in place. So no block is written while shared, and a partial block, never keyed, cannot be found while being written."""
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import count
 
@@ -157,6 +158,14 @@ class BlockManager:
         for block_id in seq.block_table:
             self.blocks[block_id].ref_count += 1
         return seq.fork()
+
+    def forget(self, block_ids: Iterable[int]) -> None:
+        """Make these blocks unfindable in the prefix cache (a failed request's: what an extension's failed work left
+        in them is not trusted); those who hold them keep them."""
+        for block_id in block_ids:
+            key = self.blocks[block_id].key
+            if key is not None and self.cached.get(key) == block_id:
+                del self.cached[key]
 
     def free(self, seq: Sequence, keep: int = 0) -> None:
         """Release seq's blocks past its first `keep` (all of them: the sequence stopped or was preempted; some: a

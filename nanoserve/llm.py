@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # annotations only: the engine loop runs on any runner with l
 # {"prompt_token_ids": ids}
 Prompt = str | list[int] | dict
 Conversation = list[dict]  # chat messages: {"role": ..., "content": ...}
+HELD_WAIT_S = 0.001  # how long a step with nothing to run sleeps while admission rules hold every waiting sequence
 
 
 class LLM:
@@ -96,6 +97,7 @@ class LLM:
         self.stop_checker = StopChecker(tokenizer, config.max_model_len)
         self.requests: dict[str, Request] = {}
         self.in_flight: InFlightStep | None = None  # with overlap: the launched step not yet read back
+        self.failed_outputs: list[RequestOutput] = []  # of requests that failed in this step, for step() to hand out
         # extension name -> its logits processor, made by its attach() when the first request that uses it comes
         self.logits_processors: dict[str, LogitsProcessor] = {}
         self.trace = None  # a step trace's writer (trace=PATH: ext/plots.py), told when each step begins and ends
@@ -220,7 +222,10 @@ class LLM:
         # proposal of draft tokens)
         helpers = [*self.logits_processors.values(), self.proposer]
         needs_tokens = any(helper.needs_tokens_on_host() for helper in helpers if helper is not None)
-        return self.run_step(self.config.overlap and not needs_tokens, self._read_back)
+        outputs = self.run_step(self.config.overlap and not needs_tokens, self._read_back)
+        failed = self.failed_outputs  # the requests that failed in this step (_fail), first
+        self.failed_outputs = []
+        return failed + outputs
 
     def run_step(self, overlap: bool, read_back: Callable[["InFlightStep"], list]) -> list:
         """One step, overlapped or plain, each step finished by read_back; returns what read_back returns. The step
@@ -269,6 +274,7 @@ class LLM:
         if self.proposer is not None:  # speculative decoding: draft tokens for the running sequences, to verify
             self.proposer.propose(self)
         step = self.scheduler.schedule()
+        self._fail(step.failed)  # waiting ones an extension failed on
         self.num_steps += bool(step.scheduled)
         self.computed_tokens += step.num_tokens
         self._record_first_scheduled(step)
@@ -276,11 +282,32 @@ class LLM:
         if step.scheduled:
             processors = list(self.logits_processors.values())
             launched = self.runner.launch(step, self.in_flight, processors)
-        elif self.in_flight is None and self.scheduler.has_unfinished():
+        elif self.in_flight is None and self.scheduler.running:
             raise RuntimeError("the scheduler found nothing to run")  # a bug, never a state
+        elif self.in_flight is None and self.scheduler.waiting:
+            time.sleep(HELD_WAIT_S)  # every waiting sequence held by an extension's admission rule
         if self.trace is not None:
             self.trace.begin(step)
         return launched
+
+    def _fail(self, seqs: list[Sequence]) -> None:
+        """End the requests of seqs, each of which an extension failed on (Sequence.error): every sequence of the
+        request finishes with reason "error", all it held comes back, the prefix cache forgets its blocks (what the
+        failed work left in them is not trusted), and the request's output, with the error, goes out with this step's.
+        A sequence of no request (beam search's) cannot end alone: its error is raised."""
+        for seq in seqs:
+            request = seq.request
+            if request is None:
+                raise RuntimeError(seq.error)
+            if self.requests.pop(request.request_id, None) is None:  # ended already
+                continue
+            request.error = seq.error
+            for each in request.seqs:
+                self.block_manager.forget(each.block_table)
+                if not each.is_finished:
+                    self.scheduler.finish_sequence(each, "error")
+            request.metrics.finished_time = time.time()
+            self.failed_outputs.append(request.take_output())
 
     def _record_first_scheduled(self, step: Step) -> None:
         """vLLM's first_scheduled_time and time_in_queue of the requests this step starts: a request starts when its
@@ -306,7 +333,9 @@ class LLM:
     def _read_back(self, in_flight: "InFlightStep") -> list[RequestOutput]:
         """Finish a launched step: wait for its tokens, hand them to their sequences, apply the stop rules, and forget
         the requests that finished. Returns the outputs of the requests that changed, each once, in the order they
-        changed: every streaming one, and the others once they have finished."""
+        changed: every streaming one, and the others once they have finished. First, the requests an extension
+        failed on while the step ran end (_fail)."""
+        self._fail([s.seq for s in in_flight.step.scheduled if s.seq.error is not None])
         sampled = self.receive_tokens(in_flight)
         now = time.time()
         # the requests to look at, once each, in the order they changed: every streaming one, and those a sequence of

@@ -14,7 +14,8 @@ class CompletionOutput:
     index: int  # which of the request's n samples
     text: str  # the text so far (final: special tokens and a matched stop string removed)
     token_ids: list[int]  # generated tokens, EOS or stop id included when that ended it
-    finish_reason: str | None  # "stop" (EOS, stop id, stop string), "length", "abort"; None while running
+    # "stop" (EOS, stop id, stop string), "length", "abort", "error" (RequestOutput.error says why); None while running
+    finish_reason: str | None
     logprobs: list[Logprobs] | None  # per token: {token_id: logprob}, the top-N and the chosen
     cumulative_logprob: float | None
     text_delta: str  # the text added since this request's previous output (all of it, the first time)
@@ -44,6 +45,7 @@ class RequestOutput:
     # per prompt token, when asked for (prompt_logprobs=N): None for the first, then {token_id: logprob} of the
     # token and the top N at its position, as vLLM; one list for all n samples (they share the prompt)
     prompt_logprobs: list[Logprobs | None] | None
+    error: str | None = None  # why it failed inside the engine (its finish_reason: "error"), or None
 
 
 @dataclass(eq=False)  # a request is itself, never equal to another one
@@ -53,6 +55,7 @@ class Request:
     seqs: list[Sequence]  # one per sample (n)
     stream: bool
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    error: str | None = None  # set when it fails inside the engine (LLM._fail)
 
     @property
     def finished(self) -> bool:
@@ -72,6 +75,7 @@ class Request:
             first.num_cached_tokens or 0,
             self.metrics,
             copy(first.prompt_logprobs),  # a snapshot: later steps fill in more (None if not asked for)
+            self.error,
         )
 
 

@@ -41,6 +41,7 @@ class Step:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue this step
+    failed: list[Sequence] = field(default_factory=list)  # waiting ones an extension failed on (Sequence.error)
     num_tokens: int = 0  # tokens computed in the step, counted as they are planned
     block_copies: list[int] = field(default_factory=list)  # copy-on-write (source, destination) pairs, flat
 
@@ -70,9 +71,9 @@ class Scheduler:
     running: list[Sequence] = field(default_factory=list)  # in admission order: the last one is preempted first
     num_preemptions: int = 0
     # The extension point of admission: rules an extension's start() adds, each asked rule(seq, running) whether the
-    # waiting sequence seq may join the running ones now (running: read it, never change it). The queue waits while
-    # a rule says no to its first sequence, as it does when the pool is short (ext/lora: at most max_loras adapters
-    # run at once)
+    # waiting sequence seq may join the running ones now (running: read it, never change it). One a rule says no to
+    # keeps its place in the queue while later ones may go ahead (ext/lora: at most max_loras adapters run at once;
+    # an adapter still loading); one whose error an extension set is reported by the step (Step.failed)
     admission_rules: list[AdmissionRule] = field(default_factory=list)
 
     def check_fits(self, seq: Sequence, num_beams: int = 1) -> None:
@@ -116,12 +117,17 @@ class Scheduler:
                 self._plan(step, seq, num_new)
         # 2) the budget left admits waiting sequences, in queue order until one does not fit; none after a
         #    preemption, which would only make the pool thrash
+        held = []  # waiting sequences an admission rule holds back this step: they keep their place
         while not step.preempted and self.waiting and len(self.running) < self.max_num_seqs:
             budget = self.max_num_batched_tokens - step.num_tokens
             seq = self.waiting[0]
-            # a preempted sequence waits for its tokens' values; an extension's rule may hold the queue too
-            if not budget or seq.num_pending or not self.may_admit(seq):
+            if not budget or seq.num_pending:  # a preempted sequence waits for its tokens' values
                 break
+            if seq.error is not None or not self.may_admit(seq):
+                if seq.error is not None:
+                    step.failed.append(seq)
+                held.append(self.waiting.popleft())
+                continue
             cached = bm.find_cached_prefix(seq)  # none if it asked for prompt_logprobs
             num_new = min(seq.num_tokens - len(cached) * bm.block_size, budget)
             if not bm.allocate(seq, num_new, cached):
@@ -130,6 +136,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             step.admitted.append(seq)
             self._plan(step, seq, num_new)
+        self.waiting.extendleft(reversed(held))
         step.block_copies = bm.block_copies  # copy-on-write: made on the device before the step runs
         bm.block_copies = []
         return step

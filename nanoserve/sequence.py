@@ -92,7 +92,10 @@ class Sequence:
         self.num_pending = 0
         # draft tokens after the known ones (before a step's PENDING one): values, but never known, so never cached
         self.num_draft_tokens = 0
-        # "stop", "length" or "abort" once finished
+        # set by an extension whose work on this sequence failed (a step hook, a logits processor, an admission rule):
+        # the engine ends the sequence's request with finish reason "error" and this message (LLM._fail)
+        self.error: str | None = None
+        # "stop", "length", "abort" or "error" once finished
         self.finish_reason: str | None = None
         # per generated token, when params.logprobs is set: {token_id: logprob}
         self.logprobs: list[Logprobs] = []

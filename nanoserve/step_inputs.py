@@ -1,8 +1,9 @@
 """A step as the device sees it. The scheduler's Step (sequences, with the positions each computes) becomes flat integer
 lists (StepLists: per token its id, position and cache slot; per sequence its query start, context length and block
 table; the rows to sample; the inputs whose values are still on the device; the KV blocks to copy before the step runs,
-for beam search's copy-on-write), uploaded in one int32 buffer with one host-to-device copy, then cut back into the same StepLists fields as int32 tensor views of that buffer (with
-the AttentionMetadata built from them), which the model and attention read. An input whose value is still on the
+for beam search's copy-on-write), uploaded in one int32 buffer with one host-to-device copy, then cut back into the
+same StepLists fields as int32 tensor views of that buffer (with the AttentionMetadata built from them), which the
+model and attention read. An input whose value is still on the
 device (a PENDING token, when steps overlap: the life of a token, in sequence.py's docstring) is filled in there, from
 the previous step's samples (pending_at, pending_rows).
 
