@@ -63,6 +63,73 @@ def test_bench_stage_appends_only_the_modes_that_ran(tmp_path):
     assert (out / "stages.txt").read_text().startswith("== stage bench: ")
 
 
+# A stand-in for python3 in the first stage: every call but the script's own (-c) is logged to $CALLS; pytest
+# passes; bench.py writes the rows of the default run and ext/latency's (and, with --latency, the one without dependent
+# launches), except that --attention hangs; anything else goes to the real Python.
+FIRST_FAKE_PYTHON = """#!/usr/bin/env bash
+[ "$1" = -c ] || echo "$*" >> "$CALLS"
+if [ "$1" = -m ] && [ "$2" = pytest ]; then echo "3 passed"; exit 0; fi
+if [ "$1" = bench.py ]; then
+  case " $* " in
+    *" --save-model "*) exit 0 ;;
+    *" --attention "*) sleep 30; exit 0 ;;
+  esac
+  rows='{"latency_kernels": false}, {"latency_kernels": true}'
+  case " $* " in *" --latency "*) rows="$rows"', {"latency_kernels": "without dependent launch"}' ;; esac
+  while [ $# -gt 0 ]; do [ "$1" = --json ] && json=$2; shift; done
+  echo "[$rows]" > "$json"
+  exit 0
+fi
+exec {python} "$@"
+"""
+
+
+def test_first_stage_answers_in_order_within_its_limits(tmp_path):
+    """Guards against the first stage (a lease's first 8 minutes) asking its questions out of order, running a command
+    without its own limit (a hang would eat the lease: here the attention rows hang and are cut after their 2 s), or
+    naming rows so that the default and ext/latency's runs cannot be told apart: the model saved first, then the
+    gpu-marked tests with ext/latency's first, then the standard workload, batch 1 and the attention rows, each bench
+    row named by its mode and, for ext/latency's runs, by its kernels."""
+    import time
+
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    executable(fake_bin / "python3", FIRST_FAKE_PYTHON.replace("{python}", sys.executable))
+    executable(fake_bin / "nvidia-smi", "#!/bin/sh\necho 'a fake GPU'\n")
+    out = tmp_path / "out"
+    calls = tmp_path / "calls.txt"
+    env = os.environ | {
+        "PATH": f"{fake_bin}:{os.environ['PATH']}",
+        "OUT": str(out),
+        "BENCH_JSON": str(tmp_path / "bench.json"),
+        "MODEL": str(tmp_path / "model"),
+        "CALLS": str(calls),
+    }
+    for limit in ("SAVE_LIMIT", "GPU_TESTS_LIMIT", "STANDARD_LIMIT", "LATENCY_LIMIT", "ATTENTION_LIMIT"):
+        env[limit] = "2"  # each command's own, in seconds
+    started = time.monotonic()
+    done = subprocess.run(["bash", str(ROOT / "gpu_check.sh"), "first"], env=env, capture_output=True, text=True)
+    assert time.monotonic() - started < 20, "a hung command held the stage past its limit"
+    assert done.returncode == 1 and "FAILED (timed out after 2 s)" in done.stdout, done.stdout + done.stderr
+    assert [line.split(" --json")[0] for line in calls.read_text().splitlines()] == [
+        f"bench.py --arch qwen3-0.6b --save-model {tmp_path / 'model'}",
+        "-m pytest -q -p no:cacheprovider -rs -m gpu tests/ext/test_latency.py tests",
+        f"bench.py --model {tmp_path / 'model'} --latency-kernels",
+        f"bench.py --model {tmp_path / 'model'} --latency --latency-kernels",
+        "bench.py --attention",
+    ]
+    modes = [json.loads(line)["mode"] for line in (out / "bench.jsonl").read_text().splitlines()]
+    assert modes == [
+        "standard",
+        "standard+latency-kernels",
+        "latency",
+        "latency+latency-kernels",
+        "latency+latency-kernels-no-pdl",
+    ]
+    assert "3 passed" in (out / "tests-gpu.txt").read_text()
+    assert (out / "stages.txt").read_text().startswith("== stage first: ")
+
+
 @pytest.fixture(scope="module")
 def bench_kernels():
     sys.path.insert(0, str(ROOT))
