@@ -48,6 +48,7 @@ def shared_batch(num_seqs, shared_blocks, group, head_dim, block_size, dtype):
     return q, k_cache, v_cache, meta
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "dtype, group, head_dim, block_size",
     [(torch.float32, 1, 64, 16), (torch.float16, 2, 128, 16), (torch.float32, 4, 32, 32)],
@@ -93,7 +94,7 @@ def test_the_rule_takes_the_cascade_only_where_it_pays():
         assert hook.shared_blocks == expected, (tables, contexts, new_tokens)
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=pytest.mark.gpu)])
 def test_engine_outputs_are_unchanged(tiny_model, monkeypatch, kernels):
     """Guards against the engine's use of it (the step hook, the layers' attention, the suffix metadata per step):
     sequences behind a shared 50-token prompt (3 shared blocks of 16), greedy, give transformers' tokens with cascade
