@@ -196,19 +196,22 @@ def test_the_last_split_merges_and_leaves_the_counters_at_zero(group):
 @pytest.mark.gpu
 @pytest.mark.usefixtures("nan_for_new_buffers")
 @pytest.mark.parametrize(
-    "dtype, group, head_dim, block_size",
+    "dtype, group, head_dim, block_size, kv_dtype",
     [
-        (torch.float32, 1, 64, 16),
-        (torch.float16, 2, 128, 16),
-        (torch.float32, 4, 32, 64),
-        pytest.param(torch.bfloat16, 2, 128, 16, marks=pytest.mark.skipif(not ON_GPU, reason="bf16 dots need a GPU")),
+        (torch.float32, 1, 64, 16, None),
+        (torch.float16, 2, 128, 16, None),
+        (torch.float32, 4, 32, 64, None),
+        (torch.float16, 2, 64, 16, torch.float8_e4m3fn),  # an fp8 cache: the kernel's own keys per step
+        pytest.param(
+            torch.bfloat16, 2, 128, 16, None, marks=pytest.mark.skipif(not ON_GPU, reason="bf16 dots need a GPU")
+        ),
     ],
 )
-def test_decode_attention_equals_the_reference_beside_prefill_chunks(dtype, group, head_dim, block_size):
+def test_decode_attention_equals_the_reference_beside_prefill_chunks(dtype, group, head_dim, block_size, kv_dtype):
     """Guards against the extension's attention mishandling a mixed step (a prefill chunk's rows taken by the merge,
     or a decode's by the prefill kernel) or a batch big enough for one split (the core's one-split kernel, no
     merge): decodes alone, beside prefill chunks, and (decode-only) a batch of one split, each equal to the
-    reference."""
+    reference, over caches of the model's dtype and of fp8 (the kernel widens the fp8 values the reference widens)."""
     attention = decode.DecodeAttention(torch.device(DEVICE), dependent=False)
     one_split = -(-core.PROGRAMS_PER_SM * attention.num_sms // 2)  # sequences of 2 KV heads that fill a wave
     for query_lens in (
@@ -218,7 +221,13 @@ def test_decode_attention_equals_the_reference_beside_prefill_chunks(dtype, grou
     ):
         context_lens = [q_len + randint(0, 300) for q_len in query_lens]
         batch = make_batch(
-            query_lens, context_lens, **heads(group), head_dim=head_dim, block_size=block_size, dtype=dtype
+            query_lens,
+            context_lens,
+            **heads(group),
+            head_dim=head_dim,
+            block_size=block_size,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
         )
         scale = head_dim**-0.5
         tolerance = ATOL.get(dtype, 2e-2)

@@ -70,7 +70,8 @@ class DecodeAttention:
         if num_splits == 1:
             decode_split(q, k_cache, v_cache, meta, scale, 1, out)
             return out
-        part_out = q.new_empty(num_seqs, q.shape[1], num_splits, q.shape[2], dtype=torch.float32)
+        _, num_heads, head_dim = q.shape
+        part_out = q.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32)
         part_lse = part_out.new_empty(part_out.shape[:3])  # [num_seqs, num_heads, num_splits]
         shape = model_shape(q, k_cache)
         _decode_merge_kernel[num_seqs, k_cache.shape[2], num_splits](
@@ -164,7 +165,8 @@ def _decode_merge_kernel(
     # partials are contiguous: part_lse [num_seqs, num_heads, num_splits], part_out [..., HEAD_DIM]
     row = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [GROUP_PAD]
     tl.store(part_lse_ptr + row, lse, mask=real_rows)
-    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d, acc / row_sum[:, None], mask=real_rows[:, None])
+    out = acc / row_sum[:, None]  # [GROUP_PAD, HEAD_DIM]
+    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d, out, mask=real_rows[:, None])
     # Arrive on (seq, kv_head)'s counter; the split that arrives last merges every split's partials. The barrier
     # first: all of this program's threads have stored. The add is acquire-release at GPU scope, so the partials other
     # programs stored before their add are visible to the last one after its own.
@@ -177,11 +179,14 @@ def _decode_merge_kernel(
             # each query head: its partials weighted by their splits' shares of the softmax mass, 2^(lse_s - max
             # lse), summed in split order; read past L1 (".cg"), which may hold an earlier launch's lines
             part_row = (seq * tl.num_programs(1) * GROUP + h) * num_splits + s  # [MAX_SPLITS, 1]
-            lses = tl.load(part_lse_ptr + part_row, mask=s < num_splits, other=float("-inf"), cache_modifier=".cg")
-            # (the max floored, so that a context of no keys, every lse -inf, weighs 0 and merges to 0)
-            w = tl.exp2(lses - tl.maximum(tl.max(lses, 0), -1e30))  # [MAX_SPLITS, 1]: 0 for an empty split
+            real_splits = s < num_splits
+            lses = tl.load(part_lse_ptr + part_row, mask=real_splits, other=float("-inf"), cache_modifier=".cg")
+            # the max floored, so that a context of no keys (every lse -inf) weighs 0 and merges to 0
+            lse_max = tl.maximum(tl.max(lses, 0), -1e30)
+            w = tl.exp2(lses - lse_max)  # [MAX_SPLITS, 1]: 0 for an empty split
             parts = part_out_ptr + part_row * HEAD_DIM + d
-            part = tl.load(parts, mask=s < num_splits, other=0.0, cache_modifier=".cg")  # [MAX_SPLITS, HEAD_DIM]
-            merged = tl.sum(w * part, 0) / tl.maximum(tl.sum(w, 0), 1e-30)  # [HEAD_DIM]
+            part = tl.load(parts, mask=real_splits, other=0.0, cache_modifier=".cg")  # [MAX_SPLITS, HEAD_DIM]
+            total = tl.maximum(tl.sum(w, 0), 1e-30)
+            merged = tl.sum(w * part, 0) / total  # [HEAD_DIM]
             out_at = out_ptr + q_row * stride_ot + h * stride_oh + d
             tl.store(out_at, merged[None, :].to(out_ptr.dtype.element_ty))

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nanoserve.fused_ops import silu_and_mul_ref
+from nanoserve.layers import MergedLinear
 from nanoserve.triton_shim import tl, triton
 
 MAX_ROWS = 16  # rows that take the GEMV: the smallest tile tl.dot takes, and where cuBLAS's GEMMs stop being GEMVs
@@ -100,8 +101,8 @@ class FewRowLinear(nn.Module):
         workspace.reserve(base.out_features, self.split_k)
         self.gemv = gemv if use_kernel else gemv_ref
         self.silu_and_mul = silu_and_mul
-        if hasattr(base, "shard_sizes"):  # a MergedLinear: the model splits q|k|v by these
-            self.shard_sizes = base.shard_sizes
+        if isinstance(base, MergedLinear):
+            self.shard_sizes = base.shard_sizes  # the model splits q|k|v by these
 
     @property
     def weight(self) -> nn.Parameter:
@@ -223,8 +224,9 @@ def _gemv_kernel(
     if DEPENDENT:  # launched as a programmatic dependent (4. in the module's docstring)
         tl.extra.cuda.gdc_launch_dependents()
         line = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line (1,024 bits)
-        lines = tl.minimum(split * K_PER_SPLIT + tl.arange(0, PREFETCH_LINES) * line, K - 1)  # (all in the weight)
-        _prefetch_into_l2(w_ptr + tl.minimum(n, N - 1)[:, None].to(tl.int64) * stride_w + lines[None, :])
+        lines = split * K_PER_SPLIT + tl.arange(0, PREFETCH_LINES) * line  # [PREFETCH_LINES] first elements
+        row_at = tl.minimum(n, N - 1)[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1] (all in the weight)
+        _prefetch_into_l2(w_ptr + row_at + tl.minimum(lines, K - 1)[None, :])
         tl.extra.cuda.gdc_wait()  # the kernel before has finished: x, the workspace and y are safe to touch
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(split * K_PER_SPLIT, (split + 1) * K_PER_SPLIT, BLOCK_K):
@@ -234,21 +236,23 @@ def _gemv_kernel(
         x = tl.load(x_at, mask=x_mask, other=0.0)  # [BLOCK_M, BLOCK_K]
         if SILU_INPUT:  # x's rows are [gate | up]: this is gate; silu(gate) * up, rounded as the SiLU kernel rounds
             g = x.to(tl.float32)
-            x = (g / (1.0 + tl.exp(-g))).to(x.dtype) * tl.load(x_at + K, mask=x_mask, other=0.0)
-        w = tl.load(w_rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)  # [BLOCK_N, BLOCK_K]
+            silu = (g / (1.0 + tl.exp(-g))).to(x.dtype)
+            x = silu * tl.load(x_at + K, mask=x_mask, other=0.0)
+        w_mask = (n[:, None] < N) & (k[None, :] < K)
+        w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
         acc += tl.dot(x, tl.trans(w), input_precision="ieee")  # (fp32 weights: no TF32 rounding)
     out_mask = (m[:, None] < rows) & (n[None, :] < N)
+    tile_at = m[:, None] * N + n[None, :]  # [BLOCK_M, BLOCK_N]: the tile's place in one split's partial sums
     if SPLIT_K == 1:
         _write_rows(acc, bias_ptr, y_ptr, stride_y, m, n, N, out_mask, HAS_BIAS)
     else:
         # this split's partial sums, then its arrival on the tile's counter (2. in the module's docstring)
-        partials = partials_ptr + (split * BLOCK_M + m[:, None]) * N + n[None, :]
-        tl.store(partials, acc, mask=out_mask)
+        tl.store(partials_ptr + split * BLOCK_M * N + tile_at, acc, mask=out_mask)
         tl.debug_barrier()  # every thread of the program has stored before the counter says so
         if tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:  # the tile's last
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(SPLIT_K):  # in split order, whichever program came last
-                part = partials_ptr + (s * BLOCK_M + m[:, None]) * N + n[None, :]
+                part = partials_ptr + s * BLOCK_M * N + tile_at
                 total += tl.load(part, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.store(counters_ptr + tile, 0)  # ready for the next launch (a graph replays this one)
             _write_rows(total, bias_ptr, y_ptr, stride_y, m, n, N, out_mask, HAS_BIAS)
@@ -266,5 +270,7 @@ def _prefetch_into_l2(pointers):
 def _write_rows(acc, bias_ptr, y_ptr, stride_y, m, n, N, out_mask, HAS_BIAS: tl.constexpr):
     """A tile's sums, plus the bias, into y in y's dtype."""
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        bias = tl.load(bias_ptr + n, mask=n < N, other=0.0)  # [BLOCK_N]
+        acc += bias.to(tl.float32)[None, :]
+    y_at = y_ptr + m[:, None] * stride_y + n[None, :]
+    tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
