@@ -354,7 +354,7 @@ def run_prefix(llm, workload, args):
     params = SamplingParams(temperature=RANDOM_TEMPERATURE, ignore_eos=True, max_tokens=PREFIX_ANSWER_LEN)
     rows = []
     # caching off (no block is shared, so no cascade either), on, and on with cascade attention where the engine has it
-    cascade_of = getattr(llm, "cascade", None)  # the engine's cascade attention (ext/cascade.py), if it has one
+    cascade_of = llm.extensions.get("cascade")  # the engine's cascade attention (ext/cascade.py), if it has one
     runs = [("off", False), ("on", False)] + [("on", True)] * (cascade_of is not None)
     for caching, cascade in runs:
         name = f"prefix caching {caching}" + (", cascade attention" if cascade else "")
