@@ -24,8 +24,8 @@ FILE also writes them). Without a GPU the flags left out take CPU sizes, and a l
                                              # speculative decoding beside the same run without it, on requests
                                              # whose answers copy their input (repeat, correct, reformat a text)
     python bench.py --latency --speculative ngram       # one request, with and without n-gram drafts
-    python bench.py --latency --gemv         # one request, the weights read by cuBLAS, then by ext/gemv.py's GEMV
-                                             # (on an H100 also without its dependent launches)
+    python bench.py --latency --latency-kernels          # one request, the core's kernels, then ext/latency's
+                                             # (on sm_90 and later also without its dependent launches)
 """
 
 import argparse
@@ -354,7 +354,7 @@ def run_prefix(llm, workload, args):
     params = SamplingParams(temperature=RANDOM_TEMPERATURE, ignore_eos=True, max_tokens=PREFIX_ANSWER_LEN)
     rows = []
     # caching off (no block is shared, so no cascade either), on, and on with cascade attention where the engine has it
-    cascade_of = getattr(llm, "cascade", None)  # the engine's cascade attention (ext/cascade.py), if it has one
+    cascade_of = llm.extensions.get("cascade")  # the engine's cascade attention (ext/cascade.py), if it has one
     runs = [("off", False), ("on", False)] + [("on", True)] * (cascade_of is not None)
     for caching, cascade in runs:
         name = f"prefix caching {caching}" + (", cascade attention" if cascade else "")
@@ -673,15 +673,15 @@ def speculative_config(args) -> dict | None:
     return {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": SPECULATIVE_TOKENS}
 
 
-def run_engine(args, model_dir, cpu_default, speculative=None, gemv=False):
-    """nanoserve's run of the chosen mode (with speculative, vLLM's speculative_config; gemv: the few-row weight read
-    of ext/gemv.py): (rows, the workload for a peer)."""
+def run_engine(args, model_dir, cpu_default, speculative=None, latency_kernels=False):
+    """nanoserve's run of the chosen mode (with speculative, vLLM's speculative_config; latency_kernels: batch 1's
+    launch-latency kernels, ext/latency): (rows, the workload for a peer)."""
     llm = LLM(
         model_dir,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs or min(args.num_seqs, MAX_NUM_SEQS),
         speculative_config=speculative,
-        small_batch_gemv=gemv,
+        latency_kernels=latency_kernels,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tp,
         threads=args.threads,
@@ -727,8 +727,8 @@ def run_engine(args, model_dir, cpu_default, speculative=None, gemv=False):
         extra = {"device": device, "busy": args.busy, "peak_rss_mb": peak_rss_mb()}
         if args.speculative:
             extra = {"speculative": "off" if speculative is None else args.speculative} | extra
-        if args.gemv:
-            extra = {"gemv": gemv} | extra
+        if args.latency_kernels:
+            extra = {"latency_kernels": latency_kernels} | extra
         return [row | extra for row in rows], workload
     finally:
         llm.close()
@@ -740,9 +740,11 @@ def run_all(args, cpu_default):
         if args.speculative:
             name = f"speculative decoding ({args.speculative})"
             return run_beside(args, model_dir, cpu_default, name, speculative=speculative_config(args))
-        if args.gemv:
-            rows = run_beside(args, model_dir, cpu_default, "few-row GEMV", gemv=True)
-            return rows + gemv_without_dependent_launch(args, model_dir, cpu_default, rows[-1])
+        if args.latency_kernels:
+            rows = run_beside(args, model_dir, cpu_default, "latency kernels", latency_kernels=True)
+            if args.latency:  # (the dependent launches work at 1-16 rows: the standard workload's tail only)
+                rows += without_dependent_launch(args, model_dir, cpu_default, rows[-1])
+            return rows
         rows, workload = run_engine(args, model_dir, cpu_default)
         if args.compare:
             if torch.cuda.is_available():
@@ -762,8 +764,9 @@ def run_all(args, cpu_default):
 
 def run_beside(args, model_dir, cpu_default, name, **option):
     """The mode's run without an option, then with it (each its own engine, the same requests; option: run_engine's
-    speculative= or gemv=), and the ratio of decode (or output) tok/s. Greedy outputs are the same tokens either way
-    for speculative decoding (it is exact); the GEMV may round a near-tie differently in bf16."""
+    speculative= or latency_kernels=), and the ratio of decode (or output) tok/s. Greedy outputs are the same tokens
+    either way for speculative decoding (it is exact); the latency kernels may round a near-tie differently in bf16
+    (their sums run in another order)."""
     plain, _ = run_engine(args, model_dir, cpu_default)
     other, _ = run_engine(args, model_dir, cpu_default, **option)
     rate = "decode_tok_per_s" if args.latency else "tok_per_s"
@@ -774,29 +777,29 @@ def run_beside(args, model_dir, cpu_default, name, **option):
 
 
 def dependent_launch_here() -> bool:
-    """Whether this machine's GPU launches ext/gemv.py's kernels as programmatic dependents (its 4.: sm_90 on)."""
-    from nanoserve.ext import gemv
+    """Whether this machine's GPU launches ext/latency's kernels as programmatic dependents (sm_90 and later)."""
+    from nanoserve.ext.latency import gemv
 
     return torch.cuda.is_available() and gemv.dependent_launch(torch.device("cuda"))
 
 
-def gemv_without_dependent_launch(args, model_dir, cpu_default, gemv_row: dict) -> list[dict]:
-    """Where the GPU has programmatic dependent launch, the GEMV's run once more with it off (ext/gemv.py's
-    DEPENDENT_LAUNCH, for this engine only): what the dependent launches bring by themselves, as `dependent_speedup` on
-    the GEMV's row (whose decode rate over this run's). Nothing elsewhere."""
-    from nanoserve.ext import gemv
+def without_dependent_launch(args, model_dir, cpu_default, latency_row: dict) -> list[dict]:
+    """Where the GPU has programmatic dependent launch, the latency kernels' run once more with it off (ext/latency's
+    DEPENDENT_LAUNCH, for this engine only): what the dependent launches bring by themselves, as `dependent_speedup`
+    on the latency kernels' row (its decode rate over this run's). Nothing elsewhere."""
+    from nanoserve.ext.latency import gemv
 
     if not dependent_launch_here():
         return []
-    saved, gemv.DEPENDENT_LAUNCH = gemv.DEPENDENT_LAUNCH, False
+    gemv.DEPENDENT_LAUNCH = False
     try:
-        rows, _ = run_engine(args, model_dir, cpu_default, gemv=True)
+        rows, _ = run_engine(args, model_dir, cpu_default, latency_kernels=True)
     finally:
-        gemv.DEPENDENT_LAUNCH = saved
-    rate = "decode_tok_per_s" if args.latency else "tok_per_s"
-    rows[0]["gemv"] = "without dependent launch"
-    gemv_row["dependent_speedup"] = round(gemv_row[rate] / rows[0][rate], 3)
-    print(f"few-row GEMV, dependent launches / without: {gemv_row['dependent_speedup']:.3f}x {rate}")
+        gemv.DEPENDENT_LAUNCH = True
+    rate = "decode_tok_per_s"
+    rows[0]["latency_kernels"] = "without dependent launch"
+    latency_row["dependent_speedup"] = round(latency_row[rate] / rows[0][rate], 3)
+    print(f"latency kernels, dependent launches / without: {latency_row['dependent_speedup']:.3f}x {rate}")
     return rows
 
 
@@ -852,10 +855,11 @@ def parse_args(argv=None):
         "draft model's folder; both runs are reported, with the speedup",
     )
     ap.add_argument(
-        "--gemv",
+        "--latency-kernels",
         action="store_true",
-        help="also run with the few-row GEMV (ext/gemv.py) reading the weights of steps of at most 16 rows; both runs "
-        "are reported, with the speedup",
+        help="also run with batch 1's launch-latency kernels (ext/latency: the few-row GEMV, the merged decode, "
+        "dependent launches); both runs are reported, with the speedup (--latency on sm_90: a third without the "
+        "dependent launches)",
     )
     ap.add_argument(
         "--max-output-len",
@@ -914,10 +918,10 @@ def parse_args(argv=None):
     if args.speculative and importlib.util.find_spec("nanoserve.ext.speculative") is None:
         ap.error("--speculative needs nanoserve/ext/speculative.py, which this checkout does not have")
     others = (args.speculative, args.compare, args.prefix, args.attention, args.serve, args.loras, args.kv_report)
-    if args.gemv and (any(others) or args.plot or args.tp > 1):
-        ap.error("--gemv goes with the throughput and --latency modes, alone")
-    if args.gemv and importlib.util.find_spec("nanoserve.ext.gemv") is None:
-        ap.error("--gemv needs nanoserve/ext/gemv.py, which this checkout does not have")
+    if args.latency_kernels and (any(others) or args.plot or args.tp > 1):
+        ap.error("--latency-kernels goes with the throughput and --latency modes, alone")
+    if args.latency_kernels and importlib.util.find_spec("nanoserve.ext.latency") is None:
+        ap.error("--latency-kernels needs nanoserve/ext/latency, which this checkout does not have")
     if args.plot and importlib.util.find_spec("nanoserve.ext.plots") is None:
         ap.error("--plot needs nanoserve/ext/plots.py (plot_trace), which this checkout does not have")
     return args

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from triton import cdiv
 from triton.testing import do_bench
 
-from nanoserve.attention import PAD_SLOT, AttentionMetadata, paged_attention
+from nanoserve.attention import PAD_SLOT, AttentionMetadata, decode_splits, num_sms, paged_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
 DTYPE = torch.bfloat16
@@ -26,6 +26,8 @@ PREFILL_CASE = (8, 2048)  # (sequences, tokens each), causal, nothing cached
 # decode behind a shared prompt, as bench.py --prefix: (batch, shared tokens, each sequence's own tokens after them);
 # plain paged attention beside cascade attention (ext/cascade.py) and SDPA, in logical TB/s (every sequence's keys)
 CASCADE_CASES = [(256, 2048, 128), (64, 2048, 128), (16, 4096, 256)]
+# ext/latency's decode (the last split merges; a dependent launch on sm_90) gets a row of kind "decode, latency kernels"
+# beside each decode case that the core splits, where the extension is installed
 COPIES_IN_MEMORY = 6  # K and V, each contiguous + paged + a transient copy while paging: skip what won't fit
 # the fused QK-norm + RoPE + K/V store (ext/fused_kernels.py: qk_norm_rope_store_kv) at a decode step's tokens: 1
 # (one request) and 256 (the standard workload's batch), beside its PyTorch reference (separate torch kernels)
@@ -66,7 +68,7 @@ def replayed(fn) -> tuple:
     decode rows took ~50 us at 2k and at 8k keys alike, where the engine's profile had 7 us per layer at 512: the host,
     most likely, though do_bench's L2 flush before each call gives the host a head start, so part may be the GPU's;
     the graph rows beside the eager ones tell.) Prefill and cascade steps run eagerly in the engine: timed eagerly."""
-    fn()  # compiles, and makes what a first call makes (the decode merge's counters, kept on the metadata)
+    fn()  # compiles
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # a warm-up on a side stream, as torch asks before a capture
@@ -83,15 +85,16 @@ def replayed(fn) -> tuple:
     return graph.replay, "graph"
 
 
-def bench_case(batch, ctx, query_len, block_size) -> dict:
+def bench_case(batch, ctx, query_len, block_size, attend=paged_attention) -> dict:
     """Our time and SDPA's for one batch (both see the same numbers), their max |difference|, and for decode both
-    eager times beside: decode is timed as CUDA-graph replays (`replayed`), prefill eagerly."""
+    eager times beside: decode is timed as CUDA-graph replays (`replayed`), prefill eagerly. attend: our paged
+    attention (the core's, or ext/latency's decode)."""
     q, k, v, k_cache, v_cache, meta = make_case(batch, ctx, query_len, block_size)
     scale = HEAD_DIM**-0.5
     q_rows = q.transpose(1, 2).reshape(-1, NUM_HEADS, HEAD_DIM)  # [B * q_len, heads, D]: a sequence's rows together
 
     def ours():
-        return paged_attention(q_rows, k_cache, v_cache, meta, scale)
+        return attend(q_rows, k_cache, v_cache, meta, scale)
 
     def sdpa():
         return F.scaled_dot_product_attention(q, k, v, is_causal=query_len > 1, scale=scale, enable_gqa=True)
@@ -182,6 +185,41 @@ def bench_fused_case(num_tokens: int, block_size: int, timer=None, device: str =
     return row | {"ratio": round(reference_ms / fused_ms, 2), "same_as_reference": same}
 
 
+def attention_row(kind: str, batch: int, ctx: int, block_size: int, case: dict, kv_bytes: int) -> dict:
+    """One case's row: our rate and SDPA's (decode: TB/s of K/V read; prefill: TFLOP/s over the causal half), their
+    ratio, the times and how they were taken, and the max |difference|."""
+    if kind.startswith("decode"):
+        unit, work = "TB/s", kv_bytes / 1e12  # each K/V byte read once
+    else:
+        unit, work = "TFLOP/s", 4 * batch * NUM_HEADS * ctx**2 * HEAD_DIM / 2 / 1e12  # causal: half of 4*L^2*D
+    ours, sdpa = work / (case["ours_ms"] / 1e3), work / (case["sdpa_ms"] / 1e3)
+    return {
+        "kind": kind,
+        "batch": batch,
+        "context": ctx,
+        "block_size": block_size,
+        "unit": unit,
+        "ours": round(ours, 3),
+        "sdpa": round(sdpa, 3),
+        "ratio": round(ours / sdpa, 3),
+        "ours_ms": round(case["ours_ms"], 4),
+        "sdpa_ms": round(case["sdpa_ms"], 4),
+        "timing": case["timing"],  # decode: CUDA-graph replays (`replayed`), eager beside; prefill eager
+        **{name: round(case[name], 4) for name in ("ours_eager_ms", "sdpa_eager_ms") if name in case},
+        "max_abs_diff": case["diff"],
+    }
+
+
+def latency_decode(device: torch.device):
+    """ext/latency's paged attention on device (its merged decode, launched as a programmatic dependent where the GPU
+    has it), or None where the extension is not installed."""
+    if importlib.util.find_spec("nanoserve.ext.latency") is None:
+        return None
+    from nanoserve.ext.latency import decode, gemv
+
+    return decode.DecodeAttention(device, gemv.dependent_launch(device))
+
+
 def run_attention_bench(print_fn=print, block_size=16) -> list[dict]:
     """Time every case, print a table and a JSON line, return the rows ([] without CUDA)."""
     if not torch.cuda.is_available():
@@ -190,6 +228,11 @@ def run_attention_bench(print_fn=print, block_size=16) -> list[dict]:
     kv_bytes_per_token = 2 * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize  # K and V of one token, all KV heads
     cases = [("decode", b, ctx, 1) for b, ctx in DECODE_CASES] + [("prefill", *PREFILL_CASE, PREFILL_CASE[1])]
     rows = []
+    latency_attention = latency_decode(torch.device("cuda"))
+
+    def splits(batch: int) -> int:  # the core's split count for a decode batch (its ceiling rule)
+        return decode_splits(batch, NUM_KV_HEADS, num_sms(torch.device("cuda")))
+
     print_fn(
         f"paged attention vs SDPA, {torch.cuda.get_device_name()}, {DTYPE}, heads {NUM_HEADS}/{NUM_KV_HEADS}x"
         f"{HEAD_DIM}, block_size {block_size}"
@@ -200,32 +243,19 @@ def run_attention_bench(print_fn=print, block_size=16) -> list[dict]:
         if COPIES_IN_MEMORY * kv_bytes > torch.cuda.mem_get_info()[0]:
             print_fn(f"{kind} B={batch} ctx={ctx}: skipped, needs {COPIES_IN_MEMORY * kv_bytes / 2**30:.0f} GiB")
             continue
-        case = bench_case(batch, ctx, query_len, block_size)
-        ours_ms, sdpa_ms, diff = case["ours_ms"], case["sdpa_ms"], case["diff"]
-        if kind == "decode":
-            unit, work = "TB/s", kv_bytes / 1e12  # each K/V byte read once
-        else:
-            unit, work = "TFLOP/s", 4 * batch * NUM_HEADS * ctx**2 * HEAD_DIM / 2 / 1e12  # causal: half of 4*L^2*D
-        ours, sdpa = work / (ours_ms / 1e3), work / (sdpa_ms / 1e3)
-        rows.append(
-            {
-                "kind": kind,
-                "batch": batch,
-                "context": ctx,
-                "block_size": block_size,
-                "unit": unit,
-                "ours": round(ours, 3),
-                "sdpa": round(sdpa, 3),
-                "ratio": round(ours / sdpa, 3),
-                "ours_ms": round(ours_ms, 4),
-                "sdpa_ms": round(sdpa_ms, 4),
-                "timing": case["timing"],  # decode: CUDA-graph replays (`replayed`), eager beside; prefill eager
-                **{name: round(case[name], 4) for name in ("ours_eager_ms", "sdpa_eager_ms") if name in case},
-                "max_abs_diff": diff,
-            }
-        )
-        name = f"{kind} B={batch} ctx={ctx}"
-        print_fn(f"{name:<24}{ours:>10.2f}{sdpa:>10.2f}  {unit:<8}{ours / sdpa:>10.2f}{diff:>11.2e}")
+        timed = [(kind, bench_case(batch, ctx, query_len, block_size))]
+        if kind == "decode" and latency_attention is not None and splits(batch) > 1:
+            # ext/latency's decode beside the core's where the core splits (the extension's merge, or its one split
+            # where the core splits in two), named so
+            timed.append(("decode, latency kernels", bench_case(batch, ctx, 1, block_size, latency_attention)))
+        for name, case in timed:
+            rows.append(attention_row(name, batch, ctx, block_size, case, kv_bytes))
+            row = rows[-1]
+            shown = f"{name} B={batch} ctx={ctx}"
+            print_fn(
+                f"{shown:<24}{row['ours']:>10.2f}{row['sdpa']:>10.2f}  {row['unit']:<8}{row['ratio']:>10.2f}"
+                f"{row['max_abs_diff']:>11.2e}"
+            )
         torch.cuda.empty_cache()
     if importlib.util.find_spec("nanoserve.ext.cascade") is not None:
         rows += run_cascade_rows(print_fn, block_size, kv_bytes_per_token)

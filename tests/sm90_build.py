@@ -10,12 +10,12 @@ trailing ":fp8" makes the KV cache float8 e4m3 (kv_cache_dtype="fp8"), and then 
 write the cache are built (the others do not see it).
 """
 
+import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
-from itertools import product
 
 assert not os.environ.get("TRITON_INTERPRET"), "compile for sm_90 needs the real kernels, not the interpreter"
 import torch  # noqa: E402
@@ -29,7 +29,15 @@ from nanoserve import attention as A  # noqa: E402
 from nanoserve import fused_ops as F  # noqa: E402
 from nanoserve import sampler as S  # noqa: E402
 
+LATENCY_DECODE = None  # ext/latency's decode module, where the extension is installed (the core-only run has none)
+if importlib.util.find_spec("nanoserve.ext.latency") is not None:
+    from nanoserve.ext.latency import decode as LATENCY_DECODE  # noqa: E402
+
 H100 = GPUTarget("cuda", 90, 32)
+# keys per step of the wide prefill tile's candidate (the Triton tutorial's Hopper choice; a prediction, BENCHMARKS.md):
+# built beside today's PREFILL_TILE_N for the widest tile over a 16-bit cache (4-warp tiles spill at 128, and an fp8
+# cache's widened tile on triton 3.6), as bench_kernels.py's sweep times it
+WIDE_TILE_N = 128
 TORCH_DTYPES = {
     "*bf16": torch.bfloat16,
     "*fp16": torch.float16,
@@ -65,6 +73,7 @@ def build(
     return {
         "kernel": fn.__name__,
         "tile_m": constexprs.get("TILE_M"),
+        "tile_n": constexprs.get("TILE_N"),
         "num_warps": num_warps,
         "registers": registers,
         "spill_bytes": spills,
@@ -102,8 +111,9 @@ def stores_fenced(ptx: str) -> bool | None:
 
 
 def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str | None = None):
-    """Every kernel configuration the launchers in attention.py can pick for this model shape; with kv_dtype, only
-    those that touch the KV cache, with the cache in that type."""
+    """Every kernel configuration the launchers in attention.py and fused_ops.py can pick for this model shape, the
+    wide prefill tile's candidate, and ext/latency's decode kernel where it is installed; with kv_dtype, only those
+    that touch the KV cache, with the cache in that type."""
     kv_dtype = kv_dtype or dtype
     cache = {"k_cache_ptr": kv_dtype, "v_cache_ptr": kv_dtype}
     q_torch, kv_torch = TORCH_DTYPES[dtype], TORCH_DTYPES[kv_dtype]
@@ -122,47 +132,62 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
     no_norm = {**rope_sizes, "q_weight_ptr": None, "k_weight_ptr": None}
     yield build(F._qk_norm_rope_store_kernel, rope_types, no_norm, 4)
     meta = {"block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32", "context_lens_ptr": "*i32", "qk_scale": "fp32"}
-    for tile_m in A.prefill_tile_sizes(q_torch):
-        warps, tile_n = A.prefill_tile(tile_m, q_torch.itemsize, kv_torch.itemsize)  # as paged_attention launches it
+    prefill_types = dict(q_ptr=dtype, out_ptr=dtype, **cache, **meta)
+    prefill_shape = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size}
+    for tile_m in A.prefill_tile_sizes(q_torch):  # every query tile, as paged_attention launches it
         yield build(
             A._prefill_kernel,
-            dict(q_ptr=dtype, out_ptr=dtype, **cache, **meta),
-            {
-                "GROUP": group,
-                "HEAD_DIM": head_dim,
-                "BLOCK_SIZE": block_size,
-                "TILE_M": tile_m,
-                "TILE_N": tile_n,
-            },
-            warps,
-        )
-    # partials merged by the last split, or (a batch that fills the GPU) the output; and both launched as programmatic
-    # dependents (ext/gemv.py's engines on sm_90)
-    for one_split, dependent in product((False, True), (False, True)):
-        parts = (
-            {"part_out_ptr": dtype, "part_lse_ptr": dtype}
-            if one_split
-            else {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
-        )
+            prefill_types,
+            prefill_shape | {"TILE_M": tile_m, "TILE_N": A.PREFILL_TILE_N},
+            A.prefill_num_warps(tile_m, q_torch.itemsize),
+        ) | {"candidate": False}
+    if kv_torch.itemsize == 2:  # the wide tile's candidate over a 16-bit cache, which gpu_check.sh's sweep times
+        tile_m = A.PREFILL_TILE_M[q_torch.itemsize]
+        yield build(
+            A._prefill_kernel,
+            prefill_types,
+            prefill_shape | {"TILE_M": tile_m, "TILE_N": WIDE_TILE_N},
+            A.prefill_num_warps(tile_m, q_torch.itemsize),
+        ) | {"candidate": True}
+    decode_shape = {
+        "GROUP": group,
+        "GROUP_PAD": A.decode_group_pad(group),
+        "HEAD_DIM": head_dim,
+        "BLOCK_SIZE": block_size,
+        "TILE_N": A.DECODE_TILE_N[q_torch.itemsize, kv_torch.itemsize],
+    }
+    # the core's split kernel: partials for the reduce kernel, or (a batch that fills the GPU) the output itself
+    for one_split in (False, True):
+        parts = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+        if one_split:
+            parts = {"part_out_ptr": dtype, "part_lse_ptr": dtype}  # (never read)
         yield build(
             A._decode_split_kernel,
-            dict(q_ptr=dtype, **cache, **meta, out_ptr=dtype, **parts, split_counters_ptr="*i32"),
-            {
-                "GROUP": group,
-                "GROUP_PAD": A.decode_group_pad(group),
-                "HEAD_DIM": head_dim,
-                "BLOCK_SIZE": block_size,
-                "TILE_N": A.DECODE_TILE_N[q_torch.itemsize, kv_torch.itemsize],
-                "ONE_SPLIT": one_split,
-                "MERGE": True,
-                "MAX_SPLITS": A.MAX_SPLITS,
-                "DEPENDENT": dependent,
-            },
+            dict(q_ptr=dtype, **cache, **meta, out_ptr=dtype, **parts),
+            decode_shape | {"ONE_SPLIT": one_split},
             A.DECODE_NUM_WARPS,
-            look_for=("atom.global.gpu.acq_rel.add", "ld.global.cg", "griddepcontrol.launch_dependents"),
-        ) | {"one_split": one_split, "dependent": dependent}
+        ) | {"one_split": one_split}
+    # ext/latency's decode kernel, where the extension is installed: the last split merges, plainly launched or as a
+    # programmatic dependent (its engines on sm_90)
+    if LATENCY_DECODE is not None:
+        for dependent in (False, True):
+            types = dict(q_ptr=dtype, **cache, **meta, out_ptr=dtype, part_out_ptr="*fp32", part_lse_ptr="*fp32")
+            yield build(
+                LATENCY_DECODE._decode_merge_kernel,
+                types | {"counters_ptr": "*i32"},
+                decode_shape | {"MAX_SPLITS": LATENCY_DECODE.MAX_SPLITS, "DEPENDENT": dependent},
+                A.DECODE_NUM_WARPS,
+                look_for=("atom.global.gpu.acq_rel.add", "ld.global.cg", "griddepcontrol.launch_dependents"),
+            ) | {"dependent": dependent}
     if kv_dtype != dtype:
-        return  # the layer kernels never see the cache
+        return  # the layer kernels, and the decode's reduce, never see the cache
+    # the reduce kernel, which merges the split kernel's partials (any number of splits: one variant)
+    yield build(
+        A._decode_reduce_kernel,
+        {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": dtype, "query_start_loc_ptr": "*i32"},
+        {"HEAD_DIM": head_dim, "MAX_SPLITS": A.MAX_SPLITS},
+        4,  # Triton's default num_warps, which the launcher leaves
+    )
     # the fused layer kernels, at Qwen3-0.6B's widths (hidden 1024, intermediate 3072) and 8x as wide
     for hidden in (1024, 8192):
         yield build(

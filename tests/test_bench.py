@@ -38,7 +38,7 @@ EXTENSIONS = (
     "nanoserve.ext.tp",
     "nanoserve.ext.plots",
     "nanoserve.ext.speculative",
-    "nanoserve.ext.gemv",
+    "nanoserve.ext.latency",
 )
 HAVE = {
     name: importlib.util.find_spec(name) is not None
@@ -235,24 +235,29 @@ def test_speculative_runs_beside_the_plain_run(tmp_path, mode):
     assert drafted["speedup"] == pytest.approx(drafted[rate] / plain[rate], abs=0.01)
 
 
-@needs["nanoserve.ext.gemv"]
-def test_gemv_runs_beside_the_plain_run(tmp_path):
-    """Guards against --gemv reporting a run it did not make: the run with cuBLAS, then the one with the few-row GEMV,
-    the same greedy tokens, and the speedup the ratio of the two decode rates."""
-    rows = run_bench(tmp_path, *TINY, "--latency", "--gemv")
+@needs["nanoserve.ext.latency"]
+@pytest.mark.parametrize("mode", [[], ["--latency"]], ids=["throughput", "latency"])
+def test_latency_kernels_run_beside_the_default(tmp_path, mode):
+    """Guards against --latency-kernels reporting a run it did not make: the run with the core's kernels, then the one
+    with ext/latency's, marked so, the same number of tokens, and the speedup the ratio of the two rates (decode tok/s
+    at batch 1, output tok/s otherwise); on a CPU, no third run (no dependent launches)."""
+    rows = run_bench(tmp_path, *TINY, "--latency-kernels", *mode)
     plain, fast = rows
-    assert (plain["gemv"], fast["gemv"]) == (False, True)
-    assert plain["output_tokens"] == fast["output_tokens"] == 256
-    assert fast["speedup"] == pytest.approx(fast["decode_tok_per_s"] / plain["decode_tok_per_s"], abs=0.01)
+    assert (plain["latency_kernels"], fast["latency_kernels"]) == (False, True)
+    assert plain["output_tokens"] == fast["output_tokens"] == (256 if mode else 4 * 8)
+    rate = "decode_tok_per_s" if mode else "tok_per_s"
+    assert fast["speedup"] == pytest.approx(fast[rate] / plain[rate], abs=0.01)
 
 
-@needs["nanoserve.ext.gemv"]
-def test_gemv_runs_again_without_dependent_launches_where_the_gpu_has_them(tmp_path, monkeypatch):
-    """Guards against the A/B of the GEMV's programmatic dependent launches reporting a run it did not make, or leaving
-    them off for what follows: where the GPU has them (stood in for here: the CPU's runs launch plainly either way),
-    a third run with DEPENDENT_LAUNCH off, marked so, the same tokens, its ratio on the GEMV's row, the switch on
-    again."""
-    from nanoserve.ext import gemv
+@needs["nanoserve.ext.latency"]
+@pytest.mark.parametrize("mode", [[], ["--latency"]], ids=["throughput", "latency"])
+def test_latency_kernels_run_again_without_dependent_launches_where_the_gpu_has_them(tmp_path, monkeypatch, mode):
+    """Guards against the A/B of the programmatic dependent launches reporting a run it did not make, or leaving them
+    off for what follows: where the GPU has them (stood in for here: the CPU's runs launch plainly either way),
+    --latency makes a third run with DEPENDENT_LAUNCH off, marked so, the same tokens, its ratio on the latency
+    kernels' row, the switch on again; the throughput mode makes none (its steps of more than 16 rows take no
+    dependent launch)."""
+    from nanoserve.ext.latency import gemv
 
     switch = []
     real_engine = bench.run_engine
@@ -263,12 +268,41 @@ def test_gemv_runs_again_without_dependent_launches_where_the_gpu_has_them(tmp_p
 
     monkeypatch.setattr(bench, "dependent_launch_here", lambda: True)
     monkeypatch.setattr(bench, "run_engine", run_engine)
-    plain, fast, without = run_bench(tmp_path, *TINY, "--latency", "--gemv")
-    assert (plain["gemv"], fast["gemv"], without["gemv"]) == (False, True, "without dependent launch")
-    assert switch == [True, True, False] and gemv.DEPENDENT_LAUNCH
+    rows = run_bench(tmp_path, *TINY, "--latency-kernels", *mode)
+    assert gemv.DEPENDENT_LAUNCH
+    if not mode:
+        assert [row["latency_kernels"] for row in rows] == [False, True] and switch == [True, True]
+        return
+    plain, fast, without = rows
+    assert (plain["latency_kernels"], fast["latency_kernels"]) == (False, True)
+    assert without["latency_kernels"] == "without dependent launch" and switch == [True, True, False]
     assert fast["output_tokens"] == without["output_tokens"] == 256
     ratio = fast["decode_tok_per_s"] / without["decode_tok_per_s"]
     assert fast["dependent_speedup"] == pytest.approx(ratio, abs=0.001)
+
+
+@needs["nanoserve.ext.latency"]
+def test_attention_bench_rows_of_the_latency_kernels():
+    """bench_attention's rows for ext/latency's decode beside the core's: latency_decode gives the extension's paged
+    attention (on a CPU here: the interpreter), which attends as the core's reference does, and attention_row names
+    the row's kind and takes its rate from its own times."""
+    import bench_attention
+    import bench_kernels
+    from nanoserve import attention
+
+    attend = bench_attention.latency_decode(torch.device("cpu"))
+    q, k, v, meta = bench_kernels.paged_batch([1, 1], [40, 19], dtype=torch.float32)
+    want = attention.paged_attention_ref(q, k, v, meta, 0.125)
+    torch.testing.assert_close(attend(q, k, v, meta, 0.125), want, atol=2e-4, rtol=2e-4)
+    case = {"ours_ms": 0.5, "sdpa_ms": 1.0, "timing": "graph", "diff": 0.0, "ours_eager_ms": 0.6}
+    row = bench_attention.attention_row("decode, latency kernels", 1, 1000, 16, case, 10**9)
+    assert (row["kind"], row["unit"], row["ours"], row["ratio"], row["ours_eager_ms"]) == (
+        "decode, latency kernels",
+        "TB/s",
+        2.0,
+        2.0,
+        0.6,
+    )
 
 
 def test_attention_bench_times_the_fused_rotation_and_store():
@@ -308,10 +342,11 @@ def test_dataset_repeat(tmp_path):
         ["--prefix", "--compare", "hf"],
         ["--latency", "--kv-report"],
         ["--speculative", "ngram", "--compare", "hf"],
-        ["--gemv", "--prefix"],
-        ["--gemv", "--speculative", "ngram"],
-        ["--gemv", "--loras", "2"],
-        ["--gemv", "--kv-report"],
+        ["--latency-kernels", "--prefix"],
+        ["--latency-kernels", "--speculative", "ngram"],
+        ["--latency-kernels", "--loras", "2"],
+        ["--latency-kernels", "--kv-report"],
+        ["--latency-kernels", "--attention"],
     ],
 )
 def test_conflicting_flags_are_refused(flags):

@@ -63,6 +63,73 @@ def test_bench_stage_appends_only_the_modes_that_ran(tmp_path):
     assert (out / "stages.txt").read_text().startswith("== stage bench: ")
 
 
+# A stand-in for python3 in the first stage: every call but the script's own (-c) is logged to $CALLS; pytest
+# passes; bench.py writes the rows of the default run and ext/latency's (and, with --latency, the one without dependent
+# launches), except that --attention hangs; anything else goes to the real Python.
+FIRST_FAKE_PYTHON = """#!/usr/bin/env bash
+[ "$1" = -c ] || echo "$*" >> "$CALLS"
+if [ "$1" = -m ] && [ "$2" = pytest ]; then echo "3 passed"; exit 0; fi
+if [ "$1" = bench.py ]; then
+  case " $* " in
+    *" --save-model "*) exit 0 ;;
+    *" --attention "*) sleep 30; exit 0 ;;
+  esac
+  rows='{"latency_kernels": false}, {"latency_kernels": true}'
+  case " $* " in *" --latency "*) rows="$rows"', {"latency_kernels": "without dependent launch"}' ;; esac
+  while [ $# -gt 0 ]; do [ "$1" = --json ] && json=$2; shift; done
+  echo "[$rows]" > "$json"
+  exit 0
+fi
+exec {python} "$@"
+"""
+
+
+def test_first_stage_answers_in_order_within_its_limits(tmp_path):
+    """Guards against the first stage (a lease's first 8 minutes) asking its questions out of order, running a command
+    without its own limit (a hang would eat the lease: here the attention rows hang and are cut after their 2 s), or
+    naming rows so that the default and ext/latency's runs cannot be told apart: the model saved first, then the
+    gpu-marked tests with ext/latency's first, then the standard workload, batch 1 and the attention rows, each bench
+    row named by its mode and, for ext/latency's runs, by its kernels."""
+    import time
+
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    executable(fake_bin / "python3", FIRST_FAKE_PYTHON.replace("{python}", sys.executable))
+    executable(fake_bin / "nvidia-smi", "#!/bin/sh\necho 'a fake GPU'\n")
+    out = tmp_path / "out"
+    calls = tmp_path / "calls.txt"
+    env = os.environ | {
+        "PATH": f"{fake_bin}:{os.environ['PATH']}",
+        "OUT": str(out),
+        "BENCH_JSON": str(tmp_path / "bench.json"),
+        "MODEL": str(tmp_path / "model"),
+        "CALLS": str(calls),
+    }
+    for limit in ("SAVE_LIMIT", "GPU_TESTS_LIMIT", "STANDARD_LIMIT", "LATENCY_LIMIT", "ATTENTION_LIMIT"):
+        env[limit] = "2"  # each command's own, in seconds
+    started = time.monotonic()
+    done = subprocess.run(["bash", str(ROOT / "gpu_check.sh"), "first"], env=env, capture_output=True, text=True)
+    assert time.monotonic() - started < 20, "a hung command held the stage past its limit"
+    assert done.returncode == 1 and "FAILED (timed out after 2 s)" in done.stdout, done.stdout + done.stderr
+    assert [line.split(" --json")[0] for line in calls.read_text().splitlines()] == [
+        f"bench.py --arch qwen3-0.6b --save-model {tmp_path / 'model'}",
+        "-m pytest -q -p no:cacheprovider -rs -m gpu tests/ext/test_latency.py tests",
+        f"bench.py --model {tmp_path / 'model'} --latency-kernels",
+        f"bench.py --model {tmp_path / 'model'} --latency --latency-kernels",
+        "bench.py --attention",
+    ]
+    modes = [json.loads(line)["mode"] for line in (out / "bench.jsonl").read_text().splitlines()]
+    assert modes == [
+        "standard",
+        "standard+latency-kernels",
+        "latency",
+        "latency+latency-kernels",
+        "latency+latency-kernels-no-pdl",
+    ]
+    assert "3 passed" in (out / "tests-gpu.txt").read_text()
+    assert (out / "stages.txt").read_text().startswith("== stage first: ")
+
+
 @pytest.fixture(scope="module")
 def bench_kernels():
     sys.path.insert(0, str(ROOT))
@@ -83,19 +150,16 @@ def test_bench_kernels_attention_on_tiny_shapes(bench_kernels):
     assert bench_kernels.time_attention([1, 1], [33, 17], dtype=torch.float32) > 0
 
 
-def test_bench_kernels_times_the_weight_reads(bench_kernels):
-    """time_gemv times cuBLAS's matmul and ext/gemv.py's GEMV on one projection, with the split the engine plans;
-    time_norm_into_gemv the add + RMSNorm kernel then the GEMV, and the GEMV that forms the norm as it loads;
-    time_rotation_in_gemv q|k|v's GEMV then the rotation kernel, and the GEMV that rotates in its last program (3
-    rows: past ROTATE_MAX_ROWS, the limit lifted for the call); time_chained_gemvs a layer's projections back to
-    back, launched plainly and (on a GPU that has it) as programmatic dependents."""
-    pytest.importorskip("nanoserve.ext.gemv")
+def test_bench_kernels_times_the_latency_kernels(bench_kernels):
+    """time_gemv times cuBLAS's matmul and ext/latency's GEMV on one projection, with the split the engine plans;
+    time_chained_gemvs a layer's projections back to back, launched plainly and (on a GPU that has it) as programmatic
+    dependents; time_attention times ext/latency's decode attention where it is given it (the kernels mode's small
+    batch rows put it beside the core's)."""
+    pytest.importorskip("nanoserve.ext.latency")
     row = bench_kernels.time_gemv(3, 40, 600)
     assert row["split_k"] > 1 and row["cublas_ms"] > 0 and row["gemv_ms"] > 0 and "gemv_TBps" in row
-    row = bench_kernels.time_norm_into_gemv(2, 40, 600)  # and the add + RMSNorm apart, then moved into its load
-    assert row["split_k"] > 1 and row["fused_ms"] > 0 and row["separate_ms"] > 0 and "fused_over_apart" in row
-    row = bench_kernels.time_rotation_in_gemv(3, 2, 1, 16, 600)  # q|k|v, then its rotation apart or in its epilogue
-    assert row["split_k"] > 1 and row["fused_ms"] > 0 and row["separate_ms"] > 0 and row["rows"] == 3
+    attend = bench_kernels.latency_attention()
+    assert bench_kernels.time_attention([1, 1], [33, 17], attend=attend, dtype=torch.float32) > 0
     # a layer's four projections chained over two layers (each fed the last's output), plain launches only on a CPU
     tiny = (("q|k|v", 96, 40), ("o", 40, 48), ("gate|up", 64, 40), ("down", 40, 32))
     row = bench_kernels.time_chained_gemvs(2, tiny, layers=2)
@@ -108,23 +172,19 @@ def test_bench_kernels_sweep_times_each_setting_and_restores_today(bench_kernels
     and attention.py's constants as they were afterwards."""
     from nanoserve import attention as A
 
-    names = ("PREFILL_TILE_M", "PREFILL_TILE_N", "PREFILL_WIDE_TILE_N", "PREFILL_NUM_STAGES", "PREFILL_WIDE_TILE_M")
+    names = ("PREFILL_TILE_M", "PREFILL_TILE_N", "PREFILL_NUM_STAGES", "PREFILL_WIDE_TILE_M")
     before = [getattr(A, name) for name in (*names, "DECODE_TILE_N")]
     settings = bench_kernels.prefill_settings(64, 32, 2, 4, 4)
     with bench_kernels.patched(A, **settings):
-        assert (A.PREFILL_TILE_M[4], A.PREFILL_TILE_N, A.PREFILL_WIDE_TILE_N, A.PREFILL_NUM_STAGES) == (64, 32, 32, 2)
-        assert A.prefill_tile(64, 4, 4) == (4, 32)
+        assert (A.PREFILL_TILE_M[4], A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES) == (64, 32, 2)
+        assert A.prefill_num_warps(64, 4) == 4
     with bench_kernels.patched(A, **bench_kernels.prefill_settings(16, 16, 3, 8, 4)):
-        assert A.prefill_tile(16, 4, 4) == (8, 16)
+        assert A.prefill_num_warps(16, 4) == 8 and A.PREFILL_TILE_N == 16
     assert [getattr(A, name) for name in (*names, "DECODE_TILE_N")] == before
     today_prefill = (A.PREFILL_TILE_M[4], A.PREFILL_TILE_N, A.PREFILL_NUM_STAGES, 8)  # fp32's (32 rows: 8 warps)
-    assert A.prefill_tile(A.PREFILL_TILE_M[4], 4, 4)[0] == 8
-    # 128 keys per step only for a wide tile over a 16-bit cache (4-warp tiles and an fp8 cache's spill at 128)
-    assert A.prefill_tile(128, 2, 2) == (8, A.PREFILL_WIDE_TILE_N) and A.prefill_tile(128, 2, 1) == (
-        8,
-        A.PREFILL_TILE_N,
-    )
-    assert A.prefill_tile(64, 2, 2) == (4, A.PREFILL_TILE_N)
+    assert A.prefill_num_warps(A.PREFILL_TILE_M[4], 4) == 8
+    # the wide tile's candidate, 128 keys per step, is a row of the sweep beside today's 64
+    assert (128, 128, 3, 8) in bench_kernels.PREFILL_CONFIGS and A.PREFILL_TILE_N == 64
     monkeypatch.setattr(bench_kernels, "PREFILL_CONFIGS", (today_prefill, (16, 16, 2, 4)))
     monkeypatch.setattr(bench_kernels, "SPLIT_COUNTS", (2,))
     monkeypatch.setattr(bench_kernels, "DECODE_KEYS_PER_STEP", (A.DECODE_TILE_N[4, 4],))
@@ -132,9 +192,14 @@ def test_bench_kernels_sweep_times_each_setting_and_restores_today(bench_kernels
     assert json.loads((tmp_path / "sweep.json").read_text()) == rows
     prefill = [r for r in rows if r["what"] == "sweep prefill"]
     decode = [r for r in rows if r["what"] == "sweep decode"]
-    chosen = A.decode_splits(1, bench_kernels.NUM_KV_HEADS, A.CPU_NUM_SMS)
-    assert len(prefill) == 2 and len(decode) == len({2, chosen}) and len(rows) == 2 * 2 + len(decode)
+    num_sms = A.num_sms(torch.device(bench_kernels.DEVICE))
+    chosen = A.decode_splits(1, bench_kernels.NUM_KV_HEADS, num_sms)  # the core's ceiling
+    floor = bench_kernels.one_wave_splits(1, num_sms) or chosen  # ext/latency's floor, where installed
+    assert len(prefill) == 2 and len(decode) == len({2, chosen, floor}) and len(rows) == 2 * 2 + len(decode)
     assert [r["today"] for r in prefill] == [True, False] and sum(r["today"] for r in decode) == 1
+    # each decode row says which rule picks its count: the core's is today's
+    assert [r["splits"] for r in decode if r["rule"] in ("core", "both")] == [chosen]
+    assert [r["splits"] for r in decode if r["rule"] in ("latency", "both")] == [floor]
     assert all(r["ms"] > 0 for r in rows)
     assert [getattr(A, name) for name in (*names, "DECODE_TILE_N")] == before
     # at a shape named for it, the warps too: each candidate's warps reach the launcher, and today's come back
@@ -154,7 +219,8 @@ def test_bench_kernels_sweep_times_each_setting_and_restores_today(bench_kernels
     monkeypatch.setattr(bench_kernels, "DECODE_WARPS", (2, A.DECODE_NUM_WARPS))
     monkeypatch.setattr(bench_kernels, "PREFILL_CONFIGS", ())
     warps_rows = bench_kernels.sweep(str(tmp_path / "warps.json"), (1, 20), ((1, 40),), torch.float32)
-    assert sorted(r["warps"] for r in warps_rows) == sorted([A.DECODE_NUM_WARPS] * len(decode) + [2])
+    other_warps = [2] * len({chosen, floor})  # at both rules' split counts
+    assert sorted(r["warps"] for r in warps_rows) == sorted([A.DECODE_NUM_WARPS] * len(decode) + other_warps)
     assert launched == [r["warps"] for r in warps_rows] and A.DECODE_NUM_WARPS == 4  # (one launch a row on a CPU)
     assert sum(r["today"] for r in warps_rows) == 1
 
@@ -163,7 +229,7 @@ def test_decode_and_weight_reads_are_timed_as_graph_replays(bench_kernels, monke
     """On a GPU, what the engine runs inside its decode graphs (decode-only attention, the few-row weight reads) is
     timed as replays of a captured graph, and what it runs eagerly (prefill, mixed steps) eagerly: with do_bench and
     the capture stood in for, each call says which it asked for."""
-    pytest.importorskip("nanoserve.ext.gemv")
+    pytest.importorskip("nanoserve.ext.latency")
     asked = []
 
     def stand_in_replayed(fn):

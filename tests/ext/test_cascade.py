@@ -49,6 +49,7 @@ def shared_batch(num_seqs, shared_blocks, group, head_dim, block_size, dtype):
     return q, k_cache, v_cache, meta
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "dtype, group, head_dim, block_size",
     [(torch.float32, 1, 64, 16), (torch.float16, 2, 128, 16), (torch.float32, 4, 32, 32)],
@@ -116,7 +117,7 @@ def test_each_sequences_own_block_table_stays_16_byte_aligned():
         assert own.data_ptr() % 16 == 0, shared_blocks
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=pytest.mark.gpu)])
 def test_engine_outputs_are_unchanged(tiny_model, monkeypatch, kernels):
     """Guards against the engine's use of it (the step hook, the layers' attention, the suffix metadata per step):
     sequences behind a shared 70-token prompt (4 shared blocks of 16: the rule shares whole runs of 4), greedy, give
