@@ -23,7 +23,7 @@ from triton.testing import do_bench
 from bench_attention import replayed
 from nanoserve import LLM, SamplingParams
 from nanoserve import attention as A
-from nanoserve import sampler as S
+from nanoserve.ext import fused_kernels as FK
 
 # CUDA for the measurements; the CPU (Triton's interpreter, tiny shapes) only for tests/test_gpu_check.py's smoke run
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -291,7 +291,7 @@ def kernels(out_path: str) -> None:
     for num_rows in (1, 16, 256):
         logits = torch.randn(num_rows, 151936, device=DEVICE, dtype=torch.bfloat16)
         temps, seeds = [0.6] * num_rows, list(range(num_rows))
-        ms = milliseconds(lambda logits=logits, temps=temps, seeds=seeds: S.gumbel_argmax(logits, temps, seeds))
+        ms = milliseconds(lambda logits=logits, temps=temps, seeds=seeds: FK.gumbel_argmax(logits, temps, seeds))
         report(what="gumbel_argmax T=0.6", rows=num_rows, ms=round(ms, 4))
     # 6) the weight reads of a few-row step (issue 33: at least 2.4 TB/s), Qwen3-0.6B's projections and LM head, by
     # ext/latency's GEMV beside cuBLAS; and a layer's four chained, as programmatic dependents or plainly

@@ -117,7 +117,6 @@ def attend_key_tiles(
     row_max = tl.full([q.shape[0]], float("-inf"), tl.float32)  # [M]
     row_sum = tl.zeros_like(row_max)  # [M]
     acc = tl.zeros(q.shape, tl.float32)  # [M, HEAD_DIM]
-    dims = tl.arange(0, q.shape[1])  # [HEAD_DIM]
     for MASKED in tl.static_range(2):  # unrolled: the unmasked pass (MASKED = 0), then the masked one (1)
         lo = start
         hi = unmasked_end
@@ -126,31 +125,28 @@ def attend_key_tiles(
             hi = end
         for n in range(lo, hi, TILE_N):
             pos = n + tl.arange(0, TILE_N)  # [TILE_N] key positions
-            # [TILE_N, HEAD_DIM] offsets of the keys: their blocks' (from the block table), their slots', the head's
-            block_at = block_table_ptr + pos // BLOCK_SIZE
-            slot_offs = (pos % BLOCK_SIZE)[:, None] * stride_cs + head_offset + dims[None, :]
+            # [TILE_N, HEAD_DIM] offsets of the keys within their blocks; the blocks' own offsets are added next
+            offs = tl.arange(0, q.shape[1])[None, :] + head_offset + (pos % BLOCK_SIZE)[:, None] * stride_cs
             if MASKED:
                 valid = pos < end
-                block = tl.load(block_at, mask=valid, other=0).to(tl.int64)
-                offs = block[:, None] * stride_cb + slot_offs
+                block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+                offs += block[:, None] * stride_cb
                 k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
                 v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
+                visible = pos[None, :] <= last_key  # [M, TILE_N] or [1, TILE_N]
             else:
-                block = tl.load(block_at).to(tl.int64)
-                offs = block[:, None] * stride_cb + slot_offs
+                offs += tl.load(block_table_ptr + pos // BLOCK_SIZE).to(tl.int64)[:, None] * stride_cb
                 k = tl.load(k_cache_ptr + offs)
                 v = tl.load(v_cache_ptr + offs)
             # [M, TILE_N] scores in log2 units; fp32 dots in IEEE fp32, not tf32
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
-            s *= qk_scale
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
             if MASKED:
-                s = tl.where(pos[None, :] <= last_key, s, float("-inf"))  # last_key: [M, 1] or a scalar
+                s = tl.where(visible, s, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(s, 1))
             alpha = tl.exp2(row_max - new_max)  # rescales what was summed under the old max
             p = tl.exp2(s - new_max[:, None])  # [M, N] this tile's weights under the new max
             row_sum = row_sum * alpha + tl.sum(p, 1)
-            acc *= alpha[:, None]
-            acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
             row_max = new_max
     return row_max, row_sum, acc
 

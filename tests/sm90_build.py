@@ -26,8 +26,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nanoserve import attention as A  # noqa: E402
-from nanoserve import fused_ops as F  # noqa: E402
-from nanoserve import sampler as S  # noqa: E402
+from nanoserve.ext import fused_kernels as F  # noqa: E402
 
 LATENCY_DECODE = None  # ext/latency's decode module, where the extension is installed (the core-only run has none)
 if importlib.util.find_spec("nanoserve.ext.latency") is not None:
@@ -111,9 +110,9 @@ def stores_fenced(ptx: str) -> bool | None:
 
 
 def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str | None = None):
-    """Every kernel configuration the launchers in attention.py and fused_ops.py can pick for this model shape, the
-    wide prefill tile's candidate, and ext/latency's decode kernel where it is installed; with kv_dtype, only those
-    that touch the KV cache, with the cache in that type."""
+    """Every kernel configuration the launchers in attention.py and ext/fused_kernels.py can pick for this model
+    shape, the wide prefill tile's candidate, and ext/latency's decode kernel where it is installed; with kv_dtype,
+    only those that touch the KV cache, with the cache in that type."""
     kv_dtype = kv_dtype or dtype
     cache = {"k_cache_ptr": kv_dtype, "v_cache_ptr": kv_dtype}
     q_torch, kv_torch = TORCH_DTYPES[dtype], TORCH_DTYPES[kv_dtype]
@@ -198,7 +197,7 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
         )
     yield build(F._silu_mul_kernel, {"x_ptr": dtype, "out_ptr": dtype}, {"BLOCK": F.SILU_BLOCK}, 4)
     yield build(
-        S._gumbel_argmax_kernel,
+        F._gumbel_argmax_kernel,
         {
             "logits_ptr": dtype,
             "temperature_ptr": "*fp32",
@@ -206,7 +205,7 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
             "chunk_best_ptr": "*fp32",
             "chunk_id_ptr": "*i64",
         },
-        {"TILE": S.GUMBEL_TILE},
+        {"TILE": F.GUMBEL_TILE},
         4,  # Triton's default num_warps, which the launcher leaves
     )
 

@@ -34,7 +34,7 @@ from nanoserve import attention as core  # noqa: E402
 from nanoserve.config import EngineConfig  # noqa: E402
 from nanoserve.ext.latency import decode  # noqa: E402
 from nanoserve.ext.latency import gemv as G  # noqa: E402
-from nanoserve.fused_ops import silu_and_mul_ref  # noqa: E402
+from nanoserve.layer_ops import silu_and_mul_ref  # noqa: E402
 
 DEVICE = TRITON_DEVICE  # where the kernels run: the GPU, or the CPU's interpreter
 ON_GPU = DEVICE == "cuda"

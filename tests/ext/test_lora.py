@@ -225,10 +225,11 @@ def test_cuda_graphs_replay_any_mix_of_adapters(adapters):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU stand-in; the GPU test replays real graphs")
-def test_decode_graphs_are_captured_again_and_read_the_current_step(adapters, monkeypatch):
+def test_decode_graphs_are_captured_once_over_the_adapters_and_read_the_current_step(adapters, monkeypatch):
     """Guards against the CUDA-graph path's LoRA bugs on a CPU: graphs captured before the projections were wrapped
-    (the engine's start must capture new ones over them, the old ones dropped), replays that read a stale step's
-    segments or slots (they are static buffers, filled before each replay), and padded rows that take an adapter.
+    (the engine captures them once, after every extension's start: over the adapters), replays that read a stale
+    step's segments or slots (they are static buffers, filled before each replay), and padded rows that take an
+    adapter.
     'Capture' runs the forward eagerly and each replay reruns it on the static buffers; 5 rows (a graph of 8) under 3
     adapters and none, with 2 slots (so slots are replaced between steps), give the eager engine's tokens."""
     from nanoserve.ext.lora import LoRALinear
@@ -242,7 +243,7 @@ def test_decode_graphs_are_captured_again_and_read_the_current_step(adapters, mo
     captured = graphs_on_a_cpu(monkeypatch)
     llm = LLM(path, **engine)
     graphs = llm.runner.graphs
-    assert len(captured) == 2 and graphs is captured[1]  # the runner's, then the engine start's over the adapters
+    assert len(captured) == 1 and graphs is captured[0]  # once, after the extensions' start
     assert isinstance(graphs.model.model.layers[0].self_attn.qkv_proj, LoRALinear)
     graphs.graphs = {size: RerunGraph(graphs, size) for size in graphs.graphs}
     graphs.replays = 0

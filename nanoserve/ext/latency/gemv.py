@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nanoserve.fused_ops import silu_and_mul_ref
+from nanoserve.layer_ops import silu_and_mul_ref
 from nanoserve.layers import MergedLinear
 from nanoserve.triton_shim import tl, triton
 
