@@ -46,7 +46,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, TypeVar, get_args
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -78,6 +78,7 @@ API_KEY_ENV = "NANOSERVE_API_KEY"  # the API key, where --api-key is not given
 DEFAULT_PORT = 8000  # vLLM's default too
 MAX_TOP_LOGPROBS = 20  # OpenAI's cap on chat's top_logprobs
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap on the legacy completions' logprobs
+TEXT_PARTS = ("text", "input_text", "output_text")  # a text part's type: chat's and Anthropic's, the Responses API's
 MAX_JSON_DEPTH = 64  # arrays and objects nested deeper than this get a 400 (OpenAI's bodies nest a few levels)
 PROMPT_CHARS_PER_TOKEN = 32  # the default cap on a prompt's characters, per token of max_model_len
 SHUTDOWN_GRACE_S = 1.0  # after the drain: how long uvicorn waits for the failed requests' answers to go out
@@ -159,6 +160,10 @@ class ServerConfig:
     tool_call_parser: str | None = None
     # vLLM's --lora-modules name=path ...: LoRA adapters (ext/lora.py) that a request's model field names
     lora_modules: list[str] | None = None
+    # /v1/responses keeps this many responses (those with store: true, OpenAI's default) for previous_response_id and
+    # GET /v1/responses/{id}, in memory, dropping the least recently used first. Each holds its conversation's text,
+    # at most max_body_bytes of input and max_model_len tokens of output per turn (responses.py)
+    max_stored_responses: int = 256
 
     def __post_init__(self) -> None:
         texts = ("host", "served_model_name", "api_key", "enable_auto_tool_choice", "tool_call_parser", "lora_modules")
@@ -172,10 +177,14 @@ class ServerConfig:
             self.tool_parser = load("tool_parsers", "tool_call_parser").parser_for(self.tool_call_parser)
         if self.enable_auto_tool_choice and self.tool_parser is None:
             raise InvalidField("enable_auto_tool_choice", "needs a parser: --tool-call-parser hermes")
+        names = set()  # of the adapters so far: a name that comes twice would make a request's model ambiguous
         for module in self.lora_modules or []:  # before the engine is made: a typo costs no model load
             name, equals, path = str(module).partition("=")
             if not (name and equals and path):
                 raise InvalidField("lora_modules", f"{shown(module)} is not name=path")
+            if name in names:
+                raise InvalidField("lora_modules", f"names the adapter {shown(name)} twice")
+            names.add(name)
 
 
 class EngineLoop:
@@ -282,10 +291,18 @@ class EngineLoop:
             self.sinks.pop(request_id, None)
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+class NotFound(InvalidField):
+    """A 404, naming the field whose value names nothing this server has (a model, a stored response)."""
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
     """OpenAI's error body; param names the field at fault."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status)
 
 
 def json_depth(body: bytes) -> int:
@@ -346,24 +363,32 @@ def field(body: dict, name: str, kind: type[T], default: T) -> T:
     return value
 
 
-def check_fields(body: dict, chat: bool) -> None:
-    """Every field of the body is honoured, ignorable, or refused by name: unknown, out of OpenAI's range, or not
-    implemented yet (a value that asks for nothing, such as best_of 1, is fine). stream_options too. The honoured
-    fields' types and ranges are SamplingParams' to check (sampling_params), except OpenAI's narrower ranges and
-    caps (RANGES), checked here on numbers only: true or a string is for the type checks to refuse."""
-    known = (CHAT_HONOURED if chat else COMPLETION_HONOURED) + IGNORED + list(NOT_IMPLEMENTED)
+def check_known(body: dict, honoured: list[str], ignored: list[str], not_implemented: dict, prefix: str = "") -> None:
+    """Every field of a body (of any API) is honoured, ignorable, or refused by name: unknown, or not implemented yet,
+    unless its value asks for nothing (null, or not_implemented's value for it, such as best_of 1). prefix: where the
+    body is one field's value, the field's name and a dot (errors name "stream_options.include_obfuscation")."""
     for name, value in body.items():
-        if name not in known:
-            raise InvalidField(
-                name, "unrecognized request argument (nanoserve/ext/server/app.py lists the known fields)"
-            )
-        if name in RANGES and type(value) in (int, float):  # JSON's numbers (a bool is not one)
-            check_number(name, value, *RANGES[name])
-        if name in NOT_IMPLEMENTED and value not in (None, NOT_IMPLEMENTED[name]):
-            raise InvalidField(name, "nanoserve does not implement this field yet")
-    for name in field(body, "stream_options", dict, {}):
-        if name not in ("include_usage", "continuous_usage_stats"):
-            raise InvalidField(f"stream_options.{name}", "nanoserve does not implement this field yet")
+        if name not in honoured and name not in ignored and name not in not_implemented:
+            raise InvalidField(prefix + name, "unrecognized argument (nanoserve/ext/server lists the known fields)")
+        if name in not_implemented and value not in (None, not_implemented[name]):
+            raise InvalidField(prefix + name, "nanoserve does not implement this field yet")
+
+
+def check_fields(body: dict, chat: bool) -> None:
+    """A completions or chat body's fields (check_known, with the tables above), stream_options too. The honoured
+    fields' types and ranges are SamplingParams' to check (sampling_params), except OpenAI's narrower ranges and
+    caps (RANGES), checked here on numbers only: true or a string is for the type checks to refuse. stream_options
+    is refused without stream: true, as OpenAI and vLLM refuse it; continuous_usage_stats without include_usage is
+    accepted and adds nothing, as in vLLM (whose chunks carry usage only with include_usage)."""
+    check_known(body, CHAT_HONOURED if chat else COMPLETION_HONOURED, IGNORED, NOT_IMPLEMENTED)
+    for name, (low, high) in RANGES.items():
+        if type(body.get(name)) in (int, float):  # JSON's numbers (a bool is not one)
+            check_number(name, body[name], low, high)
+    options = field(body, "stream_options", dict, {})
+    check_known(options, ["include_usage", "continuous_usage_stats"], [], {}, "stream_options.")
+    for name in options:
+        if body.get("stream") is not True:
+            raise InvalidField(f"stream_options.{name}", "is only allowed with stream: true")
     for name in ("echo", "prompt_logprobs"):  # a stream's chunks carry only the completion
         if body.get(name) not in (None, False) and body.get("stream"):  # a bad type is refused by name later, too
             raise InvalidField(name, "nanoserve does not implement this field in a stream yet")
@@ -371,12 +396,13 @@ def check_fields(body: dict, chat: bool) -> None:
         raise InvalidField("top_logprobs", "needs logprobs: true")
 
 
-def message_text(content: list, name: str) -> str:
-    """A message's content parts as one text, joined by newlines as vLLM does; only text parts can be read."""
+def message_text(content: list, name: str, kinds: Collection[str] = ("text",)) -> str:
+    """A message's content parts as one text, joined by newlines as vLLM does; only text parts can be read (kinds: the
+    names text parts have in the API: the Responses API's input_text and output_text)."""
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
+        if kind not in kinds:
             raise InvalidField(f"{name}[{j}].type", f"nanoserve does not implement {shown(kind)} parts yet, only text")
         if not isinstance(part.get("text"), str):
             raise InvalidField(f"{name}[{j}].text", "is not a string")
@@ -402,6 +428,43 @@ def normalized(messages: object) -> object:
             message = {**message, "content": content}
         out.append(message)
     return out
+
+
+def chat_messages(items: list, names: list[str]) -> list[dict]:
+    """Items of the Responses API (the Messages API's content blocks are made into them) as chat messages: a message
+    as itself (its text parts joined), function_call items as the tool_calls of an assistant message (the one before
+    them, if it is the assistant's), a function_call_output (its output a text, or text parts) as a tool message,
+    which must follow its call. names: each item's name in errors ("input[2]", "messages[1].content[0]")."""
+    messages = []
+    call_ids = set()  # of every function_call so far
+    for item, name in zip(items, names, strict=True):
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            content = item.get("content")
+            if isinstance(content, list):
+                content = message_text(content, f"{name}.content", TEXT_PARTS)
+            messages.append({"role": item.get("role"), "content": content})
+        elif kind == "function_call":
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(key), str):
+                    raise InvalidField(f"{name}.{key}", "is not a string")
+            if not messages or messages[-1]["role"] != "assistant":
+                messages.append({"role": "assistant", "content": ""})
+            function = {"name": item["name"], "arguments": item["arguments"]}
+            messages[-1].setdefault("tool_calls", []).append(
+                {"id": item["call_id"], "type": "function", "function": function}
+            )
+            call_ids.add(item["call_id"])
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(item.get("call_id"), str) or item["call_id"] not in call_ids:
+                raise InvalidField(f"{name}.call_id", f"{shown(item.get('call_id'))} is no earlier function_call's")
+            if isinstance(output, list):
+                output = message_text(output, f"{name}.output", TEXT_PARTS)
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+        else:
+            raise InvalidField(f"{name}.type", f"{shown(kind)} is not message, function_call or function_call_output")
+    return messages
 
 
 def check_context(prompts: list[list[int]], max_tokens: int, max_model_len: int, names: tuple[str, str]) -> None:
@@ -487,8 +550,6 @@ def tool_choice(body: dict, auto: bool) -> dict | str:
         raise InvalidField("tool_choice", "'auto' needs a server started with --enable-auto-tool-choice")
     if choice in ("none", "auto"):
         return choice if tools else "none"  # "auto" with no tools: nothing to call
-    if body.get("stream"):
-        raise InvalidField("stream", "nanoserve does not stream forced tool calls yet")
     if choice == "required" and len(tools) == 1:
         return tools[0]
     try:  # {"type": "function", "function": {"name": NAME}}, as a tool names itself
@@ -565,6 +626,111 @@ def usage_json(finals: Collection[RequestOutput]) -> dict:
     }
 
 
+async def read_object(http: Request, config: ServerConfig) -> dict:
+    """The body (read_json), which must be a JSON object."""
+    body = await read_json(http, config)
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    return body
+
+
+def server_sent(event: dict) -> str:
+    """One server-sent event; one with a type (the Responses and Messages APIs' events) is named by it."""
+    line = f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+    if "type" in event:
+        line = f"event: {event['type']}\n{line}"
+    return line
+
+
+async def event_stream(events: AsyncIterator[dict], failed: Callable[[str], dict], end: str = "") -> AsyncIterator[str]:
+    """events as server-sent events, then `end`. The engine failing (or shutdown coming) after the 200 ends them with
+    failed(why), the API's error event."""
+    try:
+        async for event in events:
+            yield server_sent(event)
+    except RuntimeError as e:
+        yield server_sent(failed(str(e)))
+    yield end
+
+
+async def parts(chunks: AsyncIterator[dict], parallel: bool) -> AsyncIterator[tuple[str, object]]:
+    """A chat stream of one choice, with continuous usage (the answer of a body that other APIs translated), as the
+    parts they make their events of, in order: ("start", the first chunk); ("text", piece); ("call", the
+    call's first delta) as a tool call begins, then ("arguments", piece); last, once the answer has finished, ("end",
+    (finish_reason, usage)). parallel False: calls after the first are dropped (OpenAI's parallel_tool_calls false,
+    Anthropic's disable_parallel_tool_use). A stream whose client went away ends without "end"."""
+    started = False
+    finish_reason = None  # the choice's, once it has one
+    async for chunk in chunks:
+        if not started:
+            yield "start", chunk
+            started = True
+        if not chunk["choices"]:  # the last chunk: the usage of all
+            yield "end", (finish_reason, chunk["usage"])
+            return
+        finish_reason = chunk["choices"][0]["finish_reason"]
+        delta = chunk["choices"][0]["delta"]
+        if delta["content"]:
+            yield "text", delta["content"]
+        for call in delta.get("tool_calls", []):
+            if call["index"] > 0 and not parallel:
+                continue
+            if "id" in call:
+                yield "call", call
+            if call["function"]["arguments"]:
+                yield "arguments", call["function"]["arguments"]
+
+
+class Translated:
+    """An answer in another API's shape, made of chat's stream (parts()), as a list of output items each a text or a
+    tool call: this class decides when an item opens (a text after anything else; a call each time one begins) and
+    closes (when the next opens, or at the end); a subclass says what the API's events are at the answer's start, when
+    an item begins, grows by a piece and finishes, and at the end, and keeps the whole answer (`whole`)."""
+
+    open: str | None = None  # the kind of the item being written ("text" or "call"); None: none is
+    whole: dict  # the answer so far, the whole answer after the last event
+
+    async def events(self, chunks: AsyncIterator[dict], parallel: bool) -> AsyncIterator[dict]:
+        """The API's events, from chat's chunks."""
+        async for kind, value in parts(chunks, parallel):
+            events = []
+            if kind == "start":
+                events = self.start(value)
+            elif kind == "end":
+                events = self.close() + self.end(*value)
+            elif kind == "call" or (kind == "text" and self.open != "text"):
+                events = self.close() + self.begin(kind, value)
+                self.open = kind
+            if kind in ("text", "arguments"):
+                events += self.add(value)
+            for event in events:
+                yield event
+
+    def close(self) -> list[dict]:
+        """The open item's closing events, if one is open."""
+        if self.open is None:
+            return []
+        events = self.finish()
+        self.open = None
+        return events
+
+    async def reply(
+        self, http: Request, answer: Callable, chat: dict, names: dict, parallel: bool, stream: bool
+    ) -> StreamingResponse | dict:
+        """The reply to a request translated into `chat`, a chat body: whole, or (stream) as events. answer: app's
+        (build_app's); names: chat's names for the fields that the API names otherwise (an error names the API's)."""
+        try:
+            chunks = await answer(http, chat, True)
+        except InvalidField as e:
+            raise type(e)(names.get(e.field, e.field), e.problem) from None
+        events = self.events(chunks, parallel)
+        if stream:
+            return StreamingResponse(event_stream(events, self.failed), media_type="text/event-stream")
+        async for _ in events:
+            pass
+        return self.whole
+
+
 def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving engine.llm; the engine thread runs while the app does (lifespan)."""
     llm = engine.llm
@@ -587,15 +753,39 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="nanoserve", lifespan=lifespan)
 
+    def authorize(http: Request) -> None:
+        """With an API key set, a request to the API needs it, as OpenAI's clients send it (`Authorization: Bearer
+        KEY`) or Anthropic's (`x-api-key: KEY`): else a 401, before the body is read. Compared in constant time."""
+        if config.api_key is None:
+            return
+        key = config.api_key.encode()
+        bearer = http.headers.get("authorization", "").encode()
+        anthropic = http.headers.get("x-api-key", "").encode()
+        if not (hmac.compare_digest(bearer, b"Bearer " + key) or hmac.compare_digest(anthropic, key)):
+            raise HTTPException(401, "a valid API key is needed (Authorization: Bearer KEY, or x-api-key: KEY)")
+
+    # every API route is behind the key; /health and /metrics are open, as vLLM's
+    api = APIRouter(dependencies=[Depends(authorize)])
+    # the other APIs, each in its own module, import this one's helpers: so they are imported here, not above
+    from nanoserve.ext.server import messages, responses, tokens
+
+    def error_for(request: Request, status: int, message: str, param: str | None = None) -> JSONResponse:
+        """An error in the shape of the API the request speaks: Anthropic's on /v1/messages, OpenAI's elsewhere."""
+        if request.url.path.startswith(messages.PATH):
+            return JSONResponse(messages.error_body(status, message), status)
+        return error_response(status, message, param)
+
     @app.exception_handler(ValueError)
     def bad_input(request: Request, error: ValueError) -> JSONResponse:
-        """400, naming the field where the error is an InvalidField."""
-        return error_response(400, str(error), error.field if isinstance(error, InvalidField) else None)
+        """400, naming the field where the error is an InvalidField; a NotFound is a 404."""
+        if isinstance(error, NotFound):
+            return error_for(request, 404, str(error), error.field)
+        return error_for(request, 400, str(error), error.field if isinstance(error, InvalidField) else None)
 
     @app.exception_handler(HTTPException)
     def http_error(request: Request, error: HTTPException) -> JSONResponse:
-        """Starlette's errors (404: no such route; 405: wrong method) and read_body's (408, 413), in OpenAI's shape."""
-        response = error_response(error.status_code, f"{error.detail}: {request.method} {request.url.path}")
+        """Starlette's errors (404: no such route; 405: wrong method), read_body's (408, 413) and authorize's (401)."""
+        response = error_for(request, error.status_code, f"{error.detail}: {request.method} {request.url.path}")
         response.headers.update(error.headers or {})  # 405's Allow, or Connection: close
         return response
 
@@ -609,16 +799,15 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
     @app.exception_handler(RuntimeError)  # the engine failed the request (its thread has logged why)
     @app.exception_handler(Exception)  # a bug: uvicorn logs its traceback too
     def server_error(request: Request, error: Exception) -> JSONResponse:
-        return error_response(500, str(error) or type(error).__name__)
+        return error_for(request, 500, str(error) or type(error).__name__)
 
     @app.get("/health")
     def health() -> Response:
         return Response(status_code=200 if engine.thread.is_alive() else 503)
 
     # response_model=None: a handler's return annotation documents it; FastAPI is not to validate against it
-    @app.get("/v1/models", response_model=None)
-    def models(http: Request) -> dict:
-        authorize(http)
+    @api.get("/v1/models", response_model=None)
+    def models() -> dict:
         model = {
             "id": model_name,
             "object": "model",
@@ -641,26 +830,27 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
         ]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions", response_model=None)
-    @app.post("/v1/chat/completions", response_model=None)
+    @api.post("/v1/completions", response_model=None)
+    @api.post("/v1/chat/completions", response_model=None)
     async def completions(http: Request) -> Response | dict:
-        """Both endpoints, which differ in the prompt's form and the choices' shape: 1) the body, checked and turned
-        into SamplingParams; 2) the prompts as token ids; 3) queued; 4) the answer, whole or as a stream of chunks."""
-        # 1) the body: nothing is tokenized or queued before every field has been checked
-        authorize(http)  # before the body is read: a client without the key costs nothing more
+        """Both endpoints, which differ in the prompt's form and the choices' shape: the answer, or its chunks as
+        server-sent events ending with [DONE]."""
         chat = http.url.path.endswith("/chat/completions")
-        body = await read_json(http, config)
-        if not isinstance(body, dict):
-            raise ValueError("the body must be a JSON object")
+        answered = await answer(http, await read_object(http, config), chat)
+        if not isinstance(answered, AsyncIterator):
+            return answered
+        # the engine failed, or shutdown came, after the 200: the stream says so
+        events = event_stream(answered, partial(error_body, 500), "data: [DONE]\n\n")
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    async def answer(http: Request, body: dict, chat: bool) -> dict | Response | AsyncIterator[dict]:
+        """A completions or a chat body answered, the pipeline every API shares (the Responses and Messages APIs
+        translate their bodies into chat's): 1) the body, checked and turned into SamplingParams; 2) the prompts as
+        token ids; 3) queued; 4) the answer, whole, or (stream) its chunks as dicts once every prompt is queued."""
+        # 1) the body: nothing is tokenized or queued before every field has been checked
         check_fields(body, chat)
-        if body.get("model") not in (None, model_name, *adapters):
-            return error_response(
-                404,
-                f"model {body['model']!r} does not exist; this server has {[model_name, *adapters]}",
-                "model",
-                "model_not_found",
-            )
-        # what tool_choice asks for: "none", "auto" (calls parsed out of the text), or the tool it forces (not streamed)
+        check_model(body)
+        # what tool_choice asks for: "none", "auto" (calls parsed out of the text), or the tool it forces
         tool = tool_choice(body, config.enable_auto_tool_choice)
         params = sampling_params(body, chat, llm.config.max_model_len, tool)
         stream = field(body, "stream", bool, False)
@@ -684,7 +874,10 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
             # each checked as the engine checks a prompt (which it does again on the ids, in O(length)); prompt_ids
             # reads only the tokenizer and the config, so any thread may call it. map is lazy: list() runs it there
             to_ids = partial(list, map(partial(llm.prompt_ids, keep=keep), prompts))
-        check_cost(prompts, params, prompt_field)
+        if len(prompts) * params.n > config.max_n:
+            name = "n" if params.n > 1 else prompt_field
+            raise InvalidField(name, f"{len(prompts)} prompt(s) x n={params.n} is over {config.max_n} choices")
+        check_chars(prompts, prompt_field)
         prompts = [ids[-keep:] if keep else ids for ids in await asyncio.to_thread(to_ids)]  # chat's too
         # chat's default max_tokens, the whole context, means as much as fits; any other is checked against it
         if not chat or max_tokens_field(body) is not None:
@@ -713,9 +906,10 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
             """Sample `sample` of prompt `index` as a choice, which OpenAI numbers prompt x n + sample: the whole
             completion, or in a stream its new text and tokens (a chat stream names the role first). With echo
             (completions, never streamed): the prompt's text, tokens and logprobs before the completion's. Chat with
-            a forced tool call (never streamed): OpenAI's tool_calls, the output its arguments; with "auto": the calls
-            the tool parser finds, and the text outside them as content. A choice that made calls and stopped on its
-            own ends with finish_reason "tool_calls"; one cut at max_tokens says "length", whatever it made."""
+            a forced tool call: OpenAI's tool_calls, the output its arguments (a stream's first chunk names the call,
+            as vLLM's, and the others carry more of its arguments); with "auto": the calls the tool parser finds, and
+            the text outside them as content. A choice that made calls and stopped on its own ends with
+            finish_reason "tool_calls"; one cut at max_tokens says "length", whatever it made."""
             text, token_ids = (sample.text_delta, sample.token_ids_delta) if stream else (sample.text, sample.token_ids)
             first = len(sample.token_ids) - len(token_ids)  # where these tokens start in the completion
             token_logprobs = sample.logprobs and sample.logprobs[first:]  # None: no logprobs asked for
@@ -735,8 +929,12 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
                 content, calls, num_calls = text, [], 0  # num_calls: the calls this choice has made so far
                 if isinstance(tool, dict):  # forced: the whole output is the call's arguments
                     function = {"name": tool["function"]["name"], "arguments": text}
-                    calls = [{"id": f"call_{uuid.uuid4().hex}", "type": "function", "function": function}]
-                    content, num_calls = "", 1
+                    call = {"id": f"call_{uuid.uuid4().hex}", "type": "function", "function": function}
+                    if stream and first > 0:
+                        call = {"index": 0, "function": {"arguments": text}}
+                    elif stream:
+                        call = {"index": 0, **call}
+                    content, calls, num_calls = "", [call], 1
                 elif tool == "auto":  # as the text comes: the calls in it (a stream's deltas), the text outside them
                     parser = parsers.setdefault(result["index"], config.tool_parser())
                     content, calls = parser.feed(text, final=sample.finish_reason is not None)
@@ -759,32 +957,24 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
                 ]
             return result
 
-        async def chunks() -> AsyncIterator[str]:
+        async def chunks() -> AsyncIterator[dict]:
             """A chunk per choice with new tokens (finish_reason rides on a choice's last; with continuous usage, its
-            usage so far), the usage of all if asked, [DONE]."""
+            usage so far), then the usage of all if asked. An engine failure raises its RuntimeError."""
             finals = {}  # prompt index -> its final output
-            try:
-                async for index, out in results:
-                    if out.finished:
-                        finals[index] = out
-                    for sample in out.outputs:
-                        if sample.token_ids_delta:
-                            chunk = {**head, "choices": [choice(index, out, sample)]}
-                            if continuous_usage:  # this choice's tokens so far
-                                chunk["usage"] = usage_json([replace(out, outputs=[sample])])
-                            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-            except RuntimeError as e:  # the engine failed, or shutdown came, after the 200: say so in the stream
-                yield f"data: {error_response(500, str(e)).body.decode()}\n\n"
-                yield "data: [DONE]\n\n"
-                return
-            if len(finals) < len(prompts):
-                return  # the client went away
-            if usage:
-                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage_json(finals.values())})}\n\n"
-            yield "data: [DONE]\n\n"
+            async for index, out in results:
+                if out.finished:
+                    finals[index] = out
+                for sample in out.outputs:
+                    if sample.token_ids_delta:
+                        chunk = {**head, "choices": [choice(index, out, sample)]}
+                        if continuous_usage:  # this choice's tokens so far
+                            chunk["usage"] = usage_json([replace(out, outputs=[sample])])
+                        yield chunk
+            if usage and len(finals) == len(prompts):  # (fewer: the client went away)
+                yield {**head, "choices": [], "usage": usage_json(finals.values())}
 
         if stream:
-            return StreamingResponse(chunks(), media_type="text/event-stream")
+            return chunks()
         finals = {index: out async for index, out in results if out.finished}  # prompt index -> its final output
         if len(finals) < len(prompts):
             return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads this
@@ -794,21 +984,21 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
         choices = [choice(index, out, sample) for index, out in sorted(finals.items()) for sample in out.outputs]
         return {**head, "choices": choices, "usage": usage_json(finals.values())}
 
-    def authorize(http: Request) -> None:
-        """With an API key set, a /v1 request without it is a 401; compared in constant time."""
-        sent = http.headers.get("authorization", "").encode()
-        if config.api_key and not hmac.compare_digest(sent, f"Bearer {config.api_key}".encode()):
-            raise HTTPException(401, "a valid API key is needed (Authorization: Bearer KEY)")
+    def check_model(body: dict) -> None:
+        """The body's model, where given, is this server's or one of its adapters'; any other is a 404."""
+        if body.get("model") not in (None, model_name, *adapters):
+            raise NotFound("model", f"{shown(body['model'])} does not exist; this server has {[model_name, *adapters]}")
 
-    def check_cost(prompts: list, params: SamplingParams, prompt_field: str) -> None:
-        """The request's choices (prompts x n) and its prompt text within the caps, before anything is tokenized."""
-        if len(prompts) * params.n > config.max_n:
-            name = "n" if params.n > 1 else prompt_field
-            raise InvalidField(name, f"{len(prompts)} prompt(s) x n={params.n} is over {config.max_n} choices")
+    def check_chars(prompts: object, prompt_field: str) -> None:
+        """A request's prompt text (all prompts, or all messages) within the cap, before anything is tokenized."""
         num_chars = text_length(prompts)
         if num_chars > max_prompt_chars:
             raise InvalidField(prompt_field, f"has {num_chars} characters; this server takes {max_prompt_chars}")
 
+    responses.add_routes(api, answer, config)
+    messages.add_routes(api, answer, config)
+    tokens.add_routes(api, llm, config, check_model, check_chars)
+    app.include_router(api)
     return app
 
 
