@@ -653,12 +653,11 @@ async def event_stream(events: AsyncIterator[dict], failed: Callable[[str], dict
     yield end
 
 
-async def parts(chunks: AsyncIterator[dict], parallel: bool) -> AsyncIterator[tuple[str, object]]:
-    """A chat stream of one choice, with continuous usage (the answer of a body that other APIs translated), as the
-    parts they make their events of, in order: ("start", the first chunk); ("text", piece); ("call", the
-    call's first delta) as a tool call begins, then ("arguments", piece); last, once the answer has finished, ("end",
-    (finish_reason, usage)). parallel False: calls after the first are dropped (OpenAI's parallel_tool_calls false,
-    Anthropic's disable_parallel_tool_use). A stream whose client went away ends without "end"."""
+async def parts(chunks: AsyncIterator[dict]) -> AsyncIterator[tuple[str, object]]:
+    """A chat stream of one choice, with continuous usage (the answer of a body that another API translated), as the
+    parts it makes its events of, in order: ("start", the first chunk); ("text", piece); ("call", the call's first
+    delta) as a tool call begins, then ("arguments", piece); last, once the answer has finished, ("end",
+    (finish_reason, usage)). A stream whose client went away ends without "end"."""
     started = False
     finish_reason = None  # the choice's, once it has one
     async for chunk in chunks:
@@ -673,8 +672,6 @@ async def parts(chunks: AsyncIterator[dict], parallel: bool) -> AsyncIterator[tu
         if delta["content"]:
             yield "text", delta["content"]
         for call in delta.get("tool_calls", []):
-            if call["index"] > 0 and not parallel:
-                continue
             if "id" in call:
                 yield "call", call
             if call["function"]["arguments"]:
@@ -690,9 +687,9 @@ class Translated:
     open: str | None = None  # the kind of the item being written ("text" or "call"); None: none is
     whole: dict  # the answer so far, the whole answer after the last event
 
-    async def events(self, chunks: AsyncIterator[dict], parallel: bool) -> AsyncIterator[dict]:
+    async def events(self, chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
         """The API's events, from chat's chunks."""
-        async for kind, value in parts(chunks, parallel):
+        async for kind, value in parts(chunks):
             events = []
             if kind == "start":
                 events = self.start(value)
@@ -714,21 +711,38 @@ class Translated:
         self.open = None
         return events
 
-    async def reply(
-        self, http: Request, answer: Callable, chat: dict, names: dict, parallel: bool, stream: bool
-    ) -> StreamingResponse | dict:
+    async def reply(self, http: Request, answer: Callable, chat: dict, names: dict, stream: bool) -> Response | dict:
         """The reply to a request translated into `chat`, a chat body: whole, or (stream) as events. answer: app's
         (build_app's); names: chat's names for the fields that the API names otherwise (an error names the API's)."""
+        chat |= {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         try:
             chunks = await answer(http, chat, True)
         except InvalidField as e:
             raise type(e)(names.get(e.field, e.field), e.problem) from None
-        events = self.events(chunks, parallel)
+        events = self.events(chunks)
         if stream:
             return StreamingResponse(event_stream(events, self.failed), media_type="text/event-stream")
         async for _ in events:
             pass
         return self.whole
+
+
+def function_tools(tools: object, kind: str, schema: str) -> list[dict]:
+    """Another API's function tools in chat's shape: each of type `kind` (missing: "custom", Anthropic's), its
+    parameters' JSON schema under the key `schema`; a tool of another type (a built-in or server tool) is refused."""
+    if not isinstance(tools, list):
+        raise InvalidField("tools", "expected a list of tools")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "custom") != kind:
+            raise InvalidField(f"tools[{i}].type", f"nanoserve does not implement tools other than {kind} ones yet")
+        function = {
+            "name": tool.get("name"),
+            "description": tool.get("description", ""),
+            "parameters": tool.get(schema),
+        }
+        out.append({"type": "function", "function": function})
+    return out
 
 
 def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:

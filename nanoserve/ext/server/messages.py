@@ -6,9 +6,10 @@ message is what those events build. Errors come in Anthropic's shape ({"type": "
 
 Honoured: system (a text, or text blocks), messages with text, tool_use and tool_result blocks (each result after its
 call), tools (custom ones: name, description, input_schema) and tool_choice (auto, any: chat's "required", none, tool;
-disable_parallel_tool_use keeps the first call), max_tokens (required, as Anthropic's), stop_sequences, temperature,
-top_p, top_k, stream. Anthropic's stop reasons from chat's finish reasons, as vLLM maps them: end_turn (EOS, or a stop
-sequence: the engine does not say which ended it, so stop_sequence is null), max_tokens, tool_use. A tool_use block's
+disable_parallel_tool_use is accepted as chat's parallel_tool_calls is), max_tokens (required, as Anthropic's),
+stop_sequences, temperature, top_p, top_k, stream. Anthropic's stop reasons from chat's finish reasons, as vLLM maps
+them: end_turn (EOS, or a stop sequence: the engine does not say which ended it, so stop_sequence is null),
+max_tokens, tool_use. A tool_use block's
 input is the JSON object the model wrote; {} where it wrote none, or was cut (stop_reason max_tokens) before the object
 closed. Server tools, images, documents, thinking and the other fields nanoserve does not implement are refused by
 name."""
@@ -19,7 +20,7 @@ import uuid
 from collections.abc import Callable
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response
 
 from nanoserve.checks import InvalidField, shown
 from nanoserve.ext.server.app import (
@@ -28,6 +29,7 @@ from nanoserve.ext.server.app import (
     chat_messages,
     check_known,
     field,
+    function_tools,
     message_text,
     read_object,
 )
@@ -98,8 +100,8 @@ def input_items(messages: object) -> tuple[list, list[str]]:
     return items, names
 
 
-def chat_body(body: dict, tool_choice: dict) -> dict:
-    """The chat body that answers a Messages body (tool_choice: its tool_choice, a dict)."""
+def chat_body(body: dict) -> dict:
+    """The chat body that answers a Messages body."""
     if body.get("max_tokens") is None:
         raise InvalidField("max_tokens", "is required")
     system = body.get("system")
@@ -110,12 +112,7 @@ def chat_body(body: dict, tool_choice: dict) -> dict:
     messages = chat_messages(*input_items(body.get("messages")))
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
-    tools = []
-    for i, tool in enumerate(field(body, "tools", list, [])):
-        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
-            raise InvalidField(f"tools[{i}]", "nanoserve does not implement Anthropic's server tools, only custom ones")
-        function = {key: tool[key] for key in ("name", "description") if key in tool}
-        tools.append({"type": "function", "function": {**function, "parameters": tool.get("input_schema")}})
+    tool_choice = field(body, "tool_choice", dict, {})
     kind = tool_choice.get("type")
     if tool_choice and kind not in (*TOOL_CHOICES, "tool"):
         raise InvalidField("tool_choice.type", f"{shown(kind)} is not auto, any, none or tool")
@@ -125,15 +122,13 @@ def chat_body(body: dict, tool_choice: dict) -> dict:
     return {
         "model": body.get("model"),
         "messages": messages,
-        "tools": tools,
+        "tools": function_tools(body.get("tools") or [], "custom", "input_schema"),
         "tool_choice": choice,
         "max_tokens": body["max_tokens"],
         "stop": body.get("stop_sequences"),
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
         "top_k": body.get("top_k"),
-        "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
 
 
@@ -153,12 +148,14 @@ class MessageEvents(Translated):
     content_block_start, its content_block_delta events (text_delta, input_json_delta) and content_block_stop; last,
     message_delta with the stop reason and the usage, and message_stop."""
 
-    def __init__(self, message: dict) -> None:
-        self.whole = message
+    def __init__(self) -> None:
+        self.whole = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "content": []}
+        self.whole |= {"stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}
         self.arguments = ""  # the open tool_use block's arguments so far, a JSON text
 
-    def index(self) -> int:
-        return len(self.whole["content"]) - 1
+    def event(self, kind: str, **fields: object) -> dict:
+        """An event about the newest content block, which it names by its index."""
+        return {"type": kind, "index": len(self.whole["content"]) - 1, **fields}
 
     def start(self, chunk: dict) -> list[dict]:
         self.whole["model"] = chunk["model"]
@@ -171,7 +168,7 @@ class MessageEvents(Translated):
             block = {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": {}}
             self.arguments = ""
         self.whole["content"].append(block)
-        return [{"type": "content_block_start", "index": self.index(), "content_block": dict(block)}]
+        return [self.event("content_block_start", content_block=dict(block))]
 
     def add(self, piece: str) -> list[dict]:
         delta = {"type": "input_json_delta", "partial_json": piece}
@@ -180,12 +177,12 @@ class MessageEvents(Translated):
             delta = {"type": "text_delta", "text": piece}
         else:
             self.arguments += piece
-        return [{"type": "content_block_delta", "index": self.index(), "delta": delta}]
+        return [self.event("content_block_delta", delta=delta)]
 
     def finish(self) -> list[dict]:
         if self.open == "call":
             self.whole["content"][-1]["input"] = tool_input(self.arguments)
-        return [{"type": "content_block_stop", "index": self.index()}]
+        return [self.event("content_block_stop")]
 
     def end(self, finish_reason: str, usage: dict) -> list[dict]:
         self.whole["stop_reason"] = STOP_REASONS[finish_reason]
@@ -201,21 +198,8 @@ def add_routes(router: APIRouter, answer: Callable, config: ServerConfig) -> Non
     """POST /v1/messages on router, answered by answer (app.py's)."""
 
     @router.post(PATH, response_model=None)
-    async def create(http: Request) -> StreamingResponse | dict:
+    async def create(http: Request) -> Response | dict:
         body = await read_object(http, config)
         check_known(body, HONOURED, IGNORED, NOT_IMPLEMENTED)
         stream = field(body, "stream", bool, False)
-        tool_choice = field(body, "tool_choice", dict, {})
-        parallel = not field(tool_choice, "disable_parallel_tool_use", bool, False)
-        message = {
-            "id": f"msg_{uuid.uuid4().hex}",
-            "type": "message",
-            "role": "assistant",
-            "model": None,  # the one that answers, from the first chunk
-            "content": [],
-            "stop_reason": None,
-            "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0},
-        }
-        chat = chat_body(body, tool_choice)
-        return await MessageEvents(message).reply(http, answer, chat, CHAT_NAMES, parallel, stream)
+        return await MessageEvents().reply(http, answer, chat_body(body), CHAT_NAMES, stream)
