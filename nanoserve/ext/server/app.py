@@ -653,55 +653,52 @@ async def event_stream(events: AsyncIterator[dict], failed: Callable[[str], dict
     yield end
 
 
-async def parts(chunks: AsyncIterator[dict]) -> AsyncIterator[tuple[str, object]]:
-    """A chat stream of one choice, with continuous usage (the answer of a body that another API translated), as the
-    parts it makes its events of, in order: ("start", the first chunk); ("text", piece); ("call", the call's first
-    delta) as a tool call begins, then ("arguments", piece); last, once the answer has finished, ("end",
-    (finish_reason, usage)). A stream whose client went away ends without "end"."""
-    started = False
-    finish_reason = None  # the choice's, once it has one
-    async for chunk in chunks:
-        if not started:
-            yield "start", chunk
-            started = True
-        if not chunk["choices"]:  # the last chunk: the usage of all
-            yield "end", (finish_reason, chunk["usage"])
-            return
-        finish_reason = chunk["choices"][0]["finish_reason"]
-        delta = chunk["choices"][0]["delta"]
-        if delta["content"]:
-            yield "text", delta["content"]
-        for call in delta.get("tool_calls", []):
-            if "id" in call:
-                yield "call", call
-            if call["function"]["arguments"]:
-                yield "arguments", call["function"]["arguments"]
-
-
 class Translated:
-    """An answer in another API's shape, made of chat's stream (parts()), as a list of output items each a text or a
-    tool call: this class decides when an item opens (a text after anything else; a call each time one begins) and
-    closes (when the next opens, or at the end); a subclass says what the API's events are at the answer's start, when
-    an item begins, grows by a piece and finishes, and at the end, and keeps the whole answer (`whole`)."""
+    """An answer in another API's shape, made of chat's stream of one choice (the answer of a body that the API
+    translated, with continuous usage), as a list of output items, each a text or a tool call. This class decides when
+    an item opens (a text after anything else; a call each time one begins) and closes (when the next opens, or at the
+    end); a subclass says what the API's events are at the answer's start (the first chunk), when an item begins,
+    grows by a piece and finishes, and at the end (the finish reason, the usage), and keeps the answer in `whole`."""
 
     open: str | None = None  # the kind of the item being written ("text" or "call"); None: none is
-    whole: dict  # the answer so far, the whole answer after the last event
+    started = False
+    whole: dict  # the answer so far; after the last event, the whole answer
 
     async def events(self, chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
-        """The API's events, from chat's chunks."""
-        async for kind, value in parts(chunks):
+        """The API's events, from chat's chunks (a stream whose client went away ends before the end's)."""
+        finish_reason = None  # the choice's, once it has one
+        async for chunk in chunks:
             events = []
-            if kind == "start":
-                events = self.start(value)
-            elif kind == "end":
-                events = self.close() + self.end(*value)
-            elif kind == "call" or (kind == "text" and self.open != "text"):
-                events = self.close() + self.begin(kind, value)
-                self.open = kind
-            if kind in ("text", "arguments"):
-                events += self.add(value)
+            if not self.started:
+                events = self.start(chunk)
+                self.started = True
+            if chunk["choices"]:
+                finish_reason = chunk["choices"][0]["finish_reason"]
+                events += self.feed(chunk["choices"][0]["delta"])
+            else:  # the last chunk: the usage of all
+                events += self.close() + self.end(finish_reason, chunk["usage"])
             for event in events:
                 yield event
+
+    def feed(self, delta: dict) -> list[dict]:
+        """The events of one chunk's delta: its text, and its tool calls' beginnings and arguments."""
+        events = []
+        if delta["content"] and self.open != "text":
+            events = self.switch("text", None)
+        if delta["content"]:
+            events += self.add(delta["content"])
+        for call in delta.get("tool_calls", []):
+            if "id" in call:  # a call begins
+                events += self.switch("call", call)
+            if call["function"]["arguments"]:
+                events += self.add(call["function"]["arguments"])
+        return events
+
+    def switch(self, kind: str, call: dict | None) -> list[dict]:
+        """The open item's closing events and a new item's opening ones (kind "call": call is its first delta)."""
+        events = self.close() + self.begin(kind, call)
+        self.open = kind
+        return events
 
     def close(self) -> list[dict]:
         """The open item's closing events, if one is open."""

@@ -66,6 +66,7 @@ def input_items(messages: object) -> tuple[list, list[str]]:
     if not isinstance(messages, list):
         raise InvalidField("messages", "expected a list of messages")
     items, names = [], []
+    call_ids = set()  # of the tool_use blocks so far
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidField(f"messages[{i}]", "expected a message (an object)")
@@ -87,11 +88,16 @@ def input_items(messages: object) -> tuple[list, list[str]]:
             if kind == "text":
                 item = text = {"type": "message", "role": role, "content": [block]}
             elif kind == "tool_use":
+                if not isinstance(block.get("id"), str):
+                    raise InvalidField(f"{name}.id", "is not a string")
+                call_ids.add(block["id"])
                 arguments = json.dumps(block.get("input", {}), ensure_ascii=False)
-                item = {"type": "function_call", "call_id": block.get("id"), "name": block.get("name")}
+                item = {"type": "function_call", "call_id": block["id"], "name": block.get("name")}
                 item["arguments"] = arguments
             elif kind == "tool_result":
-                item = {"type": "function_call_output", "call_id": block.get("tool_use_id")}
+                if not isinstance(block.get("tool_use_id"), str) or block["tool_use_id"] not in call_ids:
+                    raise InvalidField(f"{name}.tool_use_id", "names no tool_use block before it")
+                item = {"type": "function_call_output", "call_id": block["tool_use_id"]}
                 item["output"] = block.get("content", "")
             else:
                 raise InvalidField(f"{name}.type", f"nanoserve does not implement {shown(kind)} blocks yet")
