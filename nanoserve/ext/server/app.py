@@ -301,10 +301,6 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status)
-
-
 def json_depth(body: bytes) -> int:
     """How deeply arrays and objects nest in a JSON text, counted without recursion (json.loads recurses, and a body
     nested 5,000 deep would exhaust Python's stack). Brackets inside strings do not count; the rest become +1 or -1
@@ -784,7 +780,7 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
         """An error in the shape of the API the request speaks: Anthropic's on /v1/messages, OpenAI's elsewhere."""
         if request.url.path.startswith(messages.PATH):
             return JSONResponse(messages.error_body(status, message), status)
-        return error_response(status, message, param)
+        return JSONResponse(error_body(status, message, param), status)
 
     @app.exception_handler(ValueError)
     def bad_input(request: Request, error: ValueError) -> JSONResponse:
