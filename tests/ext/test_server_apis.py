@@ -10,6 +10,7 @@ hermes. Every malformed body is a 400 or 404 naming its field, in the API's erro
 import asyncio
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -32,6 +33,8 @@ SYSTEM = "You answer in French."
 # the tiny model's script: a tool call (hermes), and the answer it writes once a tool's result is in its prompt
 CALL_TEXT = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 FINAL_TEXT = "It is 18 C and sunny in Paris."
+LONG_QUESTION = "Talk forever."  # the tiny model's script for it: LONG_TEXT, which takes seconds to write
+LONG_TEXT = "la " * 1000
 WEATHER_QUESTION = "What is the weather in Paris?"
 WEATHER_RESULT = "18 C and sunny"
 WEATHER_SCHEMA = {
@@ -86,6 +89,13 @@ class Served:
     def post(self, path: str, body: object) -> httpx.Response:
         return httpx.post(f"{self.root}{path}", json=body, timeout=120)
 
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.root}/metrics", timeout=30).text
+        return {
+            name: float(value)
+            for name, value in (line.split() for line in text.splitlines() if line and not line.startswith("#"))
+        }
+
 
 @pytest.fixture(scope="module")
 def served():
@@ -99,8 +109,8 @@ def served():
 
 class Script:
     """A logits processor (sampler.py's) that makes every sequence write CALL_TEXT, or FINAL_TEXT where its prompt
-    holds a tool's result, then EOS: a model whose output is known, so that the server's translation of tool calls is
-    checked on a real engine, tokenizer and stream."""
+    holds a tool's result (LONG_TEXT where it holds LONG_QUESTION), then EOS: a model whose output is known, so that
+    the server's translation of tool calls is checked on a real engine, tokenizer and stream."""
 
     def __init__(self, tokenizer: object, eos: int) -> None:
         self.tokenizer = tokenizer
@@ -115,7 +125,11 @@ class Script:
         for seq in seqs:
             if seq.seq_id not in self.scripts:
                 prompt = self.tokenizer.decode(seq.token_ids[: seq.num_prompt_tokens])
-                text = FINAL_TEXT if "<tool_response>" in prompt else CALL_TEXT
+                text = CALL_TEXT
+                if "<tool_response>" in prompt:
+                    text = FINAL_TEXT
+                if LONG_QUESTION in prompt:
+                    text = LONG_TEXT
                 self.scripts[seq.seq_id] = [*self.tokenizer.encode(text), self.eos]
             ids = self.scripts[seq.seq_id]
             next_ids.append(ids[min(seq.num_completion_tokens - 1, len(ids) - 1)])  # the pending token's
@@ -165,8 +179,8 @@ def tiny_tools(tiny_model, tmp_path_factory):
 
 def check_pool(served: Served) -> None:
     """Every KV block is back in the pool (read once the server is idle: the test's requests have all ended)."""
-    metrics = httpx.get(f"{served.root}/metrics", timeout=30).text
-    assert "nanoserve_kv_blocks_used 0" in metrics, metrics
+    metrics = served.metrics()
+    assert metrics["nanoserve_kv_blocks_used"] == metrics["nanoserve_running"] == 0, metrics
 
 
 # ---- the Responses API ----------------------------------------------------------------------------------------------
@@ -352,6 +366,34 @@ def test_responses_store_drops_the_least_recently_used(tiny_tools):
         assert [client.responses.retrieve(i).id for i in (ids[0], ids[2])] == [ids[0], ids[2]]
 
 
+def test_clients_that_hang_up_are_aborted(tiny_tools):
+    """Guards against a request on a new endpoint that runs on after its client went away: a streamed response and a
+    streamed message whose clients hang up after their first event, and a whole response whose client gives up, all
+    stop within a few steps and leave every block in the pool; the server serves on."""
+
+    before = tiny_tools.metrics()["nanoserve_generated_tokens_total"]
+    bodies = [
+        ("/v1/responses", {"model": MODEL, "input": LONG_QUESTION, "stream": True}),
+        (
+            "/v1/messages",
+            {"model": MODEL, "max_tokens": 3000, "messages": [{"role": "user", "content": LONG_QUESTION}]},
+        ),
+    ]
+    for path, body in bodies:
+        with httpx.stream("POST", f"{tiny_tools.root}{path}", json={**body, "stream": True}, timeout=60) as r:
+            assert r.status_code == 200 and next(r.iter_lines()).startswith("event: ")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{tiny_tools.base_url}/responses", json={"model": MODEL, "input": LONG_QUESTION}, timeout=0.5)
+    for _ in range(300):  # the aborts take a poll of the connection (0.2 s) and a step
+        if tiny_tools.metrics()["nanoserve_running"] == 0:
+            break
+        time.sleep(0.05)
+    check_pool(tiny_tools)
+    generated = tiny_tools.metrics()["nanoserve_generated_tokens_total"] - before
+    assert generated < 3 * len(LONG_TEXT), "the requests ran to the end"  # a byte a token
+    assert tiny_tools.openai.responses.create(model=MODEL, input=WEATHER_QUESTION).output_text == CALL_TEXT
+
+
 # ---- the Messages API -----------------------------------------------------------------------------------------------
 def test_messages_text_equals_chat(served):
     """Guards against the Messages API rendering a conversation otherwise than chat does (the system prompt dropped,
@@ -478,6 +520,7 @@ MALFORMED = [  # (path, fields over GOOD's, the status, the field the error name
     ("/v1/responses", {"stream": "yes"}, 400, "stream"),
     ("/v1/responses", {"store": 1}, 400, "store"),
     ("/v1/responses", {"temperatur": 0}, 400, "temperatur"),
+    ("/v1/responses", {"input": "x" * 20_000}, 400, "input"),  # over the server's cap on a prompt's characters
     ("/v1/messages", {"max_tokens": None}, 400, "max_tokens"),
     ("/v1/messages", {"max_tokens": -1}, 400, "max_tokens"),
     ("/v1/messages", {"messages": "hi"}, 400, "messages"),
@@ -509,6 +552,8 @@ MALFORMED = [  # (path, fields over GOOD's, the status, the field the error name
     ("/v1/messages", {"top_k": "all"}, 400, "top_k"),
     ("/v1/messages", {"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "thinking"),
     ("/v1/messages", {"model": "claude"}, 404, "model"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "x" * 20_000}]}, 400, "messages"),
+    ("/tokenize", {"prompt": "x" * 20_000}, 400, "prompt"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/tokenize", {"prompt": None}, 400, "prompt"),
     ("/tokenize", {"messages": "hi"}, 400, "messages"),

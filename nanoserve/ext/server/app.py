@@ -236,14 +236,19 @@ class EngineLoop:
         try:
             await self.call(add)
             yield None
+            # when the client was last seen there: it is looked for while outputs flow too, since a whole answer that
+            # another API makes of a stream (Translated.reply) gets outputs every step
+            polled = time.monotonic()
             while unfinished:
                 if time.monotonic() > self.deadline:
                     raise RuntimeError("the server shut down before this request finished")
+                if time.monotonic() - polled > DISCONNECT_POLL_S:
+                    if await http.is_disconnected():
+                        return
+                    polled = time.monotonic()
                 try:
                     out = await asyncio.wait_for(outputs.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        return
                     continue
                 if isinstance(out, Exception):
                     raise RuntimeError(f"the engine failed this request: {out}") from out
