@@ -390,7 +390,7 @@ def test_clients_that_hang_up_are_aborted(tiny_tools):
         time.sleep(0.05)
     check_pool(tiny_tools)
     generated = tiny_tools.metrics()["nanoserve_generated_tokens_total"] - before
-    assert generated < 3 * len(LONG_TEXT), "the requests ran to the end"  # a byte a token
+    assert generated < len(LONG_TEXT), "a request ran to the end"  # (a byte a token) the three stopped early
     assert tiny_tools.openai.responses.create(model=MODEL, input=WEATHER_QUESTION).output_text == CALL_TEXT
 
 
