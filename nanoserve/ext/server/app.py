@@ -1,24 +1,31 @@
 """The OpenAI-compatible HTTP server (`nanoserve serve DIR --port 8000`, or `python -m nanoserve.ext.server --model DIR
 --port 8000`, and every EngineConfig field as a flag): /v1/completions and /v1/chat/completions, whole or streamed as
-server-sent events, /v1/models, /health, and Prometheus /metrics. The engine is not thread-safe, so one thread owns it
-(EngineLoop). Handlers on uvicorn's event loop send it commands through a queue.Queue and await the replies as futures;
-each HTTP request's outputs come back on its own asyncio.Queue. A client that goes away has its requests aborted, which
-returns their KV blocks at once.
+server-sent events, /v1/models, /health, and Prometheus /metrics; beside them, each in a module of its own, OpenAI's
+Responses API (responses.py), Anthropic's Messages API (messages.py) and vLLM's tokenizer endpoints (tokens.py). The
+engine is not thread-safe, so one thread owns it (EngineLoop). Handlers on uvicorn's event loop send it commands
+through a queue.Queue and await the replies as futures; each HTTP request's outputs come back on its own
+asyncio.Queue. A client that goes away has its requests aborted, which returns their KV blocks at once.
+
+This file also holds what the APIs share, written once: the chat pipeline (build_app's answer: the body checked and
+turned into SamplingParams, the prompt tokenized, the request queued, the answer or its stream of chunks), into which
+the Responses and Messages APIs translate their bodies; the conversation of their items as chat messages
+(chat_messages); and the loop that turns chat's stream into another API's events (Translated).
 
 One request must not stall the others, so what a request costs is bounded before the engine sees it (ServerConfig:
 the body's size, the time it takes to arrive, its nesting, n, the prompt's length in characters, and OpenAI's caps on
 logprobs), and prompts are tokenized on the event loop's executor, not on the engine thread. Every error, 404 and 405
-included, comes in OpenAI's shape: {"error": {"message", "type", "param", "code"}}. At shutdown, open requests get
-ServerConfig.shutdown_timeout seconds to finish and then fail (a stream ends with an error event and [DONE]); a second
-Ctrl+C exits at once.
+included, comes in OpenAI's shape: {"error": {"message", "type", "param", "code"}} (on /v1/messages, Anthropic's). At
+shutdown, open requests get ServerConfig.shutdown_timeout seconds to finish and then fail (a stream ends with an error
+event and [DONE]); a second Ctrl+C exits at once.
 
 Every field of a body is honoured or refused by name (the tables below): a client never silently gets less than it
 asked for. A field the engine does not implement yet (beam search, vLLM's guided_* fields) is refused with a
 400 naming it, unless its value asks for nothing (best_of 1); an unknown one is refused as OpenAI does; metadata that
-changes nothing the client gets (user, store) is accepted. With ServerConfig.api_key set, every /v1 request needs
-`Authorization: Bearer KEY`. Tool calls: a forced one (a named function) constrains the output to its parameters'
-schema; with --enable-auto-tool-choice --tool-call-parser hermes, tool_choice "auto" (the default with tools, as in
-vLLM) has the calls parsed out of the model's text (ext/tool_parsers.py)."""
+changes nothing the client gets (user, store) is accepted. With ServerConfig.api_key set, every API request (all but
+/health and /metrics) needs `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`). Tool calls: a forced one (a
+named function) constrains the output to its parameters' schema; with --enable-auto-tool-choice --tool-call-parser
+hermes, tool_choice "auto" (the default with tools, as in vLLM) has the calls parsed out of the model's text
+(ext/tool_parsers.py)."""
 
 import argparse
 import asyncio
@@ -153,7 +160,8 @@ class ServerConfig:
     max_body_bytes: int = 4 * 2**20  # 4 MiB; a larger body gets a 413 (parsing it would stall the event loop)
     body_timeout: float = 30.0  # seconds for a request's body to arrive once its headers have; then a 408
     shutdown_timeout: float = 5.0  # seconds open requests get to finish at shutdown; then they fail
-    api_key: str | None = None  # every /v1 request must send `Authorization: Bearer KEY`; None: no key needed
+    # every API request (all but /health and /metrics) must send `Authorization: Bearer KEY` or `x-api-key: KEY`
+    api_key: str | None = None  # None: no key needed
     # vLLM's pair: tools without tool_choice mean "auto", tool calls parsed out of the text by the parser named
     # (ext/tool_parsers.py: hermes); without them, "none" (the template renders the tools, the answer is text)
     enable_auto_tool_choice: bool = False
