@@ -23,7 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from nanoserve.checks import InvalidField, shown
-from nanoserve.ext.server.app import (
+from nanoserve.ext.server.shared import (
     ServerConfig,
     Translated,
     chat_messages,
@@ -60,7 +60,7 @@ def error_body(status: int, message: str) -> dict:
 
 
 def input_items(messages: object) -> tuple[list, list[str]]:
-    """Anthropic's messages as the Responses API's items (app.py's chat_messages reads them), with each item's name
+    """Anthropic's messages as the Responses API's items (shared.py's chat_messages reads them), with each item's name
     for errors: a message whose content is a text is a message item; in a list of blocks, consecutive text blocks are
     one message item, a tool_use block a function_call, a tool_result a function_call_output."""
     if not isinstance(messages, list):

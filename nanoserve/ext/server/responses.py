@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from nanoserve.checks import InvalidField, shown
-from nanoserve.ext.server.app import (
+from nanoserve.ext.server.shared import (
     NotFound,
     ServerConfig,
     Translated,

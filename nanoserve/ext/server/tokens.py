@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 
 from nanoserve.checks import InvalidField, check_text, check_token_ids
 from nanoserve.ext.chat import chat_prompts
-from nanoserve.ext.server.app import ServerConfig, check_known, field, normalized, read_object
+from nanoserve.ext.server.shared import ServerConfig, check_known, field, normalized, read_object
 from nanoserve.llm import LLM
 
 # The bodies' fields (check_known, as in app.py): vLLM's, less those for other models (multimodal) and templates
