@@ -422,7 +422,7 @@ def test_requests_at_the_limits_are_served(served):
     """Guards against caps that refuse what they should allow: JSON nested exactly MAX_JSON_DEPTH deep, brackets
     inside strings (which do not nest), top_logprobs = 20 and logprobs = 5 (OpenAI's caps), and a 401-digit seed (any
     integer seed is taken, mod 2**63)."""
-    from nanoserve.ext.server.app import MAX_JSON_DEPTH
+    from nanoserve.ext.server.shared import MAX_JSON_DEPTH
 
     short = {"model": MODEL, "max_tokens": 2}
     deep = httpx.post(

@@ -624,3 +624,45 @@ def test_tool_flags_are_checked_before_the_engine_starts(flags, field):
 
     refused(field, ServerConfig, **flags)
     assert ServerConfig(enable_auto_tool_choice=True, tool_call_parser="hermes").tool_parser is not None
+
+
+# ---- stream_options and --lora-modules, as vLLM takes them (issue 44) ----------------------------------------------
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+@pytest.mark.parametrize(
+    "options", [{"include_usage": True}, {"include_usage": False}, {"continuous_usage_stats": True}]
+)
+def test_stream_options_without_a_stream_are_refused(fake_url, endpoint, options):
+    """Guards against include_usage being silently ignored on a request that does not stream (the client asked for
+    usage chunks that never come): OpenAI and vLLM refuse stream_options unless stream is true, and so does nanoserve,
+    naming the option, through the official client too. With stream: true, continuous_usage_stats without
+    include_usage is accepted and adds nothing, as vLLM does (test_guidellm_completions_body_gets_usage_in_every_chunk
+    checks that)."""
+    body = {"prompt": TOKENS, "max_tokens": 2} if endpoint == "completions" else {"messages": MESSAGES}
+    name = f"stream_options.{next(iter(options))}"
+    for stream in ({}, {"stream": False}):
+        r = httpx.post(f"{fake_url}/{endpoint}", json={**body, **stream, "stream_options": options}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+    with pytest.raises(openai.BadRequestError) as e:
+        client_for(fake_url).completions.create(model=MODEL, prompt=TOKENS, max_tokens=2, stream_options=options)
+    assert e.value.param == name
+    fits = client_for(fake_url).completions.create(model=MODEL, prompt=TOKENS, max_tokens=2, stream_options=None)
+    assert fits.usage.completion_tokens == 2
+
+
+def test_lora_modules_naming_one_adapter_twice_are_refused_at_start():
+    """Guards against `--lora-modules a=P1 a=P2` starting a server whose model name `a` is ambiguous (the second
+    adapter silently won): refused by ServerConfig, so the command line fails before any model is loaded, naming
+    --lora-modules and the name."""
+    from conftest import refused
+
+    from nanoserve.ext.server import app
+    from nanoserve.ext.server.app import ServerConfig
+
+    error = refused("lora_modules", ServerConfig, lora_modules=["a=/adapters/one", "a=/adapters/two"])
+    assert "'a'" in str(error)
+    error = refused("lora_modules", app.main, ["--lora-modules", "a=/adapters/one", "b=/x", "a=/adapters/two"])
+    assert "'a'" in str(error)
+    assert ServerConfig(lora_modules=["a=/adapters/one", "b=/adapters/two"]).lora_modules == [
+        "a=/adapters/one",
+        "b=/adapters/two",
+    ]

@@ -266,7 +266,6 @@ def test_server_forced_tool_call(client, llm, tool_choice):
         ({"tools": [WEATHER, TIME], "tool_choice": "required"}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools"),
-        ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "stream"),
         ({"response_format": {"type": "yaml"}}, "response_format"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},

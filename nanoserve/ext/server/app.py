@@ -1,24 +1,31 @@
 """The OpenAI-compatible HTTP server (`nanoserve serve DIR --port 8000`, or `python -m nanoserve.ext.server --model DIR
 --port 8000`, and every EngineConfig field as a flag): /v1/completions and /v1/chat/completions, whole or streamed as
-server-sent events, /v1/models, /health, and Prometheus /metrics. The engine is not thread-safe, so one thread owns it
-(EngineLoop). Handlers on uvicorn's event loop send it commands through a queue.Queue and await the replies as futures;
-each HTTP request's outputs come back on its own asyncio.Queue. A client that goes away has its requests aborted, which
-returns their KV blocks at once.
+server-sent events, /v1/models, /health, and Prometheus /metrics; beside them, each in a module of its own, OpenAI's
+Responses API (responses.py), Anthropic's Messages API (messages.py) and vLLM's tokenizer endpoints (tokens.py). The
+engine is not thread-safe, so one thread owns it (EngineLoop). Handlers on uvicorn's event loop send it commands
+through a queue.Queue and await the replies as futures; each HTTP request's outputs come back on its own
+asyncio.Queue. A client that goes away has its requests aborted, which returns their KV blocks at once.
+
+Every API answers through one chat pipeline, here (build_app's answer: the body checked and turned into
+SamplingParams, the prompt tokenized, the request queued, the answer or its stream of chunks): the Responses and
+Messages APIs translate their bodies into chat's, and turn chat's stream into their events with shared.py's loop
+(Translated), which holds the other pieces they share too.
 
 One request must not stall the others, so what a request costs is bounded before the engine sees it (ServerConfig:
 the body's size, the time it takes to arrive, its nesting, n, the prompt's length in characters, and OpenAI's caps on
 logprobs), and prompts are tokenized on the event loop's executor, not on the engine thread. Every error, 404 and 405
-included, comes in OpenAI's shape: {"error": {"message", "type", "param", "code"}}. At shutdown, open requests get
-ServerConfig.shutdown_timeout seconds to finish and then fail (a stream ends with an error event and [DONE]); a second
-Ctrl+C exits at once.
+included, comes in OpenAI's shape: {"error": {"message", "type", "param", "code"}} (on /v1/messages, Anthropic's). At
+shutdown, open requests get ServerConfig.shutdown_timeout seconds to finish and then fail (a stream ends with an error
+event and [DONE]); a second Ctrl+C exits at once.
 
 Every field of a body is honoured or refused by name (the tables below): a client never silently gets less than it
 asked for. A field the engine does not implement yet (beam search, vLLM's guided_* fields) is refused with a
 400 naming it, unless its value asks for nothing (best_of 1); an unknown one is refused as OpenAI does; metadata that
-changes nothing the client gets (user, store) is accepted. With ServerConfig.api_key set, every /v1 request needs
-`Authorization: Bearer KEY`. Tool calls: a forced one (a named function) constrains the output to its parameters'
-schema; with --enable-auto-tool-choice --tool-call-parser hermes, tool_choice "auto" (the default with tools, as in
-vLLM) has the calls parsed out of the model's text (ext/tool_parsers.py)."""
+changes nothing the client gets (user, store) is accepted. With ServerConfig.api_key set, every API request (all but
+/health and /metrics) needs `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`). Tool calls: a forced one (a
+named function) constrains the output to its parameters' schema; with --enable-auto-tool-choice --tool-call-parser
+hermes, tool_choice "auto" (the default with tools, as in vLLM) has the calls parsed out of the model's text
+(ext/tool_parsers.py)."""
 
 import argparse
 import asyncio
@@ -27,37 +34,47 @@ import concurrent.futures
 import contextlib
 import gc
 import hmac
-import json
 import logging
 import math
 import os
 import queue
-import re
 import signal
 import socket
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection, Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from functools import partial
 from itertools import accumulate
 from types import FrameType
-from typing import TYPE_CHECKING, TypeVar, get_args
+from typing import TYPE_CHECKING, get_args
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from tokenizers import decoders
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from nanoserve.checks import InvalidField, check_flag, check_number, shown
+from nanoserve.checks import InvalidField, check_number, shown
 from nanoserve.config import EngineConfig
 from nanoserve.ext import load
 from nanoserve.ext.chat import chat_prompts
 from nanoserve.ext.default_model import DEFAULT_MODEL
+from nanoserve.ext.server import messages, responses, tokens
+from nanoserve.ext.server.shared import (
+    LOCALHOST,
+    NotFound,
+    ServerConfig,
+    T,
+    check_known,
+    event_stream,
+    field,
+    normalized,
+    read_object,
+)
 from nanoserve.llm import LLM
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sampling_params import SamplingParams
@@ -65,7 +82,6 @@ from nanoserve.sampling_params import SamplingParams
 if TYPE_CHECKING:  # for annotations only: the tokenizer is the engine's, loaded by transformers
     from transformers import PreTrainedTokenizerBase
 
-T = TypeVar("T")
 # A request's outputs go to its sink on the engine thread; an exception instead when the engine failed it.
 Sink = Callable[[RequestOutput | Exception], None]
 
@@ -73,19 +89,12 @@ DISCONNECT_POLL_S = 0.2  # a handler waiting for outputs checks this often wheth
 STARTUP_POLL_S = 0.01  # serve_in_background checks this often whether uvicorn has started
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is the whole context
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away before the answer
-LOCALHOST = "127.0.0.1"
 API_KEY_ENV = "NANOSERVE_API_KEY"  # the API key, where --api-key is not given
-DEFAULT_PORT = 8000  # vLLM's default too
 MAX_TOP_LOGPROBS = 20  # OpenAI's cap on chat's top_logprobs
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap on the legacy completions' logprobs
-MAX_JSON_DEPTH = 64  # arrays and objects nested deeper than this get a 400 (OpenAI's bodies nest a few levels)
 PROMPT_CHARS_PER_TOKEN = 32  # the default cap on a prompt's characters, per token of max_model_len
 SHUTDOWN_GRACE_S = 1.0  # after the drain: how long uvicorn waits for the failed requests' answers to go out
 EXIT_ON_SECOND_SIGINT = 128 + signal.SIGINT  # 130, as a shell reports a process ended by Ctrl+C
-CLOSE = {"Connection": "close"}  # with a 408 or 413: the rest of the body is never read, so the connection ends
-JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escaped quotes included
-NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
-BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # opening: +1, closing: -1 (as signed bytes)
 # Named alike in OpenAI's body (with vLLM's extras) and SamplingParams
 SAMPLING_FIELDS = """
     n temperature top_p top_k min_p min_tokens ignore_eos stop stop_token_ids seed presence_penalty frequency_penalty
@@ -134,48 +143,6 @@ COUNTERS = "preemptions generated_tokens prefix_hit_tokens prefix_queried_tokens
 # with speculative decoding (speculative_config), its stats() keys too: the drafts' totals and what they gave
 SPEC_GAUGES = ["spec_acceptance_rate", "spec_mean_accepted_length"]
 SPEC_COUNTERS = ["spec_proposed_tokens", "spec_accepted_tokens"]
-
-
-@dataclass
-class ServerConfig:
-    """Where the server listens and under what name, what one request may cost, how long the server waits, and the API
-    key (EngineConfig is the engine's): each field is a flag of its own, --host, --port, --max-n, --api-key and so on.
-    Every limit must be positive; the port may be 0 (any free one)."""
-
-    host: str = LOCALHOST  # 0.0.0.0 serves every interface
-    port: int = DEFAULT_PORT
-    served_model_name: str | None = None  # the `model` clients ask for; None: the engine's model (--model)
-    max_n: int = 128  # choices one request may ask for (n x prompts); OpenAI allows n <= 128
-    # characters of prompt text (all prompts, or all messages), checked before tokenizing; None: PROMPT_CHARS_PER_TOKEN
-    # (32) x max_model_len, which English text (4-5 characters a token) cannot approach
-    max_prompt_chars: int | None = None
-    max_body_bytes: int = 4 * 2**20  # 4 MiB; a larger body gets a 413 (parsing it would stall the event loop)
-    body_timeout: float = 30.0  # seconds for a request's body to arrive once its headers have; then a 408
-    shutdown_timeout: float = 5.0  # seconds open requests get to finish at shutdown; then they fail
-    api_key: str | None = None  # every /v1 request must send `Authorization: Bearer KEY`; None: no key needed
-    # vLLM's pair: tools without tool_choice mean "auto", tool calls parsed out of the text by the parser named
-    # (ext/tool_parsers.py: hermes); without them, "none" (the template renders the tools, the answer is text)
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    # vLLM's --lora-modules name=path ...: LoRA adapters (ext/lora.py) that a request's model field names
-    lora_modules: list[str] | None = None
-
-    def __post_init__(self) -> None:
-        texts = ("host", "served_model_name", "api_key", "enable_auto_tool_choice", "tool_call_parser", "lora_modules")
-        for name, value in vars(self).items():
-            if name not in texts and value is not None:
-                check_number(name, value, low=0, above_low=name != "port")
-        check_flag("enable_auto_tool_choice", self.enable_auto_tool_choice)
-        # the parser's class, found by name in its extension (ext/tool_parsers.py); None: no parser
-        self.tool_parser = None
-        if self.tool_call_parser is not None:
-            self.tool_parser = load("tool_parsers", "tool_call_parser").parser_for(self.tool_call_parser)
-        if self.enable_auto_tool_choice and self.tool_parser is None:
-            raise InvalidField("enable_auto_tool_choice", "needs a parser: --tool-call-parser hermes")
-        for module in self.lora_modules or []:  # before the engine is made: a typo costs no model load
-            name, equals, path = str(module).partition("=")
-            if not (name and equals and path):
-                raise InvalidField("lora_modules", f"{shown(module)} is not name=path")
 
 
 class EngineLoop:
@@ -227,14 +194,19 @@ class EngineLoop:
         try:
             await self.call(add)
             yield None
+            # when the client was last seen there: it is looked for while outputs flow too, since a whole answer that
+            # another API makes of a stream (Translated.reply) gets outputs every step
+            polled = time.monotonic()
             while unfinished:
                 if time.monotonic() > self.deadline:
                     raise RuntimeError("the server shut down before this request finished")
+                if time.monotonic() - polled > DISCONNECT_POLL_S:
+                    if await http.is_disconnected():
+                        return
+                    polled = time.monotonic()
                 try:
                     out = await asyncio.wait_for(outputs.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        return
                     continue
                 if isinstance(out, Exception):
                     raise RuntimeError(f"the engine failed this request: {out}") from out
@@ -282,47 +254,10 @@ class EngineLoop:
             self.sinks.pop(request_id, None)
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+def error_body(status: int, message: str, param: str | None = None) -> dict:
     """OpenAI's error body; param names the field at fault."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
-
-
-def json_depth(body: bytes) -> int:
-    """How deeply arrays and objects nest in a JSON text, counted without recursion (json.loads recurses, and a body
-    nested 5,000 deep would exhaust Python's stack). Brackets inside strings do not count; the rest become +1 or -1
-    steps, whose running sum is the depth, summed in C (a Python loop would take seconds on a body of brackets)."""
-    brackets = JSON_STRING.sub(b"", body).translate(None, NOT_BRACKETS)
-    steps = memoryview(brackets.translate(BRACKET_STEPS)).cast("b")  # signed bytes: 0xff is -1
-    return max(accumulate(steps), default=0)
-
-
-async def read_body(http: Request, max_bytes: int) -> bytes:
-    """The request's body, refused with a 413 as soon as it is known to be over max_bytes."""
-    too_large = HTTPException(413, f"the body is over {max_bytes} bytes", CLOSE)
-    if int(http.headers.get("content-length", 0)) > max_bytes:  # the server has checked it is a number
-        raise too_large
-    body = bytearray()
-    async for chunk in http.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise too_large
-    return bytes(body)
-
-
-async def read_json(http: Request, config: ServerConfig) -> object:
-    """The body parsed: a 408 if it has not all come within body_timeout, a 413 past max_body_bytes, a 400 (param
-    null) if it is not JSON or nests deeper than MAX_JSON_DEPTH."""
-    try:
-        body = await asyncio.wait_for(read_body(http, config.max_body_bytes), config.body_timeout)
-    except asyncio.TimeoutError:
-        raise HTTPException(408, f"the body did not arrive within {config.body_timeout} s", CLOSE) from None
-    if json_depth(body) > MAX_JSON_DEPTH:
-        raise ValueError(f"the body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels")
-    try:
-        return json.loads(body)
-    except ValueError as e:
-        raise ValueError(f"the body is not valid JSON: {e}") from None
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
 def text_length(value: object) -> int:
@@ -336,72 +271,26 @@ def text_length(value: object) -> int:
     return 0
 
 
-def field(body: dict, name: str, kind: type[T], default: T) -> T:
-    """body[name] if it is given and not null, refused (InvalidField) unless it is a kind; else default."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, kind):
-        raise InvalidField(name, f"{value!r} is not a {kind.__name__}")
-    return value
-
-
 def check_fields(body: dict, chat: bool) -> None:
-    """Every field of the body is honoured, ignorable, or refused by name: unknown, out of OpenAI's range, or not
-    implemented yet (a value that asks for nothing, such as best_of 1, is fine). stream_options too. The honoured
+    """A completions or chat body's fields (check_known, with the tables above), stream_options too. The honoured
     fields' types and ranges are SamplingParams' to check (sampling_params), except OpenAI's narrower ranges and
-    caps (RANGES), checked here on numbers only: true or a string is for the type checks to refuse."""
-    known = (CHAT_HONOURED if chat else COMPLETION_HONOURED) + IGNORED + list(NOT_IMPLEMENTED)
-    for name, value in body.items():
-        if name not in known:
-            raise InvalidField(
-                name, "unrecognized request argument (nanoserve/ext/server/app.py lists the known fields)"
-            )
-        if name in RANGES and type(value) in (int, float):  # JSON's numbers (a bool is not one)
-            check_number(name, value, *RANGES[name])
-        if name in NOT_IMPLEMENTED and value not in (None, NOT_IMPLEMENTED[name]):
-            raise InvalidField(name, "nanoserve does not implement this field yet")
-    for name in field(body, "stream_options", dict, {}):
-        if name not in ("include_usage", "continuous_usage_stats"):
-            raise InvalidField(f"stream_options.{name}", "nanoserve does not implement this field yet")
+    caps (RANGES), checked here on numbers only: true or a string is for the type checks to refuse. stream_options
+    is refused without stream: true, as OpenAI and vLLM refuse it; continuous_usage_stats without include_usage is
+    accepted and adds nothing, as in vLLM (whose chunks carry usage only with include_usage)."""
+    check_known(body, CHAT_HONOURED if chat else COMPLETION_HONOURED, IGNORED, NOT_IMPLEMENTED)
+    for name, (low, high) in RANGES.items():
+        if type(body.get(name)) in (int, float):  # JSON's numbers (a bool is not one)
+            check_number(name, body[name], low, high)
+    options = field(body, "stream_options", dict, {})
+    check_known(options, ["include_usage", "continuous_usage_stats"], [], {}, "stream_options.")
+    for name in options:
+        if body.get("stream") is not True:
+            raise InvalidField(f"stream_options.{name}", "is only allowed with stream: true")
     for name in ("echo", "prompt_logprobs"):  # a stream's chunks carry only the completion
         if body.get(name) not in (None, False) and body.get("stream"):  # a bad type is refused by name later, too
             raise InvalidField(name, "nanoserve does not implement this field in a stream yet")
     if chat and body.get("top_logprobs") is not None and body.get("logprobs") is not True:
         raise InvalidField("top_logprobs", "needs logprobs: true")
-
-
-def message_text(content: list, name: str) -> str:
-    """A message's content parts as one text, joined by newlines as vLLM does; only text parts can be read."""
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
-            raise InvalidField(f"{name}[{j}].type", f"nanoserve does not implement {shown(kind)} parts yet, only text")
-        if not isinstance(part.get("text"), str):
-            raise InvalidField(f"{name}[{j}].text", "is not a string")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def normalized(messages: object) -> object:
-    """Messages in any form of OpenAI's chat API as the engine takes them: content parts joined into one text, and an
-    assistant turn with content null (it made tool_calls) given "" as content. Other keys (name, tool_calls,
-    tool_call_id) go to the chat template as they are; the engine checks roles and text, and refuses anything that is
-    not a conversation (a list of messages) as "messages"."""
-    if not isinstance(messages, list):
-        return messages
-    out = []
-    for i, message in enumerate(messages):
-        if isinstance(message, dict):
-            content = message.get("content")
-            if isinstance(content, list):
-                content = message_text(content, f"messages[{i}].content")
-            elif content is None and message.get("role") == "assistant":
-                content = ""
-            message = {**message, "content": content}
-        out.append(message)
-    return out
 
 
 def check_context(prompts: list[list[int]], max_tokens: int, max_model_len: int, names: tuple[str, str]) -> None:
@@ -487,8 +376,6 @@ def tool_choice(body: dict, auto: bool) -> dict | str:
         raise InvalidField("tool_choice", "'auto' needs a server started with --enable-auto-tool-choice")
     if choice in ("none", "auto"):
         return choice if tools else "none"  # "auto" with no tools: nothing to call
-    if body.get("stream"):
-        raise InvalidField("stream", "nanoserve does not stream forced tool calls yet")
     if choice == "required" and len(tools) == 1:
         return tools[0]
     try:  # {"type": "function", "function": {"name": NAME}}, as a tool names itself
@@ -587,15 +474,37 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="nanoserve", lifespan=lifespan)
 
+    def authorize(http: Request) -> None:
+        """With an API key set, a request to the API needs it, as OpenAI's clients send it (`Authorization: Bearer
+        KEY`) or Anthropic's (`x-api-key: KEY`): else a 401, before the body is read. Compared in constant time."""
+        if config.api_key is None:
+            return
+        key = config.api_key.encode()
+        bearer = http.headers.get("authorization", "").encode()
+        anthropic = http.headers.get("x-api-key", "").encode()
+        if not (hmac.compare_digest(bearer, b"Bearer " + key) or hmac.compare_digest(anthropic, key)):
+            raise HTTPException(401, "a valid API key is needed (Authorization: Bearer KEY, or x-api-key: KEY)")
+
+    # every API route is behind the key; /health and /metrics are open, as vLLM's
+    api = APIRouter(dependencies=[Depends(authorize)])
+
+    def error_for(request: Request, status: int, message: str, param: str | None = None) -> JSONResponse:
+        """An error in the shape of the API the request speaks: Anthropic's on /v1/messages, OpenAI's elsewhere."""
+        if request.url.path.startswith(messages.PATH):
+            return JSONResponse(messages.error_body(status, message), status)
+        return JSONResponse(error_body(status, message, param), status)
+
     @app.exception_handler(ValueError)
     def bad_input(request: Request, error: ValueError) -> JSONResponse:
-        """400, naming the field where the error is an InvalidField."""
-        return error_response(400, str(error), error.field if isinstance(error, InvalidField) else None)
+        """400, naming the field where the error is an InvalidField; a NotFound is a 404."""
+        if isinstance(error, NotFound):
+            return error_for(request, 404, str(error), error.field)
+        return error_for(request, 400, str(error), error.field if isinstance(error, InvalidField) else None)
 
     @app.exception_handler(HTTPException)
     def http_error(request: Request, error: HTTPException) -> JSONResponse:
-        """Starlette's errors (404: no such route; 405: wrong method) and read_body's (408, 413), in OpenAI's shape."""
-        response = error_response(error.status_code, f"{error.detail}: {request.method} {request.url.path}")
+        """Starlette's errors (404: no such route; 405: wrong method), read_body's (408, 413) and authorize's (401)."""
+        response = error_for(request, error.status_code, f"{error.detail}: {request.method} {request.url.path}")
         response.headers.update(error.headers or {})  # 405's Allow, or Connection: close
         return response
 
@@ -609,16 +518,15 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
     @app.exception_handler(RuntimeError)  # the engine failed the request (its thread has logged why)
     @app.exception_handler(Exception)  # a bug: uvicorn logs its traceback too
     def server_error(request: Request, error: Exception) -> JSONResponse:
-        return error_response(500, str(error) or type(error).__name__)
+        return error_for(request, 500, str(error) or type(error).__name__)
 
     @app.get("/health")
     def health() -> Response:
         return Response(status_code=200 if engine.thread.is_alive() else 503)
 
     # response_model=None: a handler's return annotation documents it; FastAPI is not to validate against it
-    @app.get("/v1/models", response_model=None)
-    def models(http: Request) -> dict:
-        authorize(http)
+    @api.get("/v1/models", response_model=None)
+    def models() -> dict:
         model = {
             "id": model_name,
             "object": "model",
@@ -641,26 +549,27 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
         ]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions", response_model=None)
-    @app.post("/v1/chat/completions", response_model=None)
+    @api.post("/v1/completions", response_model=None)
+    @api.post("/v1/chat/completions", response_model=None)
     async def completions(http: Request) -> Response | dict:
-        """Both endpoints, which differ in the prompt's form and the choices' shape: 1) the body, checked and turned
-        into SamplingParams; 2) the prompts as token ids; 3) queued; 4) the answer, whole or as a stream of chunks."""
-        # 1) the body: nothing is tokenized or queued before every field has been checked
-        authorize(http)  # before the body is read: a client without the key costs nothing more
+        """Both endpoints, which differ in the prompt's form and the choices' shape: the answer, or its chunks as
+        server-sent events ending with [DONE]."""
         chat = http.url.path.endswith("/chat/completions")
-        body = await read_json(http, config)
-        if not isinstance(body, dict):
-            raise ValueError("the body must be a JSON object")
+        answered = await answer(http, await read_object(http, config), chat)
+        if not isinstance(answered, AsyncIterator):
+            return answered
+        # the engine failed, or shutdown came, after the 200: the stream says so
+        events = event_stream(answered, partial(error_body, 500), "data: [DONE]\n\n")
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    async def answer(http: Request, body: dict, chat: bool) -> dict | Response | AsyncIterator[dict]:
+        """A completions or a chat body answered, the pipeline every API shares (the Responses and Messages APIs
+        translate their bodies into chat's): 1) the body, checked and turned into SamplingParams; 2) the prompts as
+        token ids; 3) queued; 4) the answer, whole, or (stream) its chunks as dicts once every prompt is queued."""
+        # 1) the body: nothing is tokenized or queued before every field has been checked
         check_fields(body, chat)
-        if body.get("model") not in (None, model_name, *adapters):
-            return error_response(
-                404,
-                f"model {body['model']!r} does not exist; this server has {[model_name, *adapters]}",
-                "model",
-                "model_not_found",
-            )
-        # what tool_choice asks for: "none", "auto" (calls parsed out of the text), or the tool it forces (not streamed)
+        check_model(body)
+        # what tool_choice asks for: "none", "auto" (calls parsed out of the text), or the tool it forces
         tool = tool_choice(body, config.enable_auto_tool_choice)
         params = sampling_params(body, chat, llm.config.max_model_len, tool)
         stream = field(body, "stream", bool, False)
@@ -684,7 +593,10 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
             # each checked as the engine checks a prompt (which it does again on the ids, in O(length)); prompt_ids
             # reads only the tokenizer and the config, so any thread may call it. map is lazy: list() runs it there
             to_ids = partial(list, map(partial(llm.prompt_ids, keep=keep), prompts))
-        check_cost(prompts, params, prompt_field)
+        if len(prompts) * params.n > config.max_n:
+            name = "n" if params.n > 1 else prompt_field
+            raise InvalidField(name, f"{len(prompts)} prompt(s) x n={params.n} is over {config.max_n} choices")
+        check_chars(prompts, prompt_field)
         prompts = [ids[-keep:] if keep else ids for ids in await asyncio.to_thread(to_ids)]  # chat's too
         # chat's default max_tokens, the whole context, means as much as fits; any other is checked against it
         if not chat or max_tokens_field(body) is not None:
@@ -713,9 +625,10 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
             """Sample `sample` of prompt `index` as a choice, which OpenAI numbers prompt x n + sample: the whole
             completion, or in a stream its new text and tokens (a chat stream names the role first). With echo
             (completions, never streamed): the prompt's text, tokens and logprobs before the completion's. Chat with
-            a forced tool call (never streamed): OpenAI's tool_calls, the output its arguments; with "auto": the calls
-            the tool parser finds, and the text outside them as content. A choice that made calls and stopped on its
-            own ends with finish_reason "tool_calls"; one cut at max_tokens says "length", whatever it made."""
+            a forced tool call: OpenAI's tool_calls, the output its arguments (a stream's first chunk names the call,
+            as vLLM's, and the others carry more of its arguments); with "auto": the calls the tool parser finds, and
+            the text outside them as content. A choice that made calls and stopped on its own ends with
+            finish_reason "tool_calls"; one cut at max_tokens says "length", whatever it made."""
             text, token_ids = (sample.text_delta, sample.token_ids_delta) if stream else (sample.text, sample.token_ids)
             first = len(sample.token_ids) - len(token_ids)  # where these tokens start in the completion
             token_logprobs = sample.logprobs and sample.logprobs[first:]  # None: no logprobs asked for
@@ -735,8 +648,12 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
                 content, calls, num_calls = text, [], 0  # num_calls: the calls this choice has made so far
                 if isinstance(tool, dict):  # forced: the whole output is the call's arguments
                     function = {"name": tool["function"]["name"], "arguments": text}
-                    calls = [{"id": f"call_{uuid.uuid4().hex}", "type": "function", "function": function}]
-                    content, num_calls = "", 1
+                    call = {"id": f"call_{uuid.uuid4().hex}", "type": "function", "function": function}
+                    if stream and first > 0:
+                        call = {"index": 0, "function": {"arguments": text}}
+                    elif stream:
+                        call = {"index": 0, **call}
+                    content, calls, num_calls = "", [call], 1
                 elif tool == "auto":  # as the text comes: the calls in it (a stream's deltas), the text outside them
                     parser = parsers.setdefault(result["index"], config.tool_parser())
                     content, calls = parser.feed(text, final=sample.finish_reason is not None)
@@ -759,32 +676,24 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
                 ]
             return result
 
-        async def chunks() -> AsyncIterator[str]:
+        async def chunks() -> AsyncIterator[dict]:
             """A chunk per choice with new tokens (finish_reason rides on a choice's last; with continuous usage, its
-            usage so far), the usage of all if asked, [DONE]."""
+            usage so far), then the usage of all if asked. An engine failure raises its RuntimeError."""
             finals = {}  # prompt index -> its final output
-            try:
-                async for index, out in results:
-                    if out.finished:
-                        finals[index] = out
-                    for sample in out.outputs:
-                        if sample.token_ids_delta:
-                            chunk = {**head, "choices": [choice(index, out, sample)]}
-                            if continuous_usage:  # this choice's tokens so far
-                                chunk["usage"] = usage_json([replace(out, outputs=[sample])])
-                            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-            except RuntimeError as e:  # the engine failed, or shutdown came, after the 200: say so in the stream
-                yield f"data: {error_response(500, str(e)).body.decode()}\n\n"
-                yield "data: [DONE]\n\n"
-                return
-            if len(finals) < len(prompts):
-                return  # the client went away
-            if usage:
-                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage_json(finals.values())})}\n\n"
-            yield "data: [DONE]\n\n"
+            async for index, out in results:
+                if out.finished:
+                    finals[index] = out
+                for sample in out.outputs:
+                    if sample.token_ids_delta:
+                        chunk = {**head, "choices": [choice(index, out, sample)]}
+                        if continuous_usage:  # this choice's tokens so far
+                            chunk["usage"] = usage_json([replace(out, outputs=[sample])])
+                        yield chunk
+            if usage and len(finals) == len(prompts):  # (fewer: the client went away)
+                yield {**head, "choices": [], "usage": usage_json(finals.values())}
 
         if stream:
-            return StreamingResponse(chunks(), media_type="text/event-stream")
+            return chunks()
         finals = {index: out async for index, out in results if out.finished}  # prompt index -> its final output
         if len(finals) < len(prompts):
             return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads this
@@ -794,21 +703,21 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
         choices = [choice(index, out, sample) for index, out in sorted(finals.items()) for sample in out.outputs]
         return {**head, "choices": choices, "usage": usage_json(finals.values())}
 
-    def authorize(http: Request) -> None:
-        """With an API key set, a /v1 request without it is a 401; compared in constant time."""
-        sent = http.headers.get("authorization", "").encode()
-        if config.api_key and not hmac.compare_digest(sent, f"Bearer {config.api_key}".encode()):
-            raise HTTPException(401, "a valid API key is needed (Authorization: Bearer KEY)")
+    def check_model(body: dict) -> None:
+        """The body's model, where given, is this server's or one of its adapters'; any other is a 404."""
+        if body.get("model") not in (None, model_name, *adapters):
+            raise NotFound("model", f"{shown(body['model'])} does not exist; this server has {[model_name, *adapters]}")
 
-    def check_cost(prompts: list, params: SamplingParams, prompt_field: str) -> None:
-        """The request's choices (prompts x n) and its prompt text within the caps, before anything is tokenized."""
-        if len(prompts) * params.n > config.max_n:
-            name = "n" if params.n > 1 else prompt_field
-            raise InvalidField(name, f"{len(prompts)} prompt(s) x n={params.n} is over {config.max_n} choices")
+    def check_chars(prompts: object, prompt_field: str) -> None:
+        """A request's prompt text (all prompts, or all messages) within the cap, before anything is tokenized."""
         num_chars = text_length(prompts)
         if num_chars > max_prompt_chars:
             raise InvalidField(prompt_field, f"has {num_chars} characters; this server takes {max_prompt_chars}")
 
+    responses.add_routes(api, answer, config)
+    messages.add_routes(api, answer, config)
+    tokens.add_routes(api, llm, config, check_model, check_chars)
+    app.include_router(api)
     return app
 
 
