@@ -19,7 +19,7 @@ on the device before the step runs: `block_copies`, which the scheduler hands to
 in place. So no block is written while shared, and a partial block, never keyed, cannot be found while being written."""
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import count
 
@@ -50,6 +50,9 @@ class BlockManager:
     num_freed: int = 0  # blocks ever returned to the pool
     num_hit_blocks: int = 0  # blocks reused through the prefix cache
     num_revived: int = 0  # of those, blocks taken back from the free pool
+    # The extension point of eviction: called with a cached block (its key and prefix id) as it is taken for new K/V
+    # (ext/kv_offload copies it to a host tier first); None: evicted blocks are forgotten
+    on_evict: Callable[[Block], None] | None = None
 
     def __post_init__(self) -> None:
         self.blocks = [Block(i) for i in range(self.num_blocks)]
@@ -185,6 +188,8 @@ class BlockManager:
         key = self.blocks[block_id].key
         if self.cached.get(key) == block_id:  # (a block never keyed finds None)
             del self.cached[key]  # evict: its prefix is no longer findable
+            if self.on_evict is not None:  # a KV connector may keep it: whole until the step it is taken for writes
+                self.on_evict(self.blocks[block_id])
         self.blocks[block_id] = Block(block_id, ref_count=1)  # no key, no prefix name, one user
         self.num_allocated += 1
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)

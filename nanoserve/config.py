@@ -78,6 +78,14 @@ class EngineConfig(Settings):
     # batch 1's launch-latency kernels (ext/latency): the weights of a step of few rows read by a split-K GEMV, the
     # decode's reduce merged into its last split, programmatic dependent launches. Off until a GPU run measures them
     latency_kernels: bool = False
+    # quantized weights by vLLM's method names ("awq", "gptq", "compressed-tensors", "fp8"); None: the checkpoint's
+    # own format if it has one, else 16-bit (ext/quantization)
+    quantization: str | None = None
+    # a host-memory tier behind the prefix cache, in GiB, and its backend, vLLM's names (ext/kv_offload)
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None
+    # prefill and decode on separate engines (ext/kv_transfer): vLLM's KVTransferConfig keys (kv_role, ...)
+    kv_transfer_config: dict | str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":

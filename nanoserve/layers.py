@@ -30,6 +30,12 @@ class Layers:
     """Layers that hold their weights whole: the model in one process."""
 
     size = 1  # processes each weight is split across; the KV cache holds num_kv_heads / size heads per process
+    rank = 0  # this process's share among them
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        """x summed across the processes (one process: x itself), for a layer whose partial results add up (ext/moe's
+        experts, split by their inner features as down is)."""
+        return x
 
     def merged(self, in_features: int, shard_sizes: list[int], bias: bool) -> MergedLinear:
         """Projections that read the same input, fused (split by output features under ext/tp: column-parallel)."""

@@ -25,7 +25,6 @@ from nanoserve.kernels import Kernels, get_kernels
 from nanoserve.layers import Layers
 from nanoserve.model import CausalLM, ModelArgs
 
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # ours -> HF's shards
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")  # any one will do
 NamedTensors = Iterable[tuple[str, torch.Tensor]]  # a checkpoint's (name, tensor) pairs, read one at a time
 CONFIG_SIZES = (
@@ -104,17 +103,9 @@ def read_safetensors(model_dir: str, shapes_only: bool = False) -> NamedTensors:
 @torch.no_grad()  # parameters are copied into in place, which autograd would refuse
 def load_weights(model: CausalLM, tensors: NamedTensors) -> None:
     """tensors: (HF name, tensor) pairs, each loaded by its parameter's weight_loader, or copied whole into a
-    parameter that defines none. q, k and v each fill their shard of our fused qkv_proj, gate and up theirs of
-    gate_up_proj (FUSED). A tensor with no place, one whose shape does not fit, or one missing is an
-    InvalidField("model") naming it."""
-    places = {}  # HF name -> (our parameter, extra weight_loader arguments), until its tensor is loaded
-    for name, param in model.named_parameters(remove_duplicate=False):
-        proj = name.split(".")[-2]  # model.layers.0.self_attn.qkv_proj.weight: qkv_proj
-        if proj in FUSED:  # model.layers.0.self_attn.q_proj.weight fills shard 0 of its qkv_proj.weight, and so on
-            for index, part in enumerate(FUSED[proj]):
-                places[name.replace(proj, part)] = (param, (index,))
-        else:  # any other parameter is one tensor of its own name, copied whole
-            places[name] = (param, ())
+    parameter that defines none, at the places the model's family gives (ModelArgs.checkpoint_places). A tensor with
+    no place, one whose shape does not fit, or one missing is an InvalidField("model") naming it."""
+    places = model.args.checkpoint_places(model)  # HF name -> (our parameter, extra weight_loader arguments)
     for hf_name, tensor in tensors:
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue  # older checkpoints store RoPE frequencies; we compute them
@@ -203,8 +194,11 @@ def load_hf_config(model_dir: str, config: EngineConfig) -> tuple[PretrainedConf
         hf_config = AutoConfig.from_pretrained(model_dir)
     except Exception as error:
         raise InvalidField("model", f"{path}: {error}") from error
-    # 2) what this engine config can serve of it
+    # 2) what this engine config can serve of it; quantized weights (asked for, or the checkpoint's own format) are
+    # read by their extension, refused by name without it
     args = ModelArgs.from_hf(hf_config)
+    if config.quantization is not None or getattr(hf_config, "quantization_config", None) is not None:
+        args.quantization = ext.load("quantization", "quantization").weight_format(config, hf_config, args)
     if config.max_model_len > args.max_position:
         raise InvalidField(
             "max_model_len", f"{config.max_model_len} exceeds the model's max_position_embeddings={args.max_position}"

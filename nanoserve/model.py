@@ -18,11 +18,15 @@ from transformers import PretrainedConfig
 
 from nanoserve.attention import AttentionMetadata
 from nanoserve.checks import InvalidField
+from nanoserve.ext import MODEL_TYPES, load
 from nanoserve.kernels import Kernels
 from nanoserve.layers import Layers
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # ours -> HF's shards
 KVCache = tuple[Tensor, Tensor]  # one layer's (K cache, V cache)
+# a checkpoint tensor's place in the model: (our parameter, the arguments its weight_loader takes after the tensor)
+Place = tuple[nn.Parameter, tuple]
 # wrap_projections' callback: (layer index or None for the LM head, the projection's name, the projection) -> module
 ProjectionWrapper = Callable[[int | None, str, nn.Module], nn.Module]
 
@@ -44,6 +48,9 @@ class ModelArgs:
     qkv_bias: bool  # Qwen2
     o_bias: bool
     qk_norm: bool  # Qwen3
+    # the checkpoint's quantized weight format, which makes the projections that hold such weights (ext/quantization),
+    # or None: 16-bit weights
+    quantization: object = None
 
     def kv_bytes_per_token(self, dtype: torch.dtype, num_ranks: int = 1) -> int:
         """Every token keeps a K and a V vector per layer and KV head: 2 x layers x KV heads x head_dim x bytes per
@@ -51,9 +58,35 @@ class ModelArgs:
         parallelism each of num_ranks ranks holds its share of the heads."""
         return 2 * self.num_layers * (self.num_kv_heads // num_ranks) * self.head_dim * dtype.itemsize
 
+    def mlp(self, index: int, kernels: Kernels, layers: Layers) -> nn.Module:
+        """Decoder layer `index`'s MLP. A model family of an extension says otherwise (ext/moe: routed experts)."""
+        return MLP(self, kernels, layers)
+
+    def checkpoint_places(self, model: "CausalLM") -> dict[str, Place]:
+        """Where each checkpoint tensor goes, by its HF name: every parameter is one tensor of its own name, but in
+        our fused projections (FUSED), where q, k and v each fill their shard of qkv_proj, gate and up theirs of
+        gate_up_proj. A model family of an extension adds its own (ext/moe: each expert's slice of stacked weights)."""
+        places = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            proj = name.split(".")[-2]  # model.layers.0.self_attn.qkv_proj.weight: qkv_proj
+            if proj in FUSED:  # model.layers.0.self_attn.q_proj.weight fills shard 0 of its qkv_proj.weight, ...
+                for index, part in enumerate(FUSED[proj]):
+                    places[name.replace(proj, part)] = (param, (index,))
+            else:
+                places[name] = (param, ())
+        return places
+
+    @staticmethod
+    def extra_fields(cfg: PretrainedConfig) -> dict:
+        """A model family's own fields from the HF config, beyond the dense ones (and any dense one it sets itself)."""
+        return {}
+
     @classmethod
     def from_hf(cls, cfg: PretrainedConfig) -> "ModelArgs":
-        if cfg.model_type not in SUPPORTED:
+        family = cls  # the dense decoder, or an extension's family (ext/__init__.py's MODEL_TYPES)
+        if cfg.model_type in MODEL_TYPES:
+            family = load(MODEL_TYPES[cfg.model_type], "model").model_family()
+        elif cfg.model_type not in SUPPORTED:
             raise InvalidField("model", f"model_type {cfg.model_type!r} is not supported (supported: {SUPPORTED})")
         # transformers 5 gathers RoPE's settings (rope_type, rope_theta and any scaling) in rope_parameters, whatever
         # the config.json says (old rope_scaling / rope_theta fields are moved there when the config is read)
@@ -65,23 +98,24 @@ class ModelArgs:
         if rope_type == "llama3":
             rope_scaling = rope
         bias = getattr(cfg, "attention_bias", False)
-        return cls(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads,  # transformers sets it to num_attention_heads when not given
-            head_dim=getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads),  # Qwen2 has none
-            rms_norm_eps=cfg.rms_norm_eps,
-            max_position=cfg.max_position_embeddings,
-            rope_theta=rope["rope_theta"],
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=cfg.tie_word_embeddings,
-            qk_norm=cfg.model_type == "qwen3",
-            qkv_bias=cfg.model_type == "qwen2" or bias,  # Qwen2's config has no attention_bias: q, k, v only
-            o_bias=bias,
-        )
+        fields = {
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_layers": cfg.num_hidden_layers,
+            "num_heads": cfg.num_attention_heads,
+            "num_kv_heads": cfg.num_key_value_heads,  # transformers sets it to num_attention_heads when not given
+            "head_dim": getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads),  # Qwen2 has none
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "max_position": cfg.max_position_embeddings,
+            "rope_theta": rope["rope_theta"],
+            "rope_scaling": rope_scaling,
+            "tie_word_embeddings": cfg.tie_word_embeddings,
+            "qk_norm": cfg.model_type == "qwen3",
+            "qkv_bias": cfg.model_type == "qwen2" or bias,  # Qwen2's config has no attention_bias: q, k, v only
+            "o_bias": bias,
+        }
+        return family(**fields | family.extra_fields(cfg))
 
 
 class RMSNorm(nn.RMSNorm):
@@ -170,10 +204,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels, layers: Layers) -> None:
+    def __init__(self, args: ModelArgs, kernels: Kernels, layers: Layers, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(args, kernels, layers)
-        self.mlp = MLP(args, kernels, layers)
+        self.mlp = args.mlp(index, kernels, layers)
         self.input_layernorm = RMSNorm(args, kernels)
         self.post_attention_layernorm = RMSNorm(args, kernels)
 
@@ -216,12 +250,14 @@ class CausalLM(nn.Module):
         super().__init__()
         self.args = args
         layers = layers or Layers()
+        if args.quantization is not None:  # quantized weights: the format makes the projections (ext/quantization)
+            layers = args.quantization.layers(layers)
         self.kernels = kernels  # the table every layer calls (replace_kernels changes it everywhere at once)
         self.layout = layers  # how the weights are held; its whole_vocab joins the LM head's output
         self.model = nn.ModuleDict(
             {
                 "embed_tokens": layers.embedding(args.vocab_size, args.hidden_size),
-                "layers": nn.ModuleList([DecoderLayer(args, kernels, layers) for _ in range(args.num_layers)]),
+                "layers": nn.ModuleList([DecoderLayer(args, kernels, layers, i) for i in range(args.num_layers)]),
                 "norm": RMSNorm(args, kernels),
             }
         )
@@ -255,7 +291,8 @@ class CausalLM(nn.Module):
         for index, layer in enumerate(self.model.layers):
             for part, name in PROJECTIONS:
                 owner = getattr(layer, part)
-                owner.register_module(name, wrap(index, name, getattr(owner, name)))
+                if hasattr(owner, name):  # (a layer of routed experts has no gate_up_proj: ext/moe)
+                    owner.register_module(name, wrap(index, name, getattr(owner, name)))
         self.lm_head = wrap(None, "lm_head", self.lm_head)
 
     def replace_kernels(self, **changes: Callable) -> None:

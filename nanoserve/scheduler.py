@@ -75,6 +75,12 @@ class Scheduler:
     # keeps its place in the queue while later ones may go ahead (ext/lora: at most max_loras adapters run at once;
     # an adapter still loading); one whose error an extension set is reported by the step (Step.failed)
     admission_rules: list[AdmissionRule] = field(default_factory=list)
+    # The extension point of KV transfer (ext/kv_offload: a host tier; ext/kv_transfer: another engine): a connector
+    # that may supply the K/V of a waiting sequence's full blocks past those the prefix cache found. Asked
+    # num_loadable(seq, num_cached_blocks) at admission, it names how many more; they are booked as computed, in blocks
+    # of seq's table that it is then told of (load(seq, first_block, count)) and fills before the step runs (its step
+    # hook). Never the block that holds the last token, whose logits the step needs
+    kv_connector: object = None
 
     def check_fits(self, seq: Sequence, num_beams: int = 1) -> None:
         """Refuse a request that could not fit in the whole pool even alone: it would never finish. Beam search's beams
@@ -129,9 +135,15 @@ class Scheduler:
                 held.append(self.waiting.popleft())
                 continue
             cached = bm.find_cached_prefix(seq)  # none if it asked for prompt_logprobs
-            num_new = min(seq.num_tokens - len(cached) * bm.block_size, budget)
-            if not bm.allocate(seq, num_new, cached):
+            loaded = 0  # full blocks a KV connector fills after the cached ones
+            if self.kv_connector is not None:
+                loaded = self.kv_connector.num_loadable(seq, len(cached))
+            num_new = min(seq.num_tokens - (len(cached) + loaded) * bm.block_size, budget)
+            if not bm.allocate(seq, loaded * bm.block_size + num_new, cached):
                 break
+            if loaded:  # booked as computed: the connector fills them before the step runs
+                self.kv_connector.load(seq, len(cached), loaded)
+                seq.num_computed_tokens += loaded * bm.block_size
             self.running.append(self.waiting.popleft())
             seq.status = SequenceStatus.RUNNING
             step.admitted.append(seq)

@@ -28,6 +28,11 @@ ASKING = {
     "lora_config": {"max_loras": 2},
     "cascade_attention": True,
     "latency_kernels": True,
+    "prompt_logprobs": 2,
+    "quantization": "awq",
+    "kv_offloading_size": 1.0,
+    "kv_offloading_backend": "native",
+    "kv_transfer_config": {"kv_role": "kv_both"},
 }
 
 

@@ -53,9 +53,15 @@ ENGINE_OPTIONS: Owners = {
     "trace": ("plots", None),
     "speculative_config": ("speculative", None),
     "latency_kernels": ("latency", False),  # before lora: LoRA wraps the projections the GEMV wrapped
+    "quantization": ("quantization", None),
+    "kv_offloading_size": ("kv_offload", None),
+    "kv_offloading_backend": ("kv_offload", None),
+    "kv_transfer_config": ("kv_transfer", None),
     "lora_config": ("lora", None),
     "cascade_attention": ("cascade", False),  # last: it wraps the decode graphs that lora may capture again
 }
+# Model families an extension serves, by config.json's model_type (the core's own: llama, qwen2, qwen3)
+MODEL_TYPES = {"qwen3_moe": "moe", "mixtral": "moe"}
 # SamplingParams' fields:
 REQUEST_FIELDS: Owners = {
     "n": ("parallel_sampling", 1),  # first: the other extensions attach to every sample's sequence

@@ -79,6 +79,11 @@ class ShardedLayers(Layers):
     def __init__(self, tp: TP) -> None:
         self.tp = tp
         self.size = tp.size
+        self.rank = tp.rank
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        dist.all_reduce(x)
+        return x
 
     def merged(self, in_features: int, shard_sizes: list[int], bias: bool) -> MergedLinear:
         return ColumnParallelLinear(in_features, shard_sizes, bias, self.tp)
