@@ -115,6 +115,15 @@ class BlockManager:
             else:  # the same prefix computed twice (two sequences admitted together): one entry, one name
                 block.prefix_id = owner.prefix_id
 
+    def restore(self, block_id: int, key: PrefixKey, prefix_id: int) -> None:
+        """A block a KV connector fills (ext/kv_offload: copied back from the host tier) takes the key and prefix id
+        its K/V had when evicted: the prefix keeps its name, so its children, cached under that name on the device or
+        in the host tier, stay findable after it. Before cache_full_blocks, which keys only the blocks after it."""
+        block = self.blocks[block_id]
+        block.key = key
+        block.prefix_id = prefix_id
+        self.cached.setdefault(key, block_id)
+
     def allocate(
         self,
         seq: Sequence,

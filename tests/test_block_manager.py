@@ -471,6 +471,39 @@ def test_child_of_an_evicted_parent_is_never_hit():
     bm.free(v)
 
 
+def test_a_restored_block_keeps_its_prefix_name_and_its_children():
+    """Guards against a block that comes back from outside the pool (a KV connector's host tier) getting a new
+    prefix id: its children, still cached on the device under the old one, would never be found after it. A prompt
+    of three full blocks is cached and freed, its first block evicted (on_evict sees its key and prefix id) and
+    restored into another block under them: the prompt then hits all three, reading back its own prefix; without
+    the restore (the block keyed anew when computed) it would hit the first only."""
+    bm = BlockManager(6, 2)
+    kv: dict[int, tuple] = {}
+    evicted = []
+    bm.on_evict = lambda block: evicted.append((block.block_id, block.key, block.prefix_id))
+    a = fully_computed(bm, kv, [1, 2, 3, 4, 5, 6, 7])
+    head, middle, tail = a.block_table[:3]
+    bm.free(a)
+    bm.free_ids.move_to_end(head, last=False)  # the head is the next block taken for new K/V
+    saved_kv = [kv[head * 2], kv[head * 2 + 1]]  # its K/V, copied outside the pool
+    other = fully_computed(bm, kv, [8])  # evicts the head, and writes other K/V into it
+    assert evicted == [(head, (None, (1, 2)), evicted[0][2])] and (None, (1, 2)) not in bm.cached
+    b = Sequence([1, 2, 3, 4, 5, 6, 9], PARAMS, 2)
+    assert bm.find_cached_prefix(b) == []
+    assert bm.allocate(b, 2)  # a fresh block for the first one, filled from outside
+    restored = b.block_table[0]
+    kv[restored * 2], kv[restored * 2 + 1] = saved_kv
+    _, key, prefix_id = evicted[0]
+    bm.restore(restored, key, prefix_id)
+    b.num_computed_tokens = 2  # booked as computed, as the scheduler does for a connector's blocks
+    probe = Sequence([1, 2, 3, 4, 5, 6, 0], PARAMS, 2)
+    assert bm.find_cached_prefix(probe) == [restored, middle, tail]
+    assert bm.allocate(probe, 1, [restored, middle, tail])
+    check_kv_reads(bm, kv, probe, 6)
+    for seq in (other, b, probe):
+        bm.free(seq)
+
+
 @pytest.mark.parametrize("freed_first", ["owner", "twin"])
 def test_twins_share_one_entry_that_only_the_owner_removes(freed_first):
     """Guards against the same prefix computed twice in one step (twins, admitted before either was cached)
