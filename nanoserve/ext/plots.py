@@ -3,7 +3,9 @@ file is then never imported), one JSON line per step: its sequences (prefill chu
 allocated, freed, hit and revived, used/cached/free after it, preemptions, queues, the step's time (step_ms), the block
 size, the K/V tokens held and the slots reserved but unused (kv_tokens, kv_unused_slots); with speculative decoding,
 each sequence's draft tokens in the step (drafts; a decode with drafts is still a decode) and the running totals of
-drafts proposed and accepted (spec); plot_trace(trace, out_dir) draws it (matplotlib).
+drafts proposed and accepted (spec); with a host tier (kv_offloading_size: ext/kv_offload.py), its running totals
+(offload: blocks saved, loaded back and dropped, and how preempted sequences came back); plot_trace(trace, out_dir)
+draws it (matplotlib).
 
 kv_blocks.png: the block pool after each step: used (held by running sequences), cached (free, still holding a findable
 prefix) and free; red dashed lines mark preemptions. batches.png: top, each step's prefill tokens under its decodes (one
@@ -11,7 +13,9 @@ token each): a small max_num_batched_tokens cuts a long prompt into chunks that 
 and waiting queues. block_tables.png: the first sequences' block tables, one cell per physical block labelled with its
 id; orange cells are shared through the prefix cache (one copy of a common prefix, computed once). After a beam search
 (LLM.beam_search), the rows are the beams alive at the end, and orange cells the blocks they share since their forks:
-the prompt's, held once, and their common history."""
+the prompt's, held once, and their common history. host_tier.png (with a host tier): blocks leaving the device for host
+memory (down) and coming back (up) in each step, the host blocks held, preemptions, and each readmission marked by how
+its blocks came back: swapped (copied back) or recomputed."""
 
 import json
 import tempfile
@@ -113,6 +117,9 @@ class StepTrace:
         }
         if self.llm.proposer is not None:  # speculative decoding's running totals
             step["spec"] = self.llm.proposer.stats()
+        host_tier = self.llm.extensions.get("kv_offload")
+        if host_tier is not None:  # the host tier's running totals (ext/kv_offload.py)
+            step["offload"] = host_tier.stats()
         print(json.dumps(step), file=self.file)
         self.num_steps += 1
         self.last = counters
@@ -198,6 +205,25 @@ def plot_block_tables(steps: list[dict], ax: "Axes") -> None:
     )
 
 
+def plot_host_tier(steps: list[dict], ax: "Axes") -> None:
+    totals = [s["offload"] for s in steps]
+
+    def per_step(name: str) -> np.ndarray:  # a running total's increase in each step
+        return np.diff([0] + [t[f"kv_offload_{name}"] for t in totals])
+
+    x = np.arange(len(steps))
+    ax.bar(x, -per_step("blocks_saved"), width=1.0, color="tab:orange", label="blocks saved to host (leaving)")
+    ax.bar(x, per_step("blocks_loaded"), width=1.0, color="tab:green", label="blocks loaded back (returning)")
+    ax.plot(x, [t["kv_offload_host_blocks_used"] for t in totals], color="0.3", label="host blocks held")
+    preempted = [s["step"] for s in steps if s["preempted"]]
+    ax.vlines(preempted, *ax.get_ylim(), color="red", lw=0.8, ls="--", label="preemption" if preempted else None)
+    for name, marker, colour in (("swapped", "^", "tab:green"), ("recomputed", "x", "red")):
+        readmitted = x[per_step(f"preemptions_{name}") > 0]
+        ax.plot(readmitted, np.zeros(len(readmitted)), marker, color=colour, ms=9, label=f"readmitted: {name}")
+    ax.axhline(0, color="black", lw=0.5)
+    ax.set(xlabel="step", ylabel="blocks", title="Host tier: blocks leaving the device and returning, per step")
+
+
 def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
     """Write kv_blocks.png, batches.png and block_tables.png for the trace into out_dir; returns their paths."""
     # plain Figures, not pyplot's: drawing into files needs no window, and a caller's pyplot state (its backend, its
@@ -210,11 +236,10 @@ def plot_trace(trace_path: str | Path, out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, draw, panels in (
-        ("kv_blocks", plot_kv_blocks, 1),
-        ("batches", plot_batches, 2),
-        ("block_tables", plot_block_tables, 1),
-    ):
+    figures = [("kv_blocks", plot_kv_blocks, 1), ("batches", plot_batches, 2), ("block_tables", plot_block_tables, 1)]
+    if "offload" in steps[0]:  # a host tier's (kv_offloading_size)
+        figures.append(("host_tier", plot_host_tier, 1))
+    for name, draw, panels in figures:
         fig = matplotlib.figure.Figure(figsize=(9, 1 + 3 * panels), layout="tight")
         axes = np.atleast_1d(fig.subplots(panels, sharex=True))  # one Axes, or an array of them: an array
         draw(steps, *axes)
