@@ -210,6 +210,8 @@ class EngineLoop:
                     continue
                 if isinstance(out, Exception):
                     raise RuntimeError(f"the engine failed this request: {out}") from out
+                if out.error is not None:  # an extension failed it (Sequence.error): the client is told why
+                    raise RuntimeError(f"the engine failed this request: {out.error}")
                 if out.finished:
                     unfinished.discard(out.request_id)
                 yield request_ids.index(out.request_id), out
