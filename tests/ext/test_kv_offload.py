@@ -204,13 +204,15 @@ class TensorKV(FakeRunner):
     """conftest's FakeRunner with its fake K/V in a tensor the host tier copies, [K or V, layer, block, slot, head,
     head_dim] = [2, 1, blocks, block_size, 1, 1]: each slot holds the number of the token prefix whose K/V it holds (0:
     none), in both halves. Its dict (what FakeRunner's checks read: every earlier position must read back its own
-    prefix) is read from the tensor before each step, after the step hooks made their copies, and written back after."""
+    prefix) is read from the tensor before each step, after the step hooks made their copies, and written back after,
+    before the output hooks run (their finishers at once: on a CPU the copies they queued are complete)."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__(num_blocks)
         self.kv_cache = torch.zeros(2, 1, num_blocks, block_size, 1, 1, dtype=torch.float64)
         self.on_gpu = False
         self.step_hooks = []
+        self.output_hooks = []
         self.prefixes = [None]  # number -> token prefix
         self.numbers = {None: 0}
 
@@ -231,6 +233,10 @@ class TensorKV(FakeRunner):
         for slot, prefix in self.kv.items():
             numbers[slot] = self.number(prefix)
         self.kv_cache[:] = torch.tensor(numbers, dtype=torch.float64).view(self.kv_cache.shape[2:])
+        for hook in self.output_hooks:
+            finish = hook(step, None)
+            if finish is not None:
+                finish()
         return launched
 
 

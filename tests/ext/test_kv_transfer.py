@@ -17,13 +17,16 @@ from functools import partial
 
 import pytest
 import torch
-from conftest import extension_or_skip, hf_greedy, random_prompts, refused
+from conftest import FakeEngine, extension_or_skip, hf_greedy, random_prompts, reference_completion, refused
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import nanoserve
 from nanoserve import SamplingParams
 from nanoserve.config import EngineConfig
 
-extension_or_skip("kv_transfer")
+kv_transfer = extension_or_skip("kv_transfer")
+from test_kv_offload import TensorKV  # noqa: E402 (the host tier's fake runner: ext/kv_transfer imports ext/kv_offload)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LLM = partial(nanoserve.LLM, device="cpu", max_model_len=256)
@@ -203,6 +206,48 @@ except InvalidField as error:
         assert run.wait(rank) == 0
 
 
+def test_two_kv_both_engines_share_their_prefills(tiny_model, pair):
+    """Guards against kv_both doing only one of its two jobs, or waiting: each engine sends the prompts it computes and
+    loads what the other sent when it is there. Rank 0 prefills prompts A, which rank 1 decodes from the K/V it loads;
+    rank 1 prefills prompts B, which rank 0 decodes the same way; outputs equal one engine's."""
+    path, _ = tiny_model("qwen3")
+    a, b = random_prompts([40, 70, 33]), random_prompts([50, 20, 36])
+    both = {"kv_role": "kv_both"}
+    greedy = "SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)"
+    helpers = f"""
+llm = LLM({path!r}, kv_transfer_config={both!r}, **{ENGINE!r})
+def wait_for(count):  # transfers waiting to be loaded here
+    deadline = time.monotonic() + 60
+    while llm.extensions["kv_transfer"].stats()["kv_transfer_waiting"] < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+def decode(prompts):
+    outs = llm.generate(prompts, {greedy}, use_tqdm=False)
+    say("DONE", tokens=[o.outputs[0].token_ids for o in outs], stats=llm.extensions["kv_transfer"].stats(),
+        used=llm.block_manager.num_used_blocks)
+"""
+    first = f"""{helpers}
+llm.generate({a!r}, SamplingParams(max_tokens=1), use_tqdm=False)  # sent to rank 1
+wait_for(6)  # B, and A again: rank 1 sends what it computes, loaded blocks and all
+decode({b!r})
+llm.extensions["kv_transfer"].link.close(wait_s=120)
+"""
+    second = f"""{helpers}
+wait_for(3)
+decode({a!r})
+llm.generate({b!r}, SamplingParams(max_tokens=1), use_tqdm=False)  # sent to rank 0
+llm.extensions["kv_transfer"].link.close(wait_s=120)
+"""
+    run = pair(first, second)
+    one_engine = LLM(path, **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for rank, prompts in ((0, b), (1, a)):
+        done, _ = run.next(rank, "DONE")
+        assert done["tokens"] == [o.outputs[0].token_ids for o in one_engine.generate(prompts, params, use_tqdm=False)]
+        assert done["stats"]["kv_transfer_requests_loaded"] == len(prompts), done["stats"]
+        assert done["used"] == 0
+    assert run.wait(0) == 0 and run.wait(1) == 0
+
+
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
 def test_a_decode_engine_killed_or_stopped_mid_transfer_is_named(tiny_model, pair, fault):
     """Guards against a prefill engine that goes on computing for a decode engine that is gone (killed: its socket
@@ -219,6 +264,7 @@ for batch in range(200):
     if errors:
         break
 say("DONE", used=llm.block_manager.num_used_blocks)
+llm.extensions["kv_transfer"].link.close(wait_s=1)  # (a stopped peer never says BYE)
 """
     consumer = f"""
 llm = LLM({path!r}, kv_transfer_config={CONSUMER!r}, **{ENGINE!r})
@@ -349,3 +395,103 @@ def test_options_are_checked_by_name():
     }
     config = EngineConfig(device="cpu", kv_transfer_config=json.dumps(vllm_defaults))
     assert config.extensions == ("kv_transfer",)
+
+
+# ---- hypothesis over two fake engines in one process: nothing lost on either side ------------------------------------
+class Loopback:
+    """The link between two engines of one process: what one sends, the other's side receives at once."""
+
+    def __init__(self) -> None:
+        self.other = None  # the receiving KVTransfer
+
+    def start(self, on_message: object, on_failure: object, name: str) -> None:
+        self.peer_name = name
+
+    def send(self, tokens: torch.Tensor, kv: torch.Tensor) -> None:
+        self.other.on_message(tokens, kv.reshape(-1).view(torch.uint8).clone())
+
+    def close(self, wait_s: float = 0.0) -> None:
+        """Nothing to close."""
+
+
+def fake_side(role: str, num_blocks: int, block_size: int, prefixes: tuple) -> tuple[FakeEngine, object, Loopback]:
+    """A FakeEngine whose runner keeps its K/V in a tensor (TensorKV), numbered as the other side's (prefixes), with
+    this extension's side connected to a Loopback."""
+    engine = FakeEngine(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=6)
+    runner = TensorKV(num_blocks, block_size)
+    runner.prefixes, runner.numbers = prefixes
+    runner.engine = engine.llm
+    engine.runner = engine.llm.runner = runner
+    options = kv_transfer.Settings(role, None, "127.0.0.1", 1, 1e9, "fail", 1e6, 10.0)
+    side = kv_transfer.KVTransfer(engine.llm, options)
+    link = Loopback()
+    side.connect(engine.llm, link, f"the other side of {role}")
+    return engine, side, link
+
+
+BASES = [[], [1, 2, 1, 2, 1, 2, 0, 1], [2, 2, 1], [1, 2, 1, 2, 2, 2, 2, 1, 0]]  # shared prompt starts
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    block_size=st.sampled_from([2, 4]),
+    producer_blocks=st.integers(4, 12),
+    consumer_blocks=st.integers(4, 12),
+    requests=st.lists(
+        st.tuples(
+            st.integers(0, len(BASES) - 1),  # how its prompt starts
+            st.lists(st.integers(0, 2), min_size=1, max_size=8),  # then its own tokens
+            st.integers(1, 6),  # max_tokens on the decode side
+            st.integers(1, 2),  # n there
+            st.integers(0, 10),  # the step it reaches the prefill engine
+            st.integers(0, 10),  # the step it reaches the decode engine: before its K/V, or after
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_the_pair_loses_nothing(block_size, producer_blocks, consumer_blocks, requests):
+    """Guards against the pair's bookkeeping going wrong where transfers meet prefix caching, chunked prefill, n > 1
+    and preemption in tiny pools on both sides: a block held after its request ended, K/V loaded into the wrong block
+    or from another prompt (TensorKV reads every position back), a full prompt block computed again on the decode side,
+    a transfer neither loaded, waiting nor counted as dropped. Requests reach the two engines in any order; after every
+    step both pools are checked (check_pool), at the end both are empty and every output is the fake model's."""
+    prefixes = ([None], {None: 0})
+    producer, sent, to_consumer = fake_side("kv_producer", producer_blocks, block_size, prefixes)
+    consumer, received, to_producer = fake_side("kv_consumer", consumer_blocks, block_size, prefixes)
+    to_consumer.other, to_producer.other = received, sent
+    arrivals = []  # (step, engine, prompt, params)
+    for start, own, max_tokens, n, at_producer, at_consumer in requests:
+        prompt = (BASES[start] + own)[:16]
+        if -(-(len(prompt) + max_tokens) // block_size) > min(producer_blocks, consumer_blocks):
+            continue  # would not fit a pool alone
+        arrivals.append((at_producer, 0, prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
+        arrivals.append((at_consumer, 1, prompt, SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True)))
+    arrivals.sort(key=lambda arrival: arrival[:2])
+    decoded = []  # (prompt, the request's sequences, max_tokens) on the decode side
+    step = 0
+    while arrivals or producer.llm.has_unfinished_requests() or consumer.llm.has_unfinished_requests():
+        while arrivals and arrivals[0][0] <= step:
+            _, side, prompt, params = arrivals.pop(0)
+            engine = (producer, consumer)[side]
+            request = engine.llm.requests[engine.llm.add_request(prompt, params, stream=False)]
+            if side:
+                decoded.append((prompt, request.seqs, params.max_tokens))
+        producer.step()
+        consumer.step()
+        step += 1
+        assert step < 3000, "no progress"
+    assert producer.bm.num_used_blocks == consumer.bm.num_used_blocks == 0
+    first_admission = {}  # seq_id -> (order, start) of its first admission on the decode side
+    for order, (seq, start, _) in enumerate(consumer.admissions):
+        first_admission.setdefault(seq.seq_id, (order, start))
+    for prompt, seqs, max_tokens in decoded:
+        for seq in seqs:
+            assert seq.token_ids[len(prompt) :] == reference_completion(prompt, max_tokens)
+        _, start = min(first_admission[seq.seq_id] for seq in seqs)  # the sample admitted first
+        assert start == (len(prompt) - 1) // block_size * block_size, "a full prompt block computed on the decode side"
+    counts = received.stats()
+    loaded_or_left = (
+        counts["kv_transfer_requests_loaded"] + counts["kv_transfer_waiting"] + counts["kv_transfer_dropped"]
+    )
+    assert sent.counts["requests_sent"] == loaded_or_left

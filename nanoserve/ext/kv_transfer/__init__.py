@@ -30,11 +30,12 @@ kv_role: kv_producer sends the prompt of every request it computes; kv_consumer 
 but prompts of one block or less, and prompt_logprobs requests, which need every position's logits); kv_both sends
 as a producer and loads what has arrived, never waiting (two kv_both engines share their prefills).
 
-Faults: a peer that exits, hangs or stops is named (link.py) within seconds; from then on a consumer's waiting
-requests, and a producer's new ones, fail with that name (Sequence.error: their blocks return), unless
-kv_load_failure_policy is "recompute", with which a consumer computes them itself. A transfer that has not come
-transfer_timeout_s after its request arrived fails the same way. K/V that arrives and is never loaded is dropped after
-transfer_timeout_s, or when more than kv_buffer_size bytes wait. So neither engine holds a block for the other.
+Faults: a peer that exits, hangs or stops is named (link.py) within seconds; from then on a consumer's waiting requests,
+and a producer's new ones, fail with that name (Sequence.error: their blocks return; kv_both's go on, computed here and
+not shared), unless kv_load_failure_policy is "recompute", with which a consumer computes them itself. A transfer that
+has not come transfer_timeout_s after its request arrived fails the same way. K/V that arrives and is never loaded is
+dropped after transfer_timeout_s, or when more than kv_buffer_size bytes wait. So neither engine holds a block for the
+other.
 
 The options, vLLM's KVTransferConfig keys (a dict or its JSON): kv_role (required); kv_connector
 "TorchDistributedConnector" (or unset); kv_rank and kv_parallel_size (2; 1, vLLM's default, means the pair too); kv_ip
@@ -169,16 +170,25 @@ def check_config(config: EngineConfig) -> None:
 
 
 def start(llm: "LLM") -> "KVTransfer":
-    """Join the peer engine, and wire this engine's side in (llm.extensions["kv_transfer"])."""
-    return KVTransfer(llm, settings_of(llm.config))
+    """Join the peer engine (refusing one this engine cannot pair with), and wire this engine's side in
+    (llm.extensions["kv_transfer"])."""
+    settings = settings_of(llm.config)
+    transfer = KVTransfer(llm, settings)
+    card = {"role": settings.role, "block": list(transfer.block_shape), "dtype": str(llm.runner.kv_dtype)}
+    link = Link(place_of(settings.rank, settings.ip, settings.port), card, settings.heartbeat_timeout_s)
+    check_peer(card, link.peer_card)
+    transfer.connect(llm, link, peer_name(link.peer_card))
+    return transfer
 
 
 @dataclass
 class Arrival:
-    """K/V that came for a prompt: its full blocks [blocks, K or V, layer, slot, kv_head, head_dim], and when."""
+    """K/V that came for a prompt: its full blocks [blocks, K or V, layer, slot, kv_head, head_dim], when it last came,
+    and how many requests it came for (the same prompt prefilled for several: each decode request loads it once)."""
 
     kv: Tensor
     time: float  # time.monotonic()
+    count: int = 1
 
 
 class KVTransfer:
@@ -201,21 +211,24 @@ class KVTransfer:
         self.found: Arrival | None = None  # what num_loadable found, for load
         self.failure: str | None = None
         self.counts = dict.fromkeys(
-            ("requests_sent", "blocks_sent", "requests_loaded", "blocks_loaded", "recomputed", "expired"), 0
+            ("requests_sent", "blocks_sent", "requests_loaded", "blocks_loaded", "recomputed", "dropped"), 0
         )
-        card = {"role": settings.role, "block": list(self.block_shape), "dtype": str(runner.kv_dtype)}
-        self.link = Link(place_of(settings.rank, settings.ip, settings.port), card, settings.heartbeat_timeout_s)
-        check_peer(card, self.link.peer_card)
-        self.link.start(self.on_message, self.fail, peer_name(self.link.peer_card))
-        weakref.finalize(llm, self.link.close)  # at the engine's end, or the process's: BYE to the peer
+
+    def connect(self, llm: "LLM", link: Link, name: str) -> None:
+        """Start the link to the peer (named as name in failures), and wire this side into the engine: its admission
+        rule, its KV connector, its step and output hooks; the link closes with the engine, or the process."""
+        self.link = link
+        link.start(self.on_message, self.fail, name)
+        weakref.finalize(llm, link.close)  # BYE to the peer
         llm.scheduler.admission_rules.append(self.may_admit)
         llm.scheduler.kv_connector = self
-        runner.step_hooks.append(self.step_hook)
-        runner.output_hooks.append(self.output_hook)
+        llm.runner.step_hooks.append(self.step_hook)
+        llm.runner.output_hooks.append(self.output_hook)
 
     def stats(self) -> dict[str, int]:
         """The counters, named as in LLM.stats() with this extension's prefix, and the K/V waiting to be loaded."""
-        return {f"kv_transfer_{name}": n for name, n in (self.counts | {"waiting": len(self.received)}).items()}
+        waiting = sum(arrival.count for arrival in self.received.values())
+        return {f"kv_transfer_{name}": n for name, n in (self.counts | {"waiting": waiting}).items()}
 
     def fail(self, problem: str) -> None:
         """The link failed, or the peer closed: remembered (the first problem), and named to every request it stops."""
@@ -244,8 +257,9 @@ class KVTransfer:
             if key is None or s.start + s.num_new_tokens != seq.num_prompt_tokens or seq.request in self.sent:
                 continue
             self.sent.add(seq.request)
-            if self.failure is not None:  # nowhere to send it: the request fails at read-back
-                seq.error = self.failure
+            if self.failure is not None:  # nowhere to send it: a producer's request fails at read-back
+                if self.settings.role == "kv_producer":
+                    seq.error = self.failure
                 continue
             blocks = torch.tensor(seq.block_table[: len(key) // self.block_size], device=self.kv_cache.device)
             kv = self.kv_cache[:, :, blocks].movedim(2, 0)  # [blocks, K or V, layer, slot, kv_head, head_dim]
@@ -265,16 +279,19 @@ class KVTransfer:
         key = tuple(tokens.tolist())
         kv = kv.view(self.kv_cache.dtype).view(len(key) // self.block_size, *self.block_shape)
         with self.lock:
-            self.received[key] = Arrival(kv, time.monotonic())
+            earlier = self.received.pop(key, None)  # the same prompt again: one more request to load it
+            count = 1
+            if earlier is not None:
+                count += earlier.count
+            self.received[key] = Arrival(kv, time.monotonic(), count)
             while sum(arrival.kv.nbytes for arrival in self.received.values()) > self.settings.buffer_bytes:
-                self.received.popitem(last=False)
-                self.counts["expired"] += 1
+                self.counts["dropped"] += self.received.popitem(last=False)[1].count
 
     def may_admit(self, seq: Sequence, running: list[Sequence]) -> bool:
-        """The admission rule: a producer's request fails once the link has; a consumer's waits until its prompt's K/V
-        has arrived (or its own cache holds it), failing (or, with kv_load_failure_policy "recompute", computed here)
-        when the link has failed or transfer_timeout_s has passed since the request arrived."""
-        if self.settings.role in SENDS and self.failure is not None:
+        """The admission rule: a producer's request fails once the link has (kv_both's goes on, unshared); a consumer's
+        waits until its prompt's K/V has arrived (or its own cache holds it), failing (or, with kv_load_failure_policy
+        "recompute", computed here) when the link has failed or transfer_timeout_s has passed since it arrived."""
+        if self.settings.role == "kv_producer" and self.failure is not None:
             seq.error = self.failure
             return False
         key = self.key(seq)
@@ -314,8 +331,13 @@ class KVTransfer:
         """Copy blocks [first_block, first_block + count) of what arrived into seq's fresh ones, before the step."""
         for i in range(first_block, first_block + count):
             self.copies.load(self.found.kv[i], seq.block_table[i])
+        key = self.key(seq)
         with self.lock:
-            self.received.pop(self.key(seq), None)
+            arrival = self.received.get(key)
+            if arrival is not None:  # (none: dropped meanwhile, its K/V already in hand)
+                arrival.count -= 1
+            if arrival is not None and not arrival.count:
+                del self.received[key]
         self.served.add(seq.request)
         self.counts["requests_loaded"] += 1
         self.counts["blocks_loaded"] += count
@@ -326,8 +348,7 @@ class KVTransfer:
         oldest = time.monotonic() - self.settings.transfer_timeout_s
         with self.lock:
             while self.received and next(iter(self.received.values())).time < oldest:
-                self.received.popitem(last=False)
-                self.counts["expired"] += 1
+                self.counts["dropped"] += self.received.popitem(last=False)[1].count
 
 
 def check_peer(card: dict, peer: dict) -> None:
