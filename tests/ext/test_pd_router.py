@@ -68,7 +68,7 @@ def test_the_pair_under_torchrun_answers_as_one_engine():
         *("--served-model-name", NAME, "--max-model-len", "512"),
     ]
     env = dict(os.environ, PYTHONPATH=REPO)
-    launcher = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(command, env=env, start_new_session=True)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", [launcher])
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
@@ -78,7 +78,13 @@ def test_the_pair_under_torchrun_answers_as_one_engine():
         chat = client.chat.completions.create(messages=MESSAGES, **greedy).choices[0].message.content
         assert [m.id for m in client.models.list()] == [NAME]
     finally:
-        stop([launcher])
+        launcher.terminate()  # torchrun ends its ranks (each in a session of its own) when it is told to end
+        try:
+            launcher.wait(60)
+        finally:
+            stop([launcher])
+    with pytest.raises(httpx.HTTPError):  # the router is gone with its rank
+        httpx.get(f"http://127.0.0.1:{port}/health")
     from nanoserve import LLM, SamplingParams
 
     llm = LLM(model, max_model_len=512)
