@@ -63,6 +63,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="a host-memory tier of GIB behind the prefix cache: evicted blocks copied there, and back (swap)",
+    )
+    parser.add_argument(
         "--overlap",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -123,6 +130,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "num_kvcache_blocks": args.num_blocks,
         "max_num_batched_tokens": args.max_batched_tokens,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "kv_offloading_size": args.kv_offloading_size,  # ext/kv_offload.py
         "overlap": args.overlap,
         "kv_cache_dtype": args.kv_cache_dtype,
         "threads": args.threads,
@@ -217,6 +225,14 @@ def chat(llm: LLM, conversations: list[list[dict]], args: argparse.Namespace, ad
             f"({stats['spec_acceptance_rate']:.0%}), mean accepted run {stats['spec_mean_accepted_length']:.2f}"
         )
     print(line)
+    host_tier = llm.extensions.get("kv_offload")
+    if host_tier is not None:  # --kv-offloading-size: blocks that left the device and came back
+        tier = {name.removeprefix("kv_offload_"): n for name, n in host_tier.stats().items()}
+        print(
+            f"host tier: blocks saved {tier['blocks_saved']}, loaded back {tier['blocks_loaded']}, dropped "
+            f"{tier['blocks_dropped']}; preempted sequences readmitted by swap {tier['preemptions_swapped']}, by "
+            f"recompute {tier['preemptions_recomputed']}, from the device's cache {tier['preemptions_resumed']}"
+        )
 
 
 def random_adapters(llm: LLM, count: int) -> list:
