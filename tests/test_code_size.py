@@ -98,7 +98,7 @@ def test_parts_follow_the_layout():
     assert code_size.part_of(package / "ext" / "__init__.py", package) == "core"
     assert code_size.part_of(package / "ext" / "chat.py", package) == "ext:chat"
     assert code_size.part_of(package / "ext" / "tp" / "workers.py", package) == "ext:tp"
-    assert code_size.budget_of("core") == code_size.CORE_BUDGET == 21_000
+    assert code_size.budget_of("core") == code_size.CORE_BUDGET == 22_000
     assert code_size.budget_of("ext:chat") == 3_500
     assert code_size.budget_of("ext:server") == 9_000
 
@@ -136,4 +136,4 @@ def test_the_tool_measures_every_file_of_the_repository():
     files, parts = code_size.measure_package(ROOT / "nanoserve")
     core = sum(size.tokens for path, size in files.items() if code_size.part_of(path, ROOT / "nanoserve") == "core")
     assert parts["core"].tokens == core
-    assert f"core: {core:,} code tokens of 21,000" in result.stdout
+    assert f"core: {core:,} code tokens of 22,000" in result.stdout

@@ -6,7 +6,10 @@ three assignments into one line saves no token, and a docstring or a blank line 
 that holds at least one code token. Density is what packing would hide, per 1,000 code lines: inline conditionals
 (`a if c else b`), code lines of 25 tokens or more, tuple-packed assignments (`a, b = x, y`) and code lines over 100
 characters; beside it, the share of signature parts that are annotated (each parameter other than a method's first
-`self` or `cls`, and each return; Triton kernels count too).
+`self` or `cls`, and each return). Triton's jitted functions are left out of that share: @triton.jit reads a
+parameter's annotation itself (tl.constexpr makes it a compile-time constant, and a type names the argument's type for
+the compiler), so a Python type hint there would change what compiles; their pointers and strides say what they are
+in their names and comments instead.
 
     python tools/code_size.py            # from the repository's root: per file, per part, then budgets and densities
     python tools/code_size.py --check    # the same, and exit 1 if a budget or one of the core's limits is broken
@@ -24,7 +27,10 @@ from collections import Counter
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-CORE_BUDGET = 21_000  # code tokens: the core's size, with room left for the next fix
+# code tokens: the core's budget. Issue 43 brought the core down to 20,871 (commit 6a9d8c3: the textbook kernels, the
+# fused kernels and prompt logprobs as extensions, the core written plainly), leaving room under this budget for the
+# points later fixes declare (issue 44's failed requests, the model families, weight formats and KV connectors)
+CORE_BUDGET = 22_000
 EXTENSION_BUDGET = 3_500  # code tokens, each extension
 EXTENSION_BUDGETS = {"server": 9_000}  # the OpenAI-compatible server is an application of its own
 
@@ -91,6 +97,11 @@ def is_packed_assignment(node: ast.AST) -> bool:
     return isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple) and isinstance(node.value, ast.Tuple)
 
 
+def is_jitted(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """A Triton kernel or device function: decorated with triton.jit (or a jit of another name)."""
+    return any(ast.unparse(decorator).split("(")[0].endswith("jit") for decorator in node.decorator_list)
+
+
 def signature_parts(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[bool]:
     """Whether each part of a signature is annotated: every parameter (a method's first self or cls excepted), then
     the return."""
@@ -108,6 +119,7 @@ def measure_source(source: str) -> Size:
     text = source.splitlines()
     nodes = list(ast.walk(tree))
     functions = [node for node in nodes if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    functions = [node for node in functions if not is_jitted(node)]  # (the module's docstring says why)
     parts = [annotated for function in functions for annotated in signature_parts(function)]
     return Size(
         tokens=sum(per_line.values()),
