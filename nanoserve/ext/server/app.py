@@ -191,19 +191,18 @@ class EngineLoop:
         try:
             await self.call(add)
             yield None
-            # when the client was last seen there: it is looked for while outputs flow too, since a whole answer that
-            # another API makes of a stream (Translated.reply) gets outputs every step
-            polled = time.monotonic()
             while unfinished:
                 if time.monotonic() > self.deadline:
                     raise RuntimeError("the server shut down before this request finished")
-                if time.monotonic() - polled > DISCONNECT_POLL_S:
-                    if await http.is_disconnected():
-                        return
-                    polled = time.monotonic()
                 try:
                     out = await asyncio.wait_for(outputs.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    out = None
+                # the client is looked for at each output too (a cancelled read: cheap), since a whole answer that
+                # another API makes of a stream (Translated.reply) gets outputs every step
+                if await http.is_disconnected():
+                    return
+                if out is None:
                     continue
                 if isinstance(out, Exception):  # the step failed, and every request in it
                     raise RuntimeError(f"the engine failed this request: {out}") from out
@@ -214,7 +213,7 @@ class EngineLoop:
                 yield request_ids.index(out.request_id), out
         finally:
             if unfinished:  # queued behind the add, so it finds the requests whenever the handler gave up
-                self.commands.put((concurrent.futures.Future(), self._abort, (request_ids,)))
+                self.call(self._abort, request_ids)
 
     def _run(self) -> None:
         """The engine thread's loop, until the None command."""
@@ -474,9 +473,8 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
     model_name = config.served_model_name or llm.config.model or DEFAULT_MODEL
     # --lora-modules: name -> its LoRARequest, each adapter checked and loaded before the server serves
     adapters = {}
-    for lora_int_id, module in enumerate(config.lora_modules or [], 1):
+    for lora_int_id, (name, path) in enumerate(config.adapters.items(), 1):
         lora = load("lora", "lora_modules")
-        name, _, path = module.partition("=")
         adapters[name] = lora.LoRARequest(name, lora_int_id, path)
         lora.check_adapter(llm, adapters[name])
     max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * llm.config.max_model_len

@@ -48,19 +48,17 @@ PASSED = {"model": "model", "max_tokens": "max_tokens", "stop": "stop_sequences"
 PASSED |= {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # Anthropic's tool_choice type -> chat's
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}  # chat's finish reason -> these
-ERROR_TYPES = {  # an error's HTTP status -> Anthropic's error type; others: api_error
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "invalid_request_error",
-    413: "request_too_large",
-}
+# an error's HTTP status -> Anthropic's error type; others: invalid_request_error below 500 (400, 405, 408), else
+# api_error
+ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}
 
 
 def error_body(status: int, message: str) -> dict:
     """Anthropic's error body."""
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+    kind = ERROR_TYPES.get(status, "invalid_request_error")
+    if status >= 500:
+        kind = "api_error"
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def input_items(messages: object) -> tuple[list, list[str]]:

@@ -159,12 +159,12 @@ class ResponseEvents(Translated):
         code = "server_error"
         if status_of(error) < 500:
             code = "invalid_prompt"
+        events = []
+        if not self.started:
+            events = self.start()
         self.whole["status"] = "failed"
         self.whole["error"] = {"code": code, "message": str(error)}
-        events = [self.event("failed", response=self.whole)]
-        if not self.started:
-            events = [*self.start(), *events]
-        return events
+        return [*events, self.event("failed", response=self.whole)]
 
 
 def add_routes(router: APIRouter, answer: Callable, config: ServerConfig) -> None:

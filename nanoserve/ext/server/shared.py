@@ -61,7 +61,7 @@ class ServerConfig:
     max_stored_responses: int = 256
 
     def __post_init__(self) -> None:
-        texts = ("host", "served_model_name", "api_key", "enable_auto_tool_choice", "tool_call_parser", "lora_modules")
+        texts = "host served_model_name api_key enable_auto_tool_choice tool_call_parser lora_modules".split()
         for name, value in vars(self).items():
             if name not in texts and value is not None:
                 check_number(name, value, low=0, above_low=name != "port")
@@ -72,14 +72,16 @@ class ServerConfig:
             self.tool_parser = load("tool_parsers", "tool_call_parser").parser_for(self.tool_call_parser)
         if self.enable_auto_tool_choice and self.tool_parser is None:
             raise InvalidField("enable_auto_tool_choice", "needs a parser: --tool-call-parser hermes")
-        names = set()  # of the adapters so far: a name that comes twice would make a request's model ambiguous
-        for module in self.lora_modules or []:  # before the engine is made: a typo costs no model load
+        # --lora-modules as name -> path, checked before the engine is made (a typo costs no model load): a name that
+        # comes twice would make a request's model ambiguous
+        self.adapters = {}
+        for module in self.lora_modules or []:
             name, equals, path = str(module).partition("=")
             if not (name and equals and path):
                 raise InvalidField("lora_modules", f"{shown(module)} is not name=path")
-            if name in names:
+            if name in self.adapters:
                 raise InvalidField("lora_modules", f"names the adapter {shown(name)} twice")
-            names.add(name)
+            self.adapters[name] = path
 
 
 class NotFound(InvalidField):
@@ -219,8 +221,9 @@ def chat_messages(items: list, names: list[str]) -> list[dict]:
                 content = message_text(content, f"{name}.content", TEXT_PARTS)
             messages.append({"role": item.get("role"), "content": content})
         elif kind == "function_call":
-            call_id = string(item, "call_id", f"{name}.")
-            function = {"name": string(item, "name", f"{name}."), "arguments": string(item, "arguments", f"{name}.")}
+            where = f"{name}."  # the start of its fields' names in errors
+            call_id = string(item, "call_id", where)
+            function = {"name": string(item, "name", where), "arguments": string(item, "arguments", where)}
             if not messages or messages[-1]["role"] != "assistant":
                 messages.append({"role": "assistant", "content": ""})
             messages[-1].setdefault("tool_calls", []).append({"id": call_id, "type": "function", "function": function})
