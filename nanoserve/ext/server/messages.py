@@ -2,7 +2,9 @@
 translated into a chat body (chat_body) and answered by the chat pipeline (app.py's answer: the same checks, caps,
 sampling, tool parser and cancellation), whose stream of chunks becomes Anthropic's events (MessageEvents); a whole
 message is what those events build. Errors come in Anthropic's shape ({"type": "error", "error": {"type",
-"message"}}), the field at fault named at the start of the message; the API key may come as Anthropic's x-api-key.
+"message"}}; invalid_request_error for bad input, api_error for the engine's fault), the field at fault named at the
+start of the message; a request that fails once its stream has begun ends with Anthropic's error event. The API key
+may come as Anthropic's x-api-key.
 
 Honoured: system (a text, or text blocks), messages with text, tool_use and tool_result blocks (each result after its
 call), tools (custom ones: name, description, input_schema) and tool_choice (auto, any: chat's "required", none, tool;

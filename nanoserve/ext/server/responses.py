@@ -12,7 +12,9 @@ call is one call, and "auto" returns the calls the model wrote). A response with
 memory, at most ServerConfig.max_stored_responses of them, the least recently used (made or read) dropped first:
 previous_response_id continues its conversation (its input and output items, not its instructions, as OpenAI's), and
 GET returns it; an id not kept is a 404 naming it. Fields nanoserve does not implement (reasoning that asks for
-something, background, include, built-in tools such as web_search, conversation, ...) are refused by name."""
+something, background, include, built-in tools such as web_search, conversation, ...) are refused by name. A request
+that fails is an HTTP error in OpenAI's shape (400 for its own fault, 500 for the engine's), or, once its stream has
+begun, response.failed (error.code invalid_prompt or server_error; opened by response.created first, if need be)."""
 
 import copy
 import time

@@ -1,7 +1,9 @@
 """What the server's APIs share: the server's config (ServerConfig), reading a request's body within its caps, checking
-a body's fields by name (field, check_known), text parts and conversations of items as chat messages (message_text,
-chat_messages), and the loop that turns chat's stream of chunks into another API's events (Translated), sent as
-server-sent events (event_stream). The OpenAI endpoints and the chat pipeline that every API answers through are in
+a body's fields by name (field, string, check_known), the HTTP status an error answers with (status_of: 400 for bad
+input, 404, 500 for the engine's fault), text parts and conversations of items as chat messages (message_text,
+chat_messages), other APIs' function tools as chat's (function_tools), and the loop that turns chat's stream of chunks
+into another API's events (Translated), sent as server-sent events (event_stream), which end with the API's error
+events when the request fails. The OpenAI endpoints and the chat pipeline that every API answers through are in
 app.py; the Responses API, the Messages API and the tokenizer endpoints each have a module beside this one, which
 imports nothing of theirs."""
 
