@@ -222,7 +222,7 @@ def test_responses_text_equals_chat(served):
     """Guards against the Responses API rendering a conversation otherwise than chat does (instructions dropped or
     placed after the input, content parts misread), or reporting other usage: a string input, and a list of items
     with input_text parts and instructions, give chat's greedy text for the same conversation; cut at
-    max_output_tokens, the response is incomplete."""
+    max_output_tokens, the response is incomplete; a request that names no model is answered by the served one."""
     client = served.openai
     plain = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=MAX_TOKENS, temperature=0)
     assert plain.output_text == served.chat_text([{"role": "user", "content": QUESTION}])
@@ -236,6 +236,11 @@ def test_responses_text_equals_chat(served):
     )
     chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
     assert with_instructions.output_text == served.chat_text(chat) != plain.output_text
+    assert (
+        plain.model
+        == MODEL
+        == served.post("/v1/responses", {"input": QUESTION, "max_output_tokens": 1}).json()["model"]
+    )
     check_pool(served)
 
 

@@ -732,7 +732,7 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
         if num_chars > max_prompt_chars:
             raise InvalidField(prompt_field, f"has {num_chars} characters; this server takes {max_prompt_chars}")
 
-    responses.add_routes(api, answer, config)
+    responses.add_routes(api, answer, config, model_name)
     messages.add_routes(api, answer, config)
     tokens.add_routes(api, llm, config, check_model, check_chars)
     app.include_router(api)

@@ -53,8 +53,8 @@ NOT_IMPLEMENTED = dict.fromkeys(
 ) | {"background": False, "reasoning": {}, "include": [], "truncation": "disabled", "top_logprobs": 0}
 # What a response repeats of its request
 ECHOED = """
-    model instructions max_output_tokens metadata parallel_tool_calls previous_response_id store temperature text
-    tool_choice tools top_p
+    instructions max_output_tokens metadata parallel_tool_calls previous_response_id store temperature text tool_choice
+    tools top_p
 """.split()
 # The fields a chat body takes as they are: chat's name -> the Responses API's
 PASSED = {"model": "model", "max_tokens": "max_output_tokens", "temperature": "temperature", "top_p": "top_p"}
@@ -169,8 +169,9 @@ class ResponseEvents(Translated):
         return [*events, self.event("failed", response=self.whole)]
 
 
-def add_routes(router: APIRouter, answer: Callable, config: ServerConfig) -> None:
-    """POST /v1/responses and GET /v1/responses/{response_id} on router, answered by answer (app.py's)."""
+def add_routes(router: APIRouter, answer: Callable, config: ServerConfig, model_name: str) -> None:
+    """POST /v1/responses and GET /v1/responses/{response_id} on router, answered by answer (app.py's); model_name:
+    the model a request that names none gets."""
     stored = OrderedDict()  # response id -> (the response, its conversation's items), the most recently used last
 
     def kept(response_id: str, name: str) -> tuple[dict, list]:
@@ -206,6 +207,7 @@ def add_routes(router: APIRouter, answer: Callable, config: ServerConfig) -> Non
 
         response = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time())}
         response |= {name: body.get(name) for name in ECHOED}
+        response["model"] = body.get("model") or model_name
         response |= {"status": "in_progress", "output": [], "error": None, "incomplete_details": None, "usage": None}
         stream = field(body, "stream", bool, False)
         return await ResponseEvents(response, ended).reply(http, answer, chat, CHAT_NAMES, stream)
