@@ -1,11 +1,12 @@
 """The APIs that agents speak, each driven by the client its users run against a server started here on 127.0.0.1:
-OpenAI's Responses API (nanoserve/ext/server/responses.py) through the official `openai` client and an OpenAI Agents
-SDK agent, Anthropic's Messages API (messages.py) through the official `anthropic` client, and vLLM's tokenizer
-endpoints (tokens.py) against transformers' tokenizer. Two servers: the default model (greedy text, which must equal
-what /v1/chat/completions returns for the same conversation, and forced tool calls), and a tiny random model with a
-byte-level tokenizer and a chat template that offers tools (Qwen 2.5's way), scripted to write a hermes tool call, or,
-once a tool's result is in its prompt, a final answer, and served with --enable-auto-tool-choice --tool-call-parser
-hermes. Every malformed body is a 400 or 404 naming its field, in the API's error shape, and the server serves on."""
+OpenAI's Responses API (nanoserve/ext/responses_api.py) through the official `openai` client and an OpenAI Agents SDK
+agent, Anthropic's Messages API (nanoserve/ext/messages_api.py) through the official `anthropic` client, and vLLM's
+tokenizer endpoints (tokens.py) against transformers' tokenizer. Two servers: the default model (greedy text, which
+must equal what /v1/chat/completions returns for the same conversation, and forced tool calls), and a tiny random
+model with a byte-level tokenizer and a chat template that offers tools (Qwen 2.5's way), scripted to write a hermes
+tool call, or, once a tool's result is in its prompt, a final answer, and served with --enable-auto-tool-choice
+--tool-call-parser hermes. Every malformed body is a 400 or 404 naming its field, in the API's error shape, and the
+server serves on."""
 
 import asyncio
 import json
@@ -15,7 +16,7 @@ import time
 
 import pytest
 import torch
-from conftest import TINY, default_model_or_skip
+from conftest import TINY, default_model_or_skip, extension_or_skip
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -25,7 +26,20 @@ httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 
 from nanoserve import LLM  # noqa: E402
+from nanoserve.ext import find  # noqa: E402
 from nanoserve.ext.server.app import ServerConfig, serve_in_background  # noqa: E402
+
+# The Responses and Messages APIs are extensions of the server's own: their tests skip where they are deleted
+API_EXTENSIONS = {"/v1/responses": "responses_api", "/v1/messages": "messages_api"}
+needs_responses = pytest.mark.skipif(find("responses_api") is None, reason="ext/responses_api.py is not installed")
+needs_messages = pytest.mark.skipif(find("messages_api") is None, reason="ext/messages_api.py is not installed")
+
+
+def skip_unless_mounted(path: str) -> None:
+    """Skips the calling test where path belongs to an API extension that is not installed."""
+    if path in API_EXTENSIONS:
+        extension_or_skip(API_EXTENSIONS[path])
+
 
 MODEL = "SmolLM2-135M-Instruct"  # the default model's served name
 MAX_TOKENS = 6
@@ -218,6 +232,7 @@ def check_pool(served: Served) -> None:
 
 
 # ---- the Responses API ----------------------------------------------------------------------------------------------
+@needs_responses
 def test_responses_text_equals_chat(served):
     """Guards against the Responses API rendering a conversation otherwise than chat does (instructions dropped or
     placed after the input, content parts misread), or reporting other usage: a string input, and a list of items
@@ -244,6 +259,7 @@ def test_responses_text_equals_chat(served):
     check_pool(served)
 
 
+@needs_responses
 def test_responses_stream_has_the_event_sequence(served):
     """Guards against a stream the openai client cannot follow (events out of order, a missing .added or .done,
     sequence numbers that repeat) or that differs from the whole response: the Responses event sequence for one
@@ -266,6 +282,7 @@ def test_responses_stream_has_the_event_sequence(served):
     check_pool(served)
 
 
+@needs_responses
 def test_previous_response_id_continues_the_conversation(served):
     """Guards against a second turn that forgets the first (or repeats its instructions, which OpenAI does not carry
     over): previous_response_id gives chat's text for user, assistant, user; retrieve returns the stored response;
@@ -298,6 +315,7 @@ def test_previous_response_id_continues_the_conversation(served):
     check_pool(served)
 
 
+@needs_responses
 def test_responses_json_schema_and_forced_function(served):
     """Guards against text.format and a named tool_choice being ignored: a json_schema format's text parses and
     validates; a named function is a function_call item whose arguments validate against its parameters (whole, and
@@ -342,6 +360,7 @@ def test_chat_streams_a_forced_tool_call(served):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+@needs_responses
 def test_responses_function_call_turns(tiny_tools):
     """Guards against the tool-call turn the Agents SDK makes being lost in translation: with tools and the server's
     parser, the model's hermes call is a function_call item (its arguments what the model wrote) after a message with
@@ -369,6 +388,7 @@ def test_responses_function_call_turns(tiny_tools):
     check_pool(tiny_tools)
 
 
+@needs_responses
 def test_agents_sdk_runs_a_tool_to_completion(tiny_tools):
     """Guards against the OpenAI Agents SDK failing against the server (its default model speaks the Responses API):
     an agent with one function tool, run with Runner.run, calls the tool with the arguments the model wrote, feeds its
@@ -391,6 +411,7 @@ def test_agents_sdk_runs_a_tool_to_completion(tiny_tools):
     check_pool(tiny_tools)
 
 
+@needs_responses
 def test_responses_store_drops_the_least_recently_used(tiny_tools):
     """Guards against an unbounded store: a server that keeps two responses drops the least recently used (made or
     read) when a third is stored, and the dropped one's id is a 404."""
@@ -405,6 +426,8 @@ def test_responses_store_drops_the_least_recently_used(tiny_tools):
         assert [client.responses.retrieve(i).id for i in (ids[0], ids[2])] == [ids[0], ids[2]]
 
 
+@needs_responses
+@needs_messages
 def test_clients_that_hang_up_are_aborted(tiny_tools):
     """Guards against a request on a new endpoint that runs on after its client went away: a streamed response and a
     streamed message whose clients hang up after their first event, and a whole response whose client gives up, all
@@ -434,6 +457,7 @@ def test_clients_that_hang_up_are_aborted(tiny_tools):
 
 
 # ---- the Messages API -----------------------------------------------------------------------------------------------
+@needs_messages
 def test_messages_text_equals_chat(served):
     """Guards against the Messages API rendering a conversation otherwise than chat does (the system prompt dropped,
     text blocks misjoined) or misreporting its end: the same greedy text, whole and streamed (its events in
@@ -460,6 +484,7 @@ def test_messages_text_equals_chat(served):
     check_pool(served)
 
 
+@needs_messages
 def test_messages_tool_use_and_tool_result(tiny_tools):
     """Guards against Anthropic's tool turns being lost in translation: the model's hermes call is a tool_use block
     (input: the object the model wrote) after the text before it, stop_reason tool_use, whole and streamed (the
@@ -520,6 +545,7 @@ def test_a_request_the_engine_fails_alone_gets_its_apis_error(tiny_tools, path, 
     request's own: 400, naming the field; the engine's: 500) and whose message says why; streamed, the API's error
     event (chat's error chunk before [DONE], Responses' response.failed after its opening events, Anthropic's error),
     then the end. The request sent beside it gets its whole answer, every block comes back, and the server serves on."""
+    skip_unless_mounted(path)
     neighbour = {}
 
     def send_neighbour() -> None:
@@ -725,6 +751,7 @@ MALFORMED = [  # (path, fields over GOOD's, the status, the field the error name
 def test_malformed_bodies_are_refused_by_name(served, path, fields, status, param):
     """Guards against a 500 (or a silent default) for a malformed body: each is a 400 or 404 naming the field, in the
     API's error shape (Anthropic's on /v1/messages: the field starts the message), and the server serves on."""
+    skip_unless_mounted(path)
     r = served.post(path, {**GOOD[path], **fields})
     assert r.status_code == status, r.text
     if path == "/v1/messages":
@@ -735,6 +762,7 @@ def test_malformed_bodies_are_refused_by_name(served, path, fields, status, para
     assert served.post(path, GOOD[path]).status_code == 200
 
 
+@needs_messages
 def test_anthropic_client_sees_errors_in_its_shape(served):
     """Guards against errors the anthropic client cannot read: a bad request is its BadRequestError, whose message
     names the field, and an unknown route under /v1/messages is its NotFoundError."""
@@ -743,6 +771,8 @@ def test_anthropic_client_sees_errors_in_its_shape(served):
     assert e.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in e.value.message
 
 
+@needs_responses
+@needs_messages
 def test_api_key_guards_the_new_routes(served):
     """Guards against an API the key does not cover: with --api-key, each new route needs it (as the openai client
     sends it, or the anthropic client's x-api-key), and both clients get through with it."""

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (`nanoserve serve DIR --port 8000`, or `python -m nanoserve.ext.server --model DIR
 --port 8000`, and every EngineConfig field as a flag): /v1/completions and /v1/chat/completions, whole or streamed as
 server-sent events, /v1/models, /health, and Prometheus /metrics; beside them, each in a module of its own, OpenAI's
-Responses API (responses.py), Anthropic's Messages API (messages.py) and vLLM's tokenizer endpoints (tokens.py). The
+Responses API and Anthropic's Messages API, where their extensions are installed (ext/responses_api.py,
+ext/messages_api.py, each an idea of its own), and vLLM's tokenizer endpoints (tokens.py). The
 engine is not thread-safe, so one thread owns it (EngineLoop). Handlers on uvicorn's event loop send it commands
 through a queue.Queue and await the replies as futures; each HTTP request's outputs come back on its own
 asyncio.Queue. A client that goes away has its requests aborted, which returns their KV blocks at once.
@@ -67,10 +68,10 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from nanoserve.checks import InvalidField, check_number, shown
 from nanoserve.config import EngineConfig
-from nanoserve.ext import load
+from nanoserve.ext import find, load
 from nanoserve.ext.chat import chat_prompts
 from nanoserve.ext.default_model import DEFAULT_MODEL
-from nanoserve.ext.server import messages, responses, tokens
+from nanoserve.ext.server import tokens
 from nanoserve.ext.server.shared import (
     LOCALHOST,
     NotFound,
@@ -508,13 +509,15 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
 
     # every API route is behind the key; /health and /metrics are open, as vLLM's
     api = APIRouter(dependencies=[Depends(authorize)])
+    responses_api = find("responses_api")
+    messages_api = find("messages_api")
 
     def error_for(request: Request, error: Exception, message: str) -> JSONResponse:
         """An error in the shape of the API the request speaks: Anthropic's on /v1/messages, OpenAI's elsewhere."""
         status = status_of(error)
         body = error_body(error, message)
-        if request.url.path.startswith(messages.PATH):
-            body = messages.error_body(status, message)
+        if messages_api is not None and request.url.path.startswith(messages_api.PATH):
+            body = messages_api.error_body(status, message)
         return JSONResponse(body, status)
 
     @app.exception_handler(HTTPException)
@@ -732,8 +735,10 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
         if num_chars > max_prompt_chars:
             raise InvalidField(prompt_field, f"has {num_chars} characters; this server takes {max_prompt_chars}")
 
-    responses.add_routes(api, answer, config, model_name)
-    messages.add_routes(api, answer, config)
+    # the other APIs, each an extension of the server (deleting one removes its routes, nothing else)
+    for api_extension in (responses_api, messages_api):
+        if api_extension is not None:
+            api_extension.add_routes(api, answer, config, model_name)
     tokens.add_routes(api, llm, config, check_model, check_chars)
     app.include_router(api)
     return app

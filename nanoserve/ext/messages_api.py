@@ -1,4 +1,5 @@
-"""Anthropic's Messages API, as vLLM serves it: POST /v1/messages, what Anthropic-style agent tools speak. A request is
+"""An extension of the server (ext/server), which mounts it where it is installed: Anthropic's Messages API, as vLLM
+serves it: POST /v1/messages, what Anthropic-style agent tools speak. A request is
 translated into a chat body (chat_body) and answered by the chat pipeline (app.py's answer: the same checks, caps,
 sampling, tool parser and cancellation), whose stream of chunks becomes Anthropic's events (MessageEvents); a whole
 message is what those events build. Errors come in Anthropic's shape ({"type": "error", "error": {"type",
@@ -196,8 +197,8 @@ class MessageEvents(Translated):
         return [error_body(status_of(error), str(error))]
 
 
-def add_routes(router: APIRouter, answer: Callable, config: ServerConfig) -> None:
-    """POST /v1/messages on router, answered by answer (app.py's)."""
+def add_routes(router: APIRouter, answer: Callable, config: ServerConfig, model_name: str) -> None:
+    """POST /v1/messages on router, answered by answer (the server's chat pipeline, ext/server/app.py)."""
 
     @router.post(PATH, response_model=None)
     async def create(http: Request) -> Response | dict:

@@ -1,7 +1,8 @@
-"""OpenAI's Responses API, as OpenAI specifies it and vLLM serves it: POST /v1/responses and GET /v1/responses/{id},
-what the OpenAI Agents SDK and Codex speak. A request is translated into a chat body (chat_body) and answered by the
-chat pipeline (app.py's answer: the same checks, caps, sampling, tool parser and cancellation), whose stream of chunks
-becomes the Responses events (ResponseEvents); a whole response is the one the last event carries.
+"""An extension of the server (ext/server), which mounts it where it is installed: OpenAI's Responses API, as OpenAI
+specifies it and vLLM serves it: POST /v1/responses and GET /v1/responses/{id}, what the OpenAI Agents SDK and Codex
+speak. A request is translated into a chat body (chat_body) and answered by the chat pipeline (app.py's answer: the
+same checks, caps, sampling, tool parser and cancellation), whose stream of chunks becomes the Responses events
+(ResponseEvents); a whole response is the one the last event carries.
 
 The input is a string or a list of items: messages (text parts only: input_text, output_text), and the function_call
 and function_call_output items of a tool-call turn (each output after its call). instructions are the system message.
