@@ -35,6 +35,7 @@ import torch.distributed as dist
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from nanoserve.ext.kv_transfer.link import PAIR, START_TIMEOUT
 from nanoserve.ext.server import app
@@ -135,7 +136,7 @@ def router_app(prefill: str, decode: str) -> FastAPI:
     def health() -> Response:
         for name, url in (("prefill", prefill), ("decode", decode)):
             if not is_healthy(url):
-                return JSONResponse(app.error_body(503, f"the {name} engine at {url} is not healthy"), 503)
+                return JSONResponse(error_body(503, f"the {name} engine at {url} is not healthy"), 503)
         return Response(status_code=200)
 
     return router
@@ -157,8 +158,13 @@ def prefill_body(body: dict) -> dict:
     return one
 
 
+def error_body(status: int, message: str) -> dict:
+    """The server's error body (OpenAI's shape) for the router's own answers: a 502 or 503 is the engines' fault."""
+    return app.error_body(HTTPException(status), message)
+
+
 def unreachable(name: str, url: str, error: Exception) -> JSONResponse:
-    return JSONResponse(app.error_body(502, f"{name} at {url} failed: {error!r}"), 502)
+    return JSONResponse(error_body(502, f"{name} at {url} failed: {error!r}"), 502)
 
 
 async def relayed(response: httpx.Response, url: str) -> AsyncIterator[bytes]:
@@ -168,7 +174,7 @@ async def relayed(response: httpx.Response, url: str) -> AsyncIterator[bytes]:
             yield chunk
     except httpx.HTTPError as error:
         message = f"the decode engine at {url} failed mid-answer: {error!r}"
-        yield (server_sent(app.error_body(502, message)) + "data: [DONE]\n\n").encode()
+        yield (server_sent(error_body(502, message)) + "data: [DONE]\n\n").encode()
     finally:
         await response.aclose()
 

@@ -19,6 +19,14 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from fastapi.testclient import TestClient  # noqa: E402 (after the skips above)
+from test_kv_transfer import EXIT_WITH_PARENT  # noqa: E402
+
+# python -c ROUTER [flags]: a rank of the pair (python -m nanoserve.ext.pd_router [flags]) that exits with the test's
+# process (started with stdin=PIPE; under torchrun too, whose ranks share its stdin)
+ROUTER = (
+    EXIT_WITH_PARENT
+    + "import runpy\nrunpy.run_module('nanoserve.ext.pd_router', run_name='__main__', alter_sys=True)\n"
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NAME = "SmolLM2-135M-Instruct"
@@ -64,11 +72,11 @@ def test_the_pair_under_torchrun_answers_as_one_engine():
     command = [
         *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"),
         *("--master-addr", "127.0.0.1", "--master-port", str(free_port())),
-        *("-m", "nanoserve.ext.pd_router", "--model", model, "--port", str(port)),
+        *("--no-python", sys.executable, "-c", ROUTER, "--model", model, "--port", str(port)),
         *("--served-model-name", NAME, "--max-model-len", "512"),
     ]
     env = dict(os.environ, PYTHONPATH=REPO)
-    launcher = subprocess.Popen(command, env=env, start_new_session=True)
+    launcher = subprocess.Popen(command, env=env, start_new_session=True, stdin=subprocess.PIPE)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", [launcher])
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
@@ -110,8 +118,8 @@ def test_a_decode_engine_gone_is_named_by_the_router(tiny_model):
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(rendezvous),
         )
-        command = [sys.executable, "-m", "nanoserve.ext.pd_router", "--model", path, "--port", str(port)]
-        procs.append(subprocess.Popen([*command, "--max-model-len", "256"], env=env, start_new_session=True))
+        command = [sys.executable, "-c", ROUTER, "--model", path, "--port", str(port), "--max-model-len", "256"]
+        procs.append(subprocess.Popen(command, env=env, start_new_session=True, stdin=subprocess.PIPE))
     try:
         root = f"http://127.0.0.1:{port}"
         wait_healthy(root, procs)
@@ -159,18 +167,20 @@ def test_the_prefill_request_is_one_token_of_one_sample():
     }
 
 
-def test_a_request_an_extension_failed_is_answered_with_why(tiny_model):
-    """Guards against the server answering a request an extension failed (Sequence.error: a dead decode engine, for
-    the prefill engine) as a 200 with finish_reason "error" and no reason: whole, a 500 with the reason; streamed, an
-    error event with it."""
+def test_a_request_the_transfer_failed_is_answered_with_why(tiny_model):
+    """Guards against the prefill engine's server answering a request ext/kv_transfer failed (Sequence.error, named
+    after its dead peer) as a 200 with finish_reason "error", or as the client's fault: the server's rule (a message
+    naming a request field is a 400, any other the engine's) must make kv_transfer's message a 500 that carries it
+    whole, and streamed an error event with it; the router relays that answer as it is."""
     from nanoserve import LLM
     from nanoserve.ext.server.app import serve_in_background
 
     path, _ = tiny_model("qwen3")
     llm = LLM(path, device="cpu", max_model_len=128)
+    problem = "the decode engine (kv_consumer) is gone: sending to it failed (Connection reset by peer)"
 
-    def failing(seq: object, running: object) -> bool:
-        seq.error = "the frobnicator is gone"
+    def failing(seq: object, running: object) -> bool:  # what ext/kv_transfer's admission rule does then
+        seq.error = problem
         return False
 
     llm.scheduler.admission_rules.append(failing)
@@ -178,7 +188,7 @@ def test_a_request_an_extension_failed_is_answered_with_why(tiny_model):
         body = {"prompt": [5, 6, 7], "max_tokens": 3}
         whole = httpx.post(f"{url}/completions", json=body, timeout=60)
         assert whole.status_code == 500
-        assert whole.json()["error"]["message"] == "the engine failed this request: the frobnicator is gone"
+        assert whole.json()["error"]["message"] == f"the engine failed this request: {problem}"
         streamed = httpx.post(f"{url}/completions", json={**body, "stream": True}, timeout=60)
-        assert "the frobnicator is gone" in streamed.text and streamed.text.endswith("data: [DONE]\n\n")
+        assert problem in streamed.text and streamed.text.endswith("data: [DONE]\n\n")
     assert llm.block_manager.num_used_blocks == 0
