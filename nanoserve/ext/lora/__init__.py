@@ -9,45 +9,64 @@ row, and each row adds two thin matmuls of its own adapter, shrink (to rank r) a
 
 Adapters are PEFT's folders (adapter_config.json, adapter_model.safetensors) that adapt any of q/k/v/o and gate/up/down
 (any rank up to max_lora_rank, lora_alpha, rsLoRA's scaling). Where they live:
-  - host: up to max_cpu_loras adapters stay loaded (checked when a request first names one), the least recently used
-    dropped (and read again from its folder if a step needs it later);
+  - loading: an adapter is read from its folder on a thread of its own (LOADER), beside the steps, when a request first
+    names it, and checked (load_adapter): plain LoRA of this model's shapes, read only after the file's header shows
+    them (so it is never larger than a slot), every weight finite, and the overflow rule below. A request of the step
+    API waits in the queue until its adapter is loaded (the admission rule holds it while later ones go ahead); one
+    whose adapter fails ends alone, with the reason (Sequence.error). LLM.generate, beam search and check_adapter wait
+    for their adapters instead, so a bad one is an InvalidField naming lora_request before any request is queued;
+  - host: the loaded adapters, up to max_cpu_loras besides those a queued or running sequence uses (pinned: a step
+    never reads a folder, so one deleted after its request was queued harms nothing), the least recently used dropped;
   - device: max_loras slots, preallocated beside each adapted projection (LoRALinear: an A and a B per slot, padded to
     max_lora_rank). Before every step the runner calls this extension's step hook (ModelRunner.step_hooks), which puts
     the step's adapters in slots (the least recently used replaced) and writes the step's rows grouped by slot into
     static buffers that every adapted projection reads: the kernels' segments. A CUDA graph reads the same buffers, so
-    a replay sees the current step's rows; a padded row is in no segment and gets nothing;
+    a replay sees the current step's rows; a padded row is in no segment and gets nothing. An adapter that fails to go
+    into its slot ends its requests alone and leaves the slot free;
   - scheduler: a waiting sequence is admitted only if its adapter runs already or fewer than max_loras do
     (Scheduler.admission_rules), so no step needs more slots than there are: more adapters in flight queue;
   - prefix cache: a sequence's adapter (its LoRARequest) is its cache salt (Sequence.cache_salt), so a block computed
     under one adapter is never found by a request under another or under none; preemption and recompute keep it.
+
+The overflow rule: an adapter adds scale x (x @ A^T) @ B^T to its projection, computed in the model's dtype after the
+shrink. For an input whose elements are at most MAX_INPUT in magnitude, the largest element either product can reach
+(all signs aligned: each A row's sum of |weights|, and each output's sum over the ranks of |B| times those sums, times
+|scale|) must stay within the dtype's largest value, and the scale within float32's (the slots hold it so). In bf16 or
+fp32 only an absurd adapter fails (lora_alpha 1e300, weights near 1e36); in fp16, one whose worst case multiplies an
+input by more than 65504 / MAX_INPUT = 256 (a trained rank-16 adapter's is about 10 to 100 by this measure).
+
 The engine's start wraps the model's projections (CausalLM.wrap_projections), before the engine captures its decode
-graphs over them. The slots are allocated after
-the KV pool was sized, beyond gpu_memory_utilization: max_loras x max_lora_rank x (in + out features of each of q, k, v,
-o, gate, up and down) elements per layer (Qwen3-0.6B, 8 slots of rank 16: 161 MB in bf16). Tensor parallelism is refused
-(tensor_parallel_size must be 1): the adapters are not sharded as the base weights are."""
+graphs over them. The slots are allocated after the KV pool was sized, beyond gpu_memory_utilization, and only if the
+device has that much memory free (else an InvalidField naming max_loras): max_loras x max_lora_rank x (in + out
+features of each of q, k, v, o, gate, up and down) elements per layer (Qwen3-0.6B, 8 slots of rank 16: 161 MB in bf16).
+Tensor parallelism is refused (tensor_parallel_size must be 1): the adapters are not sharded as the base weights are."""
 
 import json
 import math
 import re
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import accumulate, chain
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from torch import Tensor, nn
 
-from nanoserve.checks import LISTS, InvalidField, check_numbers, shown
+from nanoserve.checks import LISTS, MAX_INT, InvalidField, check_number, check_numbers, is_finite_real, shown
 from nanoserve.config import EngineConfig
+from nanoserve.ext.background import Prepared
 from nanoserve.ext.lora.kernels import sgmv, sgmv_ref
+from nanoserve.sampler import to_device
 from nanoserve.scheduler import Step
 from nanoserve.sequence import Sequence
 
 if TYPE_CHECKING:
     from nanoserve.llm import LLM
 
+FIELD = "lora_request"  # the request field this extension owns (generate's, add_request's, beam search's)
 # the model's adapted projections, (module, name) in a decoder layer -> the PEFT target modules they merge, in order
 PROJECTIONS = {
     ("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"),
@@ -68,21 +87,26 @@ PLAIN_LORA = {
     "alpha_pattern": {},
 }
 MAX_RANK = 256  # the highest max_lora_rank (vLLM's)
+# the most slots: each adds a program per row tile to every adapted projection's launches (most return at once) and
+# a slot's memory beside every projection; a step of 256 adapters is beyond any use seen (vLLM's tests go to 16)
+MAX_LORAS = 256
+MAX_INPUT = 256.0  # the overflow rule's largest input element (module docstring); real inputs stay within tens
+LOAD_LIMIT_S = 60.0  # the longest an adapter may take to load (one at the size limit took 1 s here: a slow disk)
 
 
 @dataclass(frozen=True)
 class LoRARequest:
-    """vLLM's: an adapter's name, a positive id and its folder (a str). Equal requests (all three fields) are one
-    adapter, loaded once, whose blocks the prefix cache shares; a different one is never given them."""
+    """vLLM's: an adapter's name, a positive id (an int64) and its folder (a str). Equal requests (all three fields)
+    are one adapter, loaded once, whose blocks the prefix cache shares; a different one is never given them."""
 
     lora_name: str
     lora_int_id: int
     lora_path: str
 
     def __post_init__(self) -> None:
-        names = isinstance(self.lora_name, str) and isinstance(self.lora_path, str)
-        if not (names and isinstance(self.lora_int_id, int)) or self.lora_int_id < 1:
-            raise InvalidField("lora_request", f"{shown(self)}: a name, a positive integer id and a folder")
+        if not isinstance(self.lora_name, str) or not isinstance(self.lora_path, str):
+            raise InvalidField(FIELD, f"{shown(self)}: a name and a folder, each a str")
+        check_number(FIELD, self.lora_int_id, 1, MAX_INT, integer=True)  # never a bool
 
 
 @dataclass
@@ -95,7 +119,7 @@ class LoRAConfig:
     max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
-        check_numbers(self, {"max_loras": {"low": 1}, "max_lora_rank": {"low": 1, "high": MAX_RANK}})
+        check_numbers(self, {"max_loras": {"low": 1, "high": MAX_LORAS}, "max_lora_rank": {"low": 1, "high": MAX_RANK}})
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         check_numbers(self, {"max_cpu_loras": {"low": self.max_loras}})
@@ -123,41 +147,53 @@ def start(llm: "LLM") -> "Adapters":
     return Adapters(llm)
 
 
-def adapters_of(llm: "LLM") -> "Adapters":
-    """The engine's adapters, where LoRA is on; else an InvalidField naming lora_request."""
+def start_loading(llm: "LLM", adapter: object) -> "Future[Adapter] | None":
+    """One request's adapter: None, or a LoRARequest for this engine (with LoRA on, else an InvalidField naming
+    lora_request), whose load is started beside the steps (ext/background.py). Returns the load, or None."""
+    if adapter is None:
+        return None
     if "lora" not in llm.extensions:
-        raise InvalidField("lora_request", "needs LoRA on: LLM(..., enable_lora=True), or lora_config")
-    return llm.extensions["lora"]
+        raise InvalidField(FIELD, "needs LoRA on: LLM(..., enable_lora=True), or lora_config")
+    if not isinstance(adapter, LoRARequest):
+        raise InvalidField(FIELD, f"{shown(adapter)} is not a LoRARequest (or None)")
+    return llm.extensions["lora"].host.start(adapter)
 
 
 def check_adapter(llm: "LLM", adapter: object) -> None:
-    """One request's adapter: None, or a LoRARequest that this engine (with LoRA on) loads, checking it."""
-    if adapter is None:
-        return
-    adapters = adapters_of(llm)
-    if not isinstance(adapter, LoRARequest):
-        raise InvalidField("lora_request", f"{shown(adapter)} is not a LoRARequest (or None)")
-    adapters.on_host(adapter)
+    """One request's adapter (None, or a LoRARequest), loaded and checked before the caller goes on: a bad one is an
+    InvalidField naming lora_request. For callers that may wait (beam search, the server's --lora-modules)."""
+    loading = start_loading(llm, adapter)
+    if loading is not None:
+        loading.result()  # raises the load's InvalidField
+
+
+def adapters_per_request(llm: "LLM", lora_request: object, count: int) -> list:
+    """lora_request for `count` requests as one adapter (or None) each: one LoRARequest (or None) for all, or a list of
+    one per request; each loaded and checked (a bad one refuses them all by name) before the caller goes on
+    (LLM.generate, beam search)."""
+    adapters = list(lora_request) if isinstance(lora_request, LISTS) else [lora_request] * count
+    if len(adapters) != count:
+        raise InvalidField(FIELD, f"{len(adapters)} given for {count} prompts")
+    for adapter in adapters:
+        check_adapter(llm, adapter)
+    return adapters
 
 
 def attach_adapters(llm: "LLM", requests: list, lora_request: object) -> None:
-    """LLM.generate's lora_request for its requests (outputs.Request, not yet queued): one LoRARequest (or None) for
-    all, or a list of one per request. Each adapter, checked, becomes its request's sequences' cache salt."""
-    per_request = list(lora_request) if isinstance(lora_request, LISTS) else [lora_request] * len(requests)
-    if len(per_request) != len(requests):
-        raise InvalidField("lora_request", f"{len(per_request)} given for {len(requests)} prompts")
-    for request, adapter in zip(requests, per_request, strict=True):
-        check_adapter(llm, adapter)
+    """LLM.generate's lora_request for its requests (outputs.Request, not yet queued): each adapter, checked, becomes
+    its request's sequences' cache salt."""
+    for request, adapter in zip(requests, adapters_per_request(llm, lora_request, len(requests)), strict=True):
         for seq in request.seqs:
             seq.cache_salt = adapter
 
 
 def add_request(llm: "LLM", *args: object, lora_request: LoRARequest | None = None, **kwargs: object) -> str:
-    """LLM.add_request(*args, **kwargs) with vLLM's lora_request (the step API's; the server's): the adapter is checked
-    and loaded first, and the request's sequences take it before any step can schedule them."""
-    check_adapter(llm, lora_request)
+    """LLM.add_request(*args, **kwargs) with vLLM's lora_request (the step API's; the server's). The adapter's load
+    starts beside the steps and the request waits in the queue until it is done; an adapter that fails to load ends
+    the request alone, finish reason "error", the error naming lora_request."""
+    start_loading(llm, lora_request)
     request_id = llm.add_request(*args, **kwargs)
-    for seq in llm.requests[request_id].seqs:
+    for seq in llm.requests[request_id].seqs:  # before any step can schedule them
         seq.cache_salt = lora_request
     return request_id
 
@@ -165,7 +201,8 @@ def add_request(llm: "LLM", *args: object, lora_request: LoRARequest | None = No
 @dataclass
 class Adapter:
     """An adapter on the host, ready to copy into a slot: its rank, its scale (lora_alpha / rank, or / sqrt(rank) with
-    rsLoRA), and per adapted (layer, projection) its A and B as a slot holds them (fp32, zero-padded to max rank)."""
+    rsLoRA), and per adapted (layer, projection) its A and B as a slot holds them (the slots' dtype, zero-padded to max
+    rank)."""
 
     rank: int
     scale: float
@@ -174,20 +211,29 @@ class Adapter:
 
 def load_adapter(request: LoRARequest, layers: dict[tuple[int, str], "LoRALinear"], max_rank: int) -> Adapter:
     """An adapter from its folder (PEFT's format), checked against the model before any request uses it: a rank up to
-    max_rank, target modules this model has, plain LoRA, and each tensor an A or a B of a target module of an existing
-    layer, in that layer's shape (another base model's is not)."""
+    max_rank, a finite scale, target modules this model has, plain LoRA, and each tensor an A or a B of a target module
+    of an existing layer, in that layer's shape (another base model's is not), checked from the file's header before
+    the tensor is read; then each projection's weights finite and within the overflow rule (check_weights)."""
 
     def refuse(problem: str) -> InvalidField:
-        return InvalidField("lora_request", f"adapter {request.lora_name!r}: {problem}")
+        return InvalidField(FIELD, f"adapter {request.lora_name!r}: {problem}")
 
+    folder = Path(request.lora_path)
     try:
-        peft = json.loads((Path(request.lora_path) / "adapter_config.json").read_text())
-        tensors = load_file(Path(request.lora_path) / "adapter_model.safetensors")
+        peft = json.loads((folder / "adapter_config.json").read_text())
+        file = safe_open(folder / "adapter_model.safetensors", "pt")
     except Exception as error:  # missing, unreadable, not JSON, not safetensors
         raise refuse(f"no PEFT adapter in {request.lora_path!r}: {error}") from None
+    if not isinstance(peft, dict):
+        raise refuse(f"adapter_config.json holds {shown(peft)}, not PEFT's settings")
     rank, alpha = peft.get("r"), peft.get("lora_alpha", 8)
-    if not isinstance(rank, int) or not 1 <= rank <= max_rank or not isinstance(alpha, (int, float)):
+    if not isinstance(rank, int) or not 1 <= rank <= max_rank:
         raise refuse(f"rank {shown(rank)} is not in [1, max_lora_rank={max_rank}]")
+    if not is_finite_real(alpha):
+        raise refuse(f"lora_alpha {shown(alpha)} is not a finite number")
+    scale = alpha / (math.sqrt(rank) if peft.get("use_rslora") else rank)
+    if abs(scale) > torch.finfo(torch.float32).max:  # the slots hold scales in fp32
+        raise refuse(f"its scale {scale:g} (lora_alpha / rank) is beyond float32's range")
     for key, plain in PLAIN_LORA.items():
         if (peft.get(key) or plain) != plain:
             raise refuse(f"{key}={shown(peft[key])}: plain LoRA only")
@@ -197,24 +243,42 @@ def load_adapter(request: LoRARequest, layers: dict[tuple[int, str], "LoRALinear
     if not isinstance(targets, set) or not targets <= set(SHARD_OF):
         raise refuse(f"target modules {shown(targets)}: this model has {', '.join(SHARD_OF)}")
     weights = {}  # (layer, projection) -> its A and B
-    for key, tensor in tensors.items():
+    for key in file.keys():
         match = PEFT_NAME.fullmatch(key) or ("", "-1", "", "")
         name, i = SHARD_OF[match[2]] if match[2] in targets else ("", 0)
         where = (int(match[1]), name)
         if where not in layers:
             raise refuse(f"{key!r} is no A or B of this model's {', '.join(targets)}")
         layer = layers[where]
-        a, b = weights.setdefault(where, (torch.zeros(layer.a.shape[1:]), torch.zeros(layer.b.shape[1:])))
+        a, b = weights.setdefault(where, (layer.a.new_zeros(layer.a.shape[1:]), layer.b.new_zeros(layer.b.shape[1:])))
         start = sum(layer.shard_sizes[:i])  # the shard's first output feature
         # A: the shard's rows of a (max rank each); B: its output features' rows of b, the rank's columns
         into = (
             a[i * max_rank : i * max_rank + rank] if match[3] == "A" else b[start : start + layer.shard_sizes[i], :rank]
         )
-        if tensor.shape != into.shape:
-            raise refuse(f"{key} is {list(tensor.shape)} where this model has {list(into.shape)}: another base's")
-        into.copy_(tensor)
-    scale = alpha / (math.sqrt(rank) if peft.get("use_rslora") else rank)
+        shape = file.get_slice(key).get_shape()  # from the header: nothing read yet
+        if list(shape) != list(into.shape):
+            raise refuse(f"{key} is {shape} where this model has {list(into.shape)}: another base's")
+        into.copy_(file.get_tensor(key))
+    for (index, name), (a, b) in weights.items():
+        problem = check_weights(a, b, scale)
+        if problem:
+            raise refuse(f"layer {index}'s {name}: {problem}")
     return Adapter(rank, scale, weights)
+
+
+def check_weights(a: Tensor, b: Tensor, scale: float) -> str | None:
+    """What is wrong with one projection's A [shards x max rank, in] and B [out, max rank] (in the slots' dtype), or
+    None: a weight that is not finite there, or a worst case beyond the overflow rule (module docstring): for an input
+    of elements up to 1, |u| is at most the largest sum of |A| over a row, and each output's update at most |scale| x
+    its row's sum of |B| x that."""
+    if not (a.isfinite().all() and b.isfinite().all()):
+        return f"a weight is not finite in {a.dtype}"
+    shrink = float(a.float().abs().sum(1).max())
+    worst = MAX_INPUT * shrink * max(1.0, abs(scale) * float(b.float().abs().sum(1).max()))
+    if worst > torch.finfo(a.dtype).max:
+        return f"an input of {MAX_INPUT:g} could become {worst:.3g}, beyond {a.dtype}'s range"
+    return None
 
 
 class LoRALinear(nn.Module):
@@ -231,9 +295,11 @@ class LoRALinear(nn.Module):
         # buffers on the device, so a CUDA graph's replay reads the current step's
         self.rows_by_slot, self.slot_starts, self.scales = step  # [max_num_batched_tokens], [slots + 1] int32; [slots]
         self.shard_sizes = tuple(getattr(base, "shard_sizes", [base.out_features]))  # merged: its shards'
+        # the slots, uninitialised: a slot is read only once an adapter is copied into it whole (its rank not 0), so a
+        # CPU's memory is taken only as slots are used
         slots, rank, weight = config.max_loras, config.max_lora_rank, base.weight
-        self.a = weight.new_zeros(slots, len(self.shard_sizes) * rank, base.in_features)
-        self.b = weight.new_zeros(slots, base.out_features, rank)
+        self.a = weight.new_empty(slots, len(self.shard_sizes) * rank, base.in_features)
+        self.b = weight.new_empty(slots, base.out_features, rank)
         ints = {"dtype": torch.int32, "device": weight.device}
         self.ranks = torch.zeros(slots, **ints)
         self.shard_starts = torch.tensor([0, *accumulate(self.shard_sizes)], **ints)
@@ -262,13 +328,27 @@ class Adapters:
         starts, rows = self.step_inputs.split(parts)
         self.segments = (rows, starts)
         self.scales = torch.zeros(config.max_loras, device=runner.device)  # each slot's
-        # 1) each adapted projection of each layer wrapped: (layer, projection) -> its LoRALinear
+        # 1) each adapted projection of each layer wrapped, with its slots: (layer, projection) -> its LoRALinear
         self.kernel = sgmv if llm.config.kernels == "triton" else sgmv_ref
         self.layers: dict[tuple[int, str], LoRALinear] = {}
-        runner.model.wrap_projections(self.wrap)
-        # 2) the adapters on the host, and in slots: adapter -> its slot, where a free slot is its own number's (an int,
-        # never an adapter a step needs), so the free slots come first when one is taken; and each slot's rows last step
-        self.host: OrderedDict[LoRARequest, Adapter] = OrderedDict()
+        try:
+            runner.model.wrap_projections(self.wrap)
+        except RuntimeError as error:  # the device has no room for the slots
+            raise InvalidField(
+                "max_loras", f"{config.max_loras} slots of rank {config.max_lora_rank}: {error}"
+            ) from None
+        # 2) the adapters on the host, each loaded beside the steps, pinned while a queued or running sequence uses it;
+        # and in slots: adapter -> its slot, where a free slot is its own number's (an int, never an adapter a step
+        # needs), so the free slots come first when one is taken; and each slot's rows last step
+        max_rank = config.max_lora_rank
+        self.host = Prepared(
+            llm,
+            FIELD,
+            lambda request: load_adapter(request, self.layers, max_rank),
+            lambda seq: seq.cache_salt,
+            config.max_cpu_loras,
+            LOAD_LIMIT_S,
+        )
         self.slot_of: OrderedDict[LoRARequest | int, int] = OrderedDict(
             (slot, slot) for slot in range(config.max_loras)
         )
@@ -284,54 +364,56 @@ class Adapters:
         self.layers[layer, name] = LoRALinear(projection, (*self.segments, self.scales), self.config, self.kernel)
         return self.layers[layer, name]
 
-    def on_host(self, request: LoRARequest) -> Adapter:
-        """The request's adapter, loaded (and checked) if it is not on the host; beyond max_cpu_loras, the least
-        recently used are dropped."""
-        if request not in self.host:
-            self.host[request] = load_adapter(request, self.layers, self.config.max_lora_rank)
-            while len(self.host) > self.config.max_cpu_loras:
-                self.host.popitem(last=False)
-        self.host.move_to_end(request)
-        return self.host[request]
-
     def may_admit(self, seq: Sequence, running_seqs: list[Sequence]) -> bool:
-        """The scheduler's admission rule: seq may run if its adapter runs already or fewer than max_loras do, so a step
-        never needs more adapters than there are slots (vLLM's scheduler keeps the same bound)."""
-        running = {s.cache_salt for s in running_seqs} - {None}  # a sequence's salt is its adapter (or None)
-        return seq.cache_salt in running | {None} or len(running) < self.config.max_loras
+        """The scheduler's admission rule: seq waits until its adapter is loaded (one that failed ends its request:
+        Sequence.error), then until the adapter has a slot: its own already, or one whose adapter no running sequence
+        uses (a free one first, else the least recently used), into which it is copied (to_slot). So a step never needs
+        more adapters than there are slots (vLLM's scheduler keeps the same bound), and a slot is held while its
+        adapter runs."""
+        adapter = seq.cache_salt  # a sequence's salt is its adapter (or None)
+        if adapter in self.slot_of:
+            self.slot_of.move_to_end(adapter)
+            return True
+        if adapter is None:
+            return True
+        if not self.host.ready(seq, adapter):
+            return False
+        running = {s.cache_salt for s in running_seqs}
+        victim = next((held for held in self.slot_of if held not in running), None)
+        if victim is None:  # every slot's adapter runs: seq waits for one to finish
+            return False
+        try:
+            self.to_slot(adapter, victim)
+        except Exception as error:  # the request fails alone; the slot stays free
+            seq.error = f"{FIELD}: adapter {adapter.lora_name!r} could not be copied into a slot: {error}"
+        return seq.error is None
+
+    def to_slot(self, request: LoRARequest, victim: LoRARequest | int) -> None:
+        """Copy the request's adapter into the victim's slot. The copies queue behind the steps already launched, which
+        read the old. The slot is free while it is written, so a copy that fails leaves it free."""
+        slot = self.slot_of.pop(victim)
+        self.slot_of[slot] = slot  # free until written
+        adapter = self.host.result(request)  # loaded (may_admit), and kept while its sequences run
+        for key, layer in self.layers.items():  # each projection's A and B, or none (rank 0)
+            if key in adapter.weights:
+                layer.a[slot].copy_(adapter.weights[key][0])
+                layer.b[slot].copy_(adapter.weights[key][1])
+            layer.ranks[slot] = adapter.rank if key in adapter.weights else 0
+        self.scales[slot] = adapter.scale
+        self.slot_of[request] = self.slot_of.pop(slot)
 
     def before_step(self, step: Step) -> None:
-        """The runner's step hook: the step's adapters into slots, then its rows grouped by slot into the segments."""
-        adapters = [s.seq.cache_salt for s in step.scheduled]  # each sequence's LoRARequest, or None
-        needed = [a for a in dict.fromkeys(adapters) if a is not None]  # in step order; at most max_loras (may_admit)
-        for adapter in needed:
-            self.to_slot(adapter, needed)
+        """The runner's step hook: the step's rows grouped by the slots of their adapters (each has one since its
+        sequence was admitted) into the segments."""
         rows = [[] for _ in self.last_rows]  # per slot
         first = 0  # each scheduled sequence's rows follow the one before's
-        for scheduled, adapter in zip(step.scheduled, adapters, strict=True):
-            if adapter is not None:
-                rows[self.slot_of[adapter]] += range(first, first + scheduled.num_new_tokens)
+        for scheduled in step.scheduled:
+            if scheduled.seq.cache_salt is not None:
+                rows[self.slot_of[scheduled.seq.cache_salt]] += range(first, first + scheduled.num_new_tokens)
             first += scheduled.num_new_tokens
         self.last_rows = rows
-        host = torch.tensor([0, *accumulate(map(len, rows)), *chain.from_iterable(rows)], dtype=torch.int32)
-        if self.step_inputs.is_cuda:
-            host = host.pin_memory()  # a pinned source lets the copy run asynchronously
-        self.step_inputs[: len(host)].copy_(host, non_blocking=True)
-
-    def to_slot(self, request: LoRARequest, needed: list[LoRARequest]) -> None:
-        """Put the request's adapter in a slot if it is in none: a free one, else the least recently used one whose
-        adapter this step does not need. The copies queue behind the steps already launched, which read the old."""
-        if request not in self.slot_of:
-            slot = self.slot_of.pop(next(r for r in self.slot_of if r not in needed))
-            adapter = self.on_host(request)
-            for key, layer in self.layers.items():  # each projection's A and B, or none (rank 0)
-                if key in adapter.weights:
-                    layer.a[slot].copy_(adapter.weights[key][0])
-                    layer.b[slot].copy_(adapter.weights[key][1])
-                layer.ranks[slot] = adapter.rank if key in adapter.weights else 0
-            self.scales[slot] = adapter.scale
-            self.slot_of[request] = slot
-        self.slot_of.move_to_end(request)
+        segments = [0, *accumulate(map(len, rows)), *chain.from_iterable(rows)]
+        self.step_inputs[: len(segments)].copy_(to_device(segments, torch.int32, self.step_inputs.device))
 
     def slot_table(self) -> str:
         """The slots as the last step used them, a line each: its adapter (name and id) and that step's rows in it."""
