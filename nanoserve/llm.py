@@ -429,8 +429,8 @@ class LLM:
     def beam_search(self, prompts: list[Prompt], params: object, lora_request: object = None) -> list:
         """vLLM's beam search: per prompt (a list of them, as vLLM takes, each a prompt as generate takes one),
         params.beam_width beams, best first, on forked sequences that share KV blocks (the extension
-        ext/beam_search.py, with transformers' rule; a BeamSearchOutput per prompt); lora_request as generate's, each
-        prompt's beams under its adapter. Needs an idle engine."""
+        ext/beam_search.py, with transformers' rule; a BeamSearchOutput per prompt); lora_request: vLLM's, one LoRA
+        adapter for every prompt's beams (ext/lora). Needs an idle engine."""
         return ext.load("beam_search", "beam_search").beam_search(self, prompts, params, lora_request)
 
     def chat(

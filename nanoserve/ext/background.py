@@ -4,12 +4,12 @@ extensions (ext/lora: adapters; ext/structured.py: grammars), each with a Prepar
 
     prepared = Prepared(llm, "lora_request", make, key_of, keep, limit_s)
     prepared.start(key)         # make(key) on the worker thread, unless its result is there or under way
-    prepared.ready(seq, key)    # in the user's admission rule: False while seq must wait for it
     prepared.result(key)        # once ready (or wait(key) for a caller that may block: LLM.generate)
 
-A waiting sequence whose result is not ready stays in the queue while later ones go ahead (its extension's rule,
-Scheduler.admission_rules, says no); one whose work failed, or has run longer than limit_s, ends its request alone
-(Sequence.error), the error naming the extension's field. Results are kept by key, so a request that brings the same
+A waiting sequence whose result (of key_of(seq); None: it needs none) is not ready stays in the queue while later ones
+go ahead: Prepared's admission rule (Scheduler.admission_rules, added before its user's own) says no; one whose work
+failed, or has run longer than limit_s, ends its request alone (Sequence.error), the error naming the extension's
+field. Results are kept by key, so a request that brings the same
 adapter or grammar again finds it ready; beyond `keep` of them the least recently used are dropped, never one that a
 queued or running sequence needs (key_of(seq)): those are pinned, so a step never waits for work, nor redoes it.
 
@@ -19,6 +19,7 @@ it (measured: the step loop's longest wait for the GIL during a 44 s compile was
 torch's copies and reductions release it too. A work that overruns its limit cannot be stopped: its request ends, and
 the thread finishes it (then keeps its result) before taking the next."""
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -56,6 +57,10 @@ class Work:
     def failed(self) -> bool:
         return self.future.done() and self.future.exception() is not None
 
+    def overdue(self, limit_s: float) -> bool:
+        """Still running, limit_s seconds after it began."""
+        return not self.future.done() and self.started is not None and time.monotonic() - self.started > limit_s
+
 
 class Prepared:
     """The results of one extension's heavy work, by key, made on the worker thread (module docstring)."""
@@ -67,15 +72,16 @@ class Prepared:
         make: Callable[[Hashable], object],
         key_of: Callable[[Sequence], Hashable | None],
         keep: int,
-        limit_s: float,
+        limit_s: float = math.inf,
     ) -> None:
         self.field = field  # the request field the work is for: its errors name it
         self.make = make  # key -> its result, on the worker thread
         self.key_of = key_of  # a sequence -> the key whose result it needs (None: none)
         self.keep = keep  # results kept beyond the pinned ones
-        self.limit_s = limit_s  # the longest a work may run
+        self.limit_s = limit_s  # the longest a work may run (inf: work bound by its size alone)
         self.scheduler = llm.scheduler  # read only: its queues pin the results their sequences need
         self.works: OrderedDict[Hashable, Work] = OrderedDict()  # least recently used first
+        llm.scheduler.admission_rules.append(self.ready)
 
     def start(self, key: Hashable) -> Future:
         """The key's work, started unless it is there (a failed one is tried again); beyond `keep`, the least recently
@@ -96,18 +102,21 @@ class Prepared:
         return self.start(key).result()
 
     def result(self, key: Hashable) -> object:
-        """A ready result (one that ready() said yes to, pinned since by its sequence)."""
+        """A ready result (one that the admission rule said yes to, pinned since by its sequence)."""
         return self.works[key].future.result()
 
-    def ready(self, seq: Sequence, key: Hashable) -> bool:
-        """For an admission rule: whether the result seq needs is ready. While not, seq waits; if its work failed or
-        has run longer than limit_s, seq.error says why (the engine ends its request)."""
+    def ready(self, seq: Sequence, running: list[Sequence]) -> bool:
+        """The admission rule: whether the result seq needs is ready. While not, seq waits; if its work failed or has
+        run longer than limit_s, seq.error says why (the engine ends its request)."""
+        key = self.key_of(seq)
+        if key is None:
+            return True
         work = self.works.get(key)
         if work is None:  # dropped before its request was queued (a batch of more keys than `keep`): again
             self.start(key)
             return False
         if work.failed():
             seq.error = str(work.future.exception())
-        elif not work.future.done() and work.started is not None and time.monotonic() - work.started > self.limit_s:
+        elif work.overdue(self.limit_s):
             seq.error = f"{self.field}: not ready after {self.limit_s:g} s (the most a request's preparation may take)"
         return work.future.done() and seq.error is None

@@ -217,16 +217,14 @@ class StructuredOutputs:
             COMPILE_LIMIT_S,
         )
         self.matchers: weakref.WeakKeyDictionary[Sequence, StructuredMatcher] = weakref.WeakKeyDictionary()
-        llm.scheduler.admission_rules.append(self.may_admit)
+        llm.scheduler.admission_rules.append(self.may_admit)  # after the grammars' own (Prepared: compiled yet?)
 
     def may_admit(self, seq: Sequence, running: list[Sequence]) -> bool:
-        """The admission rule: a constrained sequence waits until its grammar is compiled (one that failed, or took
-        too long, ends its request: Sequence.error), then gets its matcher, unless its first mask leaves no token."""
+        """The admission rule, after the grammars' (which holds a constrained sequence until its grammar is compiled,
+        and ends its request if that failed or took too long): its matcher, unless its first mask leaves no token."""
         key = grammar_key(seq)
         if key is None or seq in self.matchers:  # unconstrained, or readmitted after a preemption
             return True
-        if not self.grammars.ready(seq, key):
-            return False
         matcher = StructuredMatcher(self.grammars.result(key), self.vocab_size, seq)
         problem = matcher.fill(seq)  # None, or why no token could be sampled: the request ends before any work
         if problem is not None:

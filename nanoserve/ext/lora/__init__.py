@@ -9,43 +9,45 @@ row, and each row adds two thin matmuls of its own adapter, shrink (to rank r) a
 
 Adapters are PEFT's folders (adapter_config.json, adapter_model.safetensors) that adapt any of q/k/v/o and gate/up/down
 (any rank up to max_lora_rank, lora_alpha, rsLoRA's scaling). Where they live:
-  - loading: an adapter is read from its folder on a thread of its own (LOADER), beside the steps, when a request first
-    names it, and checked (load_adapter): plain LoRA of this model's shapes, read only after the file's header shows
-    them (so it is never larger than a slot), every weight finite, and the overflow rule below. A request of the step
-    API waits in the queue until its adapter is loaded (the admission rule holds it while later ones go ahead); one
-    whose adapter fails ends alone, with the reason (Sequence.error). LLM.generate, beam search and check_adapter wait
-    for their adapters instead, so a bad one is an InvalidField naming lora_request before any request is queued;
+  - loading: an adapter is read from its folder beside the steps (ext/background.py's worker thread) when a request
+    first names it, and checked (load_adapter): plain LoRA of this model's shapes, each tensor's shape read from the
+    file's header before the tensor (so an adapter is never larger than a slot: its size limit), a finite scale, and
+    the overflow rule below. A request of the step API waits in the queue until its adapter is loaded (an admission
+    rule holds it while later ones go ahead); one whose adapter fails ends alone, with the reason (Sequence.error).
+    LLM.generate, beam search and check_adapter wait for their adapters instead, so a bad one is an InvalidField naming
+    lora_request before any request is queued;
   - host: the loaded adapters, up to max_cpu_loras besides those a queued or running sequence uses (pinned: a step
     never reads a folder, so one deleted after its request was queued harms nothing), the least recently used dropped;
-  - device: max_loras slots, preallocated beside each adapted projection (LoRALinear: an A and a B per slot, padded to
-    max_lora_rank). Before every step the runner calls this extension's step hook (ModelRunner.step_hooks), which puts
-    the step's adapters in slots (the least recently used replaced) and writes the step's rows grouped by slot into
-    static buffers that every adapted projection reads: the kernels' segments. A CUDA graph reads the same buffers, so
-    a replay sees the current step's rows; a padded row is in no segment and gets nothing. An adapter that fails to go
-    into its slot ends its requests alone and leaves the slot free;
-  - scheduler: a waiting sequence is admitted only if its adapter runs already or fewer than max_loras do
-    (Scheduler.admission_rules), so no step needs more slots than there are: more adapters in flight queue;
+  - scheduler and device: max_loras slots beside each adapted projection (LoRALinear: an A and a B per slot, padded to
+    max_lora_rank). A waiting sequence is admitted once its adapter has a slot (Scheduler.admission_rules): its own
+    already, or one whose adapter no running sequence uses, into which it is copied then (the least recently used
+    replaced). So no step needs more adapters than there are slots (more adapters in flight queue), and a slot is held
+    exactly while its adapter runs. Before every step the runner calls this extension's step hook
+    (ModelRunner.step_hooks), which writes the step's rows grouped by slot into static buffers that every adapted
+    projection reads: the kernels' segments. A CUDA graph reads the same buffers, so a replay sees the current step's
+    rows; a padded row is in no segment and gets nothing;
   - prefix cache: a sequence's adapter (its LoRARequest) is its cache salt (Sequence.cache_salt), so a block computed
     under one adapter is never found by a request under another or under none; preemption and recompute keep it.
 
 The overflow rule: an adapter adds scale x (x @ A^T) @ B^T to its projection, computed in the model's dtype after the
 shrink. For an input whose elements are at most MAX_INPUT in magnitude, the largest element either product can reach
-(all signs aligned: each A row's sum of |weights|, and each output's sum over the ranks of |B| times those sums, times
-|scale|) must stay within the dtype's largest value, and the scale within float32's (the slots hold it so). In bf16 or
-fp32 only an absurd adapter fails (lora_alpha 1e300, weights near 1e36); in fp16, one whose worst case multiplies an
-input by more than 65504 / MAX_INPUT = 256 (a trained rank-16 adapter's is about 10 to 100 by this measure).
+(all signs aligned: the largest sum of |A| over a row, and that times |scale| times the largest sum of |B| over a row)
+must stay within the dtype's largest value, and the scale within float32's (the slots hold it so); a weight that is not
+finite fails it. In bf16 or fp32 only an absurd adapter fails (lora_alpha 1e300, weights near 1e17); in fp16, one whose
+worst case multiplies an input by more than 65504 / MAX_INPUT = 256.
 
 The engine's start wraps the model's projections (CausalLM.wrap_projections), before the engine captures its decode
-graphs over them. The slots are allocated after the KV pool was sized, beyond gpu_memory_utilization, and only if the
-device has that much memory free (else an InvalidField naming max_loras): max_loras x max_lora_rank x (in + out
-features of each of q, k, v, o, gate, up and down) elements per layer (Qwen3-0.6B, 8 slots of rank 16: 161 MB in bf16).
-Tensor parallelism is refused (tensor_parallel_size must be 1): the adapters are not sharded as the base weights are."""
+graphs over them. The slots are allocated then, after the KV pool was sized, beyond gpu_memory_utilization, and left
+uninitialised (a slot is read only once an adapter was copied into it whole, so a CPU takes their memory only as they
+fill): max_loras x max_lora_rank x (in + out features of each of q, k, v, o, gate, up and down) elements per layer
+(Qwen3-0.6B, 8 slots of rank 16: 161 MB in bf16). max_loras is at most MAX_LORAS; slots the device cannot hold are an
+InvalidField naming max_loras. Tensor parallelism is refused (tensor_parallel_size must be 1): the adapters are not
+sharded as the base weights are."""
 
 import json
 import math
 import re
 from collections import OrderedDict
-from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import accumulate, chain
 from pathlib import Path
@@ -55,7 +57,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from nanoserve.checks import LISTS, MAX_INT, InvalidField, check_number, check_numbers, is_finite_real, shown
+from nanoserve.checks import LISTS, InvalidField, check_number, check_numbers, shown
 from nanoserve.config import EngineConfig
 from nanoserve.ext.background import Prepared
 from nanoserve.ext.lora.kernels import sgmv, sgmv_ref
@@ -67,14 +69,16 @@ if TYPE_CHECKING:
     from nanoserve.llm import LLM
 
 FIELD = "lora_request"  # the request field this extension owns (generate's, add_request's, beam search's)
-# the model's adapted projections, (module, name) in a decoder layer -> the PEFT target modules they merge, in order
-PROJECTIONS = {
-    ("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"),
-    ("self_attn", "o_proj"): ("o_proj",),
-    ("mlp", "gate_up_proj"): ("gate_proj", "up_proj"),
-    ("mlp", "down_proj"): ("down_proj",),
+# a PEFT target module -> the model's projection that holds it (merged: q|k|v, gate|up) and its shard there
+SHARD_OF = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
 }
-SHARD_OF = {target: (name, i) for (_, name), targets in PROJECTIONS.items() for i, target in enumerate(targets)}
 # an adapter tensor's name in PEFT's safetensors: its layer, its target module, A or B
 PEFT_NAME = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 # adapter_config.json's settings that change what an adapter computes, beyond r, lora_alpha and use_rslora: the value
@@ -91,7 +95,6 @@ MAX_RANK = 256  # the highest max_lora_rank (vLLM's)
 # a slot's memory beside every projection; a step of 256 adapters is beyond any use seen (vLLM's tests go to 16)
 MAX_LORAS = 256
 MAX_INPUT = 256.0  # the overflow rule's largest input element (module docstring); real inputs stay within tens
-LOAD_LIMIT_S = 60.0  # the longest an adapter may take to load (one at the size limit took 1 s here: a slow disk)
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,7 @@ class LoRARequest:
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not isinstance(self.lora_path, str):
             raise InvalidField(FIELD, f"{shown(self)}: a name and a folder, each a str")
-        check_number(FIELD, self.lora_int_id, 1, MAX_INT, integer=True)  # never a bool
+        check_number(FIELD, self.lora_int_id, 1, integer=True)  # at most an int64's largest; never a bool
 
 
 @dataclass
@@ -147,42 +150,30 @@ def start(llm: "LLM") -> "Adapters":
     return Adapters(llm)
 
 
-def start_loading(llm: "LLM", adapter: object) -> "Future[Adapter] | None":
-    """One request's adapter: None, or a LoRARequest for this engine (with LoRA on, else an InvalidField naming
-    lora_request), whose load is started beside the steps (ext/background.py). Returns the load, or None."""
+def check_adapter(llm: "LLM", adapter: object, wait: bool = True) -> None:
+    """One request's adapter: None, or a LoRARequest for this engine (with LoRA on), whose load starts beside the steps
+    (ext/background.py); with `wait`, it is loaded and checked before the caller goes on (beam search, the server's
+    --lora-modules, LLM.generate's), a bad one an InvalidField naming lora_request."""
     if adapter is None:
-        return None
+        return
     if "lora" not in llm.extensions:
         raise InvalidField(FIELD, "needs LoRA on: LLM(..., enable_lora=True), or lora_config")
     if not isinstance(adapter, LoRARequest):
         raise InvalidField(FIELD, f"{shown(adapter)} is not a LoRARequest (or None)")
-    return llm.extensions["lora"].host.start(adapter)
-
-
-def check_adapter(llm: "LLM", adapter: object) -> None:
-    """One request's adapter (None, or a LoRARequest), loaded and checked before the caller goes on: a bad one is an
-    InvalidField naming lora_request. For callers that may wait (beam search, the server's --lora-modules)."""
-    loading = start_loading(llm, adapter)
-    if loading is not None:
+    loading = llm.extensions["lora"].host.start(adapter)
+    if wait:
         loading.result()  # raises the load's InvalidField
 
 
-def adapters_per_request(llm: "LLM", lora_request: object, count: int) -> list:
-    """lora_request for `count` requests as one adapter (or None) each: one LoRARequest (or None) for all, or a list of
-    one per request; each loaded and checked (a bad one refuses them all by name) before the caller goes on
-    (LLM.generate, beam search)."""
-    adapters = list(lora_request) if isinstance(lora_request, LISTS) else [lora_request] * count
-    if len(adapters) != count:
-        raise InvalidField(FIELD, f"{len(adapters)} given for {count} prompts")
-    for adapter in adapters:
-        check_adapter(llm, adapter)
-    return adapters
-
-
 def attach_adapters(llm: "LLM", requests: list, lora_request: object) -> None:
-    """LLM.generate's lora_request for its requests (outputs.Request, not yet queued): each adapter, checked, becomes
-    its request's sequences' cache salt."""
-    for request, adapter in zip(requests, adapters_per_request(llm, lora_request, len(requests)), strict=True):
+    """LLM.generate's lora_request for its requests (outputs.Request, not yet queued): one LoRARequest (or None) for
+    all, or a list of one per request. Each adapter is loaded and checked (a bad one refuses the batch by name) before
+    it becomes its request's sequences' cache salt."""
+    per_request = list(lora_request) if isinstance(lora_request, LISTS) else [lora_request] * len(requests)
+    if len(per_request) != len(requests):
+        raise InvalidField(FIELD, f"{len(per_request)} given for {len(requests)} prompts")
+    for request, adapter in zip(requests, per_request, strict=True):
+        check_adapter(llm, adapter)
         for seq in request.seqs:
             seq.cache_salt = adapter
 
@@ -191,7 +182,7 @@ def add_request(llm: "LLM", *args: object, lora_request: LoRARequest | None = No
     """LLM.add_request(*args, **kwargs) with vLLM's lora_request (the step API's; the server's). The adapter's load
     starts beside the steps and the request waits in the queue until it is done; an adapter that fails to load ends
     the request alone, finish reason "error", the error naming lora_request."""
-    start_loading(llm, lora_request)
+    check_adapter(llm, lora_request, wait=False)
     request_id = llm.add_request(*args, **kwargs)
     for seq in llm.requests[request_id].seqs:  # before any step can schedule them
         seq.cache_salt = lora_request
@@ -201,8 +192,7 @@ def add_request(llm: "LLM", *args: object, lora_request: LoRARequest | None = No
 @dataclass
 class Adapter:
     """An adapter on the host, ready to copy into a slot: its rank, its scale (lora_alpha / rank, or / sqrt(rank) with
-    rsLoRA), and per adapted (layer, projection) its A and B as a slot holds them (the slots' dtype, zero-padded to max
-    rank)."""
+    rsLoRA), and per adapted (layer, projection) its A and B as a slot holds them (zero-padded to max rank), in fp32."""
 
     rank: int
     scale: float
@@ -213,27 +203,22 @@ def load_adapter(request: LoRARequest, layers: dict[tuple[int, str], "LoRALinear
     """An adapter from its folder (PEFT's format), checked against the model before any request uses it: a rank up to
     max_rank, a finite scale, target modules this model has, plain LoRA, and each tensor an A or a B of a target module
     of an existing layer, in that layer's shape (another base model's is not), checked from the file's header before
-    the tensor is read; then each projection's weights finite and within the overflow rule (check_weights)."""
+    the tensor is read; then each projection within the overflow rule (module docstring)."""
 
     def refuse(problem: str) -> InvalidField:
         return InvalidField(FIELD, f"adapter {request.lora_name!r}: {problem}")
 
+    # (a folder that is missing or unreadable, not JSON (or not an object of it), not safetensors: that error, which
+    # Prepared names)
     folder = Path(request.lora_path)
-    try:
-        peft = json.loads((folder / "adapter_config.json").read_text())
-        file = safe_open(folder / "adapter_model.safetensors", "pt")
-    except Exception as error:  # missing, unreadable, not JSON, not safetensors
-        raise refuse(f"no PEFT adapter in {request.lora_path!r}: {error}") from None
-    if not isinstance(peft, dict):
-        raise refuse(f"adapter_config.json holds {shown(peft)}, not PEFT's settings")
+    peft = json.loads((folder / "adapter_config.json").read_text())
+    file = safe_open(folder / "adapter_model.safetensors", "pt")
     rank, alpha = peft.get("r"), peft.get("lora_alpha", 8)
     if not isinstance(rank, int) or not 1 <= rank <= max_rank:
         raise refuse(f"rank {shown(rank)} is not in [1, max_lora_rank={max_rank}]")
-    if not is_finite_real(alpha):
-        raise refuse(f"lora_alpha {shown(alpha)} is not a finite number")
-    scale = alpha / (math.sqrt(rank) if peft.get("use_rslora") else rank)
-    if abs(scale) > torch.finfo(torch.float32).max:  # the slots hold scales in fp32
-        raise refuse(f"its scale {scale:g} (lora_alpha / rank) is beyond float32's range")
+    scale = alpha / (math.sqrt(rank) if peft.get("use_rslora") else rank)  # (a TypeError if alpha is no number)
+    if not abs(scale) <= torch.finfo(torch.float32).max:  # the slots hold it in fp32; nan is refused too
+        raise refuse(f"lora_alpha {shown(alpha)} makes the scale {scale:g}, not a finite float32")
     for key, plain in PLAIN_LORA.items():
         if (peft.get(key) or plain) != plain:
             raise refuse(f"{key}={shown(peft[key])}: plain LoRA only")
@@ -250,35 +235,26 @@ def load_adapter(request: LoRARequest, layers: dict[tuple[int, str], "LoRALinear
         if where not in layers:
             raise refuse(f"{key!r} is no A or B of this model's {', '.join(targets)}")
         layer = layers[where]
-        a, b = weights.setdefault(where, (layer.a.new_zeros(layer.a.shape[1:]), layer.b.new_zeros(layer.b.shape[1:])))
+        a, b = weights.setdefault(where, (torch.zeros(layer.a.shape[1:]), torch.zeros(layer.b.shape[1:])))
         start = sum(layer.shard_sizes[:i])  # the shard's first output feature
         # A: the shard's rows of a (max rank each); B: its output features' rows of b, the rank's columns
         into = (
             a[i * max_rank : i * max_rank + rank] if match[3] == "A" else b[start : start + layer.shard_sizes[i], :rank]
         )
         shape = file.get_slice(key).get_shape()  # from the header: nothing read yet
-        if list(shape) != list(into.shape):
+        if shape != list(into.shape):
             raise refuse(f"{key} is {shape} where this model has {list(into.shape)}: another base's")
         into.copy_(file.get_tensor(key))
+    # the overflow rule (module docstring): for an input of elements up to 1, shrink's |u| is at most the largest sum
+    # of |A| over a row, and expand's update at most that x |scale| x the largest sum of |B| over a row; the worst case
+    # is their sum for inputs up to MAX_INPUT (inf or nan where a weight is)
     for (index, name), (a, b) in weights.items():
-        problem = check_weights(a, b, scale)
-        if problem:
-            raise refuse(f"layer {index}'s {name}: {problem}")
+        shrink = float(a.abs().sum(1).max())
+        worst = MAX_INPUT * shrink * (1 + abs(scale) * float(b.abs().sum(1).max()))
+        dtype = layers[index, name].a.dtype
+        if not worst <= torch.finfo(dtype).max:
+            raise refuse(f"layer {index}'s {name} could make an input of {MAX_INPUT:g} {worst:.3g}, beyond {dtype}")
     return Adapter(rank, scale, weights)
-
-
-def check_weights(a: Tensor, b: Tensor, scale: float) -> str | None:
-    """What is wrong with one projection's A [shards x max rank, in] and B [out, max rank] (in the slots' dtype), or
-    None: a weight that is not finite there, or a worst case beyond the overflow rule (module docstring): for an input
-    of elements up to 1, |u| is at most the largest sum of |A| over a row, and each output's update at most |scale| x
-    its row's sum of |B| x that."""
-    if not (a.isfinite().all() and b.isfinite().all()):
-        return f"a weight is not finite in {a.dtype}"
-    shrink = float(a.float().abs().sum(1).max())
-    worst = MAX_INPUT * shrink * max(1.0, abs(scale) * float(b.float().abs().sum(1).max()))
-    if worst > torch.finfo(a.dtype).max:
-        return f"an input of {MAX_INPUT:g} could become {worst:.3g}, beyond {a.dtype}'s range"
-    return None
 
 
 class LoRALinear(nn.Module):
@@ -326,8 +302,8 @@ class Adapters:
         parts = [config.max_loras + 1, llm.config.max_num_batched_tokens]
         self.step_inputs = torch.zeros(sum(parts), dtype=torch.int32, device=runner.device)
         starts, rows = self.step_inputs.split(parts)
-        self.segments = (rows, starts)
         self.scales = torch.zeros(config.max_loras, device=runner.device)  # each slot's
+        self.segments = (rows, starts, self.scales)  # what every LoRALinear reads of a step
         # 1) each adapted projection of each layer wrapped, with its slots: (layer, projection) -> its LoRALinear
         self.kernel = sgmv if llm.config.kernels == "triton" else sgmv_ref
         self.layers: dict[tuple[int, str], LoRALinear] = {}
@@ -340,14 +316,12 @@ class Adapters:
         # 2) the adapters on the host, each loaded beside the steps, pinned while a queued or running sequence uses it;
         # and in slots: adapter -> its slot, where a free slot is its own number's (an int, never an adapter a step
         # needs), so the free slots come first when one is taken; and each slot's rows last step
-        max_rank = config.max_lora_rank
         self.host = Prepared(
             llm,
             FIELD,
-            lambda request: load_adapter(request, self.layers, max_rank),
+            lambda request: load_adapter(request, self.layers, config.max_lora_rank),
             lambda seq: seq.cache_salt,
             config.max_cpu_loras,
-            LOAD_LIMIT_S,
         )
         self.slot_of: OrderedDict[LoRARequest | int, int] = OrderedDict(
             (slot, slot) for slot in range(config.max_loras)
@@ -361,36 +335,32 @@ class Adapters:
         """CausalLM.wrap_projections' callback: a decoder layer's projection gets its LoRALinear; the LM head none."""
         if layer is None:
             return projection
-        self.layers[layer, name] = LoRALinear(projection, (*self.segments, self.scales), self.config, self.kernel)
+        self.layers[layer, name] = LoRALinear(projection, self.segments, self.config, self.kernel)
         return self.layers[layer, name]
 
     def may_admit(self, seq: Sequence, running_seqs: list[Sequence]) -> bool:
-        """The scheduler's admission rule: seq waits until its adapter is loaded (one that failed ends its request:
-        Sequence.error), then until the adapter has a slot: its own already, or one whose adapter no running sequence
-        uses (a free one first, else the least recently used), into which it is copied (to_slot). So a step never needs
-        more adapters than there are slots (vLLM's scheduler keeps the same bound), and a slot is held while its
-        adapter runs."""
+        """The scheduler's admission rule, after the host's (which holds seq until its adapter is loaded, and ends its
+        request if that failed): seq waits until the adapter has a slot: its own already, or one whose adapter no
+        running sequence uses (a free one first, else the least recently used), into which it is copied (to_slot). So a
+        step never needs more adapters than there are slots (vLLM's scheduler keeps the same bound), and a slot is held
+        while its adapter runs."""
         adapter = seq.cache_salt  # a sequence's salt is its adapter (or None)
+        if adapter is None:
+            return True
         if adapter in self.slot_of:
             self.slot_of.move_to_end(adapter)
             return True
-        if adapter is None:
-            return True
-        if not self.host.ready(seq, adapter):
-            return False
         running = {s.cache_salt for s in running_seqs}
         victim = next((held for held in self.slot_of if held not in running), None)
         if victim is None:  # every slot's adapter runs: seq waits for one to finish
             return False
-        try:
-            self.to_slot(adapter, victim)
-        except Exception as error:  # the request fails alone; the slot stays free
-            seq.error = f"{FIELD}: adapter {adapter.lora_name!r} could not be copied into a slot: {error}"
-        return seq.error is None
+        self.to_slot(adapter, victim)
+        return True
 
     def to_slot(self, request: LoRARequest, victim: LoRARequest | int) -> None:
         """Copy the request's adapter into the victim's slot. The copies queue behind the steps already launched, which
-        read the old. The slot is free while it is written, so a copy that fails leaves it free."""
+        read the old. The slot is free while it is written: a copy that fails (the device's fault: the adapter was
+        checked when loaded) leaves it free."""
         slot = self.slot_of.pop(victim)
         self.slot_of[slot] = slot  # free until written
         adapter = self.host.result(request)  # loaded (may_admit), and kept while its sequences run
