@@ -13,13 +13,17 @@ field. Results are kept by key, so a request that brings the same
 adapter or grammar again finds it ready; beyond `keep` of them the least recently used are dropped, never one that a
 queued or running sequence needs (key_of(seq)): those are pinned, so a step never waits for work, nor redoes it.
 
-One worker thread for the process: both users' work is bound by its size limits, and the thread leaves the step loop
-the other core of a 2-core machine. It helps only because the work releases the GIL: xgrammar compiles in C++ without
-it (measured: the step loop's longest wait for the GIL during a 44 s compile was 52 ms), and reading safetensors and
-torch's copies and reductions release it too. A work that overruns its limit cannot be stopped: its request ends, and
-the thread finishes it (then keeps its result) before taking the next."""
+One worker thread for the process, at a lower priority than the step loop's (WORKER_NICE, on Linux): both users' work
+is bound by its size limits, and where cores are short the steps go first. A thread helps only because the work
+releases the GIL: xgrammar compiles in C++ without it, and reading safetensors and torch's copies and reductions
+release it too (measured on this project's 2-core CPU VM, 2026-12-06: the step loop's longest wait for the GIL was 52
+ms during a 44 s compile, 9 ms during an adapter's 1.6 s load). A work that overruns its limit cannot be stopped: its
+request ends, and the thread finishes it (then keeps its result) before taking the next."""
 
 import math
+import os
+import sys
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -33,7 +37,16 @@ from nanoserve.sequence import Sequence
 if TYPE_CHECKING:
     from nanoserve.llm import LLM
 
-WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoserve-background")
+WORKER_NICE = 10  # the worker thread's priority below the step loop's (Linux): where cores are short, steps go first
+
+
+def lower_priority() -> None:
+    """The worker thread's initializer: on Linux, where a thread has a priority of its own, lower it by WORKER_NICE."""
+    if sys.platform == "linux":
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
+
+
+WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoserve-background", initializer=lower_priority)
 
 
 class Work:

@@ -48,7 +48,10 @@ INSTALL_HINT = (
 # SmolLM2's 49,152 tokens, 2026-12-06): at 32 KiB, 0.1 s for 900 required properties or 1,600 enum values, 2.4 s for
 # 1,100 optional ones (xgrammar's worst shape found); at 64 KiB the optional ones take 35 s, at 128 KiB 296 s
 MAX_GRAMMAR_CHARS = 32_768
-COMPILE_LIMIT_S = 20.0  # the longest a compile may run: a grammar within the size limit took at most 2.4 s here
+# the longest a compile may run, in wall time: a safety net for a shape the size limit does not bound (or a stuck
+# worker), far above what one within it takes: 2.4 s of CPU, but up to ~50 s at the worker's lower priority on this
+# VM while other processes kept both cores busy (load average 7)
+COMPILE_LIMIT_S = 120.0
 KEEP_GRAMMARS = 64  # compiled grammars kept beyond those in use, for requests that bring them again
 # one grammar compiler per tokenizer: it holds the vocabulary's token table, which takes a while to build. Keyed
 # weakly: a tokenizer's compiler goes with it. Made and used on the background thread only
