@@ -73,17 +73,17 @@ class Bans:
     always: list[int]  # the one-token words
     after: list[tuple[tuple[int, ...], int]]  # the longer words: (the tokens before the last, the last)
 
-    def banned(self, seq: Sequence) -> list[int]:
-        """The ids seq may not sample next, its output so far read back; an InvalidField naming allowed_token_ids if
-        they (with the stop ids before min_tokens) ban every allowed id."""
-        output = seq.completion_token_ids
-        banned = self.always + [last for before, last in self.after if tuple(output[-len(before) :]) == before]
-        stops = set()  # what min_tokens bans of the next token (stopping.py's banned_token_ids, pending ones aside)
-        if len(output) < seq.params.min_tokens:
+    def banned(self, output: list[int]) -> list[int]:
+        """The ids a sequence whose output so far is `output` may not sample next."""
+        return self.always + [last for before, last in self.after if tuple(output[-len(before) :]) == before]
+
+    def leave_none(self, seq: Sequence, banned: list[int]) -> bool:
+        """Whether these bans, and the stop ids min_tokens bans (stopping.py's banned_token_ids, for seq's next token
+        with its pending ones aside), leave none of its allowed ids."""
+        stops = set()
+        if len(seq.completion_token_ids) < seq.params.min_tokens:
             stops = seq.stop_token_ids
-        if self.allowed_ids is not None and self.allowed_ids <= {*banned, *stops}:
-            raise InvalidField("allowed_token_ids", "bad_words and min_tokens (the stop ids) ban every one of them")
-        return banned
+        return self.allowed_ids is not None and self.allowed_ids <= {*banned, *stops}
 
 
 def attach(llm: "LLM", seqs: list[Sequence]) -> None:
@@ -104,7 +104,8 @@ def attach(llm: "LLM", seqs: list[Sequence]) -> None:
     always = [word[0] for word in words if len(word) == 1]
     after = [(word[:-1], word[-1]) for word in words if len(word) > 1]
     bans = Bans(allowed, allowed_ids, always, after)
-    bans.banned(seqs[0])  # refuses allowed ids that are all banned from the start
+    if bans.leave_none(seqs[0], always):
+        raise InvalidField("allowed_token_ids", "bad_words and min_tokens (the stop ids) ban every one of them")
     processor = llm.logits_processors.setdefault(NAME, TokenBans(llm.runner.device))
     for seq in seqs:
         processor.bans[seq] = bans
@@ -154,9 +155,14 @@ class TokenBans:
                 continue
             # its tokens read back so far: all of them, since a sequence whose bans depend on them stops the overlap
             try:
-                pairs += [(row, token) for token in bans.banned(seq)]
-            except Exception as error:  # no token left to sample, or a failure: the request ends (Sequence.error)
-                seq.error = str(error)
+                banned = bans.banned(seq.completion_token_ids)
+            except Exception as error:  # the request ends alone (Sequence.error)
+                seq.error = f"{NAME}: {error}"
+                continue
+            if bans.leave_none(seq, banned):
+                seq.error = "allowed_token_ids: bad_words and min_tokens (the stop ids) ban every one of them here"
+                continue
+            pairs += [(row, token) for token in banned]
             if bans.allowed is not None:
                 limited.append((row, bans.allowed))
         if not limited and not pairs:
