@@ -101,13 +101,17 @@ class Prepared:
         used that no queued or running sequence needs are dropped."""
         if key not in self.works or self.works[key].failed():
             self.works[key] = Work(self.field, self.make, key)
+            self.drop_unused(key)
         self.works.move_to_end(key)
+        return self.works[key].future
+
+    def drop_unused(self, key: Hashable) -> None:
+        """Beyond `keep` results, drop the least recently used that no queued or running sequence needs (nor key's)."""
         pinned = {self.key_of(seq) for seq in chain(self.scheduler.waiting, self.scheduler.running)}
         for unused in [k for k in self.works if k not in pinned and k != key]:
             if len(self.works) <= self.keep:
                 break
             del self.works[unused]
-        return self.works[key].future
 
     def wait(self, key: Hashable) -> object:
         """The key's result, waiting for it here (a caller that may block: LLM.generate); a failure raises its
