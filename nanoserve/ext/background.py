@@ -101,8 +101,8 @@ class Prepared:
         used that no queued or running sequence needs are dropped."""
         if key not in self.works or self.works[key].failed():
             self.works[key] = Work(self.field, self.make, key)
-            self.drop_unused(key)
         self.works.move_to_end(key)
+        self.drop_unused(key)
         return self.works[key].future
 
     def drop_unused(self, key: Hashable) -> None:
