@@ -282,6 +282,52 @@ def test_a_folder_deleted_after_its_request_was_queued_harms_nothing(model, tmp_
     assert llm.stats()["kv_blocks_used"] == 0
 
 
+def test_requests_aborted_anywhere_return_what_they_held(model, monkeypatch):
+    """Guards against an abort that leaves behind what its request held: an adapter slot, a host copy pinned past
+    max_cpu_loras, a grammar matcher, a penalty row, bans or KV blocks. Requests of every kind are aborted after a few
+    steps (running, each holding its share), and two more while they wait for their heavy work (an adapter's load and
+    a grammar's compile held on the worker thread); afterwards everything is back, and the same batch gives the
+    outputs it gave before."""
+    path, tokenizer, adapters = model
+    requests = batch(tokenizer, adapters)
+    llm = LLM(path, **ENGINE, **SLOTS)
+    expected = tokens(run(llm, requests))
+    for name, (prompt, params, adapter) in requests.items():
+        lora.add_request(llm, prompt, params, request_id=name, stream=False, lora_request=adapter)
+    for _ in range(3):
+        assert not [out for out in llm.step() if out.finished]
+    assert len(llm.scheduler.running) == len(requests) and llm.stats()["kv_blocks_used"] > 0
+    for name in requests:
+        llm.abort(name)
+    gate = threading.Event()
+    started = threading.Event()
+    load_adapter = lora.load_adapter
+
+    def held(*args):
+        started.set()
+        gate.wait(60)
+        return load_adapter(*args)
+
+    monkeypatch.setattr(lora, "load_adapter", held)
+    fresh = lora.LoRARequest("a again", 21, adapters["a"].lora_path)  # not loaded yet: its load is held
+    prompt, params, _ = requests["adapter a"]
+    lora.add_request(llm, prompt, params, request_id="loading", stream=False, lora_request=fresh)
+    grammar = SamplingParams(**GREEDY, structured_outputs={"regex": "[g-k]{5}"})  # queued behind the held load
+    llm.add_request(requests["grammar"][0], grammar, request_id="compiling", stream=False)
+    try:
+        assert started.wait(30)
+        assert not [out for out in llm.step() if out.finished] and len(llm.scheduler.waiting) == 2
+        llm.abort("loading")
+        llm.abort("compiling")
+    finally:
+        gate.set()
+    llm.extensions["lora"].host.wait(fresh)  # the held load finishes; its result is unpinned now
+    llm.logits_processors["structured"].grammars.wait(grammar.structured_outputs.key)
+    assert not llm.step() and not llm.has_unfinished_requests()
+    monkeypatch.undo()
+    check_all_returned(llm, requests, expected)
+
+
 # ---- heavy work beside the steps ------------------------------------------------------------------------------------
 def test_heavy_work_waits_beside_the_steps_while_the_others_run(model, monkeypatch):
     """Guards against an adapter's load or a grammar's compile running on the step loop (where a 779 KB schema held a
