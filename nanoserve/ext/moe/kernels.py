@@ -25,10 +25,12 @@ from torch import Tensor
 from nanoserve.layer_ops import silu_and_mul_ref
 from nanoserve.triton_shim import tl, triton
 
+# Tiles, by the model dtype's element size: 16-bit dots run on the tensor cores; fp32 ones (IEEE, not TF32) on the FMA
+# units, which hold their operand tiles in registers, so fp32 tiles are smaller (no spills on sm_90: see the tests)
 MIN_BLOCK_M = 16  # rows per block: tl.dot's least, enough for a decode step's few tokens per expert
-MAX_BLOCK_M = 64  # ... up to a prefill's full tensor-core tile
+MAX_BLOCK_M = {2: 64, 4: 32}  # ... up to a prefill's full tensor-core tile (wgmma at 64 rows)
 BLOCK_N = 64  # output features per program
-BLOCK_K = 32  # input features per step of the loop (fp32's FMA dots hold both tiles in registers)
+BLOCK_K = {2: 64, 4: 32}  # input features per step of the loop
 
 
 def route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
@@ -41,11 +43,11 @@ def route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor,
     return weights, experts
 
 
-def block_rows(num_pairs: int, num_experts: int) -> int:
+def block_rows(num_pairs: int, num_experts: int, dtype: torch.dtype) -> int:
     """BLOCK_M for a step: an expert's average number of pairs, as a power of two within MIN_BLOCK_M and MAX_BLOCK_M,
     so a decode step pads little and a prefill fills the tensor cores. From the shapes alone (graph-safe)."""
     average = triton.cdiv(num_pairs, num_experts)
-    return min(MAX_BLOCK_M, max(MIN_BLOCK_M, triton.next_power_of_2(average)))
+    return min(MAX_BLOCK_M[dtype.itemsize], max(MIN_BLOCK_M, triton.next_power_of_2(average)))
 
 
 def group_by_expert(experts: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -163,7 +165,7 @@ def moe_gemm(a: Tensor, w: Tensor, out: Tensor, pair_weights: Tensor, groups: tu
         GATED=gated,
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
+        BLOCK_K=BLOCK_K[a.dtype.itemsize],
     )
 
 
@@ -174,7 +176,7 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, experts: Tens
     num_tokens, top_k = experts.shape
     num_experts, two_inner, hidden = w13.shape
     assert x.shape == (num_tokens, hidden) and w2.shape == (num_experts, hidden, two_inner // 2)
-    groups = group_by_expert(experts, num_experts, block_rows(experts.numel(), num_experts))
+    groups = group_by_expert(experts, num_experts, block_rows(experts.numel(), num_experts, x.dtype))
     pair_weights = weights.flatten()  # [pairs] fp32
     inner = x.new_empty(experts.numel(), two_inner // 2)  # [pairs, inner]: silu(gate) * up, in the model dtype
     moe_gemm(x, w13, inner, pair_weights, groups, top_k, gated=True)
