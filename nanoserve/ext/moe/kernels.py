@@ -5,7 +5,9 @@ an expert gets. The kernel's answer:
   1. route: softmax over the router's logits, the top k, renormalised where the family says (route);
   2. group: the step's (token, choice) pairs, num_tokens x k of them, sorted by expert into groups padded to whole
      blocks of BLOCK_M rows, one expert per block (group_by_expert). A block's rows then share one expert's weights,
-     which a program reads once per block, as a dense matmul reads a weight tile once per row tile;
+     which a program reads once per block, as a dense matmul reads a weight tile once per row tile. A decode step's
+     few pairs are grouped by one Triton program (one launch where PyTorch's sort takes some twenty small kernels, as
+     long as the matmuls of a few tokens); a prefill's many by PyTorch's sort;
   3. multiply: one launch multiplies every block by its expert's gate|up weights and applies SiLU-and-mul, writing each
      pair's row of the intermediate [pairs, moe_intermediate]; a second multiplies those rows by each expert's down
      weights, scaled by the pair's router weight ([pairs, hidden]);
@@ -31,6 +33,11 @@ MIN_BLOCK_M = 16  # rows per block: tl.dot's least, enough for a decode step's f
 MAX_BLOCK_M = {2: 64, 4: 32}  # ... up to a prefill's full tensor-core tile (wgmma at 64 rows)
 BLOCK_N = 64  # output features per program
 BLOCK_K = {2: 64, 4: 32}  # input features per step of the loop
+# steps of up to this many pairs (a decode of 32 tokens x 8 experts: a few steps of the program's loops) are grouped by
+# the one-program kernel; larger ones by PyTorch's sort, whose kernels are few next to their matmuls (a prediction for
+# the H100: bench_kernels.py moe times both)
+MAX_KERNEL_PAIRS = 256
+GROUP_TILE_ELEMENTS = 4096  # the one-program grouping's [pairs, experts] tile: pairs per step = this / padded experts
 
 
 def route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
@@ -77,6 +84,73 @@ def group_by_expert(experts: Tensor, num_experts: int, block_m: int) -> tuple[Te
     block_ids = torch.arange(max_blocks, device=experts.device)
     block_experts = torch.searchsorted(block_ends, block_ids, right=True).int()  # the first expert ending past it
     return sorted_pairs, block_experts, block_ends[-1:].int()
+
+
+@triton.jit
+def _group_kernel(
+    experts_ptr,
+    sorted_pairs_ptr,
+    block_experts_ptr,
+    num_blocks_ptr,
+    num_pairs,
+    num_experts,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    # one program: group_by_expert's outputs, sorted_pairs already filled with num_pairs (no pair) by the launcher.
+    # Pairs are taken TILE at a time as a one-hot [TILE, EXPERTS_PAD] of their experts
+    e = tl.arange(0, EXPERTS_PAD)
+    lanes = tl.arange(0, TILE)
+    # 1) pairs per expert (a padding lane's expert is EXPERTS_PAD: it matches none)
+    counts = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
+    for start in range(0, num_pairs, TILE):
+        ids = tl.load(experts_ptr + start + lanes, mask=start + lanes < num_pairs, other=EXPERTS_PAD)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)
+    # 2) each expert's blocks, where they end, and the row its first pair takes
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(blocks, 0)
+    tl.store(num_blocks_ptr, tl.sum(blocks, 0))
+    next_row = (ends - blocks) * BLOCK_M  # [EXPERTS_PAD]: the row each expert's next pair takes
+    # 3) each block's expert: the experts whose blocks end at or before it (num_experts past the blocks in use)
+    for start in range(0, max_blocks, TILE):
+        b = start + lanes
+        before = (ends[None, :] <= b[:, None]) & (e < num_experts)[None, :]  # [TILE, EXPERTS_PAD]
+        tl.store(block_experts_ptr + b, tl.sum(before.to(tl.int32), 1), mask=b < max_blocks)
+    # 4) each pair's row: its expert's next row, after the tile's earlier pairs of the same expert (pair order kept)
+    for start in range(0, num_pairs, TILE):
+        pairs = start + lanes
+        ids = tl.load(experts_ptr + pairs, mask=pairs < num_pairs, other=EXPERTS_PAD)
+        one_hot = (ids[:, None] == e[None, :]).to(tl.int32)  # [TILE, EXPERTS_PAD]
+        earlier = tl.cumsum(one_hot, 0) - one_hot  # the same expert's pairs before each, in this tile
+        rows = tl.sum(one_hot * (earlier + next_row[None, :]), 1)
+        tl.store(sorted_pairs_ptr + rows, pairs, mask=pairs < num_pairs)
+        next_row += tl.sum(one_hot, 0)
+
+
+def group_by_expert_kernel(experts: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """group_by_expert in one Triton program (the same outputs: equal pairs keep their order): for a decode step."""
+    num_pairs = experts.numel()
+    max_blocks = num_pairs // block_m + min(num_experts, num_pairs)
+    sorted_pairs = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int32, device=experts.device)
+    block_experts = torch.empty(max_blocks, dtype=torch.int32, device=experts.device)
+    num_blocks = torch.empty(1, dtype=torch.int32, device=experts.device)
+    experts_pad = triton.next_power_of_2(num_experts)
+    tile = max(1, GROUP_TILE_ELEMENTS // experts_pad)
+    _group_kernel[(1,)](
+        experts.contiguous(),
+        sorted_pairs,
+        block_experts,
+        num_blocks,
+        num_pairs,
+        num_experts,
+        max_blocks,
+        BLOCK_M=block_m,
+        EXPERTS_PAD=experts_pad,
+        TILE=tile,
+    )
+    return sorted_pairs, block_experts, num_blocks
 
 
 @triton.jit
@@ -176,7 +250,9 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, experts: Tens
     num_tokens, top_k = experts.shape
     num_experts, two_inner, hidden = w13.shape
     assert x.shape == (num_tokens, hidden) and w2.shape == (num_experts, hidden, two_inner // 2)
-    groups = group_by_expert(experts, num_experts, block_rows(experts.numel(), num_experts, x.dtype))
+    block_m = block_rows(experts.numel(), num_experts, x.dtype)
+    group = group_by_expert_kernel if experts.numel() <= MAX_KERNEL_PAIRS else group_by_expert
+    groups = group(experts, num_experts, block_m)
     pair_weights = weights.flatten()  # [pairs] fp32
     inner = x.new_empty(experts.numel(), two_inner // 2)  # [pairs, inner]: silu(gate) * up, in the model dtype
     moe_gemm(x, w13, inner, pair_weights, groups, top_k, gated=True)
