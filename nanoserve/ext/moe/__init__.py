@@ -106,8 +106,10 @@ class MoEArgs(ModelArgs):
                 "sparse_layers": tuple(range(num_layers)),
                 "head_dim": cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads,  # null in Mixtral's configs
             }
-        step = cfg.decoder_sparse_step
-        routing = [i for i in range(num_layers) if i not in cfg.mlp_only_layers and (i + 1) % step == 0]
+        routing = []  # transformers' rule
+        for i in range(num_layers):
+            if i not in cfg.mlp_only_layers and (i + 1) % cfg.decoder_sparse_step == 0:
+                routing.append(i)
         return fields | {
             "moe_intermediate_size": cfg.moe_intermediate_size,
             "norm_topk_prob": cfg.norm_topk_prob,
@@ -168,11 +170,13 @@ class SparseMoeBlock(nn.Module):
     def load_gate_up(self, param: nn.Parameter, tensor: Tensor, expert: int, shard: int) -> None:
         """An expert's gate (shard 0) or up (1) projection [moe_intermediate, hidden]: this rank's rows of it."""
         rows = tensor.chunk(self.layers.size, 0)[self.layers.rank]
-        param[expert, shard * self.inner : (shard + 1) * self.inner].copy_(rows)
+        first = shard * self.inner  # gate's rows, then up's
+        param[expert, first : first + self.inner].copy_(rows)
 
     def load_down(self, param: nn.Parameter, tensor: Tensor, expert: int) -> None:
         """An expert's down projection [hidden, moe_intermediate]: this rank's columns of it."""
-        param[expert].copy_(tensor.chunk(self.layers.size, 1)[self.layers.rank])
+        columns = tensor.chunk(self.layers.size, 1)[self.layers.rank]
+        param[expert].copy_(columns)
 
     def forward(self, x: Tensor) -> Tensor:
         """x [num_tokens, hidden] -> [num_tokens, hidden]."""

@@ -38,13 +38,15 @@ BLOCK_K = {2: 64, 4: 32}  # input features per step of the loop
 # the H100: bench_kernels.py moe times both)
 MAX_KERNEL_PAIRS = 256
 GROUP_TILE_ELEMENTS = 4096  # the one-program grouping's [pairs, experts] tile: pairs per step = this / padded experts
+Groups = tuple[Tensor, Tensor, Tensor]  # a step's pairs grouped by expert: sorted_pairs, block_experts, num_blocks
 
 
 def route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
     """router_logits [num_tokens, num_experts] -> (weights [num_tokens, top_k] fp32, experts [num_tokens, top_k]):
     softmax over every expert in fp32, the top k, and with renormalize those k weights rescaled to sum to 1. Qwen3-MoE
     and Mixtral route so (Mixtral always renormalises; Qwen3-MoE where its config's norm_topk_prob says)."""
-    weights, experts = router_logits.float().softmax(-1).topk(top_k, dim=-1)
+    probs = router_logits.float().softmax(-1)  # [num_tokens, num_experts]
+    weights, experts = probs.topk(top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights, experts
@@ -57,19 +59,27 @@ def block_rows(num_pairs: int, num_experts: int, dtype: torch.dtype) -> int:
     return min(MAX_BLOCK_M[dtype.itemsize], max(MIN_BLOCK_M, triton.next_power_of_2(average)))
 
 
-def group_by_expert(experts: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+def padding_rows(num_pairs: int, num_experts: int, block_m: int, device: torch.device) -> Tensor:
+    """sorted_pairs before any pair has its row: [max_blocks x block_m] of num_pairs (no pair). max_blocks bounds any
+    routing's need: an expert with c pairs fills ceil(c / block_m) <= c // block_m + 1 blocks, and at most
+    min(E, pairs) experts have any."""
+    max_blocks = num_pairs // block_m + min(num_experts, num_pairs)
+    return torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+
+
+def group_by_expert(experts: Tensor, num_experts: int, block_m: int) -> Groups:
     """experts [num_tokens, k] -> the pairs sorted by expert into blocks of block_m rows:
       - sorted_pairs [max_blocks x block_m] int32: pair p (token p // k's choice p % k) in its expert's group, each
-        group padded to whole blocks with num_pairs (no pair);
+        group padded to whole blocks with num_pairs (no pair; padding_rows);
       - block_experts [max_blocks]: each block's expert (num_experts for the blocks past those in use);
       - num_blocks [1]: the blocks in use.
-    max_blocks bounds any routing's need: an expert with c pairs fills ceil(c / block_m) <= c // block_m + 1 blocks,
-    and at most min(E, pairs) experts have any. Every shape here comes from num_tokens, k and E, never from the
-    routing itself, and nothing is read on the host (a CUDA graph may capture it)."""
+    Every shape here comes from num_tokens, k and E, never from the routing itself, and nothing is read on the host
+    (a CUDA graph may capture it)."""
     pair_experts = experts.flatten()  # [num_pairs]: each pair's expert
     num_pairs = len(pair_experts)
-    max_blocks = num_pairs // block_m + min(num_experts, num_pairs)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device)
+    device = experts.device
+    sorted_pairs = padding_rows(num_pairs, num_experts, block_m, device)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, pair_experts, torch.ones_like(pair_experts))  # [E]: pairs per expert
     blocks = (counts + block_m - 1) // block_m  # [E]: each expert's blocks
     block_ends = blocks.cumsum(0)  # [E]: expert e's blocks end where expert e + 1's begin
@@ -77,11 +87,10 @@ def group_by_expert(experts: Tensor, num_experts: int, block_m: int) -> tuple[Te
     by_expert = pair_experts[order]
     # a pair's place: its expert's first padded row, plus how many of that expert's pairs come before it
     first_of_expert = counts.cumsum(0) - counts  # [E]: where each expert's pairs start in `order`
-    within = torch.arange(num_pairs, device=experts.device) - first_of_expert[by_expert]
+    within = torch.arange(num_pairs, device=device) - first_of_expert[by_expert]
     rows = (block_ends - blocks)[by_expert] * block_m + within
-    sorted_pairs = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int32, device=experts.device)
     sorted_pairs[rows] = order.int()
-    block_ids = torch.arange(max_blocks, device=experts.device)
+    block_ids = torch.arange(len(sorted_pairs) // block_m, device=device)
     block_experts = torch.searchsorted(block_ends, block_ids, right=True).int()  # the first expert ending past it
     return sorted_pairs, block_experts, block_ends[-1:].int()
 
@@ -102,12 +111,14 @@ def _group_kernel(
     # one program: group_by_expert's outputs, sorted_pairs already filled with num_pairs (no pair) by the launcher.
     # Pairs are taken TILE at a time as a one-hot [TILE, EXPERTS_PAD] of their experts
     e = tl.arange(0, EXPERTS_PAD)
+    is_expert = e < num_experts
     lanes = tl.arange(0, TILE)
     # 1) pairs per expert (a padding lane's expert is EXPERTS_PAD: it matches none)
     counts = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
     for start in range(0, num_pairs, TILE):
         ids = tl.load(experts_ptr + start + lanes, mask=start + lanes < num_pairs, other=EXPERTS_PAD)
-        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)
+        one_hot = (ids[:, None] == e[None, :]).to(tl.int32)  # [TILE, EXPERTS_PAD]
+        counts += tl.sum(one_hot, 0)
     # 2) each expert's blocks, where they end, and the row its first pair takes
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     ends = tl.cumsum(blocks, 0)
@@ -116,8 +127,9 @@ def _group_kernel(
     # 3) each block's expert: the experts whose blocks end at or before it (num_experts past the blocks in use)
     for start in range(0, max_blocks, TILE):
         b = start + lanes
-        before = (ends[None, :] <= b[:, None]) & (e < num_experts)[None, :]  # [TILE, EXPERTS_PAD]
-        tl.store(block_experts_ptr + b, tl.sum(before.to(tl.int32), 1), mask=b < max_blocks)
+        ended = (ends[None, :] <= b[:, None]) & is_expert[None, :]  # [TILE, EXPERTS_PAD]
+        block_expert = tl.sum(ended.to(tl.int32), 1)
+        tl.store(block_experts_ptr + b, block_expert, mask=b < max_blocks)
     # 4) each pair's row: its expert's next row, after the tile's earlier pairs of the same expert (pair order kept)
     for start in range(0, num_pairs, TILE):
         pairs = start + lanes
@@ -129,13 +141,14 @@ def _group_kernel(
         next_row += tl.sum(one_hot, 0)
 
 
-def group_by_expert_kernel(experts: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+def group_by_expert_kernel(experts: Tensor, num_experts: int, block_m: int) -> Groups:
     """group_by_expert in one Triton program (the same outputs: equal pairs keep their order): for a decode step."""
     num_pairs = experts.numel()
-    max_blocks = num_pairs // block_m + min(num_experts, num_pairs)
-    sorted_pairs = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int32, device=experts.device)
-    block_experts = torch.empty(max_blocks, dtype=torch.int32, device=experts.device)
-    num_blocks = torch.empty(1, dtype=torch.int32, device=experts.device)
+    device = experts.device
+    sorted_pairs = padding_rows(num_pairs, num_experts, block_m, device)
+    max_blocks = len(sorted_pairs) // block_m
+    block_experts = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    num_blocks = torch.empty(1, dtype=torch.int32, device=device)
     experts_pad = triton.next_power_of_2(num_experts)
     tile = max(1, GROUP_TILE_ELEMENTS // experts_pad)
     _group_kernel[(1,)](
@@ -195,29 +208,38 @@ def _moe_gemm_kernel(
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (gate|up only)
     for k0 in range(0, k_size, BLOCK_K):
         in_k = ks < k_size - k0
-        a = tl.load(a_ptrs, mask=is_pair[:, None] & in_k[None, :], other=0.0)
+        a_mask = is_pair[:, None] & in_k[None, :]
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)  # [BLOCK_M, BLOCK_K]
         w_mask = in_k[:, None] & (cols < n_size)[None, :]
-        # "ieee": an fp32 model's products are not rounded to TF32
-        acc += tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), input_precision="ieee")
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc += tl.dot(a, w, input_precision="ieee")  # "ieee": an fp32 model's products are not rounded to TF32
         if GATED:  # up's rows are n_size rows below gate's
-            up += tl.dot(a, tl.load(w_ptrs + n_size * stride_wn, mask=w_mask, other=0.0), input_precision="ieee")
+            w_up = tl.load(w_ptrs + n_size * stride_wn, mask=w_mask, other=0.0)
+            up += tl.dot(a, w_up, input_precision="ieee")
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if GATED:
         acc = acc * tl.sigmoid(acc) * up  # SiLU(gate) * up, in fp32, rounded once below
     else:
         acc *= tl.load(pair_weights_ptr + pairs, mask=is_pair, other=0.0)[:, None]
-    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=is_pair[:, None] & (cols < n_size)[None, :])
+    out_rows = pairs.to(tl.int64)  # each pair's own row
+    out_ptrs = out_ptr + out_rows[:, None] * stride_om + cols[None, :]
+    out_mask = is_pair[:, None] & (cols < n_size)[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def moe_gemm(a: Tensor, w: Tensor, out: Tensor, pair_weights: Tensor, groups: tuple, top_k: int, gated: bool) -> None:
+def moe_gemm(a: Tensor, w: Tensor, out: Tensor, pair_weights: Tensor, groups: Groups, top_k: int, gated: bool) -> None:
     """One launch of the kernel over every block of groups (group_by_expert's): a [rows, K] (tokens, or pairs), w
     [E, N or 2N, K], out [pairs, N]; pair_weights [pairs] fp32, read by the down projection (not gated) only."""
     sorted_pairs, block_experts, num_blocks = groups
     n_size = out.shape[1]
-    assert a.stride(1) == w.stride(2) == out.stride(1) == 1 and a.shape[1] == w.shape[2]
-    assert w.shape[1] == (2 * n_size if gated else n_size) and a.dtype == w.dtype == out.dtype
+    w_rows = n_size
+    pairs_per_row = 1  # down: each pair reads its own row of a, the intermediate
+    if gated:  # gate|up: each pair reads its token's row of a, x; w holds gate's rows, then up's
+        w_rows = 2 * n_size
+        pairs_per_row = top_k
+    assert a.stride(1) == w.stride(2) == out.stride(1) == 1
+    assert w.shape[1:] == (w_rows, a.shape[1]) and a.dtype == w.dtype == out.dtype
     block_m = len(sorted_pairs) // len(block_experts)
     grid = (len(block_experts), triton.cdiv(n_size, BLOCK_N))
     _moe_gemm_kernel[grid](
@@ -235,7 +257,7 @@ def moe_gemm(a: Tensor, w: Tensor, out: Tensor, pair_weights: Tensor, groups: tu
         w.stride(0),
         w.stride(1),
         out.stride(0),
-        PAIRS_PER_ROW=top_k if gated else 1,
+        PAIRS_PER_ROW=pairs_per_row,
         GATED=gated,
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
@@ -268,6 +290,6 @@ def fused_moe_ref(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, experts: 
     for expert in range(len(w13)):
         tokens, choices = (experts == expert).nonzero(as_tuple=True)  # its pairs: [count] each
         h = silu_and_mul_ref(F.linear(x[tokens], w13[expert]))  # [count, inner]
-        y = F.linear(h, w2[expert]).float() * weights[tokens, choices, None]  # [count, hidden]
-        out.index_add_(0, tokens, y)
+        y = F.linear(h, w2[expert]).float()  # [count, hidden]
+        out.index_add_(0, tokens, y * weights[tokens, choices, None])
     return out.to(x.dtype)
