@@ -22,8 +22,8 @@ always equal, and the model's code is the same for 1 and N ranks.
 What else works with these models: the prefix cache, chunked prefill and preemption (the experts hold no state across
 tokens), speculative decoding (a draft's tokens are routed as any others), the latency kernels and cascade attention
 (they change attention and the dense projections; the experts keep this extension's kernel), LoRA on the attention
-projections and on a Qwen3-MoE's dense layers (an adapter of a routing layer's gate/up/down has no projection to adapt
-there: ext/lora refuses it by name, lora_request)."""
+projections and on a Qwen3-MoE's dense layers (a routing layer has no gate/up/down projection to adapt: ext/lora
+refuses an adapter of the experts by name, lora_request, as it refuses PEFT's)."""
 
 from dataclasses import dataclass
 

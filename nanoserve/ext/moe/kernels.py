@@ -17,8 +17,8 @@ bytes of a step are its distinct experts times an expert's bytes, not E times th
 
 Shapes never depend on the routing, only on num_tokens, k and E: the grid has the most blocks any routing can need,
 and the blocks past those in use return at once (their count is read on the device), so a CUDA graph captured once
-replays whatever the router picks. The kernel is followed by its launcher (shapes asserted, the grid), then the
-PyTorch reference, the plain loop over experts, which gathers each expert's rows on the host."""
+replays whatever the router picks. Each kernel is followed by its launcher (shapes asserted, the grid); the PyTorch
+reference comes last, the plain loop over experts, which finds each expert's rows on the host."""
 
 import torch
 import torch.nn.functional as F
