@@ -106,7 +106,49 @@ ARCHS = {  # public configs; the weights are random, which with ignore_eos does 
         "max_position_embeddings": 8192,
         "tie_word_embeddings": True,
     },
+    # mixture of experts (ext/moe): each token through 8 of 128 experts of 768 inner features; 30.5B parameters, 3.3B
+    # active per token (61 GB in bf16: its random save needs that much disk)
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,  # (no dense layer: every layer routes)
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+    # a tiny MoE for the CPU (2 of 16 experts), and a dense model of the same active parameters (MLP 2 x 256 wide)
+    "tiny-moe": {
+        "model_type": "qwen3_moe",
+        "vocab_size": 10240,
+        "hidden_size": 256,
+        "intermediate_size": 512,  # (unused: every layer routes)
+        "moe_intermediate_size": 256,
+        "num_experts": 16,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+    },
 }
+# Qwen3-30B-A3B cut to 12 of its 48 layers (15 GB in bf16), what a GPU machine with a 64 GiB disk can save: each
+# layer is the whole model's, so its time per layer and its ratio to the memory floor stand for the whole model's
+ARCHS["qwen3-30b-a3b-12l"] = ARCHS["qwen3-30b-a3b"] | {"num_hidden_layers": 12}
+MOE_FIELDS = ("model_type", "moe_intermediate_size", "num_experts", "num_experts_per_tok", "norm_topk_prob")
+ARCHS["tiny-moe-dense"] = {key: value for key, value in ARCHS["tiny-moe"].items() if key not in MOE_FIELDS}
 
 
 @dataclass
@@ -169,11 +211,14 @@ def model_dir_of(args) -> tuple[str, bool]:
 
 
 def save_random_model(arch: str, path: str) -> None:
-    """A random-weight model of --arch, saved as an HF folder (bf16 on a GPU, fp32 on a CPU)."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    """A random-weight model of --arch, saved as an HF folder (bf16 on a GPU, fp32 on a CPU); Qwen3 unless the preset
+    names another model_type."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    fields = dict(ARCHS[arch])
+    config = AutoConfig.for_model(fields.pop("model_type", "qwen3"), **fields)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    AutoModelForCausalLM.from_config(Qwen3Config(**ARCHS[arch]), dtype=dtype).save_pretrained(path)
+    AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(path)
 
 
 def random_workload(num_seqs, max_input_len, max_output_len) -> Workload:

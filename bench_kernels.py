@@ -5,6 +5,7 @@ from this file (Triton refuses a @jit function fed on standard input). Needs CUD
     python bench_kernels.py eager OUT.json MODEL_DIR       # eager steps after warm-up: does a step wait for a compile?
     python bench_kernels.py profile OUT.txt MODEL_DIR      # torch.profiler tables: decode at 256, mixed, decode at 1
     python bench_kernels.py sweep OUT.json                 # attention's tiles, stages and split counts, each timed
+    python bench_kernels.py moe OUT.json                   # a Qwen3-30B-A3B routing layer: fused vs its floor
 
 Shapes are Qwen3-0.6B's heads (16 query, 8 KV, head_dim 128) in bf16, block size 16, unless a row says otherwise;
 MODEL_DIR is the random Qwen3-0.6B folder gpu_check.sh saves once (`bench.py --save-model`). On a machine without
@@ -17,6 +18,7 @@ import time
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from triton import cdiv
 from triton.testing import do_bench
 
@@ -62,6 +64,13 @@ QWEN3_PROJECTIONS = (
     ("down", 1024, 3072),
     ("LM head", 151936, 1024),
 )
+# a routing layer of Qwen3-30B-A3B (ext/moe): hidden, experts, experts per token, each expert's inner features; on a CPU
+# (only the PyTorch parts timed) the tiny MoE of bench.py's --arch tiny-moe
+QWEN3_30B_A3B_MOE = (2048, 128, 8, 768)
+TINY_MOE = (256, 16, 2, 256)
+MOE_BATCHES = (1, 8, 64, 256, 1024)  # tokens per step: batch-1 decode ... the standard workload's decode, a prefill
+COPY_TBPS = 3.0  # the H100's measured copy bandwidth (shared/anchors/h100-2026-11-22.json): the memory floor's rate
+CPU_RUNS = 20  # a CPU's MoE figures: the median of this many calls, after one
 
 
 def paged_batch(query_lens, context_lens, dtype=torch.bfloat16, kv_dtype=None):
@@ -207,6 +216,77 @@ def time_chained_gemvs(rows: int, projections=QWEN3_PROJECTIONS[:4], layers: int
         row |= {"dependent_TBps": round(gigabytes / dependent, 2), "dependent_over_plain": round(dependent / plain, 3)}
         row |= {"saved_us_per_launch": round(1000 * (plain - dependent) / launches, 2)}
     return row
+
+
+def time_moe(num_tokens: int, shape: tuple = QWEN3_30B_A3B_MOE, fused: bool = ON_GPU) -> dict:
+    """One routing layer (ext/moe) at num_tokens rows, bf16 on a GPU (fp32 on a CPU), on a uniform random routing:
+    the fused kernel (a CUDA-graph replay, as decode runs it; with fused), its grouping alone (PyTorch's sort; with
+    fused also the one-program kernel, which fused_moe takes up to MAX_KERNEL_PAIRS pairs), the plain loop over
+    experts (kernels.py's reference, eager: it reads each expert's rows on the host), and a dense MLP of the same active
+    parameters (k x inner wide: cuBLAS). Its memory floor: the distinct experts the routing touches x an expert's bytes,
+    at COPY_TBPS."""
+    from nanoserve.ext.moe import kernels as M
+    from nanoserve.layer_ops import silu_and_mul_ref
+
+    hidden, num_experts, top_k, inner = shape
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+
+    def randn(*size: int) -> torch.Tensor:
+        return (torch.randn(*size, device=DEVICE) / size[-1] ** 0.5).to(dtype)
+
+    x = randn(num_tokens, hidden)
+    w13 = randn(num_experts, 2 * inner, hidden)  # each expert's gate | up
+    w2 = randn(num_experts, hidden, inner)
+    dense_gate_up = randn(2 * top_k * inner, hidden)  # the dense peer: k experts' width in one MLP
+    dense_down = randn(hidden, top_k * inner)
+
+    def dense_mlp() -> torch.Tensor:
+        return F.linear(silu_and_mul_ref(F.linear(x, dense_gate_up)), dense_down)
+
+    def timed(fn, graph: bool = False) -> float:
+        """milliseconds(fn); on a CPU the median of CPU_RUNS calls after a warm-up (the first is mostly its own)."""
+        if ON_GPU:
+            return milliseconds(fn, graph)
+        fn()
+        return sorted(milliseconds(fn) for _ in range(CPU_RUNS))[CPU_RUNS // 2]
+
+    weights, experts = M.route(torch.randn(num_tokens, num_experts, device=DEVICE), top_k, renormalize=True)
+    block_m = M.block_rows(experts.numel(), num_experts, dtype)
+    grouping = timed(lambda: M.group_by_expert(experts, num_experts, block_m), graph=True)
+    loop = timed(lambda: M.fused_moe_ref(x, w13, w2, weights, experts))
+    dense = timed(dense_mlp, graph=True)
+    distinct = len(experts.unique())
+    expert_bytes = 3 * inner * hidden * x.element_size()
+    floor = distinct * expert_bytes / COPY_TBPS / 1e9  # ms
+    row = {
+        "tokens": num_tokens,
+        "experts": num_experts,
+        "top_k": top_k,
+        "distinct_experts": distinct,
+        "formula": round(num_experts * (1 - (1 - top_k / num_experts) ** num_tokens), 1),
+        "block_m": block_m,
+        "floor_ms": round(floor, 4),
+        "grouping_ms": round(grouping, 4),
+        "loop_ms": round(loop, 4),
+        "dense_same_active_ms": round(dense, 4),
+    }
+    if fused:  # the Triton kernels (on a CPU: the interpreter's, no figure worth reading)
+        one_program = timed(lambda: M.group_by_expert_kernel(experts, num_experts, block_m), graph=True)
+        row["grouping_one_program_ms"] = round(one_program, 4)
+        ms = timed(lambda: M.fused_moe(x, w13, w2, weights, experts), graph=True)
+        row |= {"fused_ms": round(ms, 4), "fused_TBps": round(distinct * expert_bytes / ms / 1e9, 2)}
+        row |= {"fused_over_floor": round(ms / floor, 2), "fused_over_dense": round(ms / dense, 2)}
+    return row
+
+
+def moe(out_path: str) -> None:
+    """A Qwen3-30B-A3B routing layer at MOE_BATCHES tokens (time_moe), one JSON row each."""
+    rows = []
+    for num_tokens in MOE_BATCHES:
+        rows.append(time_moe(num_tokens, QWEN3_30B_A3B_MOE if ON_GPU else TINY_MOE))
+        print(json.dumps(rows[-1]), flush=True)
+    with open(out_path, "w") as f:
+        json.dump(rows, f, indent=1)
 
 
 def kernels(out_path: str) -> None:
@@ -502,5 +582,6 @@ if __name__ == "__main__":
         "eager": lambda: eager(out, *rest),
         "profile": lambda: profile(out, *rest),
         "sweep": lambda: sweep(out),
+        "moe": lambda: moe(out),
     }
     modes[mode]()

@@ -30,6 +30,11 @@
 #                                 # today's -> sweep.json
 #   bash gpu_check.sh profile     # torch.profiler tables: decode at 256, mixed, decode of one request -> profile.txt
 #   bash gpu_check.sh hf          # transformers' continuous batching on 64 requests, beside nanoserve -> hf.json
+#   bash gpu_check.sh moe         # ext/moe (not in `first`, nor in the default list; ~3-4 min): its gpu-marked tests
+#                                 # -> tests-moe.txt; a Qwen3-30B-A3B routing layer (fused, both groupings, the loop,
+#                                 # a dense MLP of the same active parameters, the memory floor) -> moe.json
+#   bash gpu_check.sh moe-model   # Qwen3-30B-A3B cut to 12 of 48 layers (saved once, 16 GB of disk; ~5-6 min): batch
+#                                 # 1 and the standard workload, modes moe-latency and moe-standard -> bench.jsonl
 # A plan for a 15-minute lease (a machine's start takes minutes of it): one call, nothing carried,
 # `bash gpu_check.sh first` with the call's timeout_s at 560 (the stage's limits add up to 470 s, plus the header);
 # it answers whether the outputs are right on this GPU and whether ext/latency is faster, which decides whether it
@@ -41,6 +46,7 @@ cd "$(dirname "$0")"
 OUT=${OUT:-gpu-results}
 STASH=${STASH:-/tmp/nanoserve-carry}  # survives between calls while the machine stays warm
 MODEL=${MODEL:-/tmp/nanoserve-qwen3-0.6b}  # the random-weight Qwen3-0.6B, saved once per machine
+MOE_MODEL=${MOE_MODEL:-/tmp/nanoserve-qwen3-30b-a3b-12l}  # the moe stage's random 12-layer Qwen3-30B-A3B (16 GB)
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 # The wheels the GPU image lacks (its own packages: the device tool's KINDS.md), each with the dependencies the image
 # lacks too, pinned: gguf (the default model's conversion); fastapi, starlette, pydantic, pydantic_core,
@@ -69,6 +75,7 @@ GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-180}
 STANDARD_LIMIT=${STANDARD_LIMIT:-100}
 LATENCY_LIMIT=${LATENCY_LIMIT:-80}
 ATTENTION_LIMIT=${ATTENTION_LIMIT:-50}
+MOE_SAVE_LIMIT=${MOE_SAVE_LIMIT:-400}  # the moe stage's 16 GB save (predicted 2-3 minutes on 16 cores)
 BENCH_JSON=${BENCH_JSON:-/tmp/nanoserve-bench.json}
 status=0
 # run CMD...: CMD under STEP_TIMEOUT; a failure is printed, remembered for the exit status, and returned, so that
@@ -120,8 +127,10 @@ for stage in $stages; do
       rm -f "$OUT/bench.jsonl"
       [ -d "$MODEL" ] || STEP_TIMEOUT=$SAVE_LIMIT run python3 bench.py --arch qwen3-0.6b --save-model "$MODEL"
       # 1) right on this GPU? ext/latency's tests first (its stress test of the arrival counters among them), then
-      # every other gpu-marked test (pytest takes a path once)
+      # every other gpu-marked test (pytest takes a path once) but ext/moe's, which the moe stage runs (their
+      # compiles at Qwen3-30B-A3B's shapes would not fit this stage's limit)
       timeout "$GPU_TESTS_LIMIT" python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/ext/test_latency.py tests \
+        --ignore=tests/ext/test_moe.py \
         2>&1 | tee "$OUT/tests-gpu.txt" | tail -25
       [ "${PIPESTATUS[0]}" = 0 ] || { echo "FAILED: pytest -m gpu (exit ${PIPESTATUS[0]}; 124: timed out)"; status=1; }
       # 2) the standard workload, 3) batch 1, 4) the attention rows: the default and ext/latency side by side
@@ -189,6 +198,23 @@ for stage in $stages; do
     sweep) STEP_TIMEOUT=480 run python3 bench_kernels.py sweep "$OUT/sweep.json" ;;  # ~40 compiles; rows kept if cut
     profile) run python3 bench_kernels.py profile "$OUT/profile.txt" "$MODEL" ;;
     hf) run python3 bench.py --model "$MODEL" --num-seqs 64 --compare hf --json "$OUT/hf.json" ;;
+    moe)
+      # ext/moe, right on this GPU (both decode-graph groupings against transformers; the fused kernel in bf16 at
+      # Qwen3-30B-A3B's layer shapes against the loop over experts), then its routing layer by bench_kernels.py
+      timeout "$STEP_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/ext/test_moe.py 2>&1 \
+        | tee "$OUT/tests-moe.txt" | tail -15
+      [ "${PIPESTATUS[0]}" = 0 ] || { echo "FAILED: pytest -m gpu (moe; exit ${PIPESTATUS[0]})"; status=1; }
+      run python3 bench_kernels.py moe "$OUT/moe.json" ;;
+    moe-model)
+      # Qwen3-30B-A3B cut to 12 of its 48 layers (the whole model needs 61 GB of disk), at batch 1 and on the standard
+      # workload; saved beside, then renamed, so that a save cut short leaves no folder to trust
+      if [ ! -d "$MOE_MODEL" ]; then
+        rm -rf "$MOE_MODEL.part"
+        STEP_TIMEOUT=$MOE_SAVE_LIMIT run python3 bench.py --arch qwen3-30b-a3b-12l --save-model "$MOE_MODEL.part" \
+          && mv "$MOE_MODEL.part" "$MOE_MODEL"
+      fi
+      bench_json moe-latency --model "$MOE_MODEL" --latency
+      bench_json moe-standard --model "$MOE_MODEL" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   # each stage's seconds, also in $OUT/stages.txt: what the 8-minute plan spent where (BENCHMARKS.md)

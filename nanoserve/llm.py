@@ -426,11 +426,12 @@ class LLM:
                 self.abort(request.request_id)
         return [finished[r.request_id] for r in requests]
 
-    def beam_search(self, prompts: list[Prompt], params: object) -> list:
+    def beam_search(self, prompts: list[Prompt], params: object, lora_request: object = None) -> list:
         """vLLM's beam search: per prompt (a list of them, as vLLM takes, each a prompt as generate takes one),
         params.beam_width beams, best first, on forked sequences that share KV blocks (the extension
-        ext/beam_search.py, with transformers' rule; a BeamSearchOutput per prompt). Needs an idle engine."""
-        return ext.load("beam_search", "beam_search").beam_search(self, prompts, params)
+        ext/beam_search.py, with transformers' rule; a BeamSearchOutput per prompt); lora_request: vLLM's, one LoRA
+        adapter for every prompt's beams (ext/lora). Needs an idle engine."""
+        return ext.load("beam_search", "beam_search").beam_search(self, prompts, params, lora_request)
 
     def chat(
         self,

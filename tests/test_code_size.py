@@ -110,11 +110,12 @@ def test_check_passes_a_plain_core_and_fails_each_broken_limit(tmp_path):
     plain = "def f(a: int) -> int:\n    return a + 1\n"
     assert run_tool(write_package(tmp_path / "plain", {"core.py": plain}), "--check").returncode == 0
     dense_line = "x = (" + ", ".join(["1"] * 12) + ")\n"  # 27 tokens
+    over_core = code_size.CORE_BUDGET // 3 + 1  # lines of "x = 1", 3 code tokens each: just over the core's budget
     broken = {
         "inline conditionals": {"core.py": plain + "b = 1 if f(1) else 2\n"},
         "of 25+ tokens": {"core.py": plain + dense_line},
         "annotated": {"core.py": plain + "def g(a):\n    return a\n"},
-        "core: 21,003 code tokens": {"core.py": "x = 1\n" * 7001},
+        f"core: {3 * over_core:,} code tokens": {"core.py": "x = 1\n" * over_core},
         "ext:big": {"core.py": plain, "ext/big.py": "x = 1\n" * 1167},
     }
     for name, files in broken.items():

@@ -6,11 +6,12 @@ with every extension present too; .ci/run also runs the core's tests with nanose
 import sys
 
 import pytest
-from conftest import random_prompts, refused
+from conftest import TINY, random_prompts, refused
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
-from nanoserve.ext import ENGINE_OPTIONS, REQUEST_FIELDS, asks_for_nothing
+from nanoserve.ext import ENGINE_OPTIONS, MODEL_TYPES, REQUEST_FIELDS, asks_for_nothing
 
 # a value of each option that asks for its extension
 ASKING = {
@@ -124,3 +125,14 @@ def test_lora_without_its_extension_is_refused_by_name(tiny_model, monkeypatch):
     refused("lora_request", llm.generate, prompt, params, use_tqdm=False, lora_request=("an adapter", 1, "path"))
     out = llm.generate(prompt, params, use_tqdm=False, lora_request=None)[0]
     assert len(out.outputs[0].token_ids) == 4 and llm.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("model_type", sorted(MODEL_TYPES))
+def test_a_model_type_without_its_extension_is_refused_by_name(model_type, monkeypatch, tmp_path):
+    """Guards against a checkpoint of a family an extension serves (Qwen3-MoE, Mixtral: ext/moe) failing with anything
+    but an InvalidField naming the model and the missing extension when the extension is deleted."""
+    without(monkeypatch, MODEL_TYPES[model_type])
+    config = AutoConfig.for_model(model_type, **TINY, num_experts=4, moe_intermediate_size=32)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    error = refused("model", LLM, str(tmp_path), device="cpu", max_model_len=64)
+    assert f"nanoserve.ext.{MODEL_TYPES[model_type]}" in str(error)

@@ -113,7 +113,7 @@ def test_first_stage_answers_in_order_within_its_limits(tmp_path):
     assert done.returncode == 1 and "FAILED (timed out after 2 s)" in done.stdout, done.stdout + done.stderr
     assert [line.split(" --json")[0] for line in calls.read_text().splitlines()] == [
         f"bench.py --arch qwen3-0.6b --save-model {tmp_path / 'model'}",
-        "-m pytest -q -p no:cacheprovider -rs -m gpu tests/ext/test_latency.py tests",
+        "-m pytest -q -p no:cacheprovider -rs -m gpu tests/ext/test_latency.py tests --ignore=tests/ext/test_moe.py",
         f"bench.py --model {tmp_path / 'model'} --latency-kernels",
         f"bench.py --model {tmp_path / 'model'} --latency --latency-kernels",
         "bench.py --attention",
@@ -128,6 +128,59 @@ def test_first_stage_answers_in_order_within_its_limits(tmp_path):
     ]
     assert "3 passed" in (out / "tests-gpu.txt").read_text()
     assert (out / "stages.txt").read_text().startswith("== stage first: ")
+
+
+# A stand-in for python3 in ext/moe's stages: every call but the script's own (-c) logged to $CALLS; pytest passes;
+# bench_kernels.py writes its file; bench.py --save-model makes the folder, unless $SAVE_FAILS, when it leaves half a
+# folder and fails; bench.py --model needs the saved folder and writes one row.
+MOE_FAKE_PYTHON = """#!/usr/bin/env bash
+[ "$1" = -c ] || echo "$*" >> "$CALLS"
+if [ "$1" = -m ] && [ "$2" = pytest ]; then echo "9 passed"; exit 0; fi
+if [ "$1" = bench_kernels.py ]; then echo "[]" > "$3"; exit 0; fi
+if [ "$1" = bench.py ]; then
+  case " $* " in
+    *" --save-model "*) mkdir -p "$5"; [ -z "$SAVE_FAILS" ] || exit 4; touch "$5/config.json"; exit 0 ;;
+    *" --model "*) [ -f "$3/config.json" ] || exit 5 ;;
+  esac
+  while [ $# -gt 0 ]; do [ "$1" = --json ] && json=$2; shift; done
+  echo '[{"ran": true}]' > "$json"
+  exit 0
+fi
+exec {python} "$@"
+"""
+
+
+def test_moe_stages_save_the_model_once_and_name_their_rows(tmp_path):
+    """Guards against ext/moe's GPU stages wasting a lease: a save cut short leaving a folder the next call would
+    trust (then every engine run fails), the model saved again on a warm machine, or rows not named by their mode.
+    Without a GPU's numbers, the stand-in checks the order of the calls, the files and the rows."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    executable(fake_bin / "python3", MOE_FAKE_PYTHON.replace("{python}", sys.executable))
+    executable(fake_bin / "nvidia-smi", "#!/bin/sh\necho 'a fake GPU'\n")
+    out, calls, model = tmp_path / "out", tmp_path / "calls.txt", tmp_path / "moe"
+    env = os.environ | {
+        "PATH": f"{fake_bin}:{os.environ['PATH']}",
+        "OUT": str(out),
+        "BENCH_JSON": str(tmp_path / "bench.json"),
+        "MOE_MODEL": str(model),
+        "CALLS": str(calls),
+    }
+    script = ["bash", str(ROOT / "gpu_check.sh")]
+    failed = subprocess.run([*script, "moe-model"], env=env | {"SAVE_FAILS": "1"}, capture_output=True, text=True)
+    assert failed.returncode == 1 and not model.exists() and not (out / "bench.jsonl").exists(), failed.stdout
+    calls.unlink()
+    for _ in range(2):  # the second call finds the model saved
+        done = subprocess.run([*script, "moe", "moe-model"], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+    save = f"bench.py --arch qwen3-30b-a3b-12l --save-model {model}.part"
+    engine = [f"bench.py --model {model} --latency", f"bench.py --model {model}"]
+    once = ["-m pytest -q -p no:cacheprovider -rs -m gpu tests/ext/test_moe.py", f"bench_kernels.py moe {out}/moe.json"]
+    logged = [line.split(" --json")[0] for line in calls.read_text().splitlines()]
+    assert logged == [*once, save, *engine, *once, *engine]
+    modes = [json.loads(line)["mode"] for line in (out / "bench.jsonl").read_text().splitlines()]
+    assert modes == ["moe-latency", "moe-standard"] * 2 and (model / "config.json").exists()
+    assert "9 passed" in (out / "tests-moe.txt").read_text() and (out / "moe.json").exists()
 
 
 @pytest.fixture(scope="module")

@@ -83,11 +83,14 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]  # beam_width of them, best first
 
 
-def beam_search(llm: "LLM", prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:
+def beam_search(
+    llm: "LLM", prompts: list, params: BeamSearchParams, lora_request: object = None
+) -> list[BeamSearchOutput]:
     """LLM.beam_search: each prompt's search in turn (prompts as generate takes them: text, ids, vLLM's dicts), after
     checking before any work: the prompts and params; an idle engine; beam_width within max_num_seqs and
-    max_num_batched_tokens (every beam runs in every step) and the vocabulary; and a pool that holds each search at its
-    largest (Scheduler.check_fits), so that no beam is ever preempted."""
+    max_num_batched_tokens (every beam runs in every step) and the vocabulary; a pool that holds each search at its
+    largest (Scheduler.check_fits), so that no beam is ever preempted; and lora_request (ext/lora: one LoRARequest,
+    loaded and checked), which every prompt's first sequence runs under, and its forks."""
     if not isinstance(prompts, LISTS):
         raise InvalidField("prompts", "expected a list of prompts")
     if not isinstance(params, BeamSearchParams):
@@ -107,6 +110,10 @@ def beam_search(llm: "LLM", prompts: list, params: BeamSearchParams) -> list[Bea
     firsts = [Sequence(prompt, sampling, llm.config.kvcache_block_size) for prompt in prompts]
     for seq in firsts:
         llm.scheduler.check_fits(seq, num_beams=k)
+    if lora_request is not None:  # loaded and checked now (ext/lora)
+        ext.load("lora", "lora_request").check_adapter(llm, lora_request)
+    for seq in firsts:
+        seq.cache_salt = lora_request  # its K/V's salt and its adapter (Scheduler.fork's copies keep it)
     return [search(llm, seq, params, stop_ids) for seq in firsts]
 
 

@@ -114,12 +114,19 @@ class Penalties:
         or None if none does. First frees the rows of sequences no longer running and fills one for each newcomer."""
         for seq in [s for s in self.row_of if s.status != SequenceStatus.RUNNING]:
             self.free_rows.append(self.row_of.pop(seq))
-        penalized = [(row, seq) for row, seq in enumerate(seqs) if NAME in seq.params.extensions]
-        if not penalized:
-            return None
         # per such row: (its row of the logits, its sequence's row of the table), and its three penalties
-        rows = [(row, self.row_of[seq] if seq in self.row_of else self._fill_row(seq)) for row, seq in penalized]
-        params = [seq.params for _, seq in penalized]
+        rows = []
+        params = []
+        for row, seq in enumerate(seqs):
+            if NAME not in seq.params.extensions:
+                continue
+            try:
+                rows.append((row, self.row_of[seq] if seq in self.row_of else self._fill_row(seq)))
+                params.append(seq.params)
+            except Exception as error:  # its request ends (Sequence.error); a row it took is freed next step
+                seq.error = f"{NAME}: {error}"
+        if not rows:
+            return None
         values = [(p.repetition_penalty, p.presence_penalty, p.frequency_penalty) for p in params]
         return StepPenalties(
             self.table,

@@ -19,9 +19,10 @@ depends on the seed and the position only). The rejected drafts are rolled back 
 
 What the proposer leaves alone: a sequence that uses a logits processor (penalties, a grammar: their state follows one
 token per step), one before min_tokens (its stop ids are banned at some rows only), one whose drafts would not fit the
-step's token budget or the free blocks, and every sequence while more than disable_by_batch_size run: at large
-batches the extra rows cost more than they save (on this project's CPU, ordinary chat at batch 24 ran 10-17% slower
-with drafts). Proposing needs every token read back, so steps do not overlap while it proposes."""
+step's token budget or the free blocks, beam search's beams (its driver takes one token per beam and step, with its
+logprobs: LLM.beam_search runs as without drafts), and every sequence while more than disable_by_batch_size run: at
+large batches the extra rows cost more than they save (on this project's CPU, ordinary chat at batch 24 ran 10-17%
+slower with drafts). Proposing needs every token read back, so steps do not overlap while it proposes."""
 
 import json
 from dataclasses import dataclass, fields
@@ -134,17 +135,21 @@ def draft_engine(llm: "LLM", model: str) -> "LLM":
     config = llm.config
     spec = config.speculative_config
     blocks_per_seq = -(-config.max_model_len // config.kvcache_block_size)
-    draft = LLM(
-        model,
-        device=config.device,
-        kernels=config.kernels,
-        dtype=config.dtype,
-        max_model_len=config.max_model_len,
-        max_num_seqs=min(config.max_num_seqs, spec.disable_by_batch_size),
-        kvcache_block_size=config.kvcache_block_size,
-        num_kvcache_blocks=blocks_per_seq * min(config.max_num_seqs, spec.disable_by_batch_size) + 1,
-        threads=config.threads,
-    )
+    # any fault of the draft's folder (missing, a broken tokenizer, a context shorter than max_model_len) is the key's
+    try:
+        draft = LLM(
+            model,
+            device=config.device,
+            kernels=config.kernels,
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            max_num_seqs=min(config.max_num_seqs, spec.disable_by_batch_size),
+            kvcache_block_size=config.kvcache_block_size,
+            num_kvcache_blocks=blocks_per_seq * min(config.max_num_seqs, spec.disable_by_batch_size) + 1,
+            threads=config.threads,
+        )
+    except Exception as error:
+        raise InvalidField(f"{FIELD}.model", f"{model!r} cannot be the draft model: {error}") from None
     same_tokens = (
         llm.tokenizer is None or draft.tokenizer is None or draft.tokenizer.get_vocab() == llm.tokenizer.get_vocab()
     )
@@ -210,11 +215,13 @@ class Proposer:
 
     def _room(self, seq: Sequence, budget: int) -> int:
         """How many drafts seq may carry into the next step: none unless it is decoding with every token known, uses
-        no logits processor and is past min_tokens; at most k, the budget left, and what its length limits leave (the
-        model's own draw after the drafts must fit them too)."""
+        no logits processor, is past min_tokens and belongs to a request (not a beam); at most k, the budget left, and
+        what its length limits leave (the model's own draw after the drafts must fit them too)."""
         params = seq.params
         decoding = seq.status == SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1 and not seq.num_pending
         if not decoding or params.extensions or seq.num_completion_tokens < params.min_tokens:
+            return 0
+        if seq.request is None:  # beam search's: its driver takes one token per beam and step
             return 0
         left = min(params.max_tokens - seq.num_completion_tokens, self.max_model_len - seq.num_tokens) - 1
         return max(0, min(self.spec.num_speculative_tokens, budget, left))

@@ -9,7 +9,11 @@ after the EOS bans and before the filters). Their rules, as vLLM's:
 The one idea: a ban that depends on nothing but the request (allowed_token_ids, one-token words) is the same mask at
 every step, made once per request on the device; a ban that depends on the last tokens' values (a word of several
 tokens) needs them on the host, so while such a sequence runs, the engine does not overlap steps (llm.py), as with a
-grammar's mask (ext/structured.py)."""
+grammar's mask (ext/structured.py).
+
+No request is left with no token to sample (which would draw a banned one): allowed_token_ids that the one-token words,
+or min_tokens (which bans the stop ids), ban every one of are refused by name when the request comes; a request whose
+longer words ban its last allowed ids at some step ends there, with an error that says so (Sequence.error)."""
 
 import weakref
 from dataclasses import dataclass
@@ -65,12 +69,21 @@ class Bans:
     """One request's bans, shared by its n sequences."""
 
     allowed: Tensor | None  # [vocab] bool on the device: the ids that may be sampled; None: every id
+    allowed_ids: frozenset[int] | None  # the same ids, on the host
     always: list[int]  # the one-token words
     after: list[tuple[tuple[int, ...], int]]  # the longer words: (the tokens before the last, the last)
 
     def banned(self, output: list[int]) -> list[int]:
         """The ids a sequence whose output so far is `output` may not sample next."""
         return self.always + [last for before, last in self.after if tuple(output[-len(before) :]) == before]
+
+    def leave_none(self, seq: Sequence, banned: list[int]) -> bool:
+        """Whether these bans, and the stop ids min_tokens bans (stopping.py's banned_token_ids, for seq's next token
+        with its pending ones aside), leave none of its allowed ids."""
+        stops = set()
+        if len(seq.completion_token_ids) < seq.params.min_tokens:
+            stops = seq.stop_token_ids
+        return self.allowed_ids is not None and self.allowed_ids <= {*banned, *stops}
 
 
 def attach(llm: "LLM", seqs: list[Sequence]) -> None:
@@ -79,19 +92,23 @@ def attach(llm: "LLM", seqs: list[Sequence]) -> None:
     be generated, so it bans nothing."""
     params = seqs[0].params
     allowed = None
+    allowed_ids = None
     if params.allowed_token_ids is not None:
-        ids = check_token_ids("allowed_token_ids", params.allowed_token_ids, llm.vocab_size)
+        allowed_ids = frozenset(check_token_ids("allowed_token_ids", params.allowed_token_ids, llm.vocab_size))
         allowed = torch.zeros(llm.vocab_size, dtype=torch.bool, device=llm.runner.device)
-        allowed[ids] = True
+        allowed[list(allowed_ids)] = True
     if params.bad_words and llm.tokenizer is None:
         raise InvalidField("bad_words", "needs a tokenizer; this model has none")
     words = bad_word_ids(llm.tokenizer, params.bad_words) if params.bad_words else []
     words = [word for word in words if max(word) < llm.vocab_size]
     always = [word[0] for word in words if len(word) == 1]
     after = [(word[:-1], word[-1]) for word in words if len(word) > 1]
+    bans = Bans(allowed, allowed_ids, always, after)
+    if bans.leave_none(seqs[0], always):
+        raise InvalidField("allowed_token_ids", "bad_words and min_tokens (the stop ids) ban every one of them")
     processor = llm.logits_processors.setdefault(NAME, TokenBans(llm.runner.device))
     for seq in seqs:
-        processor.bans[seq] = Bans(allowed, always, after)
+        processor.bans[seq] = bans
 
 
 @dataclass
@@ -130,12 +147,26 @@ class TokenBans:
     def prepare(self, seqs: list[Sequence]) -> StepBans | None:
         for seq in [s for s in self.bans if s.is_finished]:
             del self.bans[seq]
-        rows = [(row, self.bans[seq], seq) for row, seq in enumerate(seqs) if seq in self.bans]
-        if not rows:
+        limited = []  # (row, its allowed ids' mask)
+        pairs = []  # (row, a banned id)
+        for row, seq in enumerate(seqs):
+            bans = self.bans.get(seq)
+            if bans is None:
+                continue
+            # its tokens read back so far: all of them, since a sequence whose bans depend on them stops the overlap
+            try:
+                banned = bans.banned(seq.completion_token_ids)
+            except Exception as error:  # the request ends alone (Sequence.error)
+                seq.error = f"{NAME}: {error}"
+                continue
+            if bans.leave_none(seq, banned):
+                seq.error = "allowed_token_ids: bad_words and min_tokens (the stop ids) ban every one of them here"
+                continue
+            pairs += [(row, token) for token in banned]
+            if bans.allowed is not None:
+                limited.append((row, bans.allowed))
+        if not limited and not pairs:
             return None
-        limited = [(row, bans.allowed) for row, bans, _ in rows if bans.allowed is not None]
-        # the tokens read back so far: all of them, since a sequence whose bans depend on them stops the overlap
-        pairs = [(row, token) for row, bans, seq in rows for token in bans.banned(seq.completion_token_ids)]
         return StepBans(
             to_device([row for row, _ in limited], torch.long, self.device) if limited else None,
             torch.stack([mask for _, mask in limited]) if limited else None,

@@ -10,6 +10,7 @@ import itertools
 import json
 import random
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -420,7 +421,9 @@ def test_more_adapters_than_slots_queue_and_finish(slots_engine, requests):
     for scheduled in steps:  # no step held more adapters than slots
         assert len({adapter for adapter, *_ in scheduled} - {None}) <= 2
     assert llm.stats()["kv_blocks_used"] == 0 and not llm.scheduler.running and not llm.scheduler.waiting
-    assert len(llm.extensions["lora"].host) <= 2 and len(llm.extensions["lora"].slot_of) == 2
+    assert len(llm.extensions["lora"].slot_of) == 2  # every slot back (free, or an adapter no sequence uses)
+    lora.check_adapter(llm, choices[0])  # the host keeps max_cpu_loras adapters once none is in use
+    assert len(llm.extensions["lora"].host.works) <= 2
 
 
 # ---- settings and bad input -----------------------------------------------------------------------------------------
@@ -597,3 +600,86 @@ def test_chat_takes_lora_request(adapters):
         llm.generate(chat_prompts(llm, chat), GREEDY, use_tqdm=False, lora_request=requests["all16"])
     )
     assert under != tokens(llm.chat(chat, GREEDY, use_tqdm=False))
+
+
+# ---- what an adapter brings is checked before it is used (issue 44) ------------------------------------------------
+def test_adapter_values_that_would_make_wrong_output_are_refused_by_name(adapters, tiny_model, tmp_path):
+    """Guards against an adapter that is accepted and then fails inside a step or silently ruins the output (a
+    lora_alpha of 1e300 overflowed the slot's fp32 scale mid-step and kept the slot; NaN or inf weights made every
+    token id 0): a scale that is not a finite float32, a weight that is not finite, and weights whose worst case
+    overflows the model's dtype (the overflow rule: fine in fp32, too large in fp16) are each an InvalidField naming
+    lora_request before any request is queued; the engine serves on and a good adapter still works."""
+    path, requests = adapters("llama")
+    prompt = random_prompts([8])[0]
+    llm = LLM(path, **ENGINE)
+    a_proj = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    b_proj = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    peft_config = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    weights = {a_proj: torch.randn(4, 64) * 0.1, b_proj: torch.randn(64, 4) * 0.1}
+    nan = {a_proj: weights[a_proj].clone(), b_proj: weights[b_proj]}
+    nan[a_proj][2, 5] = float("nan")
+    inf = {a_proj: weights[a_proj], b_proj: weights[b_proj].clone()}
+    inf[b_proj][7, 1] = float("inf")
+    bad = {
+        "alpha 1e300": ({**peft_config, "lora_alpha": 1e300}, weights),
+        "alpha nan": ({**peft_config, "lora_alpha": float("nan")}, weights),
+        "alpha a string": ({**peft_config, "lora_alpha": "8"}, weights),
+        "a nan weight": (peft_config, nan),
+        "an inf weight": (peft_config, inf),
+        "a weight beyond fp32": (peft_config, {a_proj: weights[a_proj].double() * 1e300, b_proj: weights[b_proj]}),
+        "not an object": ([1, 2], weights),
+    }
+    for n, (case, (config, tensors)) in enumerate(bad.items()):
+        adapter = LoRARequest(case, 100 + n, write_adapter(tmp_path / str(n), config, tensors))
+        error = refused("lora_request", llm.generate, [prompt], GREEDY, use_tqdm=False, lora_request=adapter)
+        assert error.problem, case
+    assert llm.stats()["kv_blocks_used"] == 0 and not llm.requests and not llm.scheduler.waiting
+    large = {a_proj: torch.ones(4, 64), b_proj: torch.ones(64, 4)}  # worst case 256 x 64 x (1 + 2 x 4) = 147,456
+    fine_in_fp32 = LoRARequest("large", 200, write_adapter(tmp_path / "large", peft_config, large))
+    assert len(llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=fine_in_fp32)[0].outputs[0].token_ids) == 10
+    fp16 = LLM(path, **ENGINE, dtype="float16")
+    refused("lora_request", fp16.generate, [prompt], GREEDY, use_tqdm=False, lora_request=fine_in_fp32)
+    assert fp16.generate([prompt], GREEDY, use_tqdm=False, lora_request=requests["qv8"])[0].outputs[0].token_ids
+
+
+def test_lora_requests_and_sizes_are_refused_by_name_at_once(tiny_model):
+    """Guards against LoRARequest taking ids that are no int64 (True, 2**70) and max_loras=10**9 allocating for 25 s
+    before failing in the allocator: each is an InvalidField naming the field, raised before anything is made."""
+    refused("lora_request", LoRARequest, "x", True, "path")
+    refused("lora_request", LoRARequest, "x", 2**70, "path")
+    refused("lora_request", LoRARequest, "x", 1, None)
+    start = time.perf_counter()
+    refused("max_loras", LLM, tiny_model("llama")[0], device="cpu", enable_lora=True, max_loras=10**9)
+    refused("max_loras", LoRAConfig, max_loras=lora.MAX_LORAS + 1)
+    assert time.perf_counter() - start < 5
+
+
+def test_beam_search_under_an_adapter_equals_peft(adapters):
+    """Guards against beam_search(..., lora_request=...) being a TypeError, or its beams (forks of a sequence) losing
+    the adapter: each prompt's beams under an adapter are transformers' beam search on PEFT's model (fp32, greedy
+    beams, length_penalty 1); a list of adapters is refused by name (one adapter for the search)."""
+    from nanoserve.sampling_params import BeamSearchParams
+
+    path, requests = adapters("llama")
+    torch.manual_seed(12)
+    prompts = random_prompts([6, 11])
+    llm = LLM(path, **ENGINE)
+    k, max_tokens = 2, 6
+    outs = llm.beam_search(prompts, BeamSearchParams(k, max_tokens, ignore_eos=True), lora_request=requests["all16"])
+    hf = peft_model(path, requests["all16"])
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([prompt])
+        theirs = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            num_beams=k,
+            num_return_sequences=k,
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            early_stopping=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert [s.tokens for s in out.sequences] == theirs.tolist()
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    refused("lora_request", llm.beam_search, prompts, BeamSearchParams(k, 4), lora_request=[requests["qv8"]] * 2)

@@ -423,3 +423,46 @@ def test_the_server_takes_the_flag_and_counts_drafts(tiny_model):
     assert float(metrics["nanoserve_spec_proposed_tokens_total"]) == stats["spec_proposed_tokens"] > 0
     assert float(metrics["nanoserve_spec_accepted_tokens_total"]) == stats["spec_accepted_tokens"]
     assert float(metrics["nanoserve_spec_acceptance_rate"]) == pytest.approx(stats["spec_acceptance_rate"])
+
+
+def test_a_bad_draft_folder_is_refused_as_the_draft_model(tiny_model, tmp_path):
+    """Guards against a draft model's fault named as the target's (a missing path refused as `model`, a shorter context
+    as `max_model_len`) or not named at all (a broken tokenizer raised the tokenizers library's own exception): each is
+    an InvalidField naming speculative_config.model, with the reason, and the engine is never made."""
+    import shutil
+
+    from transformers import LlamaConfig as Config
+
+    path, _ = tiny_model("llama")
+    config = {"method": "draft_model", "num_speculative_tokens": 2}
+    missing = refused("speculative_config.model", LLM, path, **ENGINE, speculative_config={**config, "model": "nope"})
+    assert "nope" in str(missing)
+    short = tmp_path / "short"  # a draft whose context (64) is shorter than the target's max_model_len (256)
+    AutoModelForCausalLM.from_config(
+        Config(**{**FAMILIES["llama"]().to_dict(), "max_position_embeddings": 64})
+    ).save_pretrained(short)
+    error = refused("speculative_config.model", LLM, path, **ENGINE, speculative_config={**config, "model": str(short)})
+    assert "max_model_len" in str(error)
+    broken = tmp_path / "broken"  # the tiny model, with a tokenizer.json that is not JSON
+    shutil.copytree(path, broken)
+    (broken / "tokenizer.json").write_text("{not json")
+    (broken / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    refused("speculative_config.model", LLM, path, **ENGINE, speculative_config={**config, "model": str(broken)})
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_beam_search_runs_as_without_drafts(tiny_model, method):
+    """Guards against drafts given to beam search's beams (its driver takes one token per beam and step: a run of kept
+    drafts left tokens pending, and the engine found nothing to run): with speculative decoding on, LLM.beam_search
+    gives the beams it gives without, and leaves the pool empty."""
+    from nanoserve.sampling_params import BeamSearchParams
+
+    path, _ = tiny_model("llama")
+    proposer = NGRAM if method == "ngram" else {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    prompts = repetitive_prompts()[:2]
+    params = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
+    plain = LLM(path, **ENGINE).beam_search(prompts, params)
+    spec = LLM(path, **ENGINE, speculative_config=proposer)
+    beams = spec.beam_search(prompts, params)
+    assert [[s.tokens for s in out.sequences] for out in beams] == [[s.tokens for s in out.sequences] for out in plain]
+    assert spec.block_manager.num_free_blocks == spec.block_manager.num_blocks

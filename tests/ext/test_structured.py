@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from conftest import refused
 
 xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -360,4 +361,67 @@ def test_chat_template_renders_tools(tiny_with_tokenizer):
     llm.tokenizer.chat_template = "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0].content }}"
     (ids,) = chat_prompts(llm, [{"role": "user", "content": "hi"}], tools=[WEATHER, TIME])
     assert llm.tokenizer.decode(ids) == "get_weather;get_time;hi"
+    llm.close()
+
+
+# ---- limits, and constraints that leave no token (issue 44) --------------------------------------------------------
+def test_a_grammar_past_the_size_limit_is_refused_by_name():
+    """Guards against a grammar too large to compile in bounded time (a 779 KB schema took 15 s) being accepted: a
+    schema, regex, grammar or list of choices longer than MAX_GRAMMAR_CHARS is refused as structured_outputs when the
+    params are made, before it is parsed; one just within is accepted."""
+    from nanoserve.ext.structured import MAX_GRAMMAR_CHARS
+
+    def schema(n: int) -> dict:
+        return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
+
+    n = 1
+    while len(json.dumps(schema(n + 1))) <= MAX_GRAMMAR_CHARS:
+        n += 1
+    StructuredOutputsParams(json=schema(n))
+    for value in (
+        {"json": schema(n + 1)},
+        {"json": json.dumps(schema(n + 1))},
+        {"regex": "a" * (MAX_GRAMMAR_CHARS + 1)},
+        {"grammar": 'root ::= "' + "a" * MAX_GRAMMAR_CHARS + '"'},
+        {"choice": ["ab"] * (MAX_GRAMMAR_CHARS // 6)},
+    ):
+        error = refused("structured_outputs", SamplingParams, structured_outputs=value)
+        assert str(MAX_GRAMMAR_CHARS) in error.problem
+
+
+def test_constraints_that_leave_no_token_end_the_request_never_a_forbidden_token(tiny_with_tokenizer):
+    """Guards against a request whose constraints leave no token sampling one in neither set (allowed_token_ids=[5]
+    with choice ["Paris"] gave tokens of neither, finish reason "length"): allowed ids the grammar does not allow at its
+    start end the request before any work (no step computes it); allowed ids the grammar stops allowing, or a grammar
+    that allows only the stop ids that min_tokens bans, end it at that step. Each ends with finish reason "error" and
+    an error that says so, its tokens all allowed; the others in the batch run as alone."""
+    folder, _, tokenizer = tiny_with_tokenizer
+    llm = LLM(folder, max_model_len=128, num_kvcache_blocks=32, dtype="float32")
+    a, c, x = tokenizer.convert_tokens_to_ids(["a", "c", "x"])  # byte tokens: "ac" is [a, c]
+    prompt = torch.randint(3, 259, (6,)).tolist()
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate(prompt, plain, use_tqdm=False)[0].outputs[0].token_ids
+    cases = {
+        "at the start": (
+            SamplingParams(temperature=0, allowed_token_ids=[x], structured_outputs={"choice": ["ac"]}),
+            [],
+        ),
+        "after a": (SamplingParams(temperature=0, allowed_token_ids=[a], structured_outputs={"choice": ["ac"]}), [a]),
+        "min_tokens": (SamplingParams(temperature=0, min_tokens=5, structured_outputs={"choice": ["ac"]}), [a, c]),
+    }
+    says = {
+        "at the start": "allowed_token_ids: ",
+        "after a": "allowed_token_ids: ",
+        "min_tokens": "structured_outputs: the grammar allows only stop ids",
+    }
+    computed = llm.stats()["computed_tokens"]
+    first = llm.generate(prompt, cases["at the start"][0], use_tqdm=False)[0]
+    assert first.outputs[0].finish_reason == "error" and first.error.startswith(says["at the start"]), first
+    assert llm.stats()["computed_tokens"] == computed and first.outputs[0].token_ids == []  # before any work
+    outs = llm.generate([prompt] * 4, [*(params for params, _ in cases.values()), plain], use_tqdm=False)
+    for (name, (_, tokens)), out in zip(cases.items(), outs, strict=False):
+        assert out.outputs[0].finish_reason == "error" and out.error.startswith(says[name]), (name, out)
+        assert out.outputs[0].token_ids == tokens, name
+    assert outs[3].outputs[0].token_ids == alone
+    check_pool(llm)
     llm.close()

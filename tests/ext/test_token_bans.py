@@ -140,3 +140,24 @@ def test_what_needs_the_model_is_checked_when_the_request_comes(tiny_model):
         == hf_generate(hf, prompt, max_new_tokens=NUM_TOKENS, eos_token_id=None)[0, len(prompt) :].tolist()
     )
     assert not llm.has_unfinished_requests() and llm.stats()["kv_blocks_used"] == 0
+
+
+def test_bans_that_leave_no_token_are_refused_or_end_the_request(default_llm):
+    """Guards against a request whose bans leave no token to sample drawing a banned one anyway (the sampler's argmax
+    over a row of -inf is token 0): allowed ids that one-token bad words, or min_tokens (the stop ids), ban every one
+    of are refused by name when the request comes; allowed ids that longer words ban at some step end the request
+    there (finish reason "error", the error naming allowed_token_ids), with only allowed tokens before; the engine
+    serves on."""
+    llm, _ = default_llm
+    tokenizer = llm.get_tokenizer()
+    one, two = tokenizer.convert_tokens_to_ids(["1", "2"])  # digits are single tokens: "12" is [1, 2]
+    prompt = tokenizer.encode("Count: 1 2 1 2")
+    refused("allowed_token_ids", llm.generate, prompt, greedy(allowed_token_ids=[one], bad_words=["1"]), use_tqdm=False)
+    eos_only = SamplingParams(temperature=0, allowed_token_ids=[tokenizer.eos_token_id], min_tokens=1)  # EOS stops
+    refused("allowed_token_ids", llm.generate, prompt, eos_only, use_tqdm=False)
+    every_pair = greedy(allowed_token_ids=[one, two], bad_words=["11", "12", "21", "22"])
+    out = llm.generate(prompt, every_pair, use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "error" and out.error.startswith("allowed_token_ids: "), out
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].token_ids[0] in (one, two)
+    assert llm.stats()["kv_blocks_used"] == 0 and not llm.requests
+    assert llm.generate(prompt, greedy(allowed_token_ids=[one, two]), use_tqdm=False)[0].outputs[0].finish_reason
