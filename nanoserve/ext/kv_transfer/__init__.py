@@ -328,9 +328,13 @@ class KVTransfer:
         return max(len(self.found.kv) - num_cached, 0)
 
     def load(self, seq: Sequence, first_block: int, count: int) -> None:
-        """Copy blocks [first_block, first_block + count) of what arrived into seq's fresh ones, before the step."""
+        """Copy blocks [first_block, first_block + count) of what arrived into seq's fresh ones, before the step; the
+        arrival is taken (one fewer request to load it) by a request's first sample to load, never by its others."""
         for i in range(first_block, first_block + count):
             self.copies.load(self.found.kv[i], seq.block_table[i])
+        self.counts["blocks_loaded"] += count
+        if seq.request in self.served:  # another sample of a request that has loaded it: the arrival is its already
+            return
         key = self.key(seq)
         with self.lock:
             arrival = self.received.get(key)
@@ -340,7 +344,6 @@ class KVTransfer:
                 del self.received[key]
         self.served.add(seq.request)
         self.counts["requests_loaded"] += 1
-        self.counts["blocks_loaded"] += count
 
     def step_hook(self, step: Step) -> None:
         """Before the step's kernels: the loads booked while it was planned; then K/V that waited past its time goes."""
