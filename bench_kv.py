@@ -342,8 +342,12 @@ def run_disagg(args, path: str) -> list[dict]:
         command = [sys.executable, str(ROOT / "bench_kv.py"), "disagg-rank", "--result", str(result), "--model", path]
         command += [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in RANK_FLAGS and v is not None]
         ranks = [subprocess.Popen(command, env=dict(env, RANK=str(rank), LOCAL_RANK="0")) for rank in (0, 1)]
-        for rank in ranks:
-            assert rank.wait() == 0, "a rank of the pair failed"
+        try:
+            wait_for_both(ranks)
+        finally:  # a rank that failed leaves its peer waiting for it: ended here, never left behind
+            for rank in ranks:
+                rank.kill()
+                rank.wait()
         pair = json.loads(result.read_text())
     engines = f"pair ({args.pair_threads} threads each)"
     rows.append(
@@ -358,6 +362,16 @@ def run_disagg(args, path: str) -> list[dict]:
         )
     )
     return rows
+
+
+def wait_for_both(ranks: list[subprocess.Popen]) -> None:
+    """Until both ranks have exited; the first to fail fails the run at once."""
+    while any(rank.poll() is None for rank in ranks):
+        if any(rank.poll() not in (None, 0) for rank in ranks):
+            raise RuntimeError(f"a rank of the pair failed: exit statuses {[rank.poll() for rank in ranks]}")
+        time.sleep(0.2)
+    if any(rank.returncode != 0 for rank in ranks):
+        raise RuntimeError(f"a rank of the pair failed: exit statuses {[rank.returncode for rank in ranks]}")
 
 
 RANK_FLAGS = ("requests", "interval", "prompt_tokens", "output_tokens", "max_model_len", "step_tokens", "pair_threads")

@@ -33,6 +33,11 @@
 #   bash gpu_check.sh moe         # ext/moe (not in `first`, nor in the default list; ~3-4 min): its gpu-marked tests
 #                                 # -> tests-moe.txt; a Qwen3-30B-A3B routing layer (fused, both groupings, the loop,
 #                                 # a dense MLP of the same active parameters, the memory floor) -> moe.json
+#   bash gpu_check.sh kv          # ext/kv_offload (not in `first`, nor in the default list; ~2-4 min) on the saved
+#                                 # Qwen3-0.6B: a prefix copied back from pinned host memory against the same prefix
+#                                 # recomputed, per length, beside the swap rule's prediction and choice (bench_kv.py
+#                                 # swap-rule), then the multi-turn chat without and with the host tier (offload)
+#                                 # -> kv.jsonl, one row per line, each naming its mode
 #   bash gpu_check.sh moe-model   # Qwen3-30B-A3B cut to 12 of 48 layers (saved once, 16 GB of disk; ~5-6 min): batch
 #                                 # 1 and the standard workload, modes moe-latency and moe-standard -> bench.jsonl
 # A plan for a 15-minute lease (a machine's start takes minutes of it): one call, nothing carried,
@@ -77,6 +82,7 @@ LATENCY_LIMIT=${LATENCY_LIMIT:-80}
 ATTENTION_LIMIT=${ATTENTION_LIMIT:-50}
 MOE_SAVE_LIMIT=${MOE_SAVE_LIMIT:-400}  # the moe stage's 16 GB save (predicted 2-3 minutes on 16 cores)
 BENCH_JSON=${BENCH_JSON:-/tmp/nanoserve-bench.json}
+KV_JSON=${KV_JSON:-/tmp/nanoserve-kv.json}  # the kv stage's last bench_kv.py rows, before they join kv.jsonl
 status=0
 # run CMD...: CMD under STEP_TIMEOUT; a failure is printed, remembered for the exit status, and returned, so that
 # `run X && Y` runs Y only after X succeeded
@@ -215,6 +221,18 @@ for stage in $stages; do
       fi
       bench_json moe-latency --model "$MOE_MODEL" --latency
       bench_json moe-standard --model "$MOE_MODEL" ;;
+    kv)
+      # the host tier's rule on this GPU: copying a prefix back over PCIe against recomputing it (the prediction:
+      # BENCHMARKS.md, "Every figure the docs cite"); a mode that fails adds no rows
+      rm -f "$OUT/kv.jsonl"
+      [ -d "$MODEL" ] || STEP_TIMEOUT=$SAVE_LIMIT run python3 bench.py --arch qwen3-0.6b --save-model "$MODEL"
+      for mode in swap-rule offload; do
+        rm -f "$KV_JSON"
+        run python3 bench_kv.py "$mode" --model "$MODEL" --max-model-len 8192 --lengths 256 1024 4096 \
+          --json "$KV_JSON" && python3 -c 'import json, sys
+with open(sys.argv[1], "a") as f:
+    f.writelines(json.dumps(row) + "\n" for row in json.load(open(sys.argv[2])))' "$OUT/kv.jsonl" "$KV_JSON"
+      done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   # each stage's seconds, also in $OUT/stages.txt: what the 8-minute plan spent where (BENCHMARKS.md)

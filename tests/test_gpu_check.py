@@ -183,6 +183,49 @@ def test_moe_stages_save_the_model_once_and_name_their_rows(tmp_path):
     assert "9 passed" in (out / "tests-moe.txt").read_text() and (out / "moe.json").exists()
 
 
+# A stand-in for python3 in the kv stage: bench.py --save-model makes the folder; bench_kv.py writes a row naming its
+# mode, except that offload fails after writing (its rows must not be kept).
+KV_FAKE_PYTHON = """#!/usr/bin/env bash
+[ "$1" = -c ] || echo "$*" >> "$CALLS"
+if [ "$1" = bench.py ]; then mkdir -p "$5"; touch "$5/config.json"; exit 0; fi
+if [ "$1" = bench_kv.py ]; then
+  mode=$2
+  while [ $# -gt 0 ]; do [ "$1" = --json ] && json=$2; shift; done
+  echo "[{\\"mode\\": \\"$mode\\"}, {\\"mode\\": \\"$mode\\"}]" > "$json"
+  [ "$mode" = offload ] && exit 6
+  exit 0
+fi
+exec {python} "$@"
+"""
+
+
+def test_kv_stage_keeps_the_rows_of_the_modes_that_ran(tmp_path):
+    """Guards against the kv stage wasting a lease: the model not saved before bench_kv.py needs it, a failed mode's
+    rows kept (or a previous mode's appended again), or a failure that does not fail the run."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    executable(fake_bin / "python3", KV_FAKE_PYTHON.replace("{python}", sys.executable))
+    executable(fake_bin / "nvidia-smi", "#!/bin/sh\necho 'a fake GPU'\n")
+    out, calls, model = tmp_path / "out", tmp_path / "calls.txt", tmp_path / "qwen3"
+    env = os.environ | {
+        "PATH": f"{fake_bin}:{os.environ['PATH']}",
+        "OUT": str(out),
+        "KV_JSON": str(tmp_path / "kv.json"),
+        "MODEL": str(model),
+        "CALLS": str(calls),
+    }
+    done = subprocess.run(["bash", str(ROOT / "gpu_check.sh"), "kv"], env=env, capture_output=True, text=True)
+    assert done.returncode == 1 and "FAILED (exit 6): python3 bench_kv.py offload" in done.stdout, done.stdout
+    logged = [line.split(" --model")[0] for line in calls.read_text().splitlines()]
+    assert logged == [
+        f"bench.py --arch qwen3-0.6b --save-model {model}",
+        "bench_kv.py swap-rule",
+        "bench_kv.py offload",
+    ]
+    modes = [json.loads(line)["mode"] for line in (out / "kv.jsonl").read_text().splitlines()]
+    assert modes == ["swap-rule", "swap-rule"]
+
+
 @pytest.fixture(scope="module")
 def bench_kernels():
     sys.path.insert(0, str(ROOT))
