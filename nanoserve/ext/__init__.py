@@ -29,6 +29,11 @@ per step, never per token:
   prefix cache (ext/lora: which rows use which adapter, at most max_loras adapters at once, blocks computed under
   one adapter never found under another). LLM.generate's (and chat's) lora_request asks
   ext/lora.py to attach each request's adapter (attach_adapters), checked before any request is queued.
+- K/V that moves (Scheduler.kv_connector, BlockManager.on_evict, BlockManager.restore): a connector the scheduler
+  asks, at admission, how many full blocks past the prefix cache's hits it can fill (booked as computed, filled before
+  the step runs); a callback told of each cached block the pool evicts for new K/V; and a block so filled taking back
+  its old prefix key, so that the blocks after it stay findable (ext/kv_offload.py: a host tier behind the prefix
+  cache; ext/kv_transfer: prefill and decode on two engines).
 - Found by name, unasked (`find`): the fused Triton kernels whenever kernels="triton" (ext/fused_kernels.py, in
   kernels.get_kernels; without it the Triton backend is the core's attention and the references, run eagerly), vLLM's
   names (below), a CPU engine's threads (ext/cpu_threads.py).
