@@ -8,7 +8,7 @@ LLM(...)'s keywords (the core alone refuses every keyword that is not its own as
     dict of those sizes, which it checks), as vLLM makes its LoRAConfig of them; the sizes without enable_lora are
     taken at vLLM's defaults only;
   - every other option of vLLM's engine (VLLM_DEFAULTS) is accepted at vLLM's default value, which asks for nothing
-    (quantization=None, swap_space=4, enable_chunked_prefill=True: nanoserve always chunks), and refused by name at
+    (quantization_param_path=None, swap_space=4, enable_chunked_prefill=True: nanoserve always chunks), and refused by name at
     any other value, as "a vLLM option that nanoserve does not implement";
   - anything else is left as it is, for the core to take or refuse as unknown.
 And vLLM's prompt dicts, {"prompt": text} and {"prompt_token_ids": ids}, which LLM.generate, add_request and
@@ -40,7 +40,6 @@ VLLM_DEFAULTS = {
     "hf_overrides": (None, {}),
     "rope_scaling": (None, {}),
     "rope_theta": (None,),
-    "quantization": (None,),
     "quantization_param_path": (None,),
     "max_seq_len_to_capture": (8192,),
     "max_logprobs": (20,),

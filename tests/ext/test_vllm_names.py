@@ -16,7 +16,6 @@ ENGINE = {"device": "cpu", "max_model_len": 64, "num_kvcache_blocks": 16}
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 # options vLLM users pass, at values that ask for something nanoserve does not do
 ASKING = {
-    "quantization": "awq",
     "swap_space": 8,
     "pipeline_parallel_size": 2,
     "cpu_offload_gb": 4,
@@ -49,7 +48,7 @@ def test_vllm_options_that_ask_for_something_are_refused_by_name(tiny_model, no_
 
 
 def test_vllm_options_at_their_default_are_accepted(tiny_model):
-    """Guards against LLM(quantization=None, swap_space=4, ...) being refused though it asks for nothing: every
+    """Guards against LLM(quantization_param_path=None, swap_space=4, ...) being refused though it asks for nothing: every
     option of the table at every value it takes, all at once, and the engine generates as without them."""
     path, hf = tiny_model("llama")
     defaults = {name: values[-1] for name, values in VLLM_DEFAULTS.items()}
