@@ -8,8 +8,8 @@ LLM(...)'s keywords (the core alone refuses every keyword that is not its own as
     dict of those sizes, which it checks), as vLLM makes its LoRAConfig of them; the sizes without enable_lora are
     taken at vLLM's defaults only;
   - every other option of vLLM's engine (VLLM_DEFAULTS) is accepted at vLLM's default value, which asks for nothing
-    (quantization_param_path=None, swap_space=4, enable_chunked_prefill=True: nanoserve always chunks), and refused by name at
-    any other value, as "a vLLM option that nanoserve does not implement";
+    (swap_space=4, enable_chunked_prefill=True: nanoserve always chunks), and refused by name at any other value, as
+    "a vLLM option that nanoserve does not implement";
   - anything else is left as it is, for the core to take or refuse as unknown.
 And vLLM's prompt dicts, {"prompt": text} and {"prompt_token_ids": ids}, which LLM.generate, add_request and
 beam_search hand it (unwrap_prompt): without this extension, a dict prompt is refused as "prompt"."""

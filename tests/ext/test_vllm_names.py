@@ -48,8 +48,8 @@ def test_vllm_options_that_ask_for_something_are_refused_by_name(tiny_model, no_
 
 
 def test_vllm_options_at_their_default_are_accepted(tiny_model):
-    """Guards against LLM(quantization_param_path=None, swap_space=4, ...) being refused though it asks for nothing: every
-    option of the table at every value it takes, all at once, and the engine generates as without them."""
+    """Guards against LLM(swap_space=4, enable_chunked_prefill=True, ...) being refused though it asks for nothing:
+    every option of the table at every value it takes, all at once, and the engine generates as without them."""
     path, hf = tiny_model("llama")
     defaults = {name: values[-1] for name, values in VLLM_DEFAULTS.items()}
     llm = LLM(path, **ENGINE, **defaults, trust_remote_code=False, disable_log_stats=True)

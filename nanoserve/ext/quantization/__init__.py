@@ -254,9 +254,9 @@ class QuantizedLinear(nn.Module):
             param.narrow(OUT_DIMS[part], start, self.shard_sizes[shard]).copy_(tensor)
         elif part == "weight_shape":
             param[shard].copy_(tensor)
-        elif shard == 0:  # g_idx, input_scale: of the input, which the fused projections share
-            param.copy_(tensor)
-        elif not param.is_meta and not torch.equal(param, tensor.to(param.dtype)):
+        elif param.is_meta or not param.any():  # g_idx, input_scale: of the input, which fused projections share
+            param.copy_(tensor)  # (the first of them to load)
+        elif not torch.equal(param, tensor.to(param.dtype)):
             raise RuntimeError(f"the fused projections' {part} differ: they share their input's")
 
     def load_online(self, param: nn.Parameter, tensor: Tensor, shard: int = 0) -> None:

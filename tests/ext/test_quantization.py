@@ -1,0 +1,301 @@
+"""Quantized weights (nanoserve/ext/quantization): checkpoints of every format the extension reads, each served with
+greedy outputs equal token for token to transformers running the same weights dequantized (fp32); the Triton kernel
+against its PyTorch reference on shapes drawn afresh each run (Triton's interpreter on a CPU), and its sm_90 build;
+online FP8 within vLLM's closeness rule of the 16-bit model; the weights' bytes per format in the KV-account line;
+LoRA adapters over quantized weights; CUDA graphs over quantized projections; bad settings refused by name before any
+weight is read; and the course experiment "bytes per step".
+
+Who writes the checkpoints: compressed-tensors' own library writes its formats here (pack-quantized W4A16 / W8A16,
+float-quantized FP8, from its presets; the scales from each group's minimum and maximum, as llm-compressor's observers
+find them, by the library's calculate_qparams), and its fake-quantized forward (the model before compression, with
+its weights and activations quantized and dequantized as it runs) is the reference. AWQ's and GPTQ's own tools do not
+install as packages here (AutoAWQ and AutoGPTQ import names transformers 5 removed; GPTQModel compiles CUDA code), so
+their layouts are written from their specifications by write_gptq and write_awq below, checked against a second,
+independent unpacking (bytes and nibbles, not shifts) and, where AutoGPTQ's and AutoAWQ's packing code can be loaded
+(past their packages' broken __init__), byte for byte against theirs."""
+
+import json
+import os
+import random
+import re
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' definition
+
+import numpy as np
+import pytest
+from conftest import (
+    FAMILIES,
+    TINY,
+    extension_or_skip,
+    hf_greedy,
+    random_prompts,
+)
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+quantization = extension_or_skip("quantization")
+
+from nanoserve import LLM, SamplingParams  # noqa: E402
+
+ENGINE = {"device": "cpu", "max_model_len": 128, "num_kvcache_blocks": 64}
+NUM_TOKENS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AWQ's spec: an int32's 8 nibbles hold these columns of its 8, in order
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# a family whose every projection's input takes groups of 128 (the tiny ones have 64 features)
+WIDE = {**TINY, "hidden_size": 128, "intermediate_size": 256, "head_dim": 32}
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed():
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    random.seed(seed)
+    print(f"seed {seed}")
+
+
+def tiny_hf(family: str) -> torch.nn.Module:
+    """A fresh random transformers model of a tiny family (conftest's, or the wide Llama), fp32."""
+    config = LlamaConfig(**WIDE) if family == "wide" else FAMILIES[family]()
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def linears(hf: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """The decoder projections of a transformers model by name (model.layers.0.self_attn.q_proj, ...)."""
+    return {name: m for name, m in hf.named_modules() if name.rsplit(".", 1)[-1] in PROJECTIONS}
+
+
+# ---- GPTQ and AWQ, written from their specifications --------------------------------------------------------------
+def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int, symmetric: bool, order: torch.Tensor | None = None):
+    """Round-to-nearest quantization of weight [out, in] in groups of group_size input features (-1: one group), the
+    groups' members in order or, with an order (a permutation of the input features: GPTQ's desc_act, act-order), in
+    that order: (q [in, out] unsigned ints, zeros [groups, out] ints, scales [groups, out] fp16, g_idx [in] int32) with
+    weight ~ (q - zeros[g]) x scales[g], g = g_idx[input feature]."""
+    out_features, in_features = weight.shape
+    group_size = in_features if group_size == -1 else group_size
+    groups = in_features // group_size
+    if order is None:
+        order = torch.arange(in_features)
+    g_idx = torch.empty(in_features, dtype=torch.int32)
+    g_idx[order] = (torch.arange(in_features) // group_size).int()  # the i-th in order is in group i // group_size
+    w = weight.T  # [in, out]
+    top = 2**bits - 1
+    scales = torch.empty(groups, out_features)
+    zeros = torch.empty(groups, out_features, dtype=torch.int32)
+    for g in range(groups):
+        rows = w[g_idx == g]
+        low, high = rows.amin(0).clamp(max=0), rows.amax(0).clamp(min=0)
+        if symmetric:
+            scales[g] = (torch.maximum(-low, high) / (top // 2)).clamp(min=1e-6)
+            zeros[g] = 2 ** (bits - 1)
+        else:
+            scales[g] = ((high - low) / top).clamp(min=1e-6)
+            zeros[g] = torch.round(-low / scales[g]).int()
+    scales = scales.half()  # as the checkpoints store them
+    q = torch.round(w / scales[g_idx].float() + zeros[g_idx]).clamp(0, top).int()
+    return q, zeros, scales, g_idx
+
+
+def dequantized(q, zeros, scales, g_idx) -> torch.Tensor:
+    """The weight [out, in] in fp32 that quantized weights stand for."""
+    return ((q - zeros[g_idx]).float() * scales[g_idx].float()).T
+
+
+def pack_words(values: torch.Tensor, bits: int, columns: list[int] | None = None) -> torch.Tensor:
+    """Unsigned values [rows, n x (32 / bits)] packed along the last dim, 32 / bits to an int32: word w's value j
+    (bits [j x bits, (j + 1) x bits)) is column w x (32 / bits) + columns[j] (in order where columns is None)."""
+    per_word = 32 // bits
+    groups = values.to(torch.int64).unflatten(-1, (-1, per_word))  # [rows, words, per_word]
+    if columns is not None:
+        groups = groups[..., columns]
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    words = (groups << shifts).sum(-1)  # fits 32 bits unsigned
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def write_gptq(hf, path, bits: int, group_size: int, symmetric: bool, desc_act: bool, version: str = "gptq"):
+    """hf's projections quantized and saved in GPTQ's layout (AutoGPTQ's, or GPTQModel's gptq_v2): qweight int32
+    [in / (32 / bits), out] (input features packed in order), qzeros int32 [groups, out / (32 / bits)] (output features
+    packed in order; minus 1 in the gptq format), scales fp16 [groups, out], g_idx int32 [in]. Returns the reference:
+    hf with the dequantized weights, and what was packed, by projection."""
+    tensors, packed = {}, {}
+    orders = {}  # act-order: one permutation per input, shared by the projections that read it (as GPTQ's, which
+    # orders by the input's Hessian): q, k, v; gate, up
+    for name, linear in linears(hf).items():
+        reads = re.sub(r"\.(q|k|v)_proj$", ".qkv", re.sub(r"\.(gate|up)_proj$", ".gate_up", name))
+        order = orders.setdefault(reads, torch.randperm(linear.in_features)) if desc_act else None
+        q, zeros, scales, g_idx = quantize_rtn(linear.weight.data, bits, group_size, symmetric, order)
+        stored_zeros = (zeros - int(version == "gptq")) & (2**bits - 1)
+        tensors |= {
+            f"{name}.qweight": pack_words(q.T, bits).T.contiguous(),
+            f"{name}.qzeros": pack_words(stored_zeros, bits),
+            f"{name}.scales": scales,
+            f"{name}.g_idx": g_idx,
+        }
+        packed[name] = (q, zeros, scales, g_idx)
+        linear.weight.data = dequantized(q, zeros, scales, g_idx)
+    settings = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": symmetric}
+    save_quantized(hf, path, tensors, settings | {"checkpoint_format": version})
+    return hf, packed
+
+
+def write_awq(hf, path, group_size: int):
+    """hf's projections quantized and saved in AWQ's GEMM layout: qweight int32 [in, out / 8] (each int32's 8 nibbles
+    columns 0, 2, 4, 6, 1, 3, 5, 7 of its 8), qzeros int32 [groups, out / 8] (the same order), scales fp16 [groups,
+    out]. Returns the reference and what was packed."""
+    tensors, packed = {}, {}
+    for name, linear in linears(hf).items():
+        q, zeros, scales, g_idx = quantize_rtn(linear.weight.data, 4, group_size, False)
+        tensors |= {
+            f"{name}.qweight": pack_words(q, 4, AWQ_PACK_ORDER),
+            f"{name}.qzeros": pack_words(zeros, 4, AWQ_PACK_ORDER),
+            f"{name}.scales": scales,
+        }
+        packed[name] = (q, zeros, scales, g_idx)
+        linear.weight.data = dequantized(q, zeros, scales, g_idx)
+    settings = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
+    save_quantized(hf, path, tensors, settings)
+    return hf, packed
+
+
+def save_quantized(hf, path, tensors: dict, settings: dict) -> None:
+    """hf saved to path with its projections' weights replaced by tensors, and quantization_config in config.json."""
+    hf.save_pretrained(path)
+    state = load_file(f"{path}/model.safetensors")
+    state = {k: v for k, v in state.items() if not any(f"{name}.weight" == k for name in linears(hf))}
+    save_file(state | tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+    config = json.loads(open(f"{path}/config.json").read())
+    config["quantization_config"] = settings
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(config, f)
+
+
+# ---- the second, independent unpacking (the specifications read from the bytes) ----------------------------------
+def values_from_bytes(words: torch.Tensor, bits: int) -> np.ndarray:
+    """int32 words [rows, n] -> their values [rows, n, 32 / bits], from their little-endian bytes: 8-bit values are
+    the bytes; 4-bit values each byte's low nibble, then its high one."""
+    raw = words.contiguous().numpy().astype("<i4").view(np.uint8).reshape(*words.shape, 4)
+    if bits == 8:
+        return raw.astype(np.int64)
+    return np.stack([raw & 15, raw >> 4], axis=-1).reshape(*words.shape, 8).astype(np.int64)
+
+
+def test_spec_writers_against_an_independent_unpacking():
+    """Guards against a checkpoint writer that packs GPTQ's or AWQ's layout wrongly (and so a loader tested against it
+    that reads it wrongly the same way): what write_gptq and write_awq pack, read back from the bytes."""
+    for bits in (4, 8):
+        weight = torch.randn(24, 64)
+        q, zeros, scales, g_idx = quantize_rtn(weight, bits, 32, False, torch.randperm(64))
+        qweight = pack_words(q.T, bits).T  # GPTQ: [in / per_word, out], input features in order within a word
+        unpacked = values_from_bytes(qweight.T.contiguous(), bits).reshape(24, 64).T  # [in, out]
+        assert np.array_equal(unpacked, q.numpy())
+        qzeros = pack_words(zeros, bits)  # [groups, out / per_word], output features in order
+        assert np.array_equal(values_from_bytes(qzeros, bits).reshape(2, 24), zeros.numpy())
+        assert (dequantized(q, zeros, scales, g_idx) - weight).abs().max() <= scales.float().max() / 2 + 1e-6
+    q, zeros, _, _ = quantize_rtn(torch.randn(24, 64), 4, 32, False)
+    nibbles = values_from_bytes(pack_words(q, 4, AWQ_PACK_ORDER), 4)  # [in, out / 8, 8]: nibble j of each word
+    columns = np.empty_like(nibbles)
+    columns[..., AWQ_PACK_ORDER] = nibbles  # nibble j holds column AWQ_PACK_ORDER[j]
+    assert np.array_equal(columns.reshape(64, 24), q.numpy())
+
+
+# ---- compressed-tensors, written by its own library ---------------------------------------------------------------
+def write_compressed_tensors(hf, path, preset: str, group_size: int | None = None, strategy: str | None = None):
+    """hf quantized with one of compressed-tensors' preset schemes (its group size or strategy changed), the LM head
+    left whole (ignore), and saved as the library saves it: each group's scale and zero point from its minimum and
+    maximum by the library's calculate_qparams, and a static activation scale from the largest input each projection
+    sees on random prompts. Returns the reference: hf under the library's fake quantization (its weights, and its
+    activations where the scheme quantizes them, quantized and dequantized as it runs, in fp32)."""
+    import copy
+
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    largest_input = {}  # projection -> its inputs' (min, max) on random prompts, before quantization
+
+    def observe(module, args, output):
+        largest_input[module] = args[0].aminmax()
+
+    hooks = [module.register_forward_hook(observe) for module in linears(hf).values()]
+    with torch.no_grad():
+        hf(torch.tensor(random_prompts([40])))
+    for hook in hooks:
+        hook.remove()
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    if group_size is not None:
+        scheme.weights.group_size = group_size
+    if strategy is not None:
+        scheme.weights.strategy = strategy
+        scheme.weights.group_size = None
+    apply_quantization_config(hf, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    with torch.no_grad():
+        for module in linears(hf).values():
+            args = scheme.weights
+            weight = module.weight
+            if args.strategy == "group":
+                weight = weight.unflatten(-1, (-1, args.group_size))  # [out, groups, group_size]
+            scale, zero = calculate_qparams(weight.amin(-1), weight.amax(-1), args)
+            if args.strategy == "tensor":
+                scale, zero = calculate_qparams(weight.amin(), weight.amax(), args)
+            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
+            if hasattr(module, "input_scale"):  # static: the largest input's scale
+                low, high = largest_input[module]
+                module.input_scale.copy_(calculate_qparams(low, high, scheme.input_activations)[0])
+    reference = copy.deepcopy(hf)
+    compressor = ModelCompressor.from_pretrained_model(hf)
+    compressor.compress_model(hf)
+    hf.save_pretrained(path)
+    compressor.update_config(path)
+    assert ct.__version__ and json.loads(open(f"{path}/config.json").read())["quantization_config"]
+    return reference
+
+
+def greedy(llm, prompts) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+# name -> (family, how the checkpoint is written): every format, bit width and group size, on each family
+CHECKPOINTS = {
+    "awq g32": ("llama", lambda hf, path: write_awq(hf, path, 32)[0]),
+    "awq g64": ("qwen2", lambda hf, path: write_awq(hf, path, 64)[0]),
+    "awq g128": ("wide", lambda hf, path: write_awq(hf, path, 128)[0]),
+    "gptq 4-bit g32 sym": ("llama", lambda hf, path: write_gptq(hf, path, 4, 32, True, False)[0]),
+    "gptq 4-bit g64 desc_act": ("qwen3", lambda hf, path: write_gptq(hf, path, 4, 64, False, True)[0]),
+    "gptq 4-bit g128 desc_act sym": ("wide", lambda hf, path: write_gptq(hf, path, 4, 128, True, True)[0]),
+    "gptq 8-bit g32": ("qwen2", lambda hf, path: write_gptq(hf, path, 8, 32, False, False)[0]),
+    "gptq 8-bit channel desc_act": ("llama", lambda hf, path: write_gptq(hf, path, 8, -1, True, True)[0]),
+    "gptq_v2 4-bit g32": ("qwen3", lambda hf, path: write_gptq(hf, path, 4, 32, False, True, "gptq_v2")[0]),
+    "ct W4A16 g32": ("llama", lambda hf, path: write_compressed_tensors(hf, path, "W4A16", 32)),
+    "ct W4A16_ASYM g64": ("qwen2", lambda hf, path: write_compressed_tensors(hf, path, "W4A16_ASYM", 64)),
+    "ct W4A16 g128": ("wide", lambda hf, path: write_compressed_tensors(hf, path, "W4A16", 128)),
+    "ct W4A16 channel": ("qwen3", lambda hf, path: write_compressed_tensors(hf, path, "W4A16", strategy="channel")),
+    "ct W8A16 g32": ("llama", lambda hf, path: write_compressed_tensors(hf, path, "W8A16", 32)),
+    "ct W4A16_ASYM channel": (
+        "llama",
+        lambda hf, path: write_compressed_tensors(hf, path, "W4A16_ASYM", strategy="channel"),
+    ),
+    "ct FP8 static": ("qwen2", lambda hf, path: write_compressed_tensors(hf, path, "FP8")),
+    "ct FP8_DYNAMIC": ("qwen3", lambda hf, path: write_compressed_tensors(hf, path, "FP8_DYNAMIC")),
+}
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_greedy_equals_transformers_on_the_same_weights(name, tmp_path):
+    """Guards against any misread of a format (a packing order, a zero point's offset, a group's scale, act-order's
+    g_idx, a transposed layout, FP8's scales and its activations' quantization, Qwen2's bias over quantized q|k|v):
+    nanoserve's greedy tokens equal transformers' on the same weights, dequantized in fp32 (compressed-tensors' own
+    fake quantization for its checkpoints), prompts of several lengths batched together."""
+    family, write = CHECKPOINTS[name]
+    reference = write(tiny_hf(family), tmp_path)
+    llm = LLM(str(tmp_path), **ENGINE)
+    prompts = random_prompts([5, 23, 40])
+    for prompt, tokens in zip(prompts, greedy(llm, prompts), strict=True):
+        assert tokens == hf_greedy(reference, prompt, NUM_TOKENS)
+    assert llm.stats()["kv_blocks_used"] == 0
