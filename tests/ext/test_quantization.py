@@ -29,9 +29,11 @@ import pytest
 from conftest import (
     FAMILIES,
     TINY,
+    TRITON_DEVICE,
     extension_or_skip,
     hf_greedy,
     random_prompts,
+    sm90_builds,
 )
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -39,6 +41,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 quantization = extension_or_skip("quantization")
 
 from nanoserve import LLM, SamplingParams  # noqa: E402
+from nanoserve.ext.quantization import kernels as K  # noqa: E402
 
 ENGINE = {"device": "cpu", "max_model_len": 128, "num_kvcache_blocks": 64}
 NUM_TOKENS = 16
@@ -299,3 +302,79 @@ def test_greedy_equals_transformers_on_the_same_weights(name, tmp_path):
     for prompt, tokens in zip(prompts, greedy(llm, prompts), strict=True):
         assert tokens == hf_greedy(reference, prompt, NUM_TOKENS)
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+# ---- the kernel -------------------------------------------------------------------------------------------------
+def random_layout(in_features: int, out_features: int, bits: int, group_size: int, act_order: bool, dtype):
+    """Random weights in the kernel's layout (kernels.py): qweight, scales, zeros, g_idx; any zero points."""
+    groups = -(-in_features // group_size)
+    q = torch.randint(0, 2**bits, (in_features, out_features), dtype=torch.int32)
+    per_word = 32 // bits
+    padded = torch.zeros(-(-in_features // per_word) * per_word, out_features, dtype=torch.int32)
+    padded[:in_features] = q
+    qweight = pack_words(padded.T, bits).T.contiguous()  # [ceil(in / per_word), out]
+    g_idx = (torch.arange(in_features) // group_size).int()
+    if act_order:
+        g_idx = g_idx[torch.randperm(in_features)]
+    scales = (torch.rand(groups, out_features) / 2**bits).to(dtype)
+    zeros = torch.randint(0, 2**bits, (groups, out_features)).to(dtype)
+    return qweight, scales, zeros, g_idx
+
+
+def check_kernel(rows: int, in_features: int, out_features: int, bits: int, group_size: int, act_order: bool, dtype):
+    """The kernel against its reference, in dtype (fp32: to rounding; fp16: to fp16's, its products' sums in fp32)."""
+    layout = random_layout(in_features, out_features, bits, group_size, act_order, dtype)
+    x = torch.randn(rows, in_features).to(dtype)
+    got = K.dequant_matmul(x.to(TRITON_DEVICE), *[t.to(TRITON_DEVICE) for t in layout], bits).cpu().float()
+    weight = K.dequantize(*layout, bits).to(dtype).float()  # [in, out]: rounded to dtype as the kernel rounds it
+    expected = x.float() @ weight
+    assert torch.equal(K.dequant_matmul_ref(x, *layout, bits).float(), (x @ weight.to(dtype)).float())
+    error = (got - expected).abs()
+    scale = (x.float().abs() @ weight.abs()).clamp(min=1)  # the sum of the products' sizes
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    print(f"max error {error.max():.2e}, mean {error.mean():.2e} (relative max {(error / scale).max():.2e})")
+    assert (error / scale).max() < tolerance
+
+
+def test_kernel_equals_its_reference_on_drawn_shapes():
+    """Guards against a kernel that reads a weight's bits, its group's scale or zero point, or a tile's edge wrongly:
+    on shapes drawn afresh each run (1-300 rows, decode's and prefill's tiles; group sizes 32-128 and one group;
+    act-order; 4 and 8 bits; odd output widths; input widths not a whole number of words; fp32 and fp16; any zero
+    point), the kernel equals the reference (Triton's interpreter on a CPU computes bf16 dots wrongly: no bf16 here)."""
+    for draw in range(6):
+        rows = random.choice([1, 2, 16, 17, random.randint(1, 300)])
+        bits = random.choice([4, 8])
+        group_size = random.choice([32, 64, 128, -1])
+        in_features = random.choice([32, 64, 128, 256]) if group_size != -1 else random.randint(1, 200)
+        if group_size == -1:
+            group_size = in_features
+        in_features = max(in_features, group_size)
+        out_features = random.randint(1, 160)
+        act_order = random.random() < 0.5
+        dtype = random.choice([torch.float32, torch.float16])
+        shape = (rows, in_features, out_features, bits, group_size, act_order, dtype)
+        try:
+            check_kernel(*shape)
+        except AssertionError as error:
+            raise AssertionError(f"draw {draw}: rows, in, out, bits, group size, act-order, dtype = {shape}") from error
+
+
+def test_kernel_compiles_for_h100_without_spills():
+    """Guards against a kernel that only Triton's interpreter accepts: in every model dtype, 4 and 8 bits, with the
+    decode step's and prefill's tiles, the kernel compiles for an H100 (sm_90) with ptxas, with no register spills
+    (tests/sm90_build.py's build); 16-bit tiles multiply on the tensor cores (wgmma where the tile has 64 rows)."""
+    script = """
+from nanoserve.ext.quantization import kernels as K
+for dtype in ("*bf16", "*fp16", "*fp32"):
+    for bits in (4, 8):
+        for rows in (1, 64):
+            tile_m, tile_n, tile_k = K.tile_sizes(rows, sm90_build.TORCH_DTYPES[dtype])
+            types = {"x_ptr": dtype, "qweight_ptr": "*i32", "scales_ptr": dtype, "zeros_ptr": dtype,
+                     "g_idx_ptr": "*i32", "out_ptr": dtype}
+            constants = {"BITS": bits, "TILE_M": tile_m, "TILE_N": tile_n, "TILE_K": tile_k}
+            built = sm90_build.build(K._dequant_matmul_kernel, types, constants, 4)
+            print(json.dumps(built | {"dtype": dtype, "bits": bits}))
+"""
+    builds = sm90_builds(script)
+    assert len(builds) == 12 and all(b["spill_bytes"] == 0 for b in builds), builds
+    assert all(b["wgmma"] for b in builds if b["tile_m"] == 64 and b["dtype"] != "*fp32"), builds

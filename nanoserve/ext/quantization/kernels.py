@@ -22,18 +22,20 @@ from torch import Tensor
 
 from nanoserve.triton_shim import tl, triton
 
-TILE_K = 64  # input features per loop step
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448: the largest float8 e4m3 value
 SCALE_EPS = torch.finfo(torch.float32).eps  # a row of zeros gets this scale, as compressed-tensors gives it
 
 
-def tile_sizes(rows: int) -> tuple[int, int]:
-    """(rows, output features) per program: 16 rows (the smallest tile tl.dot takes) and narrow column tiles for a
-    decode step, so that its few rows still spread the weights over many programs; 64 x 64 for prefill."""
+def tile_sizes(rows: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(rows, output features, input features) per program: for a decode step 16 rows (the smallest tile tl.dot
+    takes) and narrow column tiles, so that its few rows still spread the weights over many programs; for prefill
+    64 x 64, 64 deep (fp32: 64 x 32, 32 deep: FMA dots hold their operands in registers, and larger tiles spill)."""
     if rows <= 16:
-        return 16, 32
-    return 64, 64
+        return 16, 32, 64
+    if dtype == torch.float32:
+        return 64, 32, 32
+    return 64, 64, 64
 
 
 @triton.jit
@@ -90,7 +92,7 @@ def dequant_matmul(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor, g_
     assert x.stride(1) == 1 and qweight.is_contiguous() and scales.is_contiguous() and zeros.shape == scales.shape
     assert qweight.shape[0] == triton.cdiv(in_features, 32 // bits) and g_idx.shape == (in_features,)
     out = x.new_empty(rows, out_features)
-    tile_m, tile_n = tile_sizes(rows)
+    tile_m, tile_n, tile_k = tile_sizes(rows, x.dtype)
     grid = (triton.cdiv(rows, tile_m), triton.cdiv(out_features, tile_n))
     _dequant_matmul_kernel[grid](
         x,
@@ -109,7 +111,7 @@ def dequant_matmul(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor, g_
         BITS=bits,
         TILE_M=tile_m,
         TILE_N=tile_n,
-        TILE_K=TILE_K,
+        TILE_K=tile_k,
     )
     return out
 
