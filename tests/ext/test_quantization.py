@@ -18,6 +18,7 @@ import json
 import os
 import random
 import re
+import shutil
 
 import torch
 
@@ -33,6 +34,7 @@ from conftest import (
     extension_or_skip,
     hf_greedy,
     random_prompts,
+    refused,
     sm90_builds,
 )
 from safetensors.torch import load_file, save_file
@@ -40,6 +42,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 quantization = extension_or_skip("quantization")
 
+import nanoserve.model_runner  # noqa: E402
 from nanoserve import LLM, SamplingParams  # noqa: E402
 from nanoserve.ext.quantization import kernels as K  # noqa: E402
 
@@ -378,3 +381,98 @@ for dtype in ("*bf16", "*fp16", "*fp32"):
     builds = sm90_builds(script)
     assert len(builds) == 12 and all(b["spill_bytes"] == 0 for b in builds), builds
     assert all(b["wgmma"] for b in builds if b["tile_m"] == 64 and b["dtype"] != "*fp32"), builds
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+@pytest.fixture
+def no_weights_loaded(monkeypatch):
+    """Fails the test if an LLM gets as far as loading weights: every check must come first."""
+
+    def fail(*args: object) -> None:
+        raise AssertionError("the weights were loaded before the settings were checked")
+
+    monkeypatch.setattr(nanoserve.model_runner, "build_model", fail)
+
+
+def with_settings(path, tmp_path, name: str, **changes) -> str:
+    """A copy of the checkpoint at path whose quantization_config has changes (None: a key removed)."""
+    copy = tmp_path / name
+    shutil.copytree(path, copy)
+    config = json.loads((copy / "config.json").read_text())
+    for key, value in changes.items():
+        config["quantization_config"][key] = value
+    (copy / "config.json").write_text(json.dumps(config))
+    return str(copy)
+
+
+def test_bad_settings_are_refused_by_name_before_any_weight_is_read(tiny_model, tmp_path, no_weights_loaded):
+    """Guards against a setting nanoserve cannot serve being taken (and read as garbage) or failing inside the loader:
+    each is an InvalidField naming it (the option, or the checkpoint's setting), before any weight is read: an unknown
+    method, bits other than 4 or 8, a group size that does not divide an input, a desc_act that is no flag, AWQ's
+    other layouts, a method the option contradicts, a packed tensor of the wrong shape, the combinations refused."""
+    gptq = str(tmp_path / "gptq")
+    write_gptq(tiny_hf("llama"), gptq, 4, 32, False, True)
+    awq = str(tmp_path / "awq")
+    write_awq(tiny_hf("qwen2"), awq, 32)
+    plain = tiny_model("llama")[0]
+    refused("quantization", LLM, plain, quantization="int4", **ENGINE)
+    assert "checkpoint quantized so" not in refused("quantization", LLM, plain, quantization="gptq", **ENGINE).problem
+    assert "'awq'" in refused("quantization", LLM, gptq, quantization="awq", **ENGINE).problem
+    refused("quantization", LLM, awq, quantization="fp8", **ENGINE)
+    refused("quantization", LLM, gptq, latency_kernels=True, **ENGINE)
+    refused("quantization", LLM, gptq, tensor_parallel_size=2, **ENGINE)
+    for name, changes in {
+        "bits": {"bits": 3},
+        "group_size": {"group_size": 48},  # does not divide hidden_size 64
+        "group_size  ": {"group_size": 0},
+        "desc_act": {"desc_act": "yes"},
+        "quant_method": {"quant_method": "bitsandbytes"},
+        "checkpoint_format": {"checkpoint_format": "marlin"},
+    }.items():
+        error = refused("model", LLM, with_settings(gptq, tmp_path, name.replace(" ", "_"), **changes), **ENGINE)
+        assert f"quantization_config.{name.strip()}=" in error.problem
+    for name, changes in {"version": {"version": "gemv"}, "zero_point": {"zero_point": False}}.items():
+        error = refused("model", LLM, with_settings(awq, tmp_path, name, **changes), **ENGINE)
+        assert f"quantization_config.{name}=" in error.problem
+    # a packed tensor of the wrong shape: the loader's dry run names it
+    broken = tmp_path / "broken"
+    shutil.copytree(gptq, broken)
+    state = load_file(broken / "model.safetensors")
+    state["model.layers.1.mlp.down_proj.qweight"] = state["model.layers.1.mlp.down_proj.qweight"][:-1]
+    save_file(state, broken / "model.safetensors", metadata={"format": "pt"})
+    assert "model.layers.1.mlp.down_proj.qweight" in refused("model", LLM, str(broken), **ENGINE).problem
+
+
+def test_bad_compressed_tensors_schemes_are_refused_by_name(tmp_path, no_weights_loaded):
+    """Guards against a compressed-tensors scheme nanoserve does not serve being taken: integer activations (W4A8),
+    act-order's g_idx, 3 bits, a block strategy, two schemes, a transform; FP8 weights with 16-bit activations. Each is
+    an InvalidField naming the setting, before any weight is read."""
+    path = str(tmp_path / "ct")
+    write_compressed_tensors(tiny_hf("llama"), path, "W4A16", 32)
+    settings = json.loads(open(f"{path}/config.json").read())["quantization_config"]
+    scheme = settings["config_groups"]["group_0"]
+    weights = scheme["weights"]
+    int8_inputs = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}
+    for key, changes in {
+        "config_groups.input_activations": {"config_groups": {"group_0": scheme | {"input_activations": int8_inputs}}},
+        "config_groups.weights.actorder": {
+            "config_groups": {"group_0": scheme | {"weights": weights | {"actorder": "group"}}}
+        },
+        "config_groups.weights.num_bits": {
+            "config_groups": {"group_0": scheme | {"weights": weights | {"num_bits": 3}}}
+        },
+        "config_groups.weights.strategy": {
+            "config_groups": {"group_0": scheme | {"weights": weights | {"strategy": "block"}}}
+        },
+        "config_groups": {"config_groups": {"group_0": scheme, "group_1": scheme}},
+        "transform_config": {"transform_config": {"config_groups": {"u": {}}}},
+        "format": {"format": "marlin-24"},
+        "config_groups.input_activations ": {
+            "format": "float-quantized",
+            "config_groups": {
+                "group_0": scheme | {"weights": weights | {"type": "float", "num_bits": 8, "strategy": "channel"}}
+            },
+        },
+    }.items():
+        error = refused("model", LLM, with_settings(path, tmp_path, key.replace(" ", "_"), **changes), **ENGINE)
+        assert f"quantization_config.{key.strip()}=" in error.problem, error

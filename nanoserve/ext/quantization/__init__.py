@@ -15,7 +15,7 @@ Formats, by vLLM's names (each projection's tensors as vLLM's loaders read them;
   - "gptq": qweight int32 [in / (32 / bits), out], qzeros (stored minus 1 in GPTQ's own format; gptq_v2: as they
     are), scales, g_idx; 4 or 8 bits, symmetric or not, desc_act (act-order) or not;
   - "compressed-tensors": pack-quantized (weight_packed [out, in / (32 / bits)], weight_scale, weight_shape, zero
-    points if asymmetric, weight_g_idx with actorder "group"; group or channel strategy), its W4A16 / W8A16 presets;
+    points if asymmetric; group or channel strategy), its W4A16 / W8A16 presets (act-order's g_idx: GPTQ's);
     float-quantized FP8 W8A8 (weight float8, weight_scale per channel or tensor, input_scale if static, else each
     token's scale at run time), its FP8 / FP8_DYNAMIC presets. Its `ignore` list may keep the LM head (and modules
     this model does not have) whole;
@@ -68,7 +68,7 @@ SERVED = {
         "weights.type": ("int",),
         "weights.num_bits": (4, 8),
         "weights.strategy": ("group", "channel"),
-        "weights.actorder": (None, "weight", "static", "group", "dynamic"),  # group, dynamic: with a g_idx
+        "weights.actorder": (None, "weight", "static"),  # (act-order's "group": GPTQ checkpoints serve it)
         "input_activations": (None,),  # weights only: W4A16, W8A16
         "output_activations": (None,),
     },
@@ -96,7 +96,6 @@ TENSORS = {
         "weight_packed": ("qweight", "transposed"),
         "weight_scale": ("scales", "transposed"),
         "weight_zero_point": ("zeros", "ct_zero_points"),  # asymmetric only
-        "weight_g_idx": ("g_idx", "as_is"),  # act-order only
         "weight_shape": ("weight_shape", "as_is"),
     },
     "float-quantized": {
@@ -324,14 +323,12 @@ def compressed_tensors_format(settings: dict) -> WeightFormat:
     values = served(scheme, SERVED[kind], "config_groups.")
     tensors = dict(TENSORS[kind])
     if kind == "float-quantized":
-        need(scheme.get("input_activations"), "input_activations", None, "float8 activations (W8A8)")
+        need(scheme.get("input_activations"), "config_groups.input_activations", None, "float8 activations (W8A8)")
         if values["input_activations.dynamic"]:  # each row's scale at run time
             del tensors["input_scale"]
         return WeightFormat(kind, 8, -1, tensors)
     if scheme.get("weights.symmetric", True):
         del tensors["weight_zero_point"]
-    if values["weights.actorder"] not in ("group", "dynamic"):
-        del tensors["weight_g_idx"]
     size = -1  # channel: one group
     if values["weights.strategy"] == "group":
         size = scheme.get("weights.group_size")
