@@ -31,8 +31,12 @@ from conftest import (
     FAMILIES,
     TINY,
     TRITON_DEVICE,
+    RerunGraph,
     extension_or_skip,
+    graphs_on_a_cpu,
     hf_greedy,
+    hf_greedy_run,
+    logprobs_close,
     random_prompts,
     refused,
     sm90_builds,
@@ -476,3 +480,96 @@ def test_bad_compressed_tensors_schemes_are_refused_by_name(tmp_path, no_weights
     }.items():
         error = refused("model", LLM, with_settings(path, tmp_path, key.replace(" ", "_"), **changes), **ENGINE)
         assert f"quantization_config.{key.strip()}=" in error.problem, error
+
+
+# ---- online FP8 -------------------------------------------------------------------------------------------------
+TOP_K = 5
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_online_fp8_is_close_to_the_16_bit_model(tiny_model, family):
+    """Guards against quantization="fp8" quantizing wrongly (a scale per tensor, not per output feature; activations
+    not quantized per row; a weight transposed): its greedy run is within vLLM's closeness rule of transformers on the
+    16-bit weights (the rule the FP8 KV cache is judged by), and its weights are float8 e4m3, each row scaled so its
+    largest magnitude is float8's largest (448)."""
+    path, hf = tiny_model(family)
+    llm = LLM(path, quantization="fp8", **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP_K)
+    prompts = random_prompts([7, 30, 52])
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
+        ours = (out.outputs[0].token_ids, out.outputs[0].logprobs)
+        assert logprobs_close(ours, hf_greedy_run(hf, prompt, NUM_TOKENS, TOP_K), TOP_K)
+    down = llm.runner.model.model.layers[1].mlp.down_proj
+    weight = hf.model.layers[1].mlp.down_proj.weight
+    assert down.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(down.weight_scale, weight.abs().amax(1) / 448)
+    assert torch.equal(down.weight.float().abs().amax(1), torch.full([weight.shape[0]], 448.0))
+
+
+# ---- memory: the weights' bytes, in the KV-account line ---------------------------------------------------------
+def weight_mib(llm) -> float:
+    """The weights' MiB as the KV-account line prints them."""
+    return float(re.match(r"weights ([\d,.]+) MiB; KV cache", llm.runner.kv_account())[1].replace(",", ""))
+
+
+def test_each_format_weighs_what_its_layout_holds(tiny_model, tmp_path):
+    """Guards against a quantized model that keeps 16-bit copies of its weights, or a KV-account line that leaves the
+    weights out: in bf16, each format's weights are the 16-bit model's embeddings and norms plus, per projection, its
+    packed weights (in x out x bits / 8 bytes) and per group a bf16 scale and zero point (GPTQ: its g_idx too, 4 bytes
+    per input feature of each fused projection; online FP8: 1 byte per weight). The line counts the parameters, the
+    checkpoint's tensors: not what the extension makes beside them (a symmetric format's zero points, online FP8's
+    scales: a 4-byte scale per output feature)."""
+    hf = tiny_hf("wide")
+    engine = ENGINE | {"dtype": "bfloat16"}
+    hf.save_pretrained(tmp_path / "16-bit")
+    sixteen = LLM(str(tmp_path / "16-bit"), **engine)
+    projections = [(m.in_features, m.out_features) for m in linears(hf).values()]
+    # GPTQ's g_idx, one per input: the fused q|k|v and gate|up share theirs
+    g_idx_bytes = sum(4 * m.in_features for name, m in linears(hf).items() if re.search(r"(q|o|gate|down)_proj$", name))
+    rest = sum(p.numel() * 2 for name, p in hf.named_parameters() if not name.endswith("_proj.weight"))
+    assert weight_mib(sixteen) == round((rest + sum(i * o * 2 for i, o in projections)) / 2**20, 2)
+    write_gptq(tiny_hf("wide"), tmp_path / "gptq", 4, 128, False, True)
+    write_awq(tiny_hf("wide"), tmp_path / "awq", 64)
+    expected = {
+        "gptq": sum(i * o // 2 + 2 * (i // 128) * o * 2 for i, o in projections) + g_idx_bytes,
+        "awq": sum(i * o // 2 + 2 * (i // 64) * o * 2 for i, o in projections),
+        "fp8": sum(i * o for i, o in projections),  # (its scales, made as it loads, are buffers: not weights)
+    }
+    for name, projection_bytes in expected.items():
+        path = tmp_path / name if name != "fp8" else tmp_path / "16-bit"
+        llm = LLM(str(path), quantization=name if name == "fp8" else None, **engine)
+        assert weight_mib(llm) == round((rest + projection_bytes) / 2**20, 2), name
+        print(f"{name}: {weight_mib(llm)} MiB, the 16-bit model's {weight_mib(sixteen)} MiB")
+    assert weight_mib(llm) < weight_mib(sixteen)
+
+
+# ---- the engine's other paths: Triton's kernel, CUDA graphs ---------------------------------------------------
+def test_triton_kernels_serve_every_integer_format(tmp_path):
+    """Guards against the kernel's path (kernels="triton") reading a format differently from the reference's: AWQ,
+    GPTQ with act-order and 8 bits, compressed-tensors asymmetric, each greedy equal to transformers on the same
+    weights (Triton's interpreter on a CPU: fp32)."""
+    for name in ("awq g32", "gptq 4-bit g64 desc_act", "gptq 8-bit g32", "ct W4A16_ASYM g64"):
+        family, write = CHECKPOINTS[name]
+        path = tmp_path / name.replace(" ", "-")
+        reference = write(tiny_hf(family), path)
+        llm = LLM(str(path), **ENGINE | {"device": TRITON_DEVICE, "kernels": "triton"})
+        prompts = random_prompts([6, 19])
+        for prompt, tokens in zip(prompts, greedy(llm, prompts), strict=True):
+            assert tokens == hf_greedy(reference.to(TRITON_DEVICE), prompt, NUM_TOKENS), name
+
+
+def test_decode_graphs_capture_quantized_projections(tmp_path, monkeypatch):
+    """Guards against quantized projections that a CUDA graph cannot replay (a host sync, a buffer made per call, a
+    weight read on the host): the engine captures its decode graphs over them once (on a CPU, graphs_on_a_cpu's
+    stand-in reruns the captured forward), replays them for every decode step, and answers as the eager engine."""
+    reference = write_gptq(tiny_hf("llama"), tmp_path, 4, 32, False, True)[0]
+    prompts = random_prompts([9, 4])
+    captured = graphs_on_a_cpu(monkeypatch)
+    llm = LLM(str(tmp_path), **ENGINE)
+    graphs = llm.runner.graphs
+    assert len(captured) == 1 and graphs is captured[0]
+    graphs.graphs = {size: RerunGraph(graphs, size) for size in graphs.graphs}
+    graphs.replays = 0
+    for prompt, tokens in zip(prompts, greedy(llm, prompts), strict=True):
+        assert tokens == hf_greedy(reference, prompt, NUM_TOKENS)
+    assert graphs.replays >= NUM_TOKENS - 1
