@@ -544,18 +544,18 @@ def test_each_format_weighs_what_its_layout_holds(tiny_model, tmp_path):
 
 
 # ---- the engine's other paths: Triton's kernel, CUDA graphs ---------------------------------------------------
-def test_triton_kernels_serve_every_integer_format(tmp_path):
-    """Guards against the kernel's path (kernels="triton") reading a format differently from the reference's: AWQ,
-    GPTQ with act-order and 8 bits, compressed-tensors asymmetric, each greedy equal to transformers on the same
-    weights (Triton's interpreter on a CPU: fp32)."""
-    for name in ("awq g32", "gptq 4-bit g64 desc_act", "gptq 8-bit g32", "ct W4A16_ASYM g64"):
-        family, write = CHECKPOINTS[name]
-        path = tmp_path / name.replace(" ", "-")
-        reference = write(tiny_hf(family), path)
-        llm = LLM(str(path), **ENGINE | {"device": TRITON_DEVICE, "kernels": "triton"})
-        prompts = random_prompts([6, 19])
-        for prompt, tokens in zip(prompts, greedy(llm, prompts), strict=True):
-            assert tokens == hf_greedy(reference.to(TRITON_DEVICE), prompt, NUM_TOKENS), name
+def test_the_triton_kernel_serves_the_engine(tmp_path):
+    """Guards against the kernel's path (kernels="triton") reading the layout differently from the reference's: a GPTQ
+    checkpoint with act-order, greedy equal to transformers on the same weights (Triton's interpreter on a CPU, fp32;
+    the kernel's every shape and format is test_kernel_equals_its_reference_on_drawn_shapes')."""
+    family, write = CHECKPOINTS["gptq_v2 4-bit g32"]
+    reference = write(tiny_hf(family), tmp_path).to(TRITON_DEVICE)
+    llm = LLM(str(tmp_path), **ENGINE | {"device": TRITON_DEVICE, "kernels": "triton"})
+    assert llm.runner.model.args.quantization.matmul.func is K.dequant_matmul
+    prompts = random_prompts([6, 19])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 6)
 
 
 def test_decode_graphs_capture_quantized_projections(tmp_path, monkeypatch):
