@@ -14,6 +14,7 @@ their layouts are written from their specifications by write_gptq and write_awq 
 independent unpacking (bytes and nibbles, not shifts) and, where AutoGPTQ's and AutoAWQ's packing code can be loaded
 (past their packages' broken __init__), byte for byte against theirs."""
 
+import copy
 import json
 import os
 import random
@@ -219,8 +220,6 @@ def write_compressed_tensors(hf, path, preset: str, group_size: int | None = Non
     maximum by the library's calculate_qparams, and a static activation scale from the largest input each projection
     sees on random prompts. Returns the reference: hf under the library's fake quantization (its weights, and its
     activations where the scheme quantizes them, quantized and dequantized as it runs, in fp32)."""
-    import copy
-
     ct = pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
@@ -573,3 +572,31 @@ def test_decode_graphs_capture_quantized_projections(tmp_path, monkeypatch):
     for prompt, tokens in zip(prompts, greedy(llm, prompts), strict=True):
         assert tokens == hf_greedy(reference, prompt, NUM_TOKENS)
     assert graphs.replays >= NUM_TOKENS - 1
+
+
+# ---- LoRA over quantized weights (QLoRA's way) ------------------------------------------------------------------
+def test_lora_adapters_over_quantized_weights(tmp_path):
+    """Guards against LoRA adapters that a quantized base breaks (adapters allocated from a weight the projection does
+    not have, in its integer dtype; the adapter's update lost or added twice): with a GPTQ act-order base, each
+    request's greedy tokens equal transformers' with PEFT's adapter over the same weights dequantized, with another
+    adapter and with none in the same batch."""
+    peft = pytest.importorskip("peft")
+    extension_or_skip("lora")
+    from nanoserve.ext.lora import LoRARequest
+
+    reference = write_gptq(tiny_hf("qwen2"), tmp_path / "base", 4, 32, False, True)[0]
+    adapters = {}
+    for lora_int_id, (rank, targets) in enumerate([(8, ["q_proj", "v_proj", "down_proj"]), (4, "all-linear")], 1):
+        torch.manual_seed(lora_int_id)
+        config = peft.LoraConfig(r=rank, target_modules=targets, init_lora_weights=False)
+        peft.get_peft_model(copy.deepcopy(reference), config).save_pretrained(tmp_path / str(lora_int_id))
+        adapters[LoRARequest(str(lora_int_id), lora_int_id, str(tmp_path / str(lora_int_id)))] = None
+    llm = LLM(str(tmp_path / "base"), enable_lora=True, max_loras=2, **ENGINE)
+    prompts = random_prompts([8, 21, 13])
+    requests = [*adapters, None]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests)
+    for prompt, request, out in zip(prompts, requests, outs, strict=True):
+        model = reference
+        if request is not None:
+            model = peft.PeftModel.from_pretrained(copy.deepcopy(reference), request.lora_path).eval()
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, NUM_TOKENS), request

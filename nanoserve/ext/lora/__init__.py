@@ -21,10 +21,10 @@ Adapters are PEFT's folders (adapter_config.json, adapter_model.safetensors) tha
   - prefix cache: a sequence's adapter (its LoRARequest) is its cache salt (Sequence.cache_salt), so a block computed
     under one adapter is never found by a request under another or under none; preemption and recompute keep it.
 The engine's start wraps the model's projections (CausalLM.wrap_projections), before the engine captures its decode
-graphs over them. The slots are allocated after
-the KV pool was sized, beyond gpu_memory_utilization: max_loras x max_lora_rank x (in + out features of each of q, k, v,
-o, gate, up and down) elements per layer (Qwen3-0.6B, 8 slots of rank 16: 161 MB in bf16). Tensor parallelism is refused
-(tensor_parallel_size must be 1): the adapters are not sharded as the base weights are."""
+graphs over them; quantized ones too (ext/quantization), whose adapters stay in the model's dtype (QLoRA's way). The
+slots are allocated after the KV pool was sized, beyond gpu_memory_utilization: max_loras x max_lora_rank x (in + out
+features of each of q, k, v, o, gate, up and down) elements per layer (Qwen3-0.6B, 8 slots of rank 16: 161 MB in bf16).
+Tensor parallelism is refused (tensor_parallel_size must be 1): the adapters are not sharded as the base weights are."""
 
 import json
 import math
@@ -223,7 +223,7 @@ class LoRALinear(nn.Module):
     stacked: a [slots, shards x max rank, in] and b [slots, out, max rank], zero where an adapter leaves a shard alone;
     ranks [slots] says which slots adapt it at all (0: not, and the kernel skips the slot)."""
 
-    def __init__(self, base: nn.Linear, step: tuple, config: LoRAConfig, kernel: object) -> None:
+    def __init__(self, base: nn.Module, step: tuple, config: LoRAConfig, kernel: object, dtype: torch.dtype) -> None:
         super().__init__()
         self.base = base
         # what every adapted projection reads of a step, which the step hook fills before it runs: its rows grouped by
@@ -231,10 +231,12 @@ class LoRALinear(nn.Module):
         # buffers on the device, so a CUDA graph's replay reads the current step's
         self.rows_by_slot, self.slot_starts, self.scales = step  # [max_num_batched_tokens], [slots + 1] int32; [slots]
         self.shard_sizes = tuple(getattr(base, "shard_sizes", [base.out_features]))  # merged: its shards'
-        slots, rank, weight = config.max_loras, config.max_lora_rank, base.weight
-        self.a = weight.new_zeros(slots, len(self.shard_sizes) * rank, base.in_features)
-        self.b = weight.new_zeros(slots, base.out_features, rank)
-        ints = {"dtype": torch.int32, "device": weight.device}
+        slots, rank = config.max_loras, config.max_lora_rank
+        # in the model's dtype (base's weights may be quantized ones: QLoRA's way, ext/quantization), on its device
+        like = self.scales.new_empty(0, dtype=dtype)
+        self.a = like.new_zeros(slots, len(self.shard_sizes) * rank, base.in_features)
+        self.b = like.new_zeros(slots, base.out_features, rank)
+        ints = {"dtype": torch.int32, "device": like.device}
         self.ranks = torch.zeros(slots, **ints)
         self.shard_starts = torch.tensor([0, *accumulate(self.shard_sizes)], **ints)
         self.sgmv = kernel  # kernels.py's sgmv, or its PyTorch reference (as the engine's kernels are chosen)
@@ -264,6 +266,7 @@ class Adapters:
         self.scales = torch.zeros(config.max_loras, device=runner.device)  # each slot's
         # 1) each adapted projection of each layer wrapped: (layer, projection) -> its LoRALinear
         self.kernel = sgmv if llm.config.kernels == "triton" else sgmv_ref
+        self.dtype = runner.dtype
         self.layers: dict[tuple[int, str], LoRALinear] = {}
         runner.model.wrap_projections(self.wrap)
         # 2) the adapters on the host, and in slots: adapter -> its slot, where a free slot is its own number's (an int,
@@ -281,7 +284,8 @@ class Adapters:
         """CausalLM.wrap_projections' callback: a decoder layer's projection gets its LoRALinear; the LM head none."""
         if layer is None:
             return projection
-        self.layers[layer, name] = LoRALinear(projection, (*self.segments, self.scales), self.config, self.kernel)
+        step = (*self.segments, self.scales)
+        self.layers[layer, name] = LoRALinear(projection, step, self.config, self.kernel, self.dtype)
         return self.layers[layer, name]
 
     def on_host(self, request: LoRARequest) -> Adapter:
