@@ -3,6 +3,8 @@
 (vLLM's default) needs no extension. Each test blocks the extension's import (as a deleted file would), so these run
 with every extension present too; .ci/run also runs the core's tests with nanoserve/ext/ emptied."""
 
+import json
+import shutil
 import sys
 
 import pytest
@@ -124,3 +126,16 @@ def test_lora_without_its_extension_is_refused_by_name(tiny_model, monkeypatch):
     refused("lora_request", llm.generate, prompt, params, use_tqdm=False, lora_request=("an adapter", 1, "path"))
     out = llm.generate(prompt, params, use_tqdm=False, lora_request=None)[0]
     assert len(out.outputs[0].token_ids) == 4 and llm.stats()["kv_blocks_used"] == 0
+
+
+def test_a_quantized_checkpoint_without_its_extension_is_refused_by_name(tiny_model, tmp_path, monkeypatch):
+    """Guards against a checkpoint whose config.json has a quantization_config being read as a 16-bit one (its packed
+    tensors misread, or the loader failing on them) when ext/quantization is deleted: an InvalidField naming
+    quantization and the missing extension, before any weight is read."""
+    without(monkeypatch, "quantization")
+    path = tmp_path / "quantized"
+    shutil.copytree(tiny_model("llama")[0], path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False}
+    (path / "config.json").write_text(json.dumps(config))
+    assert "nanoserve.ext.quantization" in str(refused("quantization", LLM, str(path), device="cpu"))
