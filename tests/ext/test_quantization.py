@@ -411,8 +411,8 @@ def with_settings(path, tmp_path, name: str, **changes) -> str:
 def test_bad_settings_are_refused_by_name_before_any_weight_is_read(tiny_model, tmp_path, no_weights_loaded):
     """Guards against a setting nanoserve cannot serve being taken (and read as garbage) or failing inside the loader:
     each is an InvalidField naming it (the option, or the checkpoint's setting), before any weight is read: an unknown
-    method, bits other than 4 or 8, a group size that does not divide an input, a desc_act that is no flag, AWQ's
-    other layouts, a method the option contradicts, a packed tensor of the wrong shape, the combinations refused."""
+    method, bits other than 4 or 8, a group size that does not divide an input, AWQ's other layouts, a method the
+    option contradicts, a packed tensor of the wrong shape, the combinations refused."""
     gptq = str(tmp_path / "gptq")
     write_gptq(tiny_hf("llama"), gptq, 4, 32, False, True)
     awq = str(tmp_path / "awq")
@@ -428,7 +428,6 @@ def test_bad_settings_are_refused_by_name_before_any_weight_is_read(tiny_model, 
         "bits": {"bits": 3},
         "group_size": {"group_size": 48},  # does not divide hidden_size 64
         "group_size  ": {"group_size": 0},
-        "desc_act": {"desc_act": "yes"},
         "quant_method": {"quant_method": "bitsandbytes"},
         "checkpoint_format": {"checkpoint_format": "marlin"},
     }.items():
@@ -501,7 +500,7 @@ def test_online_fp8_is_close_to_the_16_bit_model(tiny_model, family):
     down = llm.runner.model.model.layers[1].mlp.down_proj
     weight = hf.model.layers[1].mlp.down_proj.weight
     assert down.weight.dtype == torch.float8_e4m3fn
-    assert torch.equal(down.weight_scale, weight.abs().amax(1) / 448)
+    assert torch.equal(down.weight_scale, weight.abs().amax(1, keepdim=True) / 448)
     assert torch.equal(down.weight.float().abs().amax(1), torch.full([weight.shape[0]], 448.0))
 
 
@@ -600,3 +599,16 @@ def test_lora_adapters_over_quantized_weights(tmp_path):
         if request is not None:
             model = peft.PeftModel.from_pretrained(copy.deepcopy(reference), request.lora_path).eval()
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, NUM_TOKENS), request
+
+
+def test_act_orders_that_differ_between_fused_projections_are_refused(tmp_path):
+    """Guards against the one act-order layout the kernel cannot serve being served wrongly: q, k and v (gate and up)
+    share one g_idx in the fused projection, as GPTQ writes them (their input's order); a checkpoint whose k_proj has
+    an order of its own is an InvalidField naming that tensor, as the weights load."""
+    path = str(tmp_path / "gptq")
+    write_gptq(tiny_hf("llama"), path, 4, 32, False, True)
+    state = load_file(f"{path}/model.safetensors")
+    state["model.layers.0.self_attn.k_proj.g_idx"] = state["model.layers.0.self_attn.k_proj.g_idx"].flip(0)
+    save_file(state, f"{path}/model.safetensors", metadata={"format": "pt"})
+    error = refused("model", LLM, path, **ENGINE)
+    assert "g_idx" in error.problem and "model.layers.0.self_attn." in error.problem

@@ -49,37 +49,36 @@ from nanoserve.config import EngineConfig
 from nanoserve.ext.quantization import kernels
 from nanoserve.ext.quantization.kernels import FP8, unpack_columns
 from nanoserve.layers import Layers
-from nanoserve.model import SUPPORTED, ModelArgs
+from nanoserve.model import ModelArgs
 
 if TYPE_CHECKING:
     from nanoserve.llm import LLM
 
 METHODS = ("awq", "gptq", "compressed-tensors", "fp8")  # vLLM's names
-# The settings nanoserve serves, as config.json's quantization_config names them (a compressed-tensors scheme's, with
-# its nested keys joined by dots, by its format): key -> the values served, the first of them its default
+# The settings nanoserve serves, as config.json's quantization_config names them (a compressed-tensors scheme's by its
+# format): key -> the values served, the first of them its default (or the rules of a nested dict)
 SERVED = {
     "awq": {"bits": (4,), "zero_point": (True,), "version": ("gemm", "GEMM")},
-    "gptq": {"bits": (4, 8), "desc_act": (False, True), "checkpoint_format": ("gptq", "gptq_v2")},
-    "compressed-tensors": {
-        "format": ("pack-quantized", "float-quantized"),
-        "transform_config": (None, {}),
-    },
-    "pack-quantized": {
-        "weights.type": ("int",),
-        "weights.num_bits": (4, 8),
-        "weights.strategy": ("group", "channel"),
-        "weights.actorder": (None, "weight", "static"),  # (act-order's "group": GPTQ checkpoints serve it)
+    "gptq": {"bits": (4, 8), "checkpoint_format": ("gptq", "gptq_v2")},  # gptq: zero points stored minus 1
+    "compressed-tensors": {"format": ("pack-quantized", "float-quantized"), "transform_config": (None, {})},
+    "pack-quantized": {  # (a scheme, of config_groups)
+        "weights": {
+            "type": ("int",),
+            "num_bits": (4, 8),
+            "strategy": ("group", "channel"),
+            "actorder": (None, "weight", "static"),  # (act-order's "group": GPTQ checkpoints serve it)
+        },
         "input_activations": (None,),  # weights only: W4A16, W8A16
         "output_activations": (None,),
     },
     "float-quantized": {
-        "weights.type": ("float",),
-        "weights.num_bits": (8,),
-        "weights.strategy": ("channel", "tensor"),
-        "input_activations.type": ("float",),
-        "input_activations.num_bits": (8,),
-        "input_activations.strategy": ("tensor", "token"),  # static per tensor, or dynamic (served per token)
-        "input_activations.dynamic": (False, True),
+        "weights": {"type": ("float",), "num_bits": (8,), "strategy": ("channel", "tensor")},
+        "input_activations": {  # static per tensor, or dynamic (served per token)
+            "type": ("float",),
+            "num_bits": (8,),
+            "strategy": ("tensor", "token"),
+            "dynamic": (False, True),
+        },
         "output_activations": (None,),
     },
 }
@@ -100,25 +99,23 @@ TENSORS = {
     },
     "float-quantized": {
         "weight": ("weight", "as_is"),
-        "weight_scale": ("weight_scale", "flattened"),  # per channel [out, 1], or per tensor [1]
-        "input_scale": ("input_scale", "flattened"),  # static only
+        "weight_scale": ("weight_scale", "as_is"),  # per channel [out, 1], or per tensor [1] (the copy broadcasts it)
+        "input_scale": ("input_scale", "as_is"),  # static only
     },
     "fp8": {"weight": ("weight", "as_is")},  # quantization="fp8": 16-bit, quantized as it loads (its scale made then)
 }
 AWQ_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]  # AWQ's int32 holds columns 0, 2, 4, 6, 1, 3, 5, 7: column j is value AWQ_ORDER[j]
 OUT_DIMS = {"qweight": 1, "scales": 1, "zeros": 1, "weight": 0, "weight_scale": 0, "bias": 0}  # where a shard goes
-DTYPES = {"qweight": torch.int32, "g_idx": torch.int32, "weight": FP8, "weight_scale": torch.float32}
-DTYPES |= {"input_scale": torch.float32, "weight_shape": torch.int64}  # (the others: the model's)
 
 
 def check_config(config: EngineConfig) -> None:
+    """quantization: one of vLLM's names (METHODS), which weight_format checks against the checkpoint."""
     if config.quantization not in METHODS:
         raise InvalidField("quantization", f"{shown(config.quantization)} is not one of {', '.join(METHODS)}")
 
 
-def start(llm: "LLM") -> "WeightFormat":
-    """The engine's weight format (llm.extensions["quantization"]): the model was built with it already."""
-    return llm.runner.model.args.quantization
+def start(llm: "LLM") -> None:
+    """Nothing to start: the model was built with the weight format (ModelArgs.quantization)."""
 
 
 @dataclass
@@ -136,13 +133,9 @@ class WeightFormat(Layers):
     matmul: object = None  # kernels.py's function for the projections (a kernel, or its reference)
 
     @property
-    def fp8(self) -> bool:
-        return "weight" in self.tensors
-
-    @property
     def operands(self) -> tuple[str, ...]:
-        """Our parts that the matmul reads, in its order: FP8's, or the integer formats'."""
-        if self.fp8:
+        """Our parts that the matmul reads, in its order: FP8's (float8 weights), or the integer formats'."""
+        if "weight" in self.tensors:
             return ("weight", "weight_scale", "input_scale")
         return ("qweight", "scales", "zeros", "g_idx")
 
@@ -166,10 +159,6 @@ class WeightFormat(Layers):
         """compressed-tensors' [out, ...] as our [..., out]."""
         return tensor.T
 
-    def flattened(self, tensor: Tensor) -> Tensor:
-        """A scale per output feature [out, 1], or per tensor [1] (which the copy broadcasts), as [out] or [1]."""
-        return tensor.flatten()
-
     def awq_qweight(self, tensor: Tensor) -> Tensor:
         """AWQ's [in, out / 8] (8 columns per int32) as our [in / 8, out] (8 rows per int32)."""
         shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=tensor.device)
@@ -178,7 +167,7 @@ class WeightFormat(Layers):
 
     def zero_points(self, tensor: Tensor) -> Tensor:
         """Zero points packed along the output, [groups, out / (32 / bits)], as [groups, out]."""
-        order = list(range(32 // self.bits))
+        order = slice(None)  # in order
         if self.format == "awq":
             order = AWQ_ORDER
         return unpack_columns(tensor, self.bits, order) + self.zero_offset
@@ -204,36 +193,35 @@ class QuantizedLinear(nn.Module):
         group_size = format.group_size
         if group_size == -1:  # one group: the whole input
             group_size = in_features
-        ok = isinstance(group_size, int) and group_size > 0 and in_features % group_size == 0
-        need(
-            ok, "group_size", format.group_size, f"-1, or a positive divisor of each projection's input ({in_features})"
-        )
-        shapes = {
-            "qweight": (-(-in_features // (32 // format.bits)), out),
-            "scales": (in_features // group_size, out),
-            "zeros": (in_features // group_size, out),
-            "g_idx": (in_features,),
-            "weight": (out, in_features),
-            "weight_scale": (out,),
-            "input_scale": (1,),
-            "weight_shape": (len(shard_sizes), 2),
-            "bias": (out,),
+        ok = group_size in range(1, in_features + 1) and in_features % group_size == 0
+        need(ok, "group_size", format.group_size, f"-1, or a divisor of each projection's input ({in_features})")
+        dtype = torch.get_default_dtype()  # the model's
+        shapes = {  # our part -> its shape and dtype
+            "qweight": ((-(-in_features // (32 // format.bits)), out), torch.int32),
+            "scales": ((in_features // group_size, out), dtype),
+            "zeros": ((in_features // group_size, out), dtype),
+            "g_idx": ((in_features,), torch.int32),
+            "weight": ((out, in_features), FP8),
+            "weight_scale": ((out, 1), torch.float32),
+            "input_scale": ((1,), torch.float32),
+            "weight_shape": ((len(shard_sizes), 2), torch.int64),
+            "bias": ((out,), dtype),
         }
         tensors = dict(format.tensors)
         if bias:
             tensors["bias"] = ("bias", "as_is")
         self.parts = {}  # our part -> the tensor that holds it
         for name, (part, read) in tensors.items():
-            dtype = DTYPES.get(part, torch.get_default_dtype())
-            param = nn.Parameter(torch.zeros(shapes[part], dtype=dtype), requires_grad=False)
+            shape, dtype = shapes[part]
+            param = nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
             param.weight_loader = partial(self.load, part, getattr(format, read))
             self.register_parameter(name, param)
             self.parts[part] = param
         # what the checkpoint lacks, made here (buffers, not checkpoint tensors; the input_scale of a dynamic one: None)
         made = {
-            "zeros": torch.full(shapes["zeros"], 2.0 ** (format.bits - 1)),  # symmetric: the unsigned range's middle
+            "zeros": torch.full(shapes["zeros"][0], 2.0 ** (format.bits - 1)),  # symmetric: the unsigned range's middle
             "g_idx": (torch.arange(in_features) // group_size).int(),  # no act-order: the groups in order
-            "weight_scale": torch.ones(out),  # quantization="fp8": made as the weight loads
+            "weight_scale": torch.ones(out, 1),  # quantization="fp8": made as the weight loads
         }
         for part in format.operands:
             if part not in self.parts and part in made:
@@ -263,7 +251,7 @@ class QuantizedLinear(nn.Module):
         feature (its largest magnitude to float8's largest), as kernels.py quantizes activations per row."""
         weight, scale = kernels.quantize_fp8(tensor, None)  # [out, in], [out, 1]
         self.load("weight", self.format.as_is, param, weight, shard)
-        self.load("weight_scale", self.format.as_is, self.parts["weight_scale"], scale.flatten(), shard)
+        self.load("weight_scale", self.format.as_is, self.parts["weight_scale"], scale, shard)
 
     def forward(self, x: Tensor) -> Tensor:
         """x [rows, in] -> [rows, out]."""
@@ -281,35 +269,16 @@ def need(ok: bool, key: str, value: object, problem: str) -> None:
 
 
 def served(settings: dict, rules: dict, where: str = "") -> dict:
-    """The values of the settings that rules (a SERVED entry) name, each key's default where it is missing; a value
-    not served is an InvalidField naming it."""
+    """The values of the settings that rules (a SERVED entry) name, each key's default where it is missing (a nested
+    dict's, by its own rules); a value not served is an InvalidField naming it."""
     values = {}
     for key, allowed in rules.items():
+        if isinstance(allowed, dict):
+            values[key] = served(settings.get(key) or {}, allowed, f"{where}{key}.")
+            continue
         values[key] = settings.get(key, allowed[0])
         need(values[key] in allowed, where + key, values[key], f"nanoserve serves {' or '.join(map(shown, allowed))}")
     return values
-
-
-def flat(settings: dict, prefix: str = "") -> dict:
-    """Nested settings, each also under its keys joined by dots ({"weights": {"num_bits": 4}} has "weights" and
-    "weights.num_bits")."""
-    flattened = {}
-    for key, value in settings.items():
-        flattened[prefix + key] = value
-        if isinstance(value, dict):
-            flattened |= flat(value, f"{prefix}{key}.")
-    return flattened
-
-
-def awq_format(settings: dict) -> WeightFormat:
-    served(settings, SERVED["awq"])
-    return WeightFormat("awq", 4, settings.get("group_size"), TENSORS["awq"])
-
-
-def gptq_format(settings: dict) -> WeightFormat:
-    values = served(settings, SERVED["gptq"])
-    offset = int(values["checkpoint_format"] == "gptq")  # GPTQ's own format stores zero points minus 1
-    return WeightFormat("gptq", values["bits"], settings.get("group_size"), TENSORS["gptq"], offset)
 
 
 def compressed_tensors_format(settings: dict) -> WeightFormat:
@@ -319,23 +288,20 @@ def compressed_tensors_format(settings: dict) -> WeightFormat:
     kind = served(settings, SERVED["compressed-tensors"])["format"]
     schemes = list((settings.get("config_groups") or {}).values())
     need(len(schemes) == 1, "config_groups", len(schemes), "one scheme for every Linear layer")
-    scheme = flat(schemes[0])
-    values = served(scheme, SERVED[kind], "config_groups.")
+    values = served(schemes[0], SERVED[kind], "config_groups.")
+    weights = schemes[0]["weights"]
     tensors = dict(TENSORS[kind])
     if kind == "float-quantized":
-        need(scheme.get("input_activations"), "config_groups.input_activations", None, "float8 activations (W8A8)")
-        if values["input_activations.dynamic"]:  # each row's scale at run time
+        need(schemes[0]["input_activations"], "config_groups.input_activations", None, "float8 activations (W8A8)")
+        if values["input_activations"]["dynamic"]:  # each row's scale at run time
             del tensors["input_scale"]
         return WeightFormat(kind, 8, -1, tensors)
-    if scheme.get("weights.symmetric", True):
+    if weights.get("symmetric", True):
         del tensors["weight_zero_point"]
     size = -1  # channel: one group
-    if values["weights.strategy"] == "group":
-        size = scheme.get("weights.group_size")
-    return WeightFormat(kind, values["weights.num_bits"], size, tensors)
-
-
-FORMATS = {"awq": awq_format, "gptq": gptq_format, "compressed-tensors": compressed_tensors_format}
+    if values["weights"]["strategy"] == "group":
+        size = weights.get("group_size")
+    return WeightFormat(kind, values["weights"]["num_bits"], size, tensors)
 
 
 def weight_format(config: EngineConfig, hf_config: PretrainedConfig, args: ModelArgs) -> WeightFormat:
@@ -344,8 +310,6 @@ def weight_format(config: EngineConfig, hf_config: PretrainedConfig, args: Model
     has a quantization_config). Anything nanoserve does not serve is an InvalidField naming it."""
     if config.latency_kernels or config.tensor_parallel_size > 1:  # (ext/latency's GEMV reads 16-bit weights)
         raise InvalidField("quantization", "quantized weights run without latency_kernels, in one process (tp=1)")
-    if hf_config.model_type not in SUPPORTED:
-        raise InvalidField("quantization", f"quantized {', '.join(SUPPORTED)} models only, not {hf_config.model_type}")
     settings = getattr(hf_config, "quantization_config", None)
     method = "fp8"  # a 16-bit checkpoint's: quantized as it loads
     if settings is not None:
@@ -355,13 +319,20 @@ def weight_format(config: EngineConfig, hf_config: PretrainedConfig, args: Model
         raise InvalidField("quantization", f"{config.quantization!r} {problem}")
     if settings is None:
         format = WeightFormat("fp8", 8, -1, TENSORS["fp8"])
+    elif method in ("awq", "gptq"):
+        values = served(settings, SERVED[method])
+        offset = int(values.get("checkpoint_format") == "gptq")  # GPTQ's own format stores zero points minus 1
+        format = WeightFormat(method, values["bits"], settings.get("group_size"), TENSORS[method], offset)
     else:
-        need(method in FORMATS, "quant_method", method, f"nanoserve reads {', '.join(FORMATS)}")
-        format = FORMATS[method](settings)
+        need(method == "compressed-tensors", "quant_method", method, "nanoserve reads awq, gptq, compressed-tensors")
+        format = compressed_tensors_format(settings)
     format.vocab_size = args.vocab_size
-    if format.fp8 and kernels.fp8_mm_runs(config.device, config.torch_dtype(hf_config)):
+    # FP8 tensor cores, and cuBLASLt's row-wise scales: sm_90 and later, bf16 output
+    on_fp8_cores = config.device == "cuda" and config.torch_dtype(hf_config) == torch.bfloat16
+    fp8 = "weight" in format.tensors
+    if fp8 and on_fp8_cores and torch.cuda.get_device_capability() >= (9, 0):
         format.matmul = kernels.fp8_matmul
-    elif format.fp8:
+    elif fp8:
         format.matmul = kernels.fp8_matmul_ref
     elif config.kernels == "triton":
         format.matmul = partial(kernels.dequant_matmul, bits=format.bits)

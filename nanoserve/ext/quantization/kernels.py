@@ -14,7 +14,7 @@ assuming i // group_size) is what serves act-order checkpoints without reorderin
 FP8 weights (compressed-tensors' float-quantized, and quantization="fp8"): float8 e4m3 [out, in] with a scale per
 output feature, activations quantized to float8 per row (token) at run time, or by the checkpoint's static scale; the
 product through torch._scaled_mm where the GPU has FP8 tensor cores (and cuBLASLt's row-wise scaling: sm_90+, bf16),
-else the reference (FP8_MM below says which)."""
+else the reference (the extension's weight_format chooses)."""
 
 import torch
 import torch.nn.functional as F
@@ -62,13 +62,13 @@ def _dequant_matmul_kernel(
     PACK: tl.constexpr = 32 // BITS
     m = tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)
     n = tl.program_id(1) * TILE_N + tl.arange(0, TILE_N)
+    in_m = m < num_rows
     in_n = n < out_features
     acc = tl.zeros((TILE_M, TILE_N), dtype=tl.float32)
     for k0 in range(0, in_features, TILE_K):
         k = k0 + tl.arange(0, TILE_K)
         in_k = k < in_features
-        x_mask = (m < num_rows)[:, None] & in_k[None, :]
-        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)  # [TILE_M, TILE_K]
+        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)
         # each weight's int32 (PACK consecutive rows share one), shifted down to its BITS: [TILE_K, TILE_N]
         w_mask = in_k[:, None] & in_n[None, :]
         packed = tl.load(qweight_ptr + (k // PACK)[:, None] * stride_qk + n[None, :], mask=w_mask, other=0)
@@ -81,8 +81,11 @@ def _dequant_matmul_kernel(
         w = ((q.to(tl.float32) - zero) * scale).to(x_ptr.dtype.element_ty)
         # "ieee": an fp32 model's products are not rounded to TF32
         acc += tl.dot(x, w, input_precision="ieee")
-    out_mask = (m < num_rows)[:, None] & in_n[None, :]
-    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(
+        out_ptr + m[:, None] * stride_om + n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=in_m[:, None] & in_n[None, :],
+    )
 
 
 def dequant_matmul(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor, g_idx: Tensor, bits: int) -> Tensor:
@@ -116,9 +119,9 @@ def dequant_matmul(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor, g_
     return out
 
 
-def unpack_columns(packed: Tensor, bits: int, order: list[int]) -> Tensor:
+def unpack_columns(packed: Tensor, bits: int, order: list[int] | slice) -> Tensor:
     """int32 words [rows, words] -> their values [rows, words x 32 / bits], unsigned: word w's value number order[j]
-    (the one in bits [order[j] x bits, ...)) is column w x (32 / bits) + j."""
+    (the one in bits [order[j] x bits, ...)) is column w x (32 / bits) + j (slice(None): value j)."""
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
     values = (packed.to(torch.int32)[..., None] >> shifts) & (2**bits - 1)  # [rows, words, 32 / bits]
     return values[..., order].flatten(-2)
@@ -126,8 +129,7 @@ def unpack_columns(packed: Tensor, bits: int, order: list[int]) -> Tensor:
 
 def dequantize(qweight: Tensor, scales: Tensor, zeros: Tensor, g_idx: Tensor, bits: int) -> Tensor:
     """W [in, out] in fp32 from the layout above: (q - zero) x scale of each row's group, as the kernel computes it."""
-    order = list(range(32 // bits))
-    q = unpack_columns(qweight.T, bits, order).T[: len(g_idx)]  # [in, out]
+    q = unpack_columns(qweight.T, bits, slice(None)).T[: len(g_idx)]  # [in, out]
     return (q - zeros[g_idx].float()) * scales[g_idx].float()
 
 
@@ -149,19 +151,13 @@ def quantize_fp8(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
 
 
 def fp8_matmul_ref(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Tensor | None) -> Tensor:
-    """x [rows, in] @ (weight [out, in] float8 x weight_scale [out])^T -> [rows, out] in x's dtype, x quantized to
+    """x [rows, in] @ (weight [out, in] float8 x weight_scale [out, 1])^T -> [rows, out] in x's dtype, x quantized to
     float8 first: both dequantized and multiplied in fp32 (what FP8 tensor cores compute, exactly rounded)."""
     x8, x_scale = quantize_fp8(x, input_scale)
-    return F.linear(x8.float() * x_scale, weight.float() * weight_scale[:, None]).to(x.dtype)
+    return F.linear(x8.float() * x_scale, weight.float() * weight_scale).to(x.dtype)
 
 
 def fp8_matmul(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Tensor | None) -> Tensor:
     """The same on FP8 tensor cores: cuBLASLt's scaled matmul, a scale per row of x and per column of the output."""
     x8, x_scale = quantize_fp8(x, input_scale)
-    return torch._scaled_mm(x8, weight.T, scale_a=x_scale, scale_b=weight_scale[None, :], out_dtype=x.dtype)
-
-
-def fp8_mm_runs(device: str, dtype: torch.dtype) -> bool:
-    """Whether torch._scaled_mm's row-wise scaling serves this engine: an sm_90+ GPU (FP8 tensor cores) and a bf16
-    model (its one output dtype)."""
-    return device == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability() >= (9, 0)
+    return torch._scaled_mm(x8, weight.T, scale_a=x_scale, scale_b=weight_scale.reshape(1, -1), out_dtype=x.dtype)
