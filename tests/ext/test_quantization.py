@@ -6,20 +6,26 @@ LoRA adapters over quantized weights; CUDA graphs over quantized projections; ba
 weight is read; and the course experiment "bytes per step".
 
 Who writes the checkpoints: compressed-tensors' own library writes its formats here (pack-quantized W4A16 / W8A16,
-float-quantized FP8, from its presets; the scales from each group's minimum and maximum, as llm-compressor's observers
-find them, by the library's calculate_qparams), and its fake-quantized forward (the model before compression, with
-its weights and activations quantized and dequantized as it runs) is the reference. AWQ's and GPTQ's own tools do not
-install as packages here (AutoAWQ and AutoGPTQ import names transformers 5 removed; GPTQModel compiles CUDA code), so
-their layouts are written from their specifications by write_gptq and write_awq below, checked against a second,
-independent unpacking (bytes and nibbles, not shifts) and, where AutoGPTQ's and AutoAWQ's packing code can be loaded
-(past their packages' broken __init__), byte for byte against theirs."""
+float-quantized FP8, from its presets; each group's scale from its minimum and maximum, as llm-compressor's observers
+find them, by the library's calculate_qparams), and its fake-quantized forward (the model before compression, its
+weights and activations quantized and dequantized as it runs) is the reference. AWQ's and GPTQ's own tools install
+here only without their dependencies (`pip install --no-deps auto-gptq==0.7.1 autoawq==0.2.9`; AutoGPTQ's pinned
+dependencies and AutoAWQ's pull datasets, pandas and pyarrow, and GPTQModel compiles CUDA code), and load only past
+their packages' __init__, which imports names transformers 5 removed: where they do, AutoGPTQ's own GPTQ quantizer and
+packer and AutoAWQ's own packer and unpacker write and check checkpoints (test_autogptq_..., test_autoawq_...; skipped
+elsewhere). Every format and setting is also written from its specification by write_gptq and write_awq below, which
+those tests check byte for byte against AutoGPTQ's and AutoAWQ's packing, and which a second, independent unpacking
+(from the bytes and nibbles, not shifts) checks wherever they run."""
 
 import copy
+import importlib.util
 import json
 import os
 import random
 import re
 import shutil
+import sys
+import types
 
 import torch
 
@@ -612,3 +618,79 @@ def test_act_orders_that_differ_between_fused_projections_are_refused(tmp_path):
     save_file(state, f"{path}/model.safetensors", metadata={"format": "pt"})
     error = refused("model", LLM, path, **ENGINE)
     assert "g_idx" in error.problem and "model.layers.0.self_attn." in error.problem
+
+
+# ---- AutoGPTQ's and AutoAWQ's own code, where it loads ------------------------------------------------------------
+def library(monkeypatch, package: str, *modules: str) -> list:
+    """Modules of AutoGPTQ or AutoAWQ, loaded past the package's __init__ (which imports names transformers 5 removed),
+    or a skip where the package is not installed (it is no test dependency: `pip install --no-deps auto-gptq==0.7.1
+    autoawq==0.2.9` runs these tests; their CUDA kernels never load on a CPU)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        pytest.skip(f"{package} is not installed")
+    stub = types.ModuleType(package)
+    stub.__path__ = list(spec.submodule_search_locations)
+    monkeypatch.setitem(sys.modules, package, stub)
+    return [importlib.import_module(f"{package}.{module}") for module in modules]
+
+
+def test_autogptq_writes_what_nanoserve_serves(tmp_path, monkeypatch):
+    """Guards against a GPTQ reader (and a spec writer) that agree with each other and with nothing else: AutoGPTQ's
+    own GPTQ quantizer (act-order, asymmetric, groups of 32) and its QuantLinear.pack write a checkpoint, which
+    nanoserve serves with greedy tokens equal to transformers' on the weights GPTQ chose; and, given the same integers,
+    scales and zero points, write_gptq packs the very bytes AutoGPTQ packs."""
+    gptq, qlinear = library(monkeypatch, "auto_gptq", "quantization.gptq", "nn_modules.qlinear.qlinear_cuda")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # fasterquant waits for the GPU it assumes
+    hf = tiny_hf("llama")
+    inputs = {}  # each projection's input on a random prompt, for GPTQ's Hessian
+
+    def observe(module, args, output):
+        inputs[module] = args[0][0]
+
+    hooks = [m.register_forward_hook(observe) for m in linears(hf).values()]
+    with torch.no_grad():
+        hf(torch.tensor(random_prompts([64])))
+    for hook in hooks:
+        hook.remove()
+    tensors = {}
+    for name, linear in linears(hf).items():
+        quantizer = gptq.GPTQ(linear)
+        quantizer.quantizer.configure(4, perchannel=True, sym=False)
+        quantizer.add_batch(inputs[linear], linear(inputs[linear]))
+        scale, zero, g_idx = quantizer.fasterquant(group_size=32, actorder=True)  # writes the weights it chose
+        packed = qlinear.QuantLinear(4, 32, linear.in_features, linear.out_features, False)
+        packed.pack(linear, scale, zero, g_idx)
+        tensors |= {f"{name}.{part}": getattr(packed, part) for part in ("qweight", "qzeros", "scales", "g_idx")}
+        q = torch.round(linear.weight.T / scale.T[g_idx] + zero.T[g_idx]).int()  # the integers it packed
+        assert torch.equal(pack_words(q.T, 4).T, packed.qweight)
+        assert torch.equal(pack_words((zero.T.int() - 1) & 15, 4), packed.qzeros)
+    settings = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False}
+    save_quantized(hf, tmp_path, tensors, settings)
+    llm = LLM(str(tmp_path), **ENGINE)
+    prompts = random_prompts([7, 30])
+    for prompt, tokens in zip(prompts, greedy(llm, prompts), strict=True):
+        assert tokens == hf_greedy(hf, prompt, NUM_TOKENS)
+
+
+def test_autoawq_writes_what_nanoserve_serves(tmp_path, monkeypatch):
+    """Guards against an AWQ reader (and a spec writer) that agree with each other and with nothing else: AutoAWQ's
+    own WQLinear_GEMM.from_linear packs each projection, AutoAWQ's own dequantize_gemm unpacks them for the
+    reference, and nanoserve's greedy tokens equal transformers' on those weights; given the same integers and zero
+    points, write_awq's packing gives the very bytes AutoAWQ's does."""
+    gemm, packing = library(monkeypatch, "awq", "modules.linear.gemm", "utils.packing_utils")
+    hf = tiny_hf("qwen2")
+    tensors = {}
+    for name, linear in linears(hf).items():
+        q, zeros, scales, g_idx = quantize_rtn(linear.weight.data, 4, 32, False)  # (AutoAWQ's search needs datasets)
+        linear.weight.data = dequantized(q, zeros, scales, g_idx)  # which AutoAWQ's rounding takes back to q
+        packed = gemm.WQLinear_GEMM.from_linear(linear, 4, 32, scales=scales.float(), zeros=zeros.float())
+        tensors |= {f"{name}.{part}": getattr(packed, part) for part in ("qweight", "qzeros", "scales")}
+        assert torch.equal(pack_words(q, 4, AWQ_PACK_ORDER), packed.qweight)
+        assert torch.equal(pack_words(zeros, 4, AWQ_PACK_ORDER), packed.qzeros)
+        linear.weight.data = packing.dequantize_gemm(packed.qweight, packed.qzeros, packed.scales, 4, 32).T.float()
+    settings = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+    save_quantized(hf, tmp_path, tensors, settings)
+    llm = LLM(str(tmp_path), **ENGINE)
+    prompts = random_prompts([7, 30])
+    for prompt, tokens in zip(prompts, greedy(llm, prompts), strict=True):
+        assert tokens == hf_greedy(hf, prompt, NUM_TOKENS)
