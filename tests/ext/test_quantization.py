@@ -694,3 +694,28 @@ def test_autoawq_writes_what_nanoserve_serves(tmp_path, monkeypatch):
     prompts = random_prompts([7, 30])
     for prompt, tokens in zip(prompts, greedy(llm, prompts), strict=True):
         assert tokens == hf_greedy(hf, prompt, NUM_TOKENS)
+
+
+# ---- the server's command line ------------------------------------------------------------------------------------
+def test_nanoserve_serve_takes_quantization(tmp_path, monkeypatch):
+    """Guards against `nanoserve serve MODEL --quantization NAME` not reaching the engine (the server's flags are
+    EngineConfig's fields): the engine it starts serves the GPTQ checkpoint as LLM(..., quantization="gptq") does,
+    and a name the checkpoint contradicts stops it with the InvalidField naming quantization."""
+    extension_or_skip("server")
+    from nanoserve.ext.server import app, cli
+
+    class Started(Exception):
+        pass
+
+    def started(llm, config):
+        raise Started(llm)
+
+    monkeypatch.setattr(app, "Server", started)
+    reference = write_gptq(tiny_hf("llama"), tmp_path, 4, 32, False, True)[0]
+    flags = ["serve", str(tmp_path), "--device", "cpu", "--max-model-len", "128", "--num-kvcache-blocks", "32"]
+    with pytest.raises(Started) as info:
+        cli.main([*flags, "--quantization", "gptq"])
+    llm = info.value.args[0]
+    prompt = random_prompts([11])[0]
+    assert greedy(llm, [prompt])[0] == hf_greedy(reference, prompt, NUM_TOKENS)
+    refused("quantization", cli.main, [*flags, "--quantization", "awq"])
