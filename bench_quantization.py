@@ -124,10 +124,10 @@ def run(args, model_dir: str, name: str, path: str, quantization: str | None) ->
                     "format": name,
                     "batch": batch,
                     "ms_per_step": round(ms, 3),
-                    "weights_mib": round(weight_bytes(llm) / 2**20, 1),
-                    "step_mb": round(step_bytes / 1e6, 1),
-                    "flop_per_byte": round(flops / step_bytes, 1),
-                    "predicted_ms": round(predicted * 1000, 4),
+                    "weights_mib": round(weight_bytes(llm) / 2**20, 2),
+                    "step_bytes": step_bytes,
+                    "flop_per_byte": round(flops / step_bytes, 2),
+                    "predicted_us": round(predicted * 1e6, 3),
                 }
             )
         return rows
@@ -148,10 +148,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = resolve_model_dir(args.model)
         if args.arch:
             model_dir = os.path.join(tmp, "model")
             bench.save_random_model(args.arch, model_dir)
+        else:
+            model_dir = resolve_model_dir(args.model)
         rows = []
         for name in args.formats:
             path, quantization = model_dir, None
@@ -165,7 +166,16 @@ def main(argv=None) -> list[dict]:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     peaks = f"{args.device_peaks[0]} TB/s, {args.device_peaks[1]} TFLOP/s"
     print(f"bench_quantization: {device}; predicted: the roofline at {peaks}; vs: the first format's time")
-    columns = ("format", "batch", "ms_per_step", "vs_first", "weights_mib", "step_mb", "flop_per_byte", "predicted_ms")
+    columns = (
+        "format",
+        "batch",
+        "ms_per_step",
+        "vs_first",
+        "weights_mib",
+        "step_bytes",
+        "flop_per_byte",
+        "predicted_us",
+    )
     print(" ".join(f"{column:>13}" for column in columns))
     for row in rows:
         row["vs_first"] = round(row["ms_per_step"] / baseline[row["batch"]], 3)

@@ -26,6 +26,7 @@ import re
 import shutil
 import sys
 import types
+from pathlib import Path
 
 import torch
 
@@ -719,3 +720,34 @@ def test_nanoserve_serve_takes_quantization(tmp_path, monkeypatch):
     prompt = random_prompts([11])[0]
     assert greedy(llm, [prompt])[0] == hf_greedy(reference, prompt, NUM_TOKENS)
     refused("quantization", cli.main, [*flags, "--quantization", "awq"])
+
+
+# ---- the course experiment: bytes per step ----------------------------------------------------------------------
+def test_bytes_per_step_course_experiment(tiny_model, tmp_path):
+    """The course experiment "bytes per step: why 4-bit weights speed up batch 1 and not batch 64"
+    (bench_quantization.py on a tiny model). Guards against its arithmetic and its 4-bit copy being wrong: the GPTQ
+    copy bench_quantization makes serves greedy tokens equal to transformers' on its weights dequantized (read back
+    from the bytes); its weights take fewer bytes than the 16-bit model's, as the KV-account line reports them; a
+    batch-1 step is all weight bytes (its roofline time in the ratio of the bytes), and batch 64 does 64 times the
+    FLOPs per byte of weights."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import bench_quantization
+
+    path, hf = tiny_model("llama")
+    bench_quantization.quantize_gptq(path, str(tmp_path / "w4a16"))
+    for name, linear in linears(hf := copy.deepcopy(hf)).items():  # the copy's weights, read back from its bytes
+        state = load_file(tmp_path / "w4a16" / "model.safetensors")
+        q = values_from_bytes(state[f"{name}.qweight"].T.contiguous(), 4).reshape(linear.out_features, -1).T
+        zeros = values_from_bytes(state[f"{name}.qzeros"], 4).reshape(-1, linear.out_features) + 1
+        g_idx = state[f"{name}.g_idx"].long()
+        linear.weight.data = dequantized(torch.from_numpy(q), torch.from_numpy(zeros), state[f"{name}.scales"], g_idx)
+    llm = LLM(str(tmp_path / "w4a16"), **ENGINE)
+    prompt = random_prompts([12])[0]
+    assert greedy(llm, [prompt])[0] == hf_greedy(hf, prompt, NUM_TOKENS)
+    flags = ["--model", path, "--formats", "16-bit", "w4a16", "--batches", "1", "64", "--dtype", "bfloat16"]
+    rows = bench_quantization.main([*flags, "--prompt-len", "8", "--new-tokens", "4"])
+    (one16, many16), (one4, many4) = [[r for r in rows if r["format"] == name] for name in ("16-bit", "w4a16")]
+    assert [r["batch"] for r in rows] == [1, 64, 1, 64] and all(r["ms_per_step"] > 0 for r in rows)
+    assert one4["weights_mib"] < 0.6 * one16["weights_mib"]
+    assert one4["predicted_us"] / one16["predicted_us"] == pytest.approx(one4["step_bytes"] / one16["step_bytes"], 0.01)
+    assert many16["flop_per_byte"] > 20 * one16["flop_per_byte"]
