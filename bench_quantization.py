@@ -3,6 +3,7 @@
     python bench_quantization.py                          # the default model (SmolLM2-135M), batches 1 and 64
     python bench_quantization.py --arch qwen3-0.6b        # random Qwen3-0.6B weights (bench.py's standard shape)
     python bench_quantization.py --formats 16-bit w4a16 --batches 1 8 64 --json quantization.json
+    python bench_quantization.py --arch qwen3-0.6b --batches 1 64 256 --standard 256     # the GPU check's row
 
 Each format is the same weights held another way: "16-bit" as the checkpoint has them (--dtype: bf16 on a GPU; on a
 CPU the model's fp32 unless --dtype bfloat16), "w4a16" a GPTQ checkpoint made here (4-bit round-to-nearest, with zero
@@ -18,7 +19,8 @@ bytes) should take about a quarter of the time where a kernel reads them at the 
 catch up (2 x 64 FLOPs per 16-bit weight: 64 per byte; an H100 does ~295 per byte of bandwidth), and the dequantizing
 work per weight and row tile, which bytes do not show, is paid in every program. The peaks are --device-peaks' (an
 H100 SXM's by default: 3.35 TB/s, 989 dense bf16 TFLOP/s, NVIDIA's datasheet), so on a CPU the prediction is the H100's
-for the same step, not this machine's. Prints a table, then one JSON line of all rows."""
+for the same step, not this machine's. With --standard N, each format also runs bench.py's standard workload (its
+first N random requests; output tokens per second). Prints a table, then one JSON line of all rows."""
 
 import argparse
 import json
@@ -108,7 +110,10 @@ def decode_step_ms(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> fl
 
 
 def run(args, model_dir: str, name: str, path: str, quantization: str | None) -> list[dict]:
-    llm = LLM(path, quantization=quantization, dtype=args.dtype, max_model_len=args.prompt_len + args.new_tokens + 16)
+    max_model_len = args.prompt_len + args.new_tokens + 16
+    if args.standard:  # its prompts and outputs are each up to STANDARD_MAX_LEN tokens
+        max_model_len = max(max_model_len, 2 * bench.STANDARD_MAX_LEN)
+    llm = LLM(path, quantization=quantization, dtype=args.dtype, max_model_len=max_model_len)
     try:
         decode_step_ms(llm, 1, 8, 8)  # warm-up (and the GPU's kernels compiled)
         rows = []
@@ -130,6 +135,13 @@ def run(args, model_dir: str, name: str, path: str, quantization: str | None) ->
                     "predicted_us": round(predicted * 1e6, 3),
                 }
             )
+        if args.standard:  # bench.py's standard workload: throughput, every request's output tokens per second
+            workload = bench.random_workload(args.standard, bench.STANDARD_MAX_LEN, bench.STANDARD_MAX_LEN)
+            start = time.perf_counter()
+            outs = llm.generate(workload.prompts, workload.params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(out.outputs[0].token_ids) for out in outs)
+            rows.append({"format": name, "batch": "standard", "output_tok_per_s": round(tokens / seconds, 1)})
         return rows
     finally:
         llm.close()
@@ -145,6 +157,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--dtype", default="auto", help="the 16-bit model's (and the others' activations') dtype")
     ap.add_argument("--device-peaks", nargs=2, type=float, default=[H100_TBPS, H100_TFLOPS], metavar=("TBPS", "TFLOPS"))
+    ap.add_argument("--standard", type=int, metavar="N", help="also bench.py's standard workload, its first N requests")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -162,7 +175,7 @@ def main(argv=None) -> list[dict]:
             elif name == "fp8":
                 quantization = "fp8"
             rows += run(args, model_dir, name, path, quantization)
-    baseline = {row["batch"]: row["ms_per_step"] for row in rows if row["format"] == rows[0]["format"]}
+    baseline = {r["batch"]: r.get("ms_per_step") for r in rows if r["format"] == rows[0]["format"]}
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     peaks = f"{args.device_peaks[0]} TB/s, {args.device_peaks[1]} TFLOP/s"
     print(f"bench_quantization: {device}; predicted: the roofline at {peaks}; vs: the first format's time")
@@ -178,8 +191,13 @@ def main(argv=None) -> list[dict]:
     )
     print(" ".join(f"{column:>13}" for column in columns))
     for row in rows:
-        row["vs_first"] = round(row["ms_per_step"] / baseline[row["batch"]], 3)
         row["device"] = device
+        if row["batch"] == "standard":
+            first = next(r for r in rows if r["batch"] == "standard")["output_tok_per_s"]
+            row["vs_first"] = round(row["output_tok_per_s"] / first, 3)  # (throughput: higher is faster)
+            print(f"{row['format']:>13} standard workload: {row['output_tok_per_s']} output tok/s, x{row['vs_first']}")
+            continue
+        row["vs_first"] = round(row["ms_per_step"] / baseline[row["batch"]], 3)
         print(" ".join(f"{row[column]:>13}" for column in columns))
     print(json.dumps(rows))
     if args.json:
