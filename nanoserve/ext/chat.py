@@ -3,9 +3,9 @@ one particular way (role markers, special tokens between turns, a cue that the a
 a Jinja program shipped with the tokenizer, writes a list of {"role", "content"} messages out in that layout. So chat
 is nothing more than a way to make a prompt: the engine then generates from its token ids like any other.
 
-LLM.chat and LLM.chat_prompts (vLLM's names) call here; the server's /v1/chat/completions does too. What this file adds
-to the template is the checking: a malformed message would otherwise fail deep inside Jinja (an UndefinedError) or
-render as nothing at all, so each message is checked first and a bad one named as the field "messages"."""
+LLM.chat (vLLM's name) calls chat_prompts here; so do the server's /v1/chat/completions and example.py. What this file
+adds to the template is the checking: a malformed message would otherwise fail deep inside Jinja (an UndefinedError)
+or render as nothing at all, so each message is checked first and a bad one named as the field "messages"."""
 
 from typing import TYPE_CHECKING
 

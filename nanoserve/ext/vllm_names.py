@@ -8,8 +8,8 @@ LLM(...)'s keywords (the core alone refuses every keyword that is not its own as
     dict of those sizes, which it checks), as vLLM makes its LoRAConfig of them; the sizes without enable_lora are
     taken at vLLM's defaults only;
   - every other option of vLLM's engine (VLLM_DEFAULTS) is accepted at vLLM's default value, which asks for nothing
-    (swap_space=4, enable_chunked_prefill=True: nanoserve always chunks), and refused by name at any other value, as
-    "a vLLM option that nanoserve does not implement";
+    (swap_space=4, enable_chunked_prefill=True: nanoserve always chunks), and refused by name at
+    any other value, as "a vLLM option that nanoserve does not implement";
   - anything else is left as it is, for the core to take or refuse as unknown.
 And vLLM's prompt dicts, {"prompt": text} and {"prompt_token_ids": ids}, which LLM.generate, add_request and
 beam_search hand it (unwrap_prompt): without this extension, a dict prompt is refused as "prompt"."""
@@ -65,8 +65,6 @@ VLLM_DEFAULTS = {
     "disable_cascade_attn": (False,),
     "swap_space": (4,),
     "cpu_offload_gb": (0,),
-    "kv_offloading_size": (None,),
-    "kv_offloading_backend": (None,),
     "calculate_kv_scales": (False,),
     "num_gpu_blocks_override": (None,),
     "num_lookahead_slots": (0,),
@@ -108,7 +106,6 @@ VLLM_DEFAULTS = {
     "generation_config": ("auto",),
     "model_impl": ("auto",),
     "enable_sleep_mode": (False,),
-    "kv_transfer_config": (None,),
     "kv_events_config": (None,),
     "additional_config": (None, {}),
     "qlora_adapter_name_or_path": (None,),

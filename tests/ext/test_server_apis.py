@@ -1,20 +1,22 @@
 """The APIs that agents speak, each driven by the client its users run against a server started here on 127.0.0.1:
-OpenAI's Responses API (nanoserve/ext/server/responses.py) through the official `openai` client and an OpenAI Agents
-SDK agent, Anthropic's Messages API (messages.py) through the official `anthropic` client, and vLLM's tokenizer
-endpoints (tokens.py) against transformers' tokenizer. Two servers: the default model (greedy text, which must equal
-what /v1/chat/completions returns for the same conversation, and forced tool calls), and a tiny random model with a
-byte-level tokenizer and a chat template that offers tools (Qwen 2.5's way), scripted to write a hermes tool call, or,
-once a tool's result is in its prompt, a final answer, and served with --enable-auto-tool-choice --tool-call-parser
-hermes. Every malformed body is a 400 or 404 naming its field, in the API's error shape, and the server serves on."""
+OpenAI's Responses API (nanoserve/ext/responses_api.py) through the official `openai` client and an OpenAI Agents SDK
+agent, Anthropic's Messages API (nanoserve/ext/messages_api.py) through the official `anthropic` client, and vLLM's
+tokenizer endpoints (tokens.py) against transformers' tokenizer. Two servers: the default model (greedy text, which
+must equal what /v1/chat/completions returns for the same conversation, and forced tool calls), and a tiny random
+model with a byte-level tokenizer and a chat template that offers tools (Qwen 2.5's way), scripted to write a hermes
+tool call, or, once a tool's result is in its prompt, a final answer, and served with --enable-auto-tool-choice
+--tool-call-parser hermes. Every malformed body is a 400 or 404 naming its field, in the API's error shape, and the
+server serves on."""
 
 import asyncio
 import json
 import shutil
+import threading
 import time
 
 import pytest
 import torch
-from conftest import TINY, default_model_or_skip
+from conftest import TINY, default_model_or_skip, extension_or_skip
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -24,7 +26,20 @@ httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 
 from nanoserve import LLM  # noqa: E402
+from nanoserve.ext import find  # noqa: E402
 from nanoserve.ext.server.app import ServerConfig, serve_in_background  # noqa: E402
+
+# The Responses and Messages APIs are extensions of the server's own: their tests skip where they are deleted
+API_EXTENSIONS = {"/v1/responses": "responses_api", "/v1/messages": "messages_api"}
+needs_responses = pytest.mark.skipif(find("responses_api") is None, reason="ext/responses_api.py is not installed")
+needs_messages = pytest.mark.skipif(find("messages_api") is None, reason="ext/messages_api.py is not installed")
+
+
+def skip_unless_mounted(path: str) -> None:
+    """Skips the calling test where path belongs to an API extension that is not installed."""
+    if path in API_EXTENSIONS:
+        extension_or_skip(API_EXTENSIONS[path])
+
 
 MODEL = "SmolLM2-135M-Instruct"  # the default model's served name
 MAX_TOKENS = 6
@@ -35,6 +50,16 @@ CALL_TEXT = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"
 FINAL_TEXT = "It is 18 C and sunny in Paris."
 LONG_QUESTION = "Talk forever."  # the tiny model's script for it: LONG_TEXT, which takes seconds to write
 LONG_TEXT = "la " * 1000
+# Faults injected where an extension's per-request work goes wrong (Faults): the text in a prompt that fails its
+# request, and the error the failing extension sets (Sequence.error). The request's own fault names a request field,
+# as str() of an InvalidField reads; the engine's (an adapter, a kernel) names none
+REQUEST_FAULT = "Fail this one: its constraints allow no token."
+ENGINE_FAULT = "Fail this one: the adapter broke."
+FAULT_ERRORS = {
+    REQUEST_FAULT: "structured_outputs: injected: the constraints leave no token to sample",
+    ENGINE_FAULT: "injected: the adapter's weights are not finite",
+}
+ENGINE_FAULT_AFTER = 3  # completion tokens the engine's fault lets out first (the request's fails before any)
 WEATHER_QUESTION = "What is the weather in Paris?"
 WEATHER_RESULT = "18 C and sunny"
 WEATHER_SCHEMA = {
@@ -149,6 +174,28 @@ class Script:
             pass
 
 
+class Faults:
+    """A logits processor that fails the sequences whose prompt holds a fault's text, as an extension whose work on
+    one request went wrong does (it sets Sequence.error and skips it; the engine ends that request alone): the
+    request's own fault at its first step, before any token; the engine's once ENGINE_FAULT_AFTER tokens are out."""
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer = tokenizer
+        self.errors: dict[int, str | None] = {}  # seq_id -> the error its prompt asks for (None: none)
+
+    def needs_tokens_on_host(self) -> bool:
+        return False
+
+    def prepare(self, seqs: list) -> None:
+        for seq in seqs:
+            if seq.seq_id not in self.errors:
+                prompt = self.tokenizer.decode(seq.token_ids[: seq.num_prompt_tokens])
+                self.errors[seq.seq_id] = next((e for text, e in FAULT_ERRORS.items() if text in prompt), None)
+            error = self.errors[seq.seq_id]
+            if error == FAULT_ERRORS[REQUEST_FAULT] or error and seq.num_completion_tokens > ENGINE_FAULT_AFTER:
+                seq.error = error
+
+
 @pytest.fixture(scope="module")
 def tiny_tools(tiny_model, tmp_path_factory):
     """A tiny random llama with a byte-level tokenizer (pad, bos, eos, then the 256 bytes: every character of a long
@@ -170,6 +217,7 @@ def tiny_tools(tiny_model, tmp_path_factory):
     tokenizer.save_pretrained(folder)
     llm = LLM(str(folder), device="cpu", max_model_len=4096, num_kvcache_blocks=512, dtype="float32")
     llm.logits_processors["script"] = Script(llm.tokenizer, eos=2)
+    llm.logits_processors["faults"] = Faults(llm.tokenizer)
     config = ServerConfig(enable_auto_tool_choice=True, tool_call_parser="hermes", served_model_name=MODEL)
     with serve_in_background(llm, config) as base_url:
         yield Served(base_url, llm)
@@ -184,11 +232,12 @@ def check_pool(served: Served) -> None:
 
 
 # ---- the Responses API ----------------------------------------------------------------------------------------------
+@needs_responses
 def test_responses_text_equals_chat(served):
     """Guards against the Responses API rendering a conversation otherwise than chat does (instructions dropped or
     placed after the input, content parts misread), or reporting other usage: a string input, and a list of items
     with input_text parts and instructions, give chat's greedy text for the same conversation; cut at
-    max_output_tokens, the response is incomplete."""
+    max_output_tokens, the response is incomplete; a request that names no model is answered by the served one."""
     client = served.openai
     plain = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=MAX_TOKENS, temperature=0)
     assert plain.output_text == served.chat_text([{"role": "user", "content": QUESTION}])
@@ -202,9 +251,15 @@ def test_responses_text_equals_chat(served):
     )
     chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
     assert with_instructions.output_text == served.chat_text(chat) != plain.output_text
+    assert (
+        plain.model
+        == MODEL
+        == served.post("/v1/responses", {"input": QUESTION, "max_output_tokens": 1}).json()["model"]
+    )
     check_pool(served)
 
 
+@needs_responses
 def test_responses_stream_has_the_event_sequence(served):
     """Guards against a stream the openai client cannot follow (events out of order, a missing .added or .done,
     sequence numbers that repeat) or that differs from the whole response: the Responses event sequence for one
@@ -227,6 +282,7 @@ def test_responses_stream_has_the_event_sequence(served):
     check_pool(served)
 
 
+@needs_responses
 def test_previous_response_id_continues_the_conversation(served):
     """Guards against a second turn that forgets the first (or repeats its instructions, which OpenAI does not carry
     over): previous_response_id gives chat's text for user, assistant, user; retrieve returns the stored response;
@@ -259,6 +315,7 @@ def test_previous_response_id_continues_the_conversation(served):
     check_pool(served)
 
 
+@needs_responses
 def test_responses_json_schema_and_forced_function(served):
     """Guards against text.format and a named tool_choice being ignored: a json_schema format's text parses and
     validates; a named function is a function_call item whose arguments validate against its parameters (whole, and
@@ -303,6 +360,7 @@ def test_chat_streams_a_forced_tool_call(served):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+@needs_responses
 def test_responses_function_call_turns(tiny_tools):
     """Guards against the tool-call turn the Agents SDK makes being lost in translation: with tools and the server's
     parser, the model's hermes call is a function_call item (its arguments what the model wrote) after a message with
@@ -330,6 +388,7 @@ def test_responses_function_call_turns(tiny_tools):
     check_pool(tiny_tools)
 
 
+@needs_responses
 def test_agents_sdk_runs_a_tool_to_completion(tiny_tools):
     """Guards against the OpenAI Agents SDK failing against the server (its default model speaks the Responses API):
     an agent with one function tool, run with Runner.run, calls the tool with the arguments the model wrote, feeds its
@@ -352,6 +411,7 @@ def test_agents_sdk_runs_a_tool_to_completion(tiny_tools):
     check_pool(tiny_tools)
 
 
+@needs_responses
 def test_responses_store_drops_the_least_recently_used(tiny_tools):
     """Guards against an unbounded store: a server that keeps two responses drops the least recently used (made or
     read) when a third is stored, and the dropped one's id is a 404."""
@@ -366,6 +426,8 @@ def test_responses_store_drops_the_least_recently_used(tiny_tools):
         assert [client.responses.retrieve(i).id for i in (ids[0], ids[2])] == [ids[0], ids[2]]
 
 
+@needs_responses
+@needs_messages
 def test_clients_that_hang_up_are_aborted(tiny_tools):
     """Guards against a request on a new endpoint that runs on after its client went away: a streamed response and a
     streamed message whose clients hang up after their first event, and a whole response whose client gives up, all
@@ -395,6 +457,7 @@ def test_clients_that_hang_up_are_aborted(tiny_tools):
 
 
 # ---- the Messages API -----------------------------------------------------------------------------------------------
+@needs_messages
 def test_messages_text_equals_chat(served):
     """Guards against the Messages API rendering a conversation otherwise than chat does (the system prompt dropped,
     text blocks misjoined) or misreporting its end: the same greedy text, whole and streamed (its events in
@@ -421,6 +484,7 @@ def test_messages_text_equals_chat(served):
     check_pool(served)
 
 
+@needs_messages
 def test_messages_tool_use_and_tool_result(tiny_tools):
     """Guards against Anthropic's tool turns being lost in translation: the model's hermes call is a tool_use block
     (input: the object the model wrote) after the text before it, stop_reason tool_use, whole and streamed (the
@@ -444,6 +508,123 @@ def test_messages_tool_use_and_tool_result(tiny_tools):
     ]
     answer = client.messages.create(model=MODEL, max_tokens=200, messages=turn, tools=[tool])
     assert answer.content[0].text == FINAL_TEXT and answer.stop_reason == "end_turn"
+    check_pool(tiny_tools)
+
+
+# ---- a request the engine fails alone ------------------------------------------------------------------------------
+def fault_body(path: str, text: str, stream: bool) -> dict:
+    """A body for path whose prompt is text (max 50 tokens: a script answer is longer)."""
+    if path == "/v1/completions":
+        return {"model": MODEL, "prompt": text, "max_tokens": 50, "stream": stream}
+    if path == "/v1/responses":
+        return {"model": MODEL, "input": text, "max_output_tokens": 50, "stream": stream}
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 50, "stream": stream}
+
+
+def events_of(response: httpx.Response) -> list[tuple[str | None, object]]:
+    """A server-sent event stream as (event name, its data parsed; [DONE] as is)."""
+    events = []
+    name = None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            events.append((name, data if data == "[DONE]" else json.loads(data)))
+            name = None
+    return events
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("fault", [REQUEST_FAULT, ENGINE_FAULT])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"])
+def test_a_request_the_engine_fails_alone_gets_its_apis_error(tiny_tools, path, fault, stream):
+    """Guards against a request an extension failed on (finish reason "error") being answered as a success (a 200 with
+    empty or cut text), as a bare 500, or with a hung stream, and against it costing the request beside it: whole, an
+    HTTP error in the API's shape (OpenAI's; Anthropic's on /v1/messages) whose status says whose fault it was (the
+    request's own: 400, naming the field; the engine's: 500) and whose message says why; streamed, the API's error
+    event (chat's error chunk before [DONE], Responses' response.failed after its opening events, Anthropic's error),
+    then the end. The request sent beside it gets its whole answer, every block comes back, and the server serves on."""
+    skip_unless_mounted(path)
+    neighbour = {}
+
+    def send_neighbour() -> None:
+        neighbour["text"] = tiny_tools.chat_text([{"role": "user", "content": WEATHER_QUESTION}], max_tokens=200)
+
+    beside = threading.Thread(target=send_neighbour)
+    beside.start()
+    status = 400
+    if fault == ENGINE_FAULT:
+        status = 500
+    why = FAULT_ERRORS[fault].removeprefix("structured_outputs: ")
+    body = fault_body(path, fault, stream)
+    if not stream:
+        r = tiny_tools.post(path, body)
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        if path == "/v1/messages":
+            assert r.json()["type"] == "error"
+            assert error["type"] == {400: "invalid_request_error", 500: "api_error"}[status]
+        else:
+            assert error["type"] == {400: "invalid_request_error", 500: "server_error"}[status]
+            assert error["param"] == {400: "structured_outputs", 500: None}[status]
+        assert why in error["message"]
+    else:
+        with httpx.stream("POST", f"{tiny_tools.root}{path}", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            events = events_of(r)
+        if path == "/v1/responses":
+            assert events[0][0] == "response.created" and events[-1][0] == "response.failed", events
+            failed = events[-1][1]["response"]
+            assert failed["status"] == "failed" and why in failed["error"]["message"]
+            assert failed["error"]["code"] == {400: "invalid_prompt", 500: "server_error"}[status]
+            assert [event["sequence_number"] for _, event in events] == list(range(len(events)))
+        elif path == "/v1/messages":
+            assert events[-1][0] == "error" and why in events[-1][1]["error"]["message"], events
+            assert events[-1][1]["error"]["type"] == {400: "invalid_request_error", 500: "api_error"}[status]
+        else:
+            assert events[-1][1] == "[DONE]", events
+            error = events[-2][1]["error"]
+            assert why in error["message"]
+            assert error["type"] == {400: "invalid_request_error", 500: "server_error"}[status]
+        if fault == ENGINE_FAULT and path != "/v1/messages":  # its first tokens went out before it failed
+            assert len(events) > 3
+    beside.join(timeout=120)
+    assert neighbour["text"] == CALL_TEXT
+    check_pool(tiny_tools)
+
+
+def test_a_slow_grammar_parse_stalls_no_stream(tiny_tools, monkeypatch):
+    """Guards against per-request work on the event loop: SamplingParams, which parses a response_format's schema into
+    a grammar (0.3 s for 20,000 properties on this CPU), is built on the executor. Made to take 2 s here, it must not
+    pause a stream already under way (its events keep coming) nor the engine thread."""
+    from nanoserve.ext.server import app
+
+    slow_build = 2.0  # seconds
+
+    def slow(*args: object) -> object:
+        time.sleep(slow_build)
+        return sampling_params(*args)
+
+    sampling_params = app.sampling_params
+    body = {"model": MODEL, "messages": [{"role": "user", "content": LONG_QUESTION}], "stream": True}
+    with httpx.stream("POST", f"{tiny_tools.base_url}/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)  # the stream is under way
+        monkeypatch.setattr(app, "sampling_params", slow)
+        slowed = threading.Thread(target=tiny_tools.chat_text, args=([{"role": "user", "content": "hi"}], 1))
+        slowed.start()
+        arrivals = []
+        while slowed.is_alive() or len(arrivals) < 2:
+            next(lines)
+            arrivals.append(time.monotonic())
+        monkeypatch.undo()
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    assert arrivals[-1] - arrivals[0] >= slow_build * 0.9 and max(gaps) < slow_build / 2, max(gaps)
+    for _ in range(300):  # the hung-up stream is aborted within a poll and a step
+        if tiny_tools.metrics()["nanoserve_running"] == 0:
+            break
+        time.sleep(0.05)
     check_pool(tiny_tools)
 
 
@@ -570,6 +751,7 @@ MALFORMED = [  # (path, fields over GOOD's, the status, the field the error name
 def test_malformed_bodies_are_refused_by_name(served, path, fields, status, param):
     """Guards against a 500 (or a silent default) for a malformed body: each is a 400 or 404 naming the field, in the
     API's error shape (Anthropic's on /v1/messages: the field starts the message), and the server serves on."""
+    skip_unless_mounted(path)
     r = served.post(path, {**GOOD[path], **fields})
     assert r.status_code == status, r.text
     if path == "/v1/messages":
@@ -580,6 +762,7 @@ def test_malformed_bodies_are_refused_by_name(served, path, fields, status, para
     assert served.post(path, GOOD[path]).status_code == 200
 
 
+@needs_messages
 def test_anthropic_client_sees_errors_in_its_shape(served):
     """Guards against errors the anthropic client cannot read: a bad request is its BadRequestError, whose message
     names the field, and an unknown route under /v1/messages is its NotFoundError."""
@@ -588,6 +771,8 @@ def test_anthropic_client_sees_errors_in_its_shape(served):
     assert e.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in e.value.message
 
 
+@needs_responses
+@needs_messages
 def test_api_key_guards_the_new_routes(served):
     """Guards against an API the key does not cover: with --api-key, each new route needs it (as the openai client
     sends it, or the anthropic client's x-api-key), and both clients get through with it."""

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (`nanoserve serve DIR --port 8000`, or `python -m nanoserve.ext.server --model DIR
 --port 8000`, and every EngineConfig field as a flag): /v1/completions and /v1/chat/completions, whole or streamed as
 server-sent events, /v1/models, /health, and Prometheus /metrics; beside them, each in a module of its own, OpenAI's
-Responses API (responses.py), Anthropic's Messages API (messages.py) and vLLM's tokenizer endpoints (tokens.py). The
+Responses API and Anthropic's Messages API, where their extensions are installed (ext/responses_api.py,
+ext/messages_api.py, each an idea of its own), and vLLM's tokenizer endpoints (tokens.py). The
 engine is not thread-safe, so one thread owns it (EngineLoop). Handlers on uvicorn's event loop send it commands
 through a queue.Queue and await the replies as futures; each HTTP request's outputs come back on its own
 asyncio.Queue. A client that goes away has its requests aborted, which returns their KV blocks at once.
@@ -13,10 +14,17 @@ Messages APIs translate their bodies into chat's, and turn chat's stream into th
 
 One request must not stall the others, so what a request costs is bounded before the engine sees it (ServerConfig:
 the body's size, the time it takes to arrive, its nesting, n, the prompt's length in characters, and OpenAI's caps on
-logprobs), and prompts are tokenized on the event loop's executor, not on the engine thread. Every error, 404 and 405
-included, comes in OpenAI's shape: {"error": {"message", "type", "param", "code"}} (on /v1/messages, Anthropic's). At
-shutdown, open requests get ServerConfig.shutdown_timeout seconds to finish and then fail (a stream ends with an error
-event and [DONE]); a second Ctrl+C exits at once.
+logprobs), and what takes a while per request runs on the event loop's executor, not on the event loop (every
+stream's) nor on the engine thread: tokenizing, the chat template, and SamplingParams, which parses a response_format's
+or a forced tool's JSON schema into a grammar (bounded by max_body_bytes: 0.2 s for a schema of 20,000 properties,
+0.74 MiB, and 1.3 s at the 4 MiB cap, measured on the 2-core CI VM; xgrammar lets go of the GIL while it parses).
+Every error, 404 and 405 included, comes in OpenAI's shape: {"error": {"message", "type", "param", "code"}} (on
+/v1/messages, Anthropic's). A request that an extension fails on alone (finish reason
+"error", RequestOutput.error) is answered by whose fault it was (failure): the request's own (the message names one of
+its fields, as an InvalidField does: "structured_outputs: ...") a 400 naming that field, the engine's a 500; streamed,
+the API's error event ends the stream, and the requests beside it go on. At shutdown, open requests get
+ServerConfig.shutdown_timeout seconds to finish and then fail (a stream ends with an error event and [DONE]); a second
+Ctrl+C exits at once.
 
 Every field of a body is honoured or refused by name (the tables below): a client never silently gets less than it
 asked for. A field the engine does not implement yet (beam search, vLLM's guided_* fields) is refused with a
@@ -60,10 +68,10 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from nanoserve.checks import InvalidField, check_number, shown
 from nanoserve.config import EngineConfig
-from nanoserve.ext import load
+from nanoserve.ext import find, load
 from nanoserve.ext.chat import chat_prompts
 from nanoserve.ext.default_model import DEFAULT_MODEL
-from nanoserve.ext.server import messages, responses, tokens
+from nanoserve.ext.server import tokens
 from nanoserve.ext.server.shared import (
     LOCALHOST,
     NotFound,
@@ -74,6 +82,7 @@ from nanoserve.ext.server.shared import (
     field,
     normalized,
     read_object,
+    status_of,
 )
 from nanoserve.llm import LLM
 from nanoserve.outputs import CompletionOutput, RequestOutput
@@ -81,9 +90,6 @@ from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # for annotations only: the tokenizer is the engine's, loaded by transformers
     from transformers import PreTrainedTokenizerBase
-
-# A request's outputs go to its sink on the engine thread; an exception instead when the engine failed it.
-Sink = Callable[[RequestOutput | Exception], None]
 
 DISCONNECT_POLL_S = 0.2  # a handler waiting for outputs checks this often whether its client is still there
 STARTUP_POLL_S = 0.01  # serve_in_background checks this often whether uvicorn has started
@@ -138,11 +144,13 @@ NOT_IMPLEMENTED = dict.fromkeys(
 # chat's top_logprobs, and the legacy completions' logprobs (chat's logprobs is a flag: a number there is refused
 # either way, and top_logprobs in a completions body is unknown).
 RANGES = {"temperature": (0, 2), "top_logprobs": (0, MAX_TOP_LOGPROBS), "logprobs": (0, MAX_COMPLETION_LOGPROBS)}
-GAUGES = "running waiting kv_blocks_used kv_blocks_cached kv_blocks_total prefix_hit_rate".split()  # LLM.stats() keys
-COUNTERS = "preemptions generated_tokens prefix_hit_tokens prefix_queried_tokens".split()  # and finished_requests
-# with speculative decoding (speculative_config), its stats() keys too: the drafts' totals and what they gave
-SPEC_GAUGES = ["spec_acceptance_rate", "spec_mean_accepted_length"]
-SPEC_COUNTERS = ["spec_proposed_tokens", "spec_accepted_tokens"]
+# LLM.stats()'s running totals (speculative decoding's drafts too) and the server's finished requests: Prometheus
+# counters; every other key of stats() is a gauge
+COUNTERS = """
+    preemptions steps computed_tokens generated_tokens prefix_hit_tokens prefix_queried_tokens finished_requests
+    spec_proposed_tokens spec_accepted_tokens
+""".split()
+REQUEST_FIELDS = {request_field.name for request_field in fields(SamplingParams)}  # a request's, by the engine's names
 
 
 class EngineLoop:
@@ -152,7 +160,8 @@ class EngineLoop:
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
         self.commands = queue.Queue()  # (concurrent future, function, args), or None: stop
-        self.sinks: dict[str, Sink] = {}  # request_id -> its sink, used on the engine thread only
+        # request_id -> where its outputs go (an exception instead, when a step failed), used on the engine thread only
+        self.sinks: dict[str, Callable] = {}
         self.finished_requests = 0  # requests the engine finished (for /metrics)
         self.deadline = math.inf  # set at shutdown (time.monotonic()): requests still open then fail
         self.thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
@@ -168,24 +177,20 @@ class EngineLoop:
     ) -> AsyncIterator[tuple[int, RequestOutput] | None]:
         """One engine request per prompt (under lora_request's adapter, if not None): yields None once all are queued
         (bad input raises before a response starts), then (prompt index, output) as they come; aborts what is left if
-        the client or the caller quits."""
-        loop = asyncio.get_running_loop()
-        outputs = asyncio.Queue()  # what sink gets: this request's outputs, or the exception that failed it
-
-        def sink(out: RequestOutput | Exception) -> None:  # called on the engine thread: hand over to this loop
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
-
+        the client or the caller quits. A request that fails raises (failure); the others are aborted."""
+        outputs = asyncio.Queue()  # this request's outputs, or the exception that failed its step
+        # its sink, called on the engine thread: hands an output over to this event loop
+        sink = partial(asyncio.get_running_loop().call_soon_threadsafe, outputs.put_nowait)
         request_ids = [f"{uuid.uuid4().hex}-{i}" for i in range(len(prompts))]
         unfinished = set(request_ids)
+        add_request = self.llm.add_request
+        if lora_request is not None:  # the adapter the body's model names: LLM.add_request with it (ext/lora)
+            add_request = partial(load("lora", "model").add_request, self.llm, lora_request=lora_request)
 
         def add() -> None:  # on the engine thread: all prompts are queued or none (one bad prompt refuses them all)
             try:
                 for prompt, request_id in zip(prompts, request_ids, strict=True):
-                    if lora_request is None:
-                        self.llm.add_request(prompt, params, request_id, stream)
-                    else:  # the adapter the body's model names: LLM.add_request with it (ext/lora.py)
-                        lora = load("lora", "model")
-                        lora.add_request(self.llm, prompt, params, request_id, stream, lora_request=lora_request)
+                    add_request(prompt, params, request_id, stream)
                     self.sinks[request_id] = sink
             except Exception:
                 self._abort(request_ids)
@@ -194,28 +199,29 @@ class EngineLoop:
         try:
             await self.call(add)
             yield None
-            # when the client was last seen there: it is looked for while outputs flow too, since a whole answer that
-            # another API makes of a stream (Translated.reply) gets outputs every step
-            polled = time.monotonic()
             while unfinished:
                 if time.monotonic() > self.deadline:
                     raise RuntimeError("the server shut down before this request finished")
-                if time.monotonic() - polled > DISCONNECT_POLL_S:
-                    if await http.is_disconnected():
-                        return
-                    polled = time.monotonic()
                 try:
                     out = await asyncio.wait_for(outputs.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    out = None
+                # the client is looked for at each output too (a cancelled read: cheap), since a whole answer that
+                # another API makes of a stream (Translated.reply) gets outputs every step
+                if await http.is_disconnected():
+                    return
+                if out is None:
                     continue
-                if isinstance(out, Exception):
+                if isinstance(out, Exception):  # the step failed, and every request in it
                     raise RuntimeError(f"the engine failed this request: {out}") from out
+                if out.error is not None:  # an extension failed this request alone
+                    raise failure(out.error)
                 if out.finished:
                     unfinished.discard(out.request_id)
                 yield request_ids.index(out.request_id), out
         finally:
             if unfinished:  # queued behind the add, so it finds the requests whenever the handler gave up
-                self.commands.put((concurrent.futures.Future(), self._abort, (request_ids,)))
+                self.call(self._abort, request_ids)
 
     def _run(self) -> None:
         """The engine thread's loop, until the None command."""
@@ -254,10 +260,27 @@ class EngineLoop:
             self.sinks.pop(request_id, None)
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    """OpenAI's error body; param names the field at fault."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def failure(error: str) -> Exception:
+    """What answers a request that an extension failed on alone (finish reason "error"; RequestOutput.error, the
+    core's Sequence.error), by whose fault it was. A message in InvalidField's form naming a request field
+    ("structured_outputs: ...", as str() of an InvalidField reads) says it was the request's own: an InvalidField, a
+    400 naming that field. Any other was the engine's (an adapter, a kernel): a RuntimeError, a 500."""
+    name, _, problem = str(error).partition(": ")
+    if name in REQUEST_FIELDS:
+        return InvalidField(name, problem)
+    return RuntimeError(f"the engine failed this request: {error}")
+
+
+def error_body(error: Exception, message: str | None = None) -> dict:
+    """OpenAI's error body for error (its own message, unless message is given): an InvalidField's field is the
+    param, and the type says whose fault it was (status_of)."""
+    kind = "server_error"
+    if status_of(error) < 500:
+        kind = "invalid_request_error"
+    param = None
+    if isinstance(error, InvalidField):
+        param = error.field
+    return {"error": {"message": message or str(error), "type": kind, "param": param, "code": None}}
 
 
 def text_length(value: object) -> int:
@@ -458,9 +481,8 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
     model_name = config.served_model_name or llm.config.model or DEFAULT_MODEL
     # --lora-modules: name -> its LoRARequest, each adapter checked and loaded before the server serves
     adapters = {}
-    for lora_int_id, module in enumerate(config.lora_modules or [], 1):
+    for lora_int_id, (name, path) in enumerate(config.adapters.items(), 1):
         lora = load("lora", "lora_modules")
-        name, _, path = module.partition("=")
         adapters[name] = lora.LoRARequest(name, lora_int_id, path)
         lora.check_adapter(llm, adapters[name])
     max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * llm.config.max_model_len
@@ -487,24 +509,21 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
 
     # every API route is behind the key; /health and /metrics are open, as vLLM's
     api = APIRouter(dependencies=[Depends(authorize)])
+    responses_api = find("responses_api")
+    messages_api = find("messages_api")
 
-    def error_for(request: Request, status: int, message: str, param: str | None = None) -> JSONResponse:
+    def error_for(request: Request, error: Exception, message: str) -> JSONResponse:
         """An error in the shape of the API the request speaks: Anthropic's on /v1/messages, OpenAI's elsewhere."""
-        if request.url.path.startswith(messages.PATH):
-            return JSONResponse(messages.error_body(status, message), status)
-        return JSONResponse(error_body(status, message, param), status)
-
-    @app.exception_handler(ValueError)
-    def bad_input(request: Request, error: ValueError) -> JSONResponse:
-        """400, naming the field where the error is an InvalidField; a NotFound is a 404."""
-        if isinstance(error, NotFound):
-            return error_for(request, 404, str(error), error.field)
-        return error_for(request, 400, str(error), error.field if isinstance(error, InvalidField) else None)
+        status = status_of(error)
+        body = error_body(error, message)
+        if messages_api is not None and request.url.path.startswith(messages_api.PATH):
+            body = messages_api.error_body(status, message)
+        return JSONResponse(body, status)
 
     @app.exception_handler(HTTPException)
     def http_error(request: Request, error: HTTPException) -> JSONResponse:
         """Starlette's errors (404: no such route; 405: wrong method), read_body's (408, 413) and authorize's (401)."""
-        response = error_for(request, error.status_code, f"{error.detail}: {request.method} {request.url.path}")
+        response = error_for(request, error, f"{error.detail}: {request.method} {request.url.path}")
         response.headers.update(error.headers or {})  # 405's Allow, or Connection: close
         return response
 
@@ -515,10 +534,11 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
         logging.getLogger(__name__).debug("a client went away before its request's body arrived")
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
-    @app.exception_handler(RuntimeError)  # the engine failed the request (its thread has logged why)
-    @app.exception_handler(Exception)  # a bug: uvicorn logs its traceback too
-    def server_error(request: Request, error: Exception) -> JSONResponse:
-        return error_for(request, 500, str(error) or type(error).__name__)
+    @app.exception_handler(ValueError)  # bad input: a 400 naming the field (an InvalidField's), a NotFound's 404
+    @app.exception_handler(RuntimeError)  # the engine failed the request (its thread has logged why): a 500
+    @app.exception_handler(Exception)  # a bug, a 500: uvicorn logs its traceback too
+    def failed(request: Request, error: Exception) -> JSONResponse:
+        return error_for(request, error, str(error) or type(error).__name__)
 
     @app.get("/health")
     def health() -> Response:
@@ -539,14 +559,13 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         stats = await engine.call(llm.stats)  # the engine's structures may only be read on its thread
-        speculates = "spec_proposed_tokens" in stats
-        gauges = GAUGES + (SPEC_GAUGES if speculates else [])
-        lines = [f"# TYPE nanoserve_{key} gauge\nnanoserve_{key} {stats[key]}" for key in gauges]
         stats["finished_requests"] = engine.finished_requests
-        lines += [
-            f"# TYPE nanoserve_{key}_total counter\nnanoserve_{key}_total {stats[key]}"
-            for key in [*COUNTERS, "finished_requests", *(SPEC_COUNTERS if speculates else [])]
-        ]
+        lines = []
+        for key, value in stats.items():
+            if key in COUNTERS:
+                lines.append(f"# TYPE nanoserve_{key}_total counter\nnanoserve_{key}_total {value}")
+            else:
+                lines.append(f"# TYPE nanoserve_{key} gauge\nnanoserve_{key} {value}")
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @api.post("/v1/completions", response_model=None)
@@ -559,7 +578,7 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
         if not isinstance(answered, AsyncIterator):
             return answered
         # the engine failed, or shutdown came, after the 200: the stream says so
-        events = event_stream(answered, partial(error_body, 500), "data: [DONE]\n\n")
+        events = event_stream(answered, lambda error: [error_body(error)], "data: [DONE]\n\n")
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def answer(http: Request, body: dict, chat: bool) -> dict | Response | AsyncIterator[dict]:
@@ -571,7 +590,9 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
         check_model(body)
         # what tool_choice asks for: "none", "auto" (calls parsed out of the text), or the tool it forces
         tool = tool_choice(body, config.enable_auto_tool_choice)
-        params = sampling_params(body, chat, llm.config.max_model_len, tool)
+        # on the executor: a response_format's schema becomes a grammar here (xgrammar parses it), which may take a
+        # while for a large one; the event loop (every stream) and the engine thread do not wait for it
+        params = await asyncio.to_thread(sampling_params, body, chat, llm.config.max_model_len, tool)
         stream = field(body, "stream", bool, False)
         options = field(body, "stream_options", dict, {})
         usage = field(options, "include_usage", bool, False)
@@ -714,8 +735,10 @@ def build_app(engine: EngineLoop, config: ServerConfig) -> FastAPI:
         if num_chars > max_prompt_chars:
             raise InvalidField(prompt_field, f"has {num_chars} characters; this server takes {max_prompt_chars}")
 
-    responses.add_routes(api, answer, config)
-    messages.add_routes(api, answer, config)
+    # the other APIs, each an extension of the server (deleting one removes its routes, nothing else)
+    for api_extension in (responses_api, messages_api):
+        if api_extension is not None:
+            api_extension.add_routes(api, answer, config, model_name)
     tokens.add_routes(api, llm, config, check_model, check_chars)
     app.include_router(api)
     return app

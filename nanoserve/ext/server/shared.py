@@ -1,14 +1,16 @@
 """What the server's APIs share: the server's config (ServerConfig), reading a request's body within its caps, checking
-a body's fields by name (field, check_known), text parts and conversations of items as chat messages (message_text,
-chat_messages), and the loop that turns chat's stream of chunks into another API's events (Translated), sent as
-server-sent events (event_stream). The OpenAI endpoints and the chat pipeline that every API answers through are in
+a body's fields by name (field, string, check_known), the HTTP status an error answers with (status_of: 400 for bad
+input, 404, 500 for the engine's fault), text parts and conversations of items as chat messages (message_text,
+chat_messages), other APIs' function tools as chat's (function_tools), and the loop that turns chat's stream of chunks
+into another API's events (Translated), sent as server-sent events (event_stream), which end with the API's error
+events when the request fails. The OpenAI endpoints and the chat pipeline that every API answers through are in
 app.py; the Responses API, the Messages API and the tokenizer endpoints each have a module beside this one, which
 imports nothing of theirs."""
 
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import TypeVar
@@ -61,7 +63,7 @@ class ServerConfig:
     max_stored_responses: int = 256
 
     def __post_init__(self) -> None:
-        texts = ("host", "served_model_name", "api_key", "enable_auto_tool_choice", "tool_call_parser", "lora_modules")
+        texts = "host served_model_name api_key enable_auto_tool_choice tool_call_parser lora_modules".split()
         for name, value in vars(self).items():
             if name not in texts and value is not None:
                 check_number(name, value, low=0, above_low=name != "port")
@@ -72,18 +74,33 @@ class ServerConfig:
             self.tool_parser = load("tool_parsers", "tool_call_parser").parser_for(self.tool_call_parser)
         if self.enable_auto_tool_choice and self.tool_parser is None:
             raise InvalidField("enable_auto_tool_choice", "needs a parser: --tool-call-parser hermes")
-        names = set()  # of the adapters so far: a name that comes twice would make a request's model ambiguous
-        for module in self.lora_modules or []:  # before the engine is made: a typo costs no model load
+        # --lora-modules as name -> path, checked before the engine is made (a typo costs no model load): a name that
+        # comes twice would make a request's model ambiguous
+        self.adapters = {}
+        for module in self.lora_modules or []:
             name, equals, path = str(module).partition("=")
             if not (name and equals and path):
                 raise InvalidField("lora_modules", f"{shown(module)} is not name=path")
-            if name in names:
+            if name in self.adapters:
                 raise InvalidField("lora_modules", f"names the adapter {shown(name)} twice")
-            names.add(name)
+            self.adapters[name] = path
 
 
 class NotFound(InvalidField):
     """A 404, naming the field whose value names nothing this server has (a model, a stored response)."""
+
+
+def status_of(error: Exception) -> int:
+    """The HTTP status that answers an error: Starlette's own (404: no route, 405, and read_body's 408 and 413), a
+    NotFound's 404, other bad input's (a ValueError, InvalidField among them) 400, and anything else, the engine's or
+    the server's fault, 500."""
+    if isinstance(error, HTTPException):
+        return error.status_code
+    if isinstance(error, NotFound):
+        return 404
+    if isinstance(error, ValueError):
+        return 400
+    return 500
 
 
 def json_depth(body: bytes) -> int:
@@ -108,9 +125,9 @@ async def read_body(http: Request, max_bytes: int) -> bytes:
     return bytes(body)
 
 
-async def read_json(http: Request, config: ServerConfig) -> object:
-    """The body parsed: a 408 if it has not all come within body_timeout, a 413 past max_body_bytes, a 400 (param
-    null) if it is not JSON or nests deeper than MAX_JSON_DEPTH."""
+async def read_object(http: Request, config: ServerConfig) -> dict:
+    """The body parsed, which must be a JSON object: a 408 if it has not all come within body_timeout, a 413 past
+    max_body_bytes, a 400 (param null) if it is not a JSON object or nests deeper than MAX_JSON_DEPTH."""
     try:
         body = await asyncio.wait_for(read_body(http, config.max_body_bytes), config.body_timeout)
     except asyncio.TimeoutError:
@@ -118,9 +135,12 @@ async def read_json(http: Request, config: ServerConfig) -> object:
     if json_depth(body) > MAX_JSON_DEPTH:
         raise ValueError(f"the body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels")
     try:
-        return json.loads(body)
+        body = json.loads(body)
     except ValueError as e:
         raise ValueError(f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    return body
 
 
 def field(body: dict, name: str, kind: type[T], default: T) -> T:
@@ -131,6 +151,14 @@ def field(body: dict, name: str, kind: type[T], default: T) -> T:
     if not isinstance(value, kind):
         raise InvalidField(name, f"{value!r} is not a {kind.__name__}")
     return value
+
+
+def string(item: dict, key: str, where: str = "") -> str:
+    """item[key], which must be a string: else an InvalidField naming it where + key (where: the item's name and a
+    dot, "input[2].", where item is a part of the body)."""
+    if not isinstance(item.get(key), str):
+        raise InvalidField(where + key, "is not a string")
+    return item[key]
 
 
 def check_known(body: dict, honoured: list[str], ignored: list[str], not_implemented: dict, prefix: str = "") -> None:
@@ -144,17 +172,17 @@ def check_known(body: dict, honoured: list[str], ignored: list[str], not_impleme
             raise InvalidField(prefix + name, "nanoserve does not implement this field yet")
 
 
-def message_text(content: list, name: str, kinds: Collection[str] = ("text",)) -> str:
+def message_text(content: list, name: str, kinds: tuple[str, ...] = ("text",)) -> str:
     """A message's content parts as one text, joined by newlines as vLLM does; only text parts can be read (kinds: the
     names text parts have in the API: the Responses API's input_text and output_text)."""
     texts = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
+        kind = None
+        if isinstance(part, dict):
+            kind = part.get("type")
         if kind not in kinds:
             raise InvalidField(f"{name}[{j}].type", f"nanoserve does not implement {shown(kind)} parts yet, only text")
-        if not isinstance(part.get("text"), str):
-            raise InvalidField(f"{name}[{j}].text", "is not a string")
-        texts.append(part["text"])
+        texts.append(string(part, "text", f"{name}[{j}]."))
     return "\n".join(texts)
 
 
@@ -186,131 +214,33 @@ def chat_messages(items: list, names: list[str]) -> list[dict]:
     messages = []
     call_ids = set()  # of every function_call so far
     for item, name in zip(items, names, strict=True):
-        kind = item.get("type", "message") if isinstance(item, dict) else None
+        kind = None
+        if isinstance(item, dict):
+            kind = item.get("type", "message")
         if kind == "message":
             content = item.get("content")
             if isinstance(content, list):
                 content = message_text(content, f"{name}.content", TEXT_PARTS)
             messages.append({"role": item.get("role"), "content": content})
         elif kind == "function_call":
-            for key in ("call_id", "name", "arguments"):
-                if not isinstance(item.get(key), str):
-                    raise InvalidField(f"{name}.{key}", "is not a string")
+            where = f"{name}."  # the start of its fields' names in errors
+            call_id = string(item, "call_id", where)
+            function = {"name": string(item, "name", where), "arguments": string(item, "arguments", where)}
             if not messages or messages[-1]["role"] != "assistant":
                 messages.append({"role": "assistant", "content": ""})
-            function = {"name": item["name"], "arguments": item["arguments"]}
-            messages[-1].setdefault("tool_calls", []).append(
-                {"id": item["call_id"], "type": "function", "function": function}
-            )
-            call_ids.add(item["call_id"])
+            messages[-1].setdefault("tool_calls", []).append({"id": call_id, "type": "function", "function": function})
+            call_ids.add(call_id)
         elif kind == "function_call_output":
+            call_id = string(item, "call_id", f"{name}.")
+            if call_id not in call_ids:
+                raise InvalidField(f"{name}.call_id", f"{shown(call_id)} is no earlier function_call's")
             output = item.get("output")
-            if not isinstance(item.get("call_id"), str) or item["call_id"] not in call_ids:
-                raise InvalidField(f"{name}.call_id", f"{shown(item.get('call_id'))} is no earlier function_call's")
             if isinstance(output, list):
                 output = message_text(output, f"{name}.output", TEXT_PARTS)
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
         else:
             raise InvalidField(f"{name}.type", f"{shown(kind)} is not message, function_call or function_call_output")
     return messages
-
-
-async def read_object(http: Request, config: ServerConfig) -> dict:
-    """The body (read_json), which must be a JSON object."""
-    body = await read_json(http, config)
-    if not isinstance(body, dict):
-        raise ValueError("the body must be a JSON object")
-    return body
-
-
-def server_sent(event: dict) -> str:
-    """One server-sent event; one with a type (the Responses and Messages APIs' events) is named by it."""
-    line = f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
-    if "type" in event:
-        line = f"event: {event['type']}\n{line}"
-    return line
-
-
-async def event_stream(events: AsyncIterator[dict], failed: Callable[[str], dict], end: str = "") -> AsyncIterator[str]:
-    """events as server-sent events, then `end`. The engine failing (or shutdown coming) after the 200 ends them with
-    failed(why), the API's error event."""
-    try:
-        async for event in events:
-            yield server_sent(event)
-    except RuntimeError as e:
-        yield server_sent(failed(str(e)))
-    yield end
-
-
-class Translated:
-    """An answer in another API's shape, made of chat's stream of one choice (the answer of a body that the API
-    translated, with continuous usage), as a list of output items, each a text or a tool call. This class decides when
-    an item opens (a text after anything else; a call each time one begins) and closes (when the next opens, or at the
-    end); a subclass says what the API's events are at the answer's start (the first chunk), when an item begins,
-    grows by a piece and finishes, and at the end (the finish reason, the usage), and keeps the answer in `whole`."""
-
-    open: str | None = None  # the kind of the item being written ("text" or "call"); None: none is
-    started = False
-    whole: dict  # the answer so far; after the last event, the whole answer
-
-    async def events(self, chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
-        """The API's events, from chat's chunks (a stream whose client went away ends before the end's)."""
-        finish_reason = None  # the choice's, once it has one
-        async for chunk in chunks:
-            events = []
-            if not self.started:
-                events = self.start(chunk)
-                self.started = True
-            if chunk["choices"]:
-                finish_reason = chunk["choices"][0]["finish_reason"]
-                events += self.feed(chunk["choices"][0]["delta"])
-            else:  # the last chunk: the usage of all
-                events += self.close() + self.end(finish_reason, chunk["usage"])
-            for event in events:
-                yield event
-
-    def feed(self, delta: dict) -> list[dict]:
-        """The events of one chunk's delta: its text, and its tool calls' beginnings and arguments."""
-        events = []
-        if delta["content"] and self.open != "text":
-            events = self.switch("text", None)
-        if delta["content"]:
-            events += self.add(delta["content"])
-        for call in delta.get("tool_calls", []):
-            if "id" in call:  # a call begins
-                events += self.switch("call", call)
-            if call["function"]["arguments"]:
-                events += self.add(call["function"]["arguments"])
-        return events
-
-    def switch(self, kind: str, call: dict | None) -> list[dict]:
-        """The open item's closing events and a new item's opening ones (kind "call": call is its first delta)."""
-        events = self.close() + self.begin(kind, call)
-        self.open = kind
-        return events
-
-    def close(self) -> list[dict]:
-        """The open item's closing events, if one is open."""
-        if self.open is None:
-            return []
-        events = self.finish()
-        self.open = None
-        return events
-
-    async def reply(self, http: Request, answer: Callable, chat: dict, names: dict, stream: bool) -> Response | dict:
-        """The reply to a request translated into `chat`, a chat body: whole, or (stream) as events. answer: app's
-        (build_app's); names: chat's names for the fields that the API names otherwise (an error names the API's)."""
-        chat |= {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-        try:
-            chunks = await answer(http, chat, True)
-        except InvalidField as e:
-            raise type(e)(names.get(e.field, e.field), e.problem) from None
-        events = self.events(chunks)
-        if stream:
-            return StreamingResponse(event_stream(events, self.failed), media_type="text/event-stream")
-        async for _ in events:
-            pass
-        return self.whole
 
 
 def function_tools(tools: object, kind: str, schema: str) -> list[dict]:
@@ -329,3 +259,100 @@ def function_tools(tools: object, kind: str, schema: str) -> list[dict]:
         }
         out.append({"type": "function", "function": function})
     return out
+
+
+def server_sent(event: dict) -> str:
+    """One server-sent event; one with a type (the Responses and Messages APIs' events) is named by it."""
+    line = f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+    if "type" in event:
+        line = f"event: {event['type']}\n{line}"
+    return line
+
+
+async def event_stream(
+    events: AsyncIterator[dict], failed: Callable[[Exception], list[dict]], end: str = ""
+) -> AsyncIterator[str]:
+    """events as server-sent events, then `end`. A request that fails after the 200 (the engine ended it with an
+    error, or shutdown came) ends them with failed(error), the API's error events; the server serves on."""
+    try:
+        async for event in events:
+            yield server_sent(event)
+    except (RuntimeError, ValueError) as error:
+        for event in failed(error):
+            yield server_sent(event)
+    yield end
+
+
+class Translated:
+    """An answer in another API's shape, made of chat's stream of one choice (the answer of a body that the API
+    translated, with continuous usage), as a list of output items, each a text or a tool call. This class decides when
+    an item opens (a text after anything else; a call each time one begins) and closes (when the next opens, or at the
+    end), and keeps the open item's text or arguments so far (`text`); a subclass says what the API's events are at
+    the answer's start (the first chunk), when an item begins, grows by a piece (delta) and finishes, at the end (the
+    finish reason, the usage) and when the request fails (failed), and keeps the answer in `whole`."""
+
+    open: str | None = None  # the kind of the item being written ("text" or "call"); None: none is
+    text = ""  # the open item's text, or its call's arguments, so far
+    started = False
+    whole: dict  # the answer so far; after the last event, the whole answer
+
+    async def events(self, chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
+        """The API's events, from chat's chunks (a stream whose client went away ends before the end's)."""
+        finish_reason = None  # the choice's, once it has one
+        async for chunk in chunks:
+            events = []
+            if not self.started:
+                events = self.start(chunk)
+                self.started = True
+            if chunk["choices"]:
+                finish_reason = chunk["choices"][0]["finish_reason"]
+                events += self.feed(chunk["choices"][0]["delta"])
+            else:  # the last chunk: the usage of all
+                events += self.switch(None, None) + self.end(finish_reason, chunk["usage"])
+            for event in events:
+                yield event
+
+    def feed(self, delta: dict) -> list[dict]:
+        """The events of one chunk's delta: its text, and its tool calls' beginnings and arguments."""
+        events = []
+        if delta["content"] and self.open != "text":
+            events = self.switch("text", None)
+        events += self.add(delta["content"])
+        for call in delta.get("tool_calls", []):
+            if "id" in call:  # a call begins
+                events += self.switch("call", call)
+            events += self.add(call["function"]["arguments"])
+        return events
+
+    def add(self, piece: str) -> list[dict]:
+        """A piece of the open item's text or arguments: its delta events (none for an empty piece)."""
+        if not piece:
+            return []
+        self.text += piece
+        return self.delta(piece)
+
+    def switch(self, kind: str | None, call: dict | None) -> list[dict]:
+        """The open item's closing events, and a new item's opening ones (kind "call": call is its first delta; None:
+        none opens)."""
+        events = []
+        if self.open is not None:
+            events = self.finish()
+        if kind is not None:
+            events += self.begin(kind, call)
+        self.open = kind
+        self.text = ""
+        return events
+
+    async def reply(self, http: Request, answer: Callable, chat: dict, names: dict, stream: bool) -> Response | dict:
+        """The reply to a request translated into `chat`, a chat body: whole, or (stream) as events. answer: app's
+        (build_app's); names: chat's names for the fields that the API names otherwise (an error names the API's)."""
+        chat |= {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        try:
+            events = self.events(await answer(http, chat, True))
+            if stream:
+                return StreamingResponse(event_stream(events, self.failed), media_type="text/event-stream")
+            async for _ in events:
+                pass
+        except InvalidField as e:
+            raise type(e)(names.get(e.field, e.field), e.problem) from None
+        return self.whole

@@ -12,22 +12,21 @@ from fastapi import APIRouter, Request
 
 from nanoserve.checks import InvalidField, check_text, check_token_ids
 from nanoserve.ext.chat import chat_prompts
-from nanoserve.ext.server.shared import ServerConfig, check_known, field, normalized, read_object
+from nanoserve.ext.server.shared import ServerConfig, check_known, field, normalized, read_object, string
 from nanoserve.llm import LLM
 
 # The bodies' fields (check_known, as in app.py): vLLM's, less those for other models (multimodal) and templates
 TOKENIZE = "model prompt messages tools add_special_tokens return_token_strs".split()
 TOKENIZE_NEUTRAL = {"add_generation_prompt": True, "continue_final_message": False}  # what chat_prompts does
-DETOKENIZE = ["model", "tokens"]
+DETOKENIZE = "model tokens".split()
 
 
 def add_routes(router: APIRouter, llm: LLM, config: ServerConfig, check_model: Callable, check_chars: Callable) -> None:
-    """The three routes on router, for llm's tokenizer; check_model and check_chars: build_app's."""
-
-    def tokenizer() -> object:
-        if llm.tokenizer is None:
-            raise InvalidField("model", "this model has no tokenizer")
-        return llm.tokenizer
+    """The three routes on router, for llm's tokenizer (a model without one, weights only, has none of them);
+    check_model and check_chars: build_app's."""
+    tokenizer = llm.tokenizer
+    if tokenizer is None:
+        return
 
     @router.post("/tokenize", response_model=None)
     async def tokenize(http: Request) -> dict:
@@ -43,15 +42,13 @@ def add_routes(router: APIRouter, llm: LLM, config: ServerConfig, check_model: C
             check_chars(body["messages"], "messages")
             (ids,) = await asyncio.to_thread(chat_prompts, llm, [normalized(body["messages"])], body.get("tools"))
         else:
-            prompt = field(body, "prompt", str, None)
-            if prompt is None:
-                raise InvalidField("prompt", "expected a text (or messages instead)")
+            prompt = string(body, "prompt")
             check_chars(prompt, "prompt")
             check_text("prompt", prompt)
-            ids = await asyncio.to_thread(partial(tokenizer().encode, prompt, add_special_tokens=special))
+            ids = await asyncio.to_thread(partial(tokenizer.encode, prompt, add_special_tokens=special))
         result = {"count": len(ids), "max_model_len": llm.config.max_model_len, "tokens": ids, "token_strs": None}
         if field(body, "return_token_strs", bool, False):
-            result["token_strs"] = tokenizer().convert_ids_to_tokens(ids)
+            result["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
         return result
 
     @router.post("/detokenize", response_model=None)
@@ -60,9 +57,9 @@ def add_routes(router: APIRouter, llm: LLM, config: ServerConfig, check_model: C
         check_known(body, DETOKENIZE, [], {})
         check_model(body)
         ids = check_token_ids("tokens", body.get("tokens"), llm.vocab_size)
-        return {"prompt": await asyncio.to_thread(tokenizer().decode, ids)}
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, ids)}
 
     @router.get("/tokenizer_info", response_model=None)
     def tokenizer_info() -> dict:
-        info = {"tokenizer_class": type(tokenizer()).__name__, "chat_template": tokenizer().chat_template}
-        return {**info, **tokenizer().special_tokens_map, "model_max_length": llm.config.max_model_len}
+        info = {"tokenizer_class": type(tokenizer).__name__, "chat_template": tokenizer.chat_template}
+        return {**info, **tokenizer.special_tokens_map, "model_max_length": llm.config.max_model_len}

@@ -1,7 +1,8 @@
-"""OpenAI's Responses API, as OpenAI specifies it and vLLM serves it: POST /v1/responses and GET /v1/responses/{id},
-what the OpenAI Agents SDK and Codex speak. A request is translated into a chat body (chat_body) and answered by the
-chat pipeline (app.py's answer: the same checks, caps, sampling, tool parser and cancellation), whose stream of chunks
-becomes the Responses events (ResponseEvents); a whole response is the one the last event carries.
+"""An extension of the server (ext/server), which mounts it where it is installed: OpenAI's Responses API, as OpenAI
+specifies it and vLLM serves it: POST /v1/responses and GET /v1/responses/{id}, what the OpenAI Agents SDK and Codex
+speak. A request is translated into a chat body (chat_body) and answered by the chat pipeline (app.py's answer: the
+same checks, caps, sampling, tool parser and cancellation), whose stream of chunks becomes the Responses events
+(ResponseEvents); a whole response is the one the last event carries.
 
 The input is a string or a list of items: messages (text parts only: input_text, output_text), and the function_call
 and function_call_output items of a tool-call turn (each output after its call). instructions are the system message.
@@ -12,7 +13,9 @@ call is one call, and "auto" returns the calls the model wrote). A response with
 memory, at most ServerConfig.max_stored_responses of them, the least recently used (made or read) dropped first:
 previous_response_id continues its conversation (its input and output items, not its instructions, as OpenAI's), and
 GET returns it; an id not kept is a 404 naming it. Fields nanoserve does not implement (reasoning that asks for
-something, background, include, built-in tools such as web_search, conversation, ...) are refused by name."""
+something, background, include, built-in tools such as web_search, conversation, ...) are refused by name. A request
+that fails is an HTTP error in OpenAI's shape (400 for its own fault, 500 for the engine's), or, once its stream has
+begun, response.failed (error.code invalid_prompt or server_error; opened by response.created first, if need be)."""
 
 import copy
 import time
@@ -33,6 +36,7 @@ from nanoserve.ext.server.shared import (
     field,
     function_tools,
     read_object,
+    status_of,
 )
 
 # The body's fields (check_known), as in app.py: honoured; accepted and ignored (they change nothing the client gets);
@@ -53,8 +57,10 @@ ECHOED = """
     instructions max_output_tokens metadata parallel_tool_calls previous_response_id store temperature text tool_choice
     tools top_p
 """.split()
-# chat's names for the fields that the Responses API names otherwise
-CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+# The fields a chat body takes as they are: chat's name -> the Responses API's
+PASSED = {"model": "model", "max_tokens": "max_output_tokens", "temperature": "temperature", "top_p": "top_p"}
+# chat's names for the fields that the Responses API names otherwise (errors name the Responses API's)
+CHAT_NAMES = PASSED | {"messages": "input", "response_format": "text.format"}
 
 
 def chat_body(body: dict, items: list, names: list[str]) -> dict:
@@ -72,24 +78,18 @@ def chat_body(body: dict, items: list, names: list[str]) -> dict:
     response_format = field(text, "format", dict, {"type": "text"})
     if response_format.get("type") == "json_schema":  # chat's nests its name, schema and strict one level deeper
         response_format = {"type": "json_schema", "json_schema": response_format}
-    return {
-        "model": body.get("model"),
-        "messages": messages,
-        "tools": function_tools(body.get("tools") or [], "function", "parameters"),
-        "tool_choice": choice,
-        "max_tokens": body.get("max_output_tokens"),
-        "temperature": body.get("temperature"),
-        "top_p": body.get("top_p"),
-        "response_format": response_format,
-    }
+    tools = function_tools(body.get("tools") or [], "function", "parameters")
+    chat = {name: body.get(ours) for name, ours in PASSED.items()}
+    return chat | {"messages": messages, "tools": tools, "tool_choice": choice, "response_format": response_format}
 
 
 class ResponseEvents(Translated):
     """A response as the Responses API streams it: response.created and .in_progress; per output item (a message with
     one output_text part, or a function_call) .output_item.added (and .content_part.added), its deltas
     (.output_text.delta, .function_call_arguments.delta), its .done events and .output_item.done; last,
-    response.completed (or .incomplete, cut at max_output_tokens) with the whole response and its usage. Every event
-    has its sequence_number and a copy of what it shows, as it was then. A response that ends calls ended(it)."""
+    response.completed (or .incomplete, cut at max_output_tokens; .failed, when the request fails) with the whole
+    response and its usage. Every event has its sequence_number and a copy of what it shows, as it was then. A
+    response that ends calls ended(it)."""
 
     def __init__(self, response: dict, ended: Callable[[dict], None]) -> None:
         self.whole = response
@@ -106,29 +106,26 @@ class ResponseEvents(Translated):
         output = self.whole["output"]
         return self.event(kind, item_id=output[-1]["id"], output_index=len(output) - 1, **fields)
 
-    def start(self, chunk: dict) -> list[dict]:
-        self.whole["model"] = chunk["model"]
+    def start(self, chunk: dict | None = None) -> list[dict]:
         return [self.event("created", response=self.whole), self.event("in_progress", response=self.whole)]
 
     def begin(self, kind: str, call: dict) -> list[dict]:
-        item = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "content": []}
-        if kind == "call":
+        if kind == "text":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "content": [part]}
+        else:
             item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "call_id": call["id"], "arguments": ""}
             item["name"] = call["function"]["name"]
         item["status"] = "in_progress"
         self.whole["output"].append(item)
         events = [self.item_event("output_item.added", item=item)]
         if kind == "text":
-            item["content"].append({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-            events.append(self.item_event("content_part.added", content_index=0, part=item["content"][0]))
+            events.append(self.item_event("content_part.added", content_index=0, part=part))
         return events
 
-    def add(self, piece: str) -> list[dict]:
-        item = self.whole["output"][-1]
+    def delta(self, piece: str) -> list[dict]:
         if self.open == "text":
-            item["content"][0]["text"] += piece
             return [self.item_event("output_text.delta", content_index=0, delta=piece, logprobs=[])]
-        item["arguments"] += piece
         return [self.item_event("function_call_arguments.delta", delta=piece)]
 
     def finish(self) -> list[dict]:
@@ -136,10 +133,12 @@ class ResponseEvents(Translated):
         item["status"] = "completed"
         if self.open == "text":
             part = item["content"][0]
-            text_done = self.item_event("output_text.done", content_index=0, text=part["text"], logprobs=[])
+            part["text"] = self.text
+            text_done = self.item_event("output_text.done", content_index=0, text=self.text, logprobs=[])
             events = [text_done, self.item_event("content_part.done", content_index=0, part=part)]
         else:
-            events = [self.item_event("function_call_arguments.done", name=item["name"], arguments=item["arguments"])]
+            item["arguments"] = self.text
+            events = [self.item_event("function_call_arguments.done", name=item["name"], arguments=self.text)]
         return [*events, self.item_event("output_item.done", item=item)]
 
     def end(self, finish_reason: str, usage: dict) -> list[dict]:
@@ -157,14 +156,23 @@ class ResponseEvents(Translated):
         self.ended(self.whole)
         return [self.event(self.whole["status"], response=self.whole)]
 
-    def failed(self, message: str) -> dict:
+    def failed(self, error: Exception) -> list[dict]:
+        """response.failed, its error's code saying whose fault it was (invalid_prompt: the request's own); a response
+        that failed before its first token opens first, as every Responses stream does."""
+        code = "server_error"
+        if status_of(error) < 500:
+            code = "invalid_prompt"
+        events = []
+        if not self.started:
+            events = self.start()
         self.whole["status"] = "failed"
-        self.whole["error"] = {"code": "server_error", "message": message}
-        return self.event("failed", response=self.whole)
+        self.whole["error"] = {"code": code, "message": str(error)}
+        return [*events, self.event("failed", response=self.whole)]
 
 
-def add_routes(router: APIRouter, answer: Callable, config: ServerConfig) -> None:
-    """POST /v1/responses and GET /v1/responses/{response_id} on router, answered by answer (app.py's)."""
+def add_routes(router: APIRouter, answer: Callable, config: ServerConfig, model_name: str) -> None:
+    """POST /v1/responses and GET /v1/responses/{response_id} on router, answered by answer (app.py's); model_name:
+    the model a request that names none gets."""
     stored = OrderedDict()  # response id -> (the response, its conversation's items), the most recently used last
 
     def kept(response_id: str, name: str) -> tuple[dict, list]:
@@ -179,7 +187,6 @@ def add_routes(router: APIRouter, answer: Callable, config: ServerConfig) -> Non
         """A response, whole or (stream) as its events; stored, if asked, once it has ended."""
         body = await read_object(http, config)
         check_known(body, HONOURED, IGNORED, NOT_IMPLEMENTED)
-        stream = field(body, "stream", bool, False)
         store = field(body, "store", bool, True)
         history = []
         previous = field(body, "previous_response_id", str, None)
@@ -201,7 +208,9 @@ def add_routes(router: APIRouter, answer: Callable, config: ServerConfig) -> Non
 
         response = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time())}
         response |= {name: body.get(name) for name in ECHOED}
+        response["model"] = body.get("model") or model_name
         response |= {"status": "in_progress", "output": [], "error": None, "incomplete_details": None, "usage": None}
+        stream = field(body, "stream", bool, False)
         return await ResponseEvents(response, ended).reply(http, answer, chat, CHAT_NAMES, stream)
 
     @router.get("/v1/responses/{response_id}", response_model=None)
