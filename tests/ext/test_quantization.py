@@ -401,7 +401,7 @@ def test_the_kernels_on_a_gpu_in_bf16_and_the_engine_over_them(tmp_path):
     prefill's tiles); torch._scaled_mm's FP8 product equals its reference where the GPU has FP8 tensor cores (sm_90+);
     and the engine on the GPU in bf16, with its decode graphs, serves a GPTQ act-order checkpoint and quantization="fp8"
     within vLLM's closeness rule of transformers on the same weights (fp32)."""
-    for _ in range(4):
+    for _ in range(3):
         rows = random.choice([1, 16, 64, random.randint(1, 300)])
         group_size = random.choice([32, 64, 128])
         shape = (rows, random.choice([128, 256]), random.randint(1, 160), random.choice([4, 8]), group_size)
@@ -415,7 +415,8 @@ def test_the_kernels_on_a_gpu_in_bf16_and_the_engine_over_them(tmp_path):
         expected = K.fp8_matmul_ref(x, weight8, weight_scale, None).float()
         scale = (x.float().abs() @ (weight8.float() * weight_scale).abs().T).clamp(min=1)
         assert ((got - expected).abs() / scale).max() < 8e-3
-    engine = ENGINE | {"device": "cuda", "dtype": "bfloat16"}
+    # max_num_seqs 4: three decode graphs (gpu_check.sh's first stage runs every gpu-marked test: kept short)
+    engine = ENGINE | {"device": "cuda", "dtype": "bfloat16", "max_num_seqs": 4}
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP_K)
     prompts = random_prompts([7, 30])
     reference = write_gptq(tiny_hf("qwen3"), tmp_path / "gptq", 4, 32, False, True)[0]
