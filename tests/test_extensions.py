@@ -3,6 +3,8 @@
 (vLLM's default) needs no extension. Each test blocks the extension's import (as a deleted file would), so these run
 with every extension present too; .ci/run also runs the core's tests with nanoserve/ext/ emptied."""
 
+import json
+import shutil
 import sys
 
 import pytest
@@ -136,3 +138,16 @@ def test_a_model_type_without_its_extension_is_refused_by_name(model_type, monke
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     error = refused("model", LLM, str(tmp_path), device="cpu", max_model_len=64)
     assert f"nanoserve.ext.{MODEL_TYPES[model_type]}" in str(error)
+
+
+def test_a_quantized_checkpoint_without_its_extension_is_refused_by_name(tiny_model, tmp_path, monkeypatch):
+    """Guards against a checkpoint whose config.json has a quantization_config being read as a 16-bit one (its packed
+    tensors misread, or the loader failing on them) when ext/quantization is deleted: an InvalidField naming
+    quantization and the missing extension, before any weight is read."""
+    without(monkeypatch, "quantization")
+    path = tmp_path / "quantized"
+    shutil.copytree(tiny_model("llama")[0], path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False}
+    (path / "config.json").write_text(json.dumps(config))
+    assert "nanoserve.ext.quantization" in str(refused("quantization", LLM, str(path), device="cpu"))

@@ -16,10 +16,10 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# A stand-in for python3: bench.py writes one row naming its arguments, except that --latency fails and --prefix
-# hangs; anything else (the script's own `python3 -c`) goes to the real Python.
+# A stand-in for python3: bench.py (and bench_quantization.py) writes one row naming its arguments, except that
+# --latency fails and --prefix hangs; anything else (the script's own `python3 -c`) goes to the real Python.
 FAKE_PYTHON = """#!/usr/bin/env bash
-if [ "$1" = bench.py ]; then
+if [ "$1" = bench.py ] || [ "$1" = bench_quantization.py ]; then
   case " $* " in
     *" --latency "*) exit 3 ;;
     *" --prefix "*) sleep 30; exit 0 ;;
@@ -57,7 +57,7 @@ def test_bench_stage_appends_only_the_modes_that_ran(tmp_path):
     modes = [json.loads(line)["mode"] for line in (out / "bench.jsonl").read_text().splitlines()]
     for failed in ("latency", "latency-speculative", "latency-40k", "prefix"):
         assert failed not in modes
-    for ran in ("attention", "standard", "standard-host-time", "kv-report", "kv-report-fp8", "lora"):
+    for ran in ("attention", "standard", "standard-host-time", "kv-report", "kv-report-fp8", "lora", "quantization"):
         assert modes.count(ran) == 1, modes
     assert "FAILED (exit 3)" in done.stdout and "FAILED (timed out after 2 s)" in done.stdout
     assert (out / "stages.txt").read_text().startswith("== stage bench: ")

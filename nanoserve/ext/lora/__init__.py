@@ -37,7 +37,8 @@ finite fails it. In bf16 or fp32 only an absurd adapter fails (lora_alpha 1e300,
 worst case multiplies an input by more than 65504 / MAX_INPUT = 256.
 
 The engine's start wraps the model's projections (CausalLM.wrap_projections), before the engine captures its decode
-graphs over them. The slots are allocated then, after the KV pool was sized, beyond gpu_memory_utilization, and left
+graphs over them; quantized ones too (ext/quantization), whose adapters stay in the model's dtype (QLoRA's way).
+The slots are allocated then, after the KV pool was sized, beyond gpu_memory_utilization, and left
 uninitialised (a slot is read only once an adapter was copied into it whole, so a CPU takes their memory only as they
 fill): max_loras x max_lora_rank x (in + out features of each of q, k, v, o, gate, up and down) elements per layer
 (Qwen3-0.6B, 8 slots of rank 16: 161 MB in bf16). max_loras is at most MAX_LORAS; slots the device cannot hold are an
@@ -263,7 +264,7 @@ class LoRALinear(nn.Module):
     stacked: a [slots, shards x max rank, in] and b [slots, out, max rank], zero where an adapter leaves a shard alone;
     ranks [slots] says which slots adapt it at all (0: not, and the kernel skips the slot)."""
 
-    def __init__(self, base: nn.Linear, step: tuple, config: LoRAConfig, kernel: object) -> None:
+    def __init__(self, base: nn.Module, step: tuple, config: LoRAConfig, kernel: object, dtype: torch.dtype) -> None:
         super().__init__()
         self.base = base
         # what every adapted projection reads of a step, which the step hook fills before it runs: its rows grouped by
@@ -272,11 +273,13 @@ class LoRALinear(nn.Module):
         self.rows_by_slot, self.slot_starts, self.scales = step  # [max_num_batched_tokens], [slots + 1] int32; [slots]
         self.shard_sizes = tuple(getattr(base, "shard_sizes", [base.out_features]))  # merged: its shards'
         # the slots, uninitialised: a slot is read only once an adapter is copied into it whole (its rank not 0), so a
-        # CPU's memory is taken only as slots are used
-        slots, rank, weight = config.max_loras, config.max_lora_rank, base.weight
-        self.a = weight.new_empty(slots, len(self.shard_sizes) * rank, base.in_features)
-        self.b = weight.new_empty(slots, base.out_features, rank)
-        ints = {"dtype": torch.int32, "device": weight.device}
+        # CPU's memory is taken only as slots are used. In the model's dtype on its device, not base.weight's: a
+        # quantized base (ext/quantization) has packed weights, or none, and its adapters stay 16-bit (QLoRA's way)
+        slots, rank = config.max_loras, config.max_lora_rank
+        like = self.scales.new_empty(0, dtype=dtype)
+        self.a = like.new_empty(slots, len(self.shard_sizes) * rank, base.in_features)
+        self.b = like.new_empty(slots, base.out_features, rank)
+        ints = {"dtype": torch.int32, "device": like.device}
         self.ranks = torch.zeros(slots, **ints)
         self.shard_starts = torch.tensor([0, *accumulate(self.shard_sizes)], **ints)
         self.sgmv = kernel  # kernels.py's sgmv, or its PyTorch reference (as the engine's kernels are chosen)
@@ -306,6 +309,7 @@ class Adapters:
         self.segments = (rows, starts, self.scales)  # what every LoRALinear reads of a step
         # 1) each adapted projection of each layer wrapped, with its slots: (layer, projection) -> its LoRALinear
         self.kernel = sgmv if llm.config.kernels == "triton" else sgmv_ref
+        self.dtype = runner.dtype
         self.layers: dict[tuple[int, str], LoRALinear] = {}
         try:
             runner.model.wrap_projections(self.wrap)
@@ -335,7 +339,7 @@ class Adapters:
         """CausalLM.wrap_projections' callback: a decoder layer's projection gets its LoRALinear; the LM head none."""
         if layer is None:
             return projection
-        self.layers[layer, name] = LoRALinear(projection, self.segments, self.config, self.kernel)
+        self.layers[layer, name] = LoRALinear(projection, self.segments, self.config, self.kernel, self.dtype)
         return self.layers[layer, name]
 
     def may_admit(self, seq: Sequence, running_seqs: list[Sequence]) -> bool:
@@ -384,15 +388,3 @@ class Adapters:
         self.last_rows = rows
         segments = [0, *accumulate(map(len, rows)), *chain.from_iterable(rows)]
         self.step_inputs[: len(segments)].copy_(to_device(segments, torch.int32, self.step_inputs.device))
-
-    def slot_table(self) -> str:
-        """The slots as the last step used them, a line each: its adapter (name and id) and that step's rows in it."""
-        held = {
-            slot: f"{r.lora_name} (id {r.lora_int_id})"
-            for r, slot in self.slot_of.items()
-            if isinstance(r, LoRARequest)
-        }
-        return "\n".join(
-            f"slot {slot}: {held.get(slot, 'free'):<24} {len(rows):>4} rows {rows[:1] + rows[-1:]}"
-            for slot, rows in enumerate(self.last_rows)
-        )
