@@ -25,7 +25,6 @@ from triton.testing import do_bench
 from bench_attention import replayed
 from nanoserve import LLM, SamplingParams
 from nanoserve import attention as A
-from nanoserve.ext import fused_kernels as FK
 
 # CUDA for the measurements; the CPU (Triton's interpreter, tiny shapes) only for tests/test_gpu_check.py's smoke run
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,7 +68,9 @@ QWEN3_PROJECTIONS = (
 QWEN3_30B_A3B_MOE = (2048, 128, 8, 768)
 TINY_MOE = (256, 16, 2, 256)
 MOE_BATCHES = (1, 8, 64, 256, 1024)  # tokens per step: batch-1 decode ... the standard workload's decode, a prefill
-COPY_TBPS = 3.0  # the H100's measured copy bandwidth (shared/anchors/h100-2026-11-22.json): the memory floor's rate
+COPY_TBPS = (
+    3.0  # the H100's measured copy bandwidth (the H100 run of 2026-11-22: BENCHMARKS.md): the memory floor's rate
+)
 CPU_RUNS = 20  # a CPU's MoE figures: the median of this many calls, after one
 
 
@@ -367,7 +368,9 @@ def kernels(out_path: str) -> None:
         **{f"{k}_ms": round(v, 3) for k, v in prefill.items()},
         **{f"{k}_TFLOPs": round(flops / v / 1e9, 1) for k, v in prefill.items()},
     )
-    # 5) the sampling kernel, T = 0.6 over Qwen3's 151,936 tokens
+    # 5) the sampling kernel (ext/fused_kernels'), T = 0.6 over Qwen3's 151,936 tokens
+    from nanoserve.ext import fused_kernels as FK  # here, not at the top: bench_kernels.py's modes run without it
+
     for num_rows in (1, 16, 256):
         logits = torch.randn(num_rows, 151936, device=DEVICE, dtype=torch.bfloat16)
         temps, seeds = [0.6] * num_rows, list(range(num_rows))

@@ -26,8 +26,10 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nanoserve import attention as A  # noqa: E402
-from nanoserve.ext import fused_kernels as F  # noqa: E402
 
+F = None  # ext/fused_kernels, where the extension is installed (the core-only run has none)
+if importlib.util.find_spec("nanoserve.ext.fused_kernels") is not None:
+    from nanoserve.ext import fused_kernels as F  # noqa: E402
 LATENCY_DECODE = None  # ext/latency's decode module, where the extension is installed (the core-only run has none)
 if importlib.util.find_spec("nanoserve.ext.latency") is not None:
     from nanoserve.ext.latency import decode as LATENCY_DECODE  # noqa: E402
@@ -122,14 +124,15 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
     rope_types |= {"sin_ptr": "*fp32", **cache, "slot_mapping_ptr": "*i32"}
     rope_sizes = {"Q_HEADS_PAD": 8 * group, "K_HEADS_PAD": 8, "HALF": head_dim // 2}
     rope_sizes |= {"BLOCK_SIZE": block_size, "PAD": A.PAD_SLOT}
-    yield build(
-        F._qk_norm_rope_store_kernel,
-        {**rope_types, "q_weight_ptr": dtype, "k_weight_ptr": dtype, "eps": "fp32"},
-        rope_sizes,
-        4,
-    )
-    no_norm = {**rope_sizes, "q_weight_ptr": None, "k_weight_ptr": None}
-    yield build(F._qk_norm_rope_store_kernel, rope_types, no_norm, 4)
+    if F is not None:
+        yield build(
+            F._qk_norm_rope_store_kernel,
+            {**rope_types, "q_weight_ptr": dtype, "k_weight_ptr": dtype, "eps": "fp32"},
+            rope_sizes,
+            4,
+        )
+        no_norm = {**rope_sizes, "q_weight_ptr": None, "k_weight_ptr": None}
+        yield build(F._qk_norm_rope_store_kernel, rope_types, no_norm, 4)
     meta = {"block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32", "context_lens_ptr": "*i32", "qk_scale": "fp32"}
     prefill_types = dict(q_ptr=dtype, out_ptr=dtype, **cache, **meta)
     prefill_shape = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size}
@@ -187,6 +190,8 @@ def builds(dtype: str, head_dim: int, group: int, block_size: int, kv_dtype: str
         {"HEAD_DIM": head_dim, "MAX_SPLITS": A.MAX_SPLITS},
         4,  # Triton's default num_warps, which the launcher leaves
     )
+    if F is None:
+        return  # the fused layer kernels are ext/fused_kernels'
     # the fused layer kernels, at Qwen3-0.6B's widths (hidden 1024, intermediate 3072) and 8x as wide
     for hidden in (1024, 8192):
         yield build(

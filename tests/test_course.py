@@ -1,4 +1,5 @@
-"""The course guide's eight experiments (docs/course.md), each at a small size on a tiny random model, asserting
+"""The course guide's experiments (docs/course.md; thirteen: 10 to 13 are tested beside their extensions, in tests/ext/:
+test_moe, test_quantization, test_kv_offload, test_bench_kv), each at a small size on a tiny random model, asserting
 what the guide tells students to look for; and the guide's commands checked against example.py."""
 
 import importlib.util

@@ -34,11 +34,25 @@ per step, never per token:
   the step runs); a callback told of each cached block the pool evicts for new K/V; and a block so filled taking back
   its old prefix key, so that the blocks after it stay findable (ext/kv_offload.py: a host tier behind the prefix
   cache; ext/kv_transfer: prefill and decode on two engines).
+- Outputs and failures (ModelRunner.output_hooks, Sequence.error): a callable the runner calls on rank 0 with each
+  step's hidden states after the forward pass, which may return a finisher for the step's read-back
+  (ext/prompt_logprobs.py; ext/kv_transfer's producer sends each completed prompt's blocks); and a sequence's error,
+  set by an extension whose work on that sequence failed, which ends its request alone (finish reason "error").
+- The speculative proposer and the step trace (LLM.proposer, LLM.trace), set by their extensions' start: the proposer
+  drafts tokens before each step is planned (ext/speculative.py); the trace is told when each step begins and ends
+  (ext/plots.py).
+- Model families and weight formats (MODEL_TYPES, ModelArgs.extra_fields, ModelArgs.mlp, ModelArgs.checkpoint_places,
+  ModelArgs.quantization): a config.json model_type in MODEL_TYPES makes ModelArgs.from_hf ask that extension's
+  model_family() for a ModelArgs subclass (its fields, each layer's MLP, where each checkpoint tensor goes: ext/moe);
+  EngineConfig.quantization, or a checkpoint's quantization_config, makes the loader ask ext/quantization's
+  weight_format(config, hf_config, args) before any weight is read, whose Layers make the projections.
 - Found by name, unasked (`find`): the fused Triton kernels whenever kernels="triton" (ext/fused_kernels.py, in
   kernels.get_kernels; without it the Triton backend is the core's attention and the references, run eagerly), vLLM's
   names (below), a CPU engine's threads (ext/cpu_threads.py).
-- Named entry points the core calls when its option is set: the default model (model=None, ext/default_model.py), the
-  step trace (trace=PATH, ext/plots.py), tensor parallelism's runner (ext/tp), LLM.beam_search (ext/beam_search.py).
+- Named entry points the core calls when its option is set: the default model (model=None, ext/default_model.py), a
+  hub id (ext/hub.py), the step trace (trace=PATH, ext/plots.py), tensor parallelism's runner (ext/tp),
+  LLM.beam_search (ext/beam_search.py), LLM.chat (ext/chat.py), LLM.generate's lora_request (ext/lora's
+  attach_adapters), a model family's model_family (ext/moe), a weight format's weight_format (ext/quantization).
 - vLLM's names (ext/vllm_names.py): LLM(...) keywords go there first, if it is installed (`find`), where vLLM's are
   translated or refused by name; without it they are all unknown. vLLM's prompt dicts are unwrapped there too.
 Applications of the engine are extensions too, which nothing in the core calls: the OpenAI server (ext/server)."""
