@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import extension_or_skip
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -317,6 +318,7 @@ def test_attention_bench_times_the_fused_rotation_and_store():
         fn()
         return 1000 * (time.perf_counter() - start)
 
+    extension_or_skip("fused_kernels")  # the fused rotation is ext/fused_kernels'
     row = bench_attention.bench_fused_case(3, 16, timer, "cpu", torch.float32)
     assert row["kind"] == "rotate+store" and row["batch"] == 3 and row["ours"] > 0 and row["reference"] > 0
     assert row["same_as_reference"], row
