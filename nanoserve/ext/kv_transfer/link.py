@@ -76,6 +76,11 @@ class Link:
         self.peer_card = json.loads(self.store.get(f"nanoserve/kv_transfer/card/{self.peer}"))
         self.store.set(f"nanoserve/kv_transfer/read/{self.rank}", "1")
         self.store.wait([f"nanoserve/kv_transfer/read/{self.peer}"])
+        # rank 0 hosts the store (tcp://): it goes on only once the peer's last read of it is done, so that a refusal
+        # after this handshake, which ends rank 0's process and its store, never cuts the peer off mid-read
+        self.store.set(f"nanoserve/kv_transfer/done/{self.rank}", "1")
+        if self.rank == 0:
+            self.store.wait([f"nanoserve/kv_transfer/done/{self.peer}"])
         self.outbox: queue.Queue[tuple[Tensor, Tensor] | None] = queue.Queue()
         self.closing = False
         self.peer_closed = False
