@@ -378,7 +378,7 @@ llm = LLM({path!r}, kv_transfer_config={config!r}, **{ENGINE!r})
 started = time.monotonic()
 outs = llm.generate([{long!r}, {short!r}], SamplingParams(max_tokens=4), use_tqdm=False)
 say("DONE", errors=[o.error for o in outs], seconds=time.monotonic() - started, used=llm.block_manager.num_used_blocks)
-llm.extensions["kv_transfer"].link.close(wait_s=0)
+llm.extensions["kv_transfer"].link.close()  # the producer, alive, answers BYE: every thread ends, none left at exit
 """
     run = pair(producer, consumer)
     done, _ = run.next(1, "DONE")

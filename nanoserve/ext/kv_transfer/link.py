@@ -3,7 +3,9 @@ finds its ranks (env://: RANK, WORLD_SIZE, MASTER_ADDR:MASTER_PORT), or at kv_ip
 launcher set them. It owns three threads and knows nothing of engines:
   - the sender: messages from the engine's queue (outbox), each a header, a prompt's tokens and their K/V as bytes, in
     order; BYE when the link closes;
-  - the receiver: the peer's messages, each handed to on_message(tokens, kv bytes); the peer's BYE ends it;
+  - the receiver: the peer's messages, each handed to on_message(tokens, kv bytes); the peer's BYE ends it, and is
+    answered with this side's BYE, so that the closing side's receiver ends too and its close() can join every thread
+    and destroy the process group (a thread left in gloo's recv at the process's exit can abort it);
   - the heartbeat: every HEARTBEAT_S this process bumps its key in the rendezvous store and reads the peer's. A peer
     whose key stops for heartbeat_timeout_s (a stopped or hung process), or a store that fails (the process that hosts
     it is gone), is named through on_failure, as is a send or receive that fails (a peer that exited: gloo's socket
@@ -130,6 +132,7 @@ class Link:
                 kind, num_tokens, num_bytes = header.tolist()
                 if kind == BYE:
                     self.peer_closed = True
+                    self.outbox.put(None)  # BYE back (after what is queued), which ends the closing peer's receiver
                     self.on_failure(f"{self.peer_name} has closed")
                     return
                 tokens = torch.empty(num_tokens, dtype=torch.int64)
