@@ -9,11 +9,12 @@ Then: the heavy work (a grammar compile, an adapter load) runs off the step loop
 the heaviest one each limit allows finishes first, within a bound."""
 
 import gc
-import json
 import shutil
+import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -374,16 +375,6 @@ def test_heavy_work_waits_beside_the_steps_while_the_others_run(model, monkeypat
     assert all(out.outputs[0].finish_reason != "error" for out in outputs.values())
 
 
-def optional_properties(limit: int) -> dict:
-    """The slowest JSON schema to compile found within `limit` characters: as many optional properties as fit."""
-    n = 1
-    while (
-        len(json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n + 1)}})) <= limit
-    ):
-        n += 1
-    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
-
-
 def test_the_heaviest_grammar_beside_a_one_token_request():
     """Guards against a compile that stalls the other requests (issue 44 measured 15.65 s for a one-token request): on
     the default model, the slowest grammar to compile that the size limit admits (2.4 s of CPU on the project's VM) is
@@ -392,6 +383,9 @@ def test_the_heaviest_grammar_beside_a_one_token_request():
     default_model_or_skip()
     llm = LLM(max_model_len=512, num_kvcache_blocks=32)
     one = SamplingParams(temperature=0, max_tokens=1)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from stall import optional_properties  # tools/stall.py, which measures the same stall outside CI
+
     schema = optional_properties(structured.MAX_GRAMMAR_CHARS)
     heavy = SamplingParams(temperature=0, max_tokens=4, structured_outputs={"json": schema})
     llm.generate("Hi", one, use_tqdm=False)  # warm
