@@ -101,7 +101,9 @@ def installed_by_readme() -> set[str]:
 
 
 def first_party_modules() -> set[str]:
-    scripts = {path.stem for path in ROOT.glob("*.py")}
+    """The modules this repository holds: the package, the scripts at its root and in tools/ (a test imports
+    tools/stall.py), and the tests."""
+    scripts = {path.stem for path in ROOT.glob("*.py")} | {path.stem for path in (ROOT / "tools").glob("*.py")}
     return {"nanoserve"} | scripts | {path.stem for path in (ROOT / "tests").rglob("*.py")}
 
 
