@@ -105,10 +105,13 @@ def test_parts_follow_the_layout():
 
 def test_check_passes_a_plain_core_and_fails_each_broken_limit(tmp_path):
     """Guards against a --check that passes what it should refuse, or refuses what it should pass: a small, plain,
-    annotated package passes (exit 0); then each of the core's limits is broken alone (too many inline conditionals,
-    too many dense lines, too few annotations, the core's and an extension's budgets) and --check exits 1 naming it."""
+    annotated package passes (exit 0), as does one without functions; then each of the core's limits is broken alone
+    (too many inline conditionals, too many dense lines, too few annotations, the core's and an extension's budgets)
+    and --check exits 1 naming it."""
     plain = "def f(a: int) -> int:\n    return a + 1\n"
     assert run_tool(write_package(tmp_path / "plain", {"core.py": plain}), "--check").returncode == 0
+    # a package without a function has no signature part left unannotated (it read 0 of 0 as 0%, and failed)
+    assert run_tool(write_package(tmp_path / "no_functions", {"core.py": "x = 1\n"}), "--check").returncode == 0
     dense_line = "x = (" + ", ".join(["1"] * 12) + ")\n"  # 27 tokens
     over_core = code_size.CORE_BUDGET // 3 + 1  # lines of "x = 1", 3 code tokens each: just over the core's budget
     broken = {

@@ -64,7 +64,10 @@ class Size:
         return 1000 * count / max(self.code_lines, 1)
 
     def annotated_share(self) -> float:
-        return self.annotated_parts / max(self.signature_parts, 1)
+        """The share of signature parts annotated; code without a signature has nothing left unannotated."""
+        if self.signature_parts == 0:
+            return 1.0
+        return self.annotated_parts / self.signature_parts
 
 
 def docstring_lines(tree: ast.Module) -> set[int]:
