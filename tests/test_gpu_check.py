@@ -37,21 +37,29 @@ def executable(path: Path, text: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
+def fake_gpu(tmp_path: Path, fake_python: str, variables: dict[str, str]) -> dict[str, str]:
+    """The environment for gpu_check.sh on a stand-in machine: python3 is fake_python (its {python} the real one), an
+    nvidia-smi that names a fake GPU, both first on PATH; OUT is tmp_path/out; variables are the stage's own."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    executable(fake_bin / "python3", fake_python.replace("{python}", sys.executable))
+    executable(fake_bin / "nvidia-smi", "#!/bin/sh\necho 'a fake GPU'\n")
+    return os.environ | {"PATH": f"{fake_bin}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")} | variables
+
+
 def test_bench_stage_appends_only_the_modes_that_ran(tmp_path):
     """Guards against run() hiding a failure: `run X && append_rows` appended the previous mode's rows again after a
     failed mode, and a hung mode held the lease until it ended."""
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    executable(fake_bin / "python3", FAKE_PYTHON.replace("{python}", sys.executable))
-    executable(fake_bin / "nvidia-smi", "#!/bin/sh\necho 'a fake GPU'\n")
     out = tmp_path / "out"
-    env = os.environ | {
-        "PATH": f"{fake_bin}:{os.environ['PATH']}",
-        "OUT": str(out),
-        "BENCH_JSON": str(tmp_path / "bench.json"),
-        "STEP_TIMEOUT": "2",
-        "MODEL": str(tmp_path / "model"),
-    }
+    env = fake_gpu(
+        tmp_path,
+        FAKE_PYTHON,
+        {
+            "BENCH_JSON": str(tmp_path / "bench.json"),
+            "STEP_TIMEOUT": "2",
+            "MODEL": str(tmp_path / "model"),
+        },
+    )
     done = subprocess.run(["bash", str(ROOT / "gpu_check.sh"), "bench"], env=env, capture_output=True, text=True)
     assert done.returncode == 1, done.stdout + done.stderr
     modes = [json.loads(line)["mode"] for line in (out / "bench.jsonl").read_text().splitlines()]
@@ -92,19 +100,17 @@ def test_first_stage_answers_in_order_within_its_limits(tmp_path):
     row named by its mode and, for ext/latency's runs, by its kernels."""
     import time
 
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    executable(fake_bin / "python3", FIRST_FAKE_PYTHON.replace("{python}", sys.executable))
-    executable(fake_bin / "nvidia-smi", "#!/bin/sh\necho 'a fake GPU'\n")
     out = tmp_path / "out"
     calls = tmp_path / "calls.txt"
-    env = os.environ | {
-        "PATH": f"{fake_bin}:{os.environ['PATH']}",
-        "OUT": str(out),
-        "BENCH_JSON": str(tmp_path / "bench.json"),
-        "MODEL": str(tmp_path / "model"),
-        "CALLS": str(calls),
-    }
+    env = fake_gpu(
+        tmp_path,
+        FIRST_FAKE_PYTHON,
+        {
+            "BENCH_JSON": str(tmp_path / "bench.json"),
+            "MODEL": str(tmp_path / "model"),
+            "CALLS": str(calls),
+        },
+    )
     for limit in ("SAVE_LIMIT", "GPU_TESTS_LIMIT", "STANDARD_LIMIT", "LATENCY_LIMIT", "ATTENTION_LIMIT"):
         env[limit] = "2"  # each command's own, in seconds
     started = time.monotonic()
@@ -154,18 +160,16 @@ def test_moe_stages_save_the_model_once_and_name_their_rows(tmp_path):
     """Guards against ext/moe's GPU stages wasting a lease: a save cut short leaving a folder the next call would
     trust (then every engine run fails), the model saved again on a warm machine, or rows not named by their mode.
     Without a GPU's numbers, the stand-in checks the order of the calls, the files and the rows."""
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    executable(fake_bin / "python3", MOE_FAKE_PYTHON.replace("{python}", sys.executable))
-    executable(fake_bin / "nvidia-smi", "#!/bin/sh\necho 'a fake GPU'\n")
     out, calls, model = tmp_path / "out", tmp_path / "calls.txt", tmp_path / "moe"
-    env = os.environ | {
-        "PATH": f"{fake_bin}:{os.environ['PATH']}",
-        "OUT": str(out),
-        "BENCH_JSON": str(tmp_path / "bench.json"),
-        "MOE_MODEL": str(model),
-        "CALLS": str(calls),
-    }
+    env = fake_gpu(
+        tmp_path,
+        MOE_FAKE_PYTHON,
+        {
+            "BENCH_JSON": str(tmp_path / "bench.json"),
+            "MOE_MODEL": str(model),
+            "CALLS": str(calls),
+        },
+    )
     script = ["bash", str(ROOT / "gpu_check.sh")]
     failed = subprocess.run([*script, "moe-model"], env=env | {"SAVE_FAILS": "1"}, capture_output=True, text=True)
     assert failed.returncode == 1 and not model.exists() and not (out / "bench.jsonl").exists(), failed.stdout
@@ -202,18 +206,16 @@ exec {python} "$@"
 def test_kv_stage_keeps_the_rows_of_the_modes_that_ran(tmp_path):
     """Guards against the kv stage wasting a lease: the model not saved before bench_kv.py needs it, a failed mode's
     rows kept (or a previous mode's appended again), or a failure that does not fail the run."""
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    executable(fake_bin / "python3", KV_FAKE_PYTHON.replace("{python}", sys.executable))
-    executable(fake_bin / "nvidia-smi", "#!/bin/sh\necho 'a fake GPU'\n")
     out, calls, model = tmp_path / "out", tmp_path / "calls.txt", tmp_path / "qwen3"
-    env = os.environ | {
-        "PATH": f"{fake_bin}:{os.environ['PATH']}",
-        "OUT": str(out),
-        "KV_JSON": str(tmp_path / "kv.json"),
-        "MODEL": str(model),
-        "CALLS": str(calls),
-    }
+    env = fake_gpu(
+        tmp_path,
+        KV_FAKE_PYTHON,
+        {
+            "KV_JSON": str(tmp_path / "kv.json"),
+            "MODEL": str(model),
+            "CALLS": str(calls),
+        },
+    )
     done = subprocess.run(["bash", str(ROOT / "gpu_check.sh"), "kv"], env=env, capture_output=True, text=True)
     assert done.returncode == 1 and "FAILED (exit 6): python3 bench_kv.py offload" in done.stdout, done.stdout
     logged = [line.split(" --model")[0] for line in calls.read_text().splitlines()]

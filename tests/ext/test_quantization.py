@@ -282,6 +282,16 @@ def greedy(llm, prompts) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
+def assert_serves_as_transformers(hf, path, tensors: dict, settings: dict) -> None:
+    """The packed tensors saved as hf's quantized checkpoint at path: nanoserve's greedy tokens on it equal
+    transformers' on hf (whose weights the caller set to what the tensors stand for)."""
+    save_quantized(hf, path, tensors, settings)
+    llm = LLM(str(path), **ENGINE)
+    prompts = random_prompts([7, 30])
+    for prompt, tokens in zip(prompts, greedy(llm, prompts), strict=True):
+        assert tokens == hf_greedy(hf, prompt, NUM_TOKENS)
+
+
 # name -> (family, how the checkpoint is written): every format, bit width and group size, on each family
 CHECKPOINTS = {
     "awq g32": ("llama", lambda hf, path: write_awq(hf, path, 32)[0]),
@@ -745,11 +755,7 @@ def test_autogptq_writes_what_nanoserve_serves(tmp_path, monkeypatch):
         assert torch.equal(pack_words(q.T, 4).T, packed.qweight)
         assert torch.equal(pack_words((zero.T.int() - 1) & 15, 4), packed.qzeros)
     settings = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False}
-    save_quantized(hf, tmp_path, tensors, settings)
-    llm = LLM(str(tmp_path), **ENGINE)
-    prompts = random_prompts([7, 30])
-    for prompt, tokens in zip(prompts, greedy(llm, prompts), strict=True):
-        assert tokens == hf_greedy(hf, prompt, NUM_TOKENS)
+    assert_serves_as_transformers(hf, tmp_path, tensors, settings)
 
 
 def test_autoawq_writes_what_nanoserve_serves(tmp_path, monkeypatch):
@@ -769,11 +775,7 @@ def test_autoawq_writes_what_nanoserve_serves(tmp_path, monkeypatch):
         assert torch.equal(pack_words(zeros, 4, AWQ_PACK_ORDER), packed.qzeros)
         linear.weight.data = packing.dequantize_gemm(packed.qweight, packed.qzeros, packed.scales, 4, 32).T.float()
     settings = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
-    save_quantized(hf, tmp_path, tensors, settings)
-    llm = LLM(str(tmp_path), **ENGINE)
-    prompts = random_prompts([7, 30])
-    for prompt, tokens in zip(prompts, greedy(llm, prompts), strict=True):
-        assert tokens == hf_greedy(hf, prompt, NUM_TOKENS)
+    assert_serves_as_transformers(hf, tmp_path, tensors, settings)
 
 
 # ---- the server's command line ------------------------------------------------------------------------------------
