@@ -22,7 +22,7 @@ tokens all outside allowed_token_ids, or all stop ids that min_tokens bans)."""
 
 import json
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,11 +58,22 @@ KEEP_GRAMMARS = 64  # compiled grammars kept beyond those in use, for requests t
 _compilers: "weakref.WeakKeyDictionary[PreTrainedTokenizerBase, xgrammar.GrammarCompiler]" = weakref.WeakKeyDictionary()
 
 
+@dataclass(frozen=True)
+class GrammarKey:
+    """A grammar's name: its kind and text (equal texts share one compile: Prepared's key), with the grammar as parsed
+    when its request's params were made, which the compile takes rather than parse the text again (~1 s for the
+    largest schema MAX_GRAMMAR_CHARS admits); not part of the name."""
+
+    kind: str  # "json", "regex" or "grammar"
+    text: str
+    rules: "xgrammar.Grammar" = field(compare=False, repr=False)
+
+
 @dataclass
 class StructuredOutputsParams:
     """What the output must match, as vLLM names it: exactly one of the fields is set. Checked when made (an invalid
     schema, regex or grammar, or one longer than MAX_GRAMMAR_CHARS, is an InvalidField naming structured_outputs);
-    `key` is its grammar's (kind, text), what it is compiled from, and `rules` the parsed grammar."""
+    `key` names its grammar (GrammarKey), and `rules` is the parsed grammar."""
 
     json: dict | str | None = None  # a JSON schema, as a dict or a JSON string
     regex: str | None = None
@@ -75,10 +86,11 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise InvalidField(FIELD, f"set exactly one of json, regex, choice, grammar, json_object; got {given}")
         try:
-            self.key = self._key()
-            if len(self.key[1]) > MAX_GRAMMAR_CHARS:
-                raise InvalidField(FIELD, f"{given[0]} is {len(self.key[1])} characters; at most {MAX_GRAMMAR_CHARS}")
-            self.rules = parse(*self.key)
+            kind, text = self._text()
+            if len(text) > MAX_GRAMMAR_CHARS:
+                raise InvalidField(FIELD, f"{given[0]} is {len(text)} characters; at most {MAX_GRAMMAR_CHARS}")
+            self.rules = parse(kind, text)
+            self.key = GrammarKey(kind, text, self.rules)
         except ImportError:
             raise InvalidField(FIELD, INSTALL_HINT) from None
         except (RuntimeError, TypeError, ValueError) as error:  # xgrammar's parse errors (json=5: a ValueError)
@@ -87,7 +99,7 @@ class StructuredOutputsParams:
             problem = str(error).split(": ", 1)[-1].strip()  # without xgrammar's "[time] file.cc:line: " in front
             raise InvalidField(FIELD, f"{given[0]}: {problem}") from None
 
-    def _key(self) -> tuple[str, str]:
+    def _text(self) -> tuple[str, str]:
         """(kind, text): a JSON schema's text, a regex, or an EBNF grammar (which the choices become)."""
         if self.choice is not None:
             if not isinstance(self.choice, list) or not all(isinstance(c, str) for c in self.choice):
@@ -117,15 +129,15 @@ def parse(kind: str, text: str) -> "xgrammar.Grammar":
     return xgrammar.Grammar.from_json_schema(text, any_whitespace=False)
 
 
-def compile_grammar(tokenizer: "PreTrainedTokenizerBase", vocab_size: int, key: tuple[str, str]) -> object:
-    """A grammar's (kind, text) compiled for the model's vocabulary (which may be larger than the tokenizer's: the
+def compile_grammar(tokenizer: "PreTrainedTokenizerBase", vocab_size: int, key: GrammarKey) -> object:
+    """A grammar compiled for the model's vocabulary (which may be larger than the tokenizer's: the
     extra ids are never allowed), on the background thread: one compiler thread, leaving the step loop a core."""
     import xgrammar
 
     if tokenizer not in _compilers:
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         _compilers[tokenizer] = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    return _compilers[tokenizer].compile_grammar(parse(*key))
+    return _compilers[tokenizer].compile_grammar(key.rules)
 
 
 def check_params(params: SamplingParams) -> None:
@@ -261,8 +273,8 @@ class StructuredOutputs:
         return StepMasks(rows) if rows else None
 
 
-def grammar_key(seq: Sequence) -> tuple[str, str] | None:
-    """The (kind, text) of seq's grammar, or None for an unconstrained sequence."""
+def grammar_key(seq: Sequence) -> GrammarKey | None:
+    """The name of seq's grammar, or None for an unconstrained sequence."""
     if seq.params.structured_outputs is None:
         return None
     return seq.params.structured_outputs.key

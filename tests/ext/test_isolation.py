@@ -199,7 +199,7 @@ def test_a_failure_for_one_request_ends_it_alone(model, monkeypatch, point):
         compile_grammar = structured.compile_grammar
 
         def compile_or_fail(tokenizer, vocab_size, key):
-            if key[1] == "[0-9]{2}x":
+            if key.text == "[0-9]{2}x":
                 if point.endswith("limit"):
                     release.wait(30)
                 raise RuntimeError("injected")

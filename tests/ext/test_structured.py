@@ -425,3 +425,28 @@ def test_constraints_that_leave_no_token_end_the_request_never_a_forbidden_token
     assert outs[3].outputs[0].token_ids == alone
     check_pool(llm)
     llm.close()
+
+
+def test_a_grammar_is_parsed_once_and_equal_texts_compile_once(llm, monkeypatch):
+    """Guards against the compile parsing the grammar's text again (~1 s for the largest schema the size limit admits,
+    on the background worker), and against equal texts not sharing their compile: the params' parse is the compile's
+    input; a second request with an equal schema finds the first one's compile."""
+    from nanoserve.ext import structured
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    first, second = (constrained(temperature=0, structured_outputs={"json": schema}) for _ in range(2))
+    assert first.structured_outputs.key == second.structured_outputs.key
+    parsed, compiled = [], []
+    monkeypatch.setattr(structured, "parse", lambda *text: parsed.append(text))  # any parse from now on is counted
+    compile_grammar = structured.compile_grammar
+
+    def counted(tokenizer, vocab_size, key):
+        compiled.append(key)
+        return compile_grammar(tokenizer, vocab_size, key)
+
+    monkeypatch.setattr(structured, "compile_grammar", counted)
+    outputs = llm.chat([MESSAGES, MESSAGES], [first, second], use_tqdm=False)
+    assert parsed == [] and compiled == [first.structured_outputs.key]
+    for output in outputs:
+        assert isinstance(json.loads(output.outputs[0].text)["n"], int)
+    check_pool(llm)
