@@ -12,7 +12,8 @@ import sys
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede any kernel definition
+    # must precede any kernel definition: pytest imports this file before any test module, so no test sets it again
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config

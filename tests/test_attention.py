@@ -11,12 +11,8 @@ nothing per call: AttentionMetadata validates its inputs once, when made, and is
 import itertools
 import os
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' definition
-
 import pytest
+import torch
 
 from nanoserve import attention
 from nanoserve.attention import (

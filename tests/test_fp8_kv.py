@@ -20,12 +20,8 @@ also see the earlier layers' error, 4% to 13%."""
 
 import os
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' definition
-
 import pytest
+import torch
 from conftest import FAMILIES, default_model_or_skip, extension_or_skip, logprobs_close, random_prompts
 
 from nanoserve import LLM, SamplingParams, loader, model_runner

@@ -8,12 +8,8 @@ import gc
 import os
 import weakref
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' definition
-
 import pytest
+import torch
 from conftest import TRITON_DEVICE, extension_or_skip, hf_greedy, random_prompts, refused, sm90_builds
 from test_attention import ATOL, assert_close, make_batch, randint
 

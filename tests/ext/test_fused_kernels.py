@@ -8,12 +8,8 @@ fp16); the gpu-marked cases run bf16.
 
 import os
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' definition
-
 import pytest
+import torch
 from conftest import extension_or_skip
 from test_sampler import assert_draws_follow, counts_of, tokens_of
 

@@ -9,12 +9,8 @@ import json
 import os
 import random
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' definition
-
 import pytest
+import torch
 from conftest import (
     TRITON_DEVICE,
     RerunGraph,

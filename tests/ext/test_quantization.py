@@ -28,13 +28,9 @@ import sys
 import types
 from pathlib import Path
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' definition
-
 import numpy as np
 import pytest
+import torch
 from conftest import (
     FAMILIES,
     TINY,
