@@ -428,9 +428,9 @@ def test_constraints_that_leave_no_token_end_the_request_never_a_forbidden_token
 
 
 def test_a_grammar_is_parsed_once_and_equal_texts_compile_once(llm, monkeypatch):
-    """Guards against the compile parsing the grammar's text again (~1 s for the largest schema the size limit admits,
-    on the background worker), and against equal texts not sharing their compile: the params' parse is the compile's
-    input; a second request with an equal schema finds the first one's compile."""
+    """Guards against the compile parsing the grammar's text again (work done twice), and against equal texts not
+    sharing their compile: the params' parse is the compile's input; a second request with an equal schema finds the
+    first one's compile."""
     from nanoserve.ext import structured
 
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
